@@ -1,0 +1,93 @@
+"""metrics.jsonl (always), wandb (when enabled), and the progress line on the lead drafter rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class Metrics:
+    def __init__(self, run_dir: str | Path, recipe_dict: dict, wandb_cfg, run_name: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
+            import wandb
+
+            # The API key is read by wandb from WANDB_API_KEY; nothing secret goes into the recipe.
+            self.wandb = wandb.init(project=wandb_cfg.project, name=run_name, mode=wandb_cfg.mode,
+                                    config=recipe_dict, dir=str(run_dir))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), **record}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
+
+
+def fmt_eta(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def progress_line(r: dict, total_steps: int) -> str:
+    parts = [f"step {r['step']}/{total_steps}", f"{r.get('tok_per_s', 0):,.0f} tok/s", f"ETA {fmt_eta(r.get('eta_s', 0))}",
+             f"loss {r.get('loss', float('nan')):.4f}", f"accept {r.get('accept_proxy', float('nan')):.2f}"]
+    if "target_tok_per_s" in r:
+        parts.append(f"target {r['target_tok_per_s']:,.0f} tok/s")
+    parts.append(f"drafter {r.get('drafter_tok_per_s', 0):,.0f} tok/s")
+    if "in_flight" in r:
+        parts.append(f"in flight {r['in_flight']}")
+    parts.append(f"data wait {100 * r.get('drafter_wait_share', 0):.0f}%")
+    if "target_send_wait_share" in r:
+        parts.append(f"send wait {100 * r['target_send_wait_share']:.0f}%")
+    return " | ".join(parts)
+
+
+def print_progress(r: dict, total_steps: int) -> None:
+    line = progress_line(r, total_steps)
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + line[: os.get_terminal_size().columns - 1])
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def write_status(run_dir: str | Path, rank: int, data: dict) -> None:
+    """Target ranks publish their rates here; the lead drafter reads them at log steps (no collective)."""
+    d = Path(run_dir) / "status"
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".target{rank}.json.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, d / f"target{rank}.json")
+
+
+def read_status(run_dir: str | Path) -> list[dict]:
+    d = Path(run_dir) / "status"
+    out = []
+    for p in sorted(d.glob("target*.json")) if d.is_dir() else []:
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            pass
+    return out

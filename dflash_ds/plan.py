@@ -1,0 +1,109 @@
+"""The resolve step: batch arithmetic, step counts, the schedule, and memory estimates.
+
+Computed once from the recipe, the world size and the number of prepared rows; printed by
+`--dry-run` without touching a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import Recipe, RecipeError
+from .topology import Layout
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    rows_per_micro: int
+    grad_accum: int
+    seq_len: int
+    num_rows: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+    @property
+    def micro_per_step(self) -> int:
+        return self.grad_accum * self.layout.num_drafters
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_per_step * self.rows_per_micro * self.seq_len
+
+    def rows_of(self, micro_index: int, seed: int) -> np.ndarray:
+        """Row indices of global micro-batch `micro_index`: a fresh permutation every epoch."""
+        per_epoch = self.steps_per_epoch * self.micro_per_step
+        epoch, i = divmod(micro_index, per_epoch)
+        perm = np.random.default_rng([seed, epoch]).permutation(self.num_rows)
+        return perm[i * self.rows_per_micro:(i + 1) * self.rows_per_micro]
+
+
+def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:
+    t = recipe.topology
+    layout = Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated)
+    o = recipe.optim
+    micro_per_step = o.grad_accum * layout.num_drafters
+    steps_per_epoch = num_rows // (micro_per_step * o.rows_per_micro_batch)
+    if steps_per_epoch < 1:
+        raise RecipeError(
+            f"the prepared data has {num_rows} rows but one optimizer step needs {micro_per_step * o.rows_per_micro_batch} "
+            "(optim.rows_per_micro_batch x optim.grad_accum x drafter ranks); use more data or smaller batches")
+    total = math.floor(o.epochs * steps_per_epoch) if o.epochs > 0 else o.max_steps
+    if o.max_steps is not None:
+        total = min(total, o.max_steps) if o.epochs > 0 else o.max_steps
+    total = max(int(total), 1)
+    return Plan(layout, o.rows_per_micro_batch, o.grad_accum, recipe.data.max_length, num_rows, steps_per_epoch,
+                total, int(round(o.warmup_ratio * total)))
+
+
+def lr_factor(step: int, plan: Plan, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to min_ratio at the last step."""
+    if step < plan.warmup_steps:
+        return (step + 1) / plan.warmup_steps
+    span = max(plan.total_steps - plan.warmup_steps, 1)
+    progress = min((step - plan.warmup_steps) / span, 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def drafter_params(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int, taps: int) -> int:
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 2 * head_dim
+    mlp = 3 * hidden * inter
+    return layers * (attn + mlp + 2 * hidden) + taps * hidden * hidden + 2 * hidden
+
+
+def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
+                    taps: int) -> dict[str, float]:
+    """Rough GiB per rank by role (weights, optimizer, payload buffers, activations)."""
+    gib = 1024 ** 3
+    s, r, n, b = recipe.data.max_length, plan.rows_per_micro, recipe.objective.num_anchors, recipe.drafter.block_size
+    payload = r * s * (taps * hidden + 6) * 2
+    nd = plan.layout.num_drafters
+    drafter = (d_params * (2 + 2) + d_params * 12 / nd  # bf16 weights + grads, fp32 master + Adam split by ZeRO-2
+               + 2 * vocab * hidden * 2  # frozen embedding + lm_head
+               + (plan.grad_accum + 1) * payload
+               + r * n * b * hidden * 2 * 12 * recipe.drafter.num_layers  # block activations
+               + r * n * b * vocab * 4 / recipe.objective.loss_chunks * 2)  # one loss chunk's logits + grad
+    target = t_params * 2 + (recipe.topology.max_in_flight + 1) * payload + r * s * hidden * 2 * 16
+    return {"drafter": drafter / gib, "target": target / gib}
+
+
+def describe(recipe: Recipe, plan: Plan, memory: dict[str, float] | None = None) -> str:
+    lay = plan.layout
+    lines = [f"world {lay.world_size} = {lay.nodes} node(s) x {lay.per_node} ranks "
+             f"({'colocated' if lay.colocated else f'{lay.drafters_per_node} drafters + {lay.targets_per_node} targets'} per node)"]
+    lines += ["  " + l for l in lay.describe()]
+    lines.append(f"drafter group {lay.drafter_ranks}; target group {lay.target_ranks}")
+    lines.append(f"rows {plan.num_rows} of {plan.seq_len} tokens; micro-batch {plan.rows_per_micro} rows; "
+                 f"grad_accum {plan.grad_accum}; tokens per step {plan.tokens_per_step:,}")
+    lines.append(f"steps per epoch {plan.steps_per_epoch}; total steps {plan.total_steps}; warmup {plan.warmup_steps}")
+    lines.append("send schedule of step 0 (target -> drafter: micro-batch):")
+    for tr in lay.target_ranks:
+        work = lay.target_work(tr, 0, plan.grad_accum)
+        lines.append(f"  target {tr}: " + ", ".join(f"->{d}:m{m}" for _, d, m in work))
+    if memory:
+        lines.append("memory estimate per rank: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in memory.items()))
+    return "\n".join(lines)

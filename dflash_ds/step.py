@@ -1,0 +1,104 @@
+"""The drafter's work on one received micro-batch: anchors, blocks, mask, forward and loss.
+
+Pure torch (no torch.distributed, no deepspeed), so the distributed runtime, the colocated mode,
+the single-process reference and the bench all run exactly this code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import build_mask
+from .objective import block_inputs, block_targets, chunked_loss, default_gamma, sample_anchors
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    num_anchors: int
+    block_size: int
+    mask_token_id: int
+    gamma: float
+    loss_chunks: int
+    mask_kind: str  # "dense" (CPU, SDPA) or "flex" (GPU, compiled flex_attention)
+    seed: int
+
+    @classmethod
+    def from_recipe(cls, recipe, device: torch.device) -> "StepSettings":
+        b = recipe.drafter.block_size
+        return cls(
+            num_anchors=recipe.objective.num_anchors,
+            block_size=b,
+            mask_token_id=recipe.drafter.mask_token_id,
+            gamma=recipe.objective.gamma if recipe.objective.gamma is not None else default_gamma(b),
+            loss_chunks=recipe.objective.loss_chunks,
+            mask_kind="flex" if device.type == "cuda" else "dense",
+            seed=recipe.run.seed,
+        )
+
+
+@dataclass
+class MicroBatch:
+    taps: torch.Tensor  # [R, S, T*D]
+    input_ids: torch.Tensor  # [R, S] int64
+    loss_mask: torch.Tensor  # [R, S] bool
+    doc_ids: torch.Tensor  # [R, S] int32, -1 = padding
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # [R, N]
+    valid: torch.Tensor  # [R, N]
+    block_ids: torch.Tensor  # [R, N*B]
+    block_positions: torch.Tensor  # [R, N*B]
+    ctx_positions: torch.Tensor  # [R, S]
+    labels: torch.Tensor  # [R, N*B]
+    weights: torch.Tensor  # [R, N*B] float32
+    mask: object
+
+
+def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token inside its document (restarting at 0 at each document start)."""
+    s = doc_ids.shape[-1]
+    idx = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - first
+
+
+def anchor_generator(seed: int, micro_index: int, row_offset: int = 0) -> torch.Generator:
+    """Anchors depend only on (seed, micro-batch id): identical in split, colocated and resumed runs."""
+    digest = hashlib.blake2b(f"{seed}:{micro_index}:{row_offset}".encode(), digest_size=8).digest()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return g
+
+
+@torch.no_grad()
+def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
+    device = mb.input_ids.device
+    # Sampling runs on the CPU generator for reproducibility across devices; it is [R, S] small.
+    anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors,
+                                    anchor_generator(s.seed, micro_index))
+    anchors, valid = anchors.to(device), valid.to(device)
+    ctx_positions = positions_from_doc_ids(mb.doc_ids)
+    block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
+    labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)
+    mask = build_mask(anchors, valid, mb.doc_ids, s.block_size, kind=s.mask_kind)
+    r = anchors.shape[0]
+    return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,
+                  labels.reshape(r, -1), weights.reshape(r, -1).float(), mask)
+
+
+def drafter_loss(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mb: MicroBatch, blocks: Blocks,
+                 normaliser, loss_chunks: int):
+    """sum(w * CE) / normaliser for one micro-batch (the caller supplies the whole step's weight)."""
+    ctx = drafter.fuse(mb.taps)
+    block_embeds = F.embedding(blocks.block_ids, embed_weight).to(ctx.dtype)
+    hidden = drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
+    return chunked_loss(hidden, lm_head_weight, blocks.labels, blocks.weights, normaliser, loss_chunks,
+                        checkpoint=True)

@@ -1,0 +1,196 @@
+"""The frozen target: loading (+ PEFT merge), truncation after the last tap, and tap capture.
+
+Tap id k is the output of decoder layer k (HF `hidden_states[k + 1]`), the residual stream before
+the final norm. The forward runs the base model (no lm_head) and its layer list is cut after the
+last tapped layer when nothing needs the rest, which saves 3 of 64 layers on a 27B target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    pass
+
+
+def text_config(config):
+    """The text-tower config of a (possibly multimodal) checkpoint config."""
+    return getattr(config, "text_config", None) or config
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    model_type: str
+    hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packing needs fla varlen
+
+
+def target_geometry(config) -> Geometry:
+    tc = text_config(config)
+    layer_types = getattr(tc, "layer_types", None) or []
+    return Geometry(
+        num_layers=tc.num_hidden_layers,
+        hidden_size=tc.hidden_size,
+        vocab_size=tc.vocab_size,
+        model_type=getattr(tc, "model_type", ""),
+        hybrid=any(t == "linear_attention" for t in layer_types),
+    )
+
+
+def load_config(path: str):
+    """AutoConfig for target.path, with an error that names the setting when it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise TargetError(
+            f"target.path {path!r} cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            "set target.path to a local model directory or a hub id this machine can reach "
+            "(HF_HUB_OFFLINE=1 needs the model in the local cache)") from None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = base_model(model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TargetError(f"cannot find the decoder layers of {type(model).__name__}; only decoder-only "
+                          "causal LMs with model.layers (Qwen, Llama, Mistral families) are supported")
+    return layers
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack without the lm_head (model.model for *ForCausalLM)."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
+
+
+def truncate_after(model: nn.Module, last_layer: int) -> None:
+    """Drop the decoder layers after `last_layer`: the drafter never sees them."""
+    layers = decoder_layers(model)
+    if last_layer + 1 < len(layers):
+        base_model(model).layers = nn.ModuleList(list(layers)[: last_layer + 1])
+
+
+def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16", device="cpu",
+                attn_implementation: str = "sdpa", last_layer: int | None = None) -> nn.Module:
+    """The frozen target as an eval-mode causal LM (text tower only)."""
+    from transformers import AutoModelForCausalLM
+
+    load_config(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    if adapter:
+        model = merge_adapter(model, adapter)
+    if last_layer is not None:
+        truncate_after(model, last_layer)
+    model.requires_grad_(False)
+    model.eval()
+    return model.to(device)
+
+
+def merge_adapter(model: nn.Module, adapter: str) -> nn.Module:
+    if not (Path(adapter) / "adapter_config.json").is_file() and not os.path.isdir(adapter):
+        try:
+            from huggingface_hub import hf_hub_download
+
+            hf_hub_download(adapter, "adapter_config.json")
+        except Exception:
+            raise TargetError(f"target.adapter {adapter!r} is not a PEFT adapter directory or reachable hub id; "
+                              "point it at the directory holding adapter_config.json") from None
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
+class TapCapture:
+    """Forward hooks that copy each tapped layer's output into a slice of a caller-owned buffer.
+
+    The buffer is the transport payload, so the taps land where they are sent from.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids):
+        self.layer_ids = list(layer_ids)
+        layers = decoder_layers(model)
+        bad = [k for k in self.layer_ids if not 0 <= k < len(layers)]
+        if bad:
+            raise TargetError(f"drafter.target_layer_ids {bad} are outside the target's {len(layers)} layers")
+        self.out: torch.Tensor | None = None
+        self.handles = [layers[k].register_forward_hook(self._hook(i)) for i, k in enumerate(self.layer_ids)]
+
+    def _hook(self, slot: int):
+        def hook(module, args, output):
+            if self.out is None:
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            d = hidden.shape[-1]
+            self.out[..., slot * d:(slot + 1) * d].copy_(hidden)
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Run the base model over input_ids and write the tapped states into out [b, S, T*D].
+
+    position_ids restarting per document make transformers mask attention across packed documents.
+    """
+    capture.out = out
+    try:
+        base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    finally:
+        capture.out = None
+    return out
+
+
+def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the target's input embedding and lm_head weights, read from its safetensors files.
+
+    Drafter ranks need these two matrices (frozen) and nothing else of the target.
+    """
+    from safetensors import safe_open
+
+    root = Path(path)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = root / "model.safetensors"
+        if not single.is_file():
+            raise TargetError(f"target.path {path!r} has no safetensors weights; convert the checkpoint to safetensors")
+        with safe_open(str(single), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def find(suffixes):
+        for name in weight_map:
+            if any(name.endswith(s) for s in suffixes) and "mtp" not in name and "visual" not in name:
+                return name
+        return None
+
+    embed_name = find(["embed_tokens.weight"])
+    head_name = find(["lm_head.weight"]) or embed_name  # tied embeddings
+    if embed_name is None:
+        raise TargetError(f"target.path {path!r}: no embed_tokens weight found in the checkpoint")
+    out = []
+    for name in (embed_name, head_name):
+        with safe_open(str(root / weight_map[name]), "pt", device="cpu") as f:
+            out.append(f.get_tensor(name).to(dtype=dtype, device=device))
+    return out[0], out[1]

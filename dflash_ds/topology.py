@@ -1,0 +1,129 @@
+"""Roles, groups and the deterministic send/receive schedule.
+
+Ranks are numbered node by node (the DeepSpeed launcher's order). On every node the first
+`drafters_per_node` local ranks are drafters and the rest are targets, so global rank 0 is a
+drafter (DeepSpeed writes the checkpoint `latest` file from global rank 0) and every hidden-state
+send stays inside a node.
+
+Micro-batch numbering: step s, accumulation index g, global drafter index j (node-major) own the
+global micro-batch m = (s * grad_accum + g) * num_drafters + j. Inside a node the k-th micro-batch
+(k = (s * grad_accum + g) * drafters_per_node + local drafter index) is produced by local target
+k mod targets_per_node. Every target walks its k in increasing order and every drafter consumes in
+increasing order, so FIFO point-to-point channels need no control messages and never deadlock, and a
+resumed run knows exactly where it was from the step number alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TopologyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    drafters_per_node: int
+    targets_per_node: int
+    colocated: bool = False
+
+    def __post_init__(self):
+        per = self.per_node
+        if self.world_size % per != 0:
+            raise TopologyError(
+                f"world size {self.world_size} is not a multiple of the ranks per node the recipe asks for "
+                f"(topology.drafters_per_node {self.drafters_per_node} + topology.targets_per_node "
+                f"{self.targets_per_node} = {per}); launch {per} processes per node "
+                f"(deepspeed --num_gpus {per}) or change the topology section")
+
+    @property
+    def per_node(self) -> int:
+        return self.drafters_per_node + self.targets_per_node
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def local(self, rank: int) -> int:
+        return rank % self.per_node
+
+    def is_drafter(self, rank: int) -> bool:
+        return self.colocated or self.local(rank) < self.drafters_per_node
+
+    def is_target(self, rank: int) -> bool:
+        return self.colocated or self.local(rank) >= self.drafters_per_node
+
+    def role(self, rank: int) -> str:
+        return "both" if self.colocated else ("drafter" if self.is_drafter(rank) else "target")
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if self.is_drafter(r)]
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if self.is_target(r)]
+
+    @property
+    def num_drafters(self) -> int:
+        return len(self.drafter_ranks)
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.target_ranks)
+
+    def drafter_index(self, rank: int) -> int:
+        """Global drafter index j (node-major), the drafter's data-parallel rank."""
+        return self.node_of(rank) * self.drafters_per_node + self.local(rank)
+
+    def drafter_rank(self, node: int, local_drafter: int) -> int:
+        return node * self.per_node + local_drafter
+
+    def target_rank(self, node: int, local_target: int) -> int:
+        if self.colocated:
+            return node * self.per_node + local_target
+        return node * self.per_node + self.drafters_per_node + local_target
+
+    # ------------------------------------------------------------------ schedule
+
+    def micro_index(self, step: int, accum: int, grad_accum: int, drafter_rank: int) -> int:
+        """Global micro-batch id m, which also fixes the rows it holds."""
+        return (step * grad_accum + accum) * self.num_drafters + self.drafter_index(drafter_rank)
+
+    def source_of(self, step: int, accum: int, grad_accum: int, drafter_rank: int) -> int:
+        """The target rank that produces drafter_rank's micro-batch (step, accum)."""
+        if self.colocated:
+            return drafter_rank
+        node, ld = self.node_of(drafter_rank), self.local(drafter_rank)
+        k = (step * grad_accum + accum) * self.drafters_per_node + ld
+        return self.target_rank(node, k % self.targets_per_node)
+
+    def target_work(self, target_rank: int, step: int, grad_accum: int) -> list[tuple[int, int, int]]:
+        """(accum, drafter_rank, micro index) that target_rank produces for `step`, in send order."""
+        if self.colocated:
+            return [(g, target_rank, self.micro_index(step, g, grad_accum, target_rank)) for g in range(grad_accum)]
+        node = self.node_of(target_rank)
+        lt = self.local(target_rank) - self.drafters_per_node
+        out = []
+        for g in range(grad_accum):
+            for ld in range(self.drafters_per_node):
+                k = (step * grad_accum + g) * self.drafters_per_node + ld
+                if k % self.targets_per_node == lt:
+                    d = self.drafter_rank(node, ld)
+                    out.append((g, d, self.micro_index(step, g, grad_accum, d)))
+        return out
+
+    def eval_target(self) -> int:
+        """The target rank that produces the held-out evaluation payloads for drafter rank 0."""
+        return self.target_rank(0, 0)
+
+    def describe(self) -> list[str]:
+        lines = []
+        for r in range(self.world_size):
+            lines.append(f"rank {r}: node {self.node_of(r)} local {self.local(r)} role {self.role(r)}")
+        return lines

@@ -1,0 +1,326 @@
+"""Entry point: `deepspeed launch.sh RECIPE [key=value ...]` runs main() on every rank.
+
+Each rank checks the recipe, joins the process groups, prepares (rank 0) or loads the data, and
+runs its role: target ranks fill and send payloads, drafter ranks receive and train, a colocated
+rank does both in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .config import Recipe, dump_yaml, load_recipe, ranks_per_node, to_dict
+from .metrics import Metrics, print_progress, read_status, write_status
+from .plan import Plan, describe, resolve
+from .preflight import Context, finish, load_data, preflight
+from .step import StepSettings, drafter_loss, make_blocks
+from .target import DTYPES, load_target, truncate_after
+from .transport import PayloadSpec, Receiver, Sender
+from .workers import TargetWorker, greedy_sequences, tau_of_payloads, unpack
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # The DeepSpeed launcher appends --local_rank=N; the rank comes from the environment instead.
+    argv = [a for a in argv if not a.startswith("--local_rank")]
+    p = argparse.ArgumentParser(prog="dflash_ds.train", description="Train a DFlash drafter.")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit without touching a GPU")
+    p.add_argument("--world-size", type=int, default=None, help="world size assumed by --dry-run")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
+    ctx = preflight(recipe, world)
+    if args.dry_run:
+        finish(ctx)
+        print(describe(recipe, ctx.plan, ctx.memory))
+        for note in ctx.notes:
+            print("note:", note)
+        return 0
+    from .runtime import init_distributed, make_groups
+
+    rank, world = init_distributed(ctx.device)
+    ctx.rank = rank
+    # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
+    if rank == 0:
+        ctx.data = load_data(ctx)
+    dist.barrier()
+    if rank != 0:
+        ctx.data = load_data(ctx)
+    finish(ctx)
+    ctx.groups = make_groups(ctx.plan.layout)
+    run_dir = Path(recipe.run.output_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+        (run_dir / "plan.txt").write_text(describe(recipe, ctx.plan, ctx.memory) + "\n")
+    try:
+        role = ctx.plan.layout.role(rank)
+        if role == "target":
+            run_target(ctx)
+        else:
+            run_drafter(ctx)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------- target side
+
+
+def load_target_worker(ctx: Context, full: bool = False):
+    """The target model (truncated after the last tap unless `full`) under its DeepSpeed engine."""
+    from .runtime import build_target_engine
+
+    r = ctx.recipe
+    model = load_target(r.target.path, adapter=r.target.adapter, dtype=r.target.dtype, device=ctx.device,
+                        attn_implementation=r.target.attn_implementation)
+    model, kind = build_target_engine(r, model, ctx.plan, ctx.groups.target)
+    return model, kind
+
+
+def eval_sequences(ctx: Context, model) -> list[dict]:
+    r = ctx.recipe
+    cache = Path(r.run.output_dir) / "eval_sequences.json"
+    return greedy_sequences(model, ctx.data.eval_prompts, r.eval.max_new_tokens, ctx.device, cache)
+
+
+def wants_eval(ctx: Context) -> bool:
+    e = ctx.recipe.eval
+    return bool(ctx.data.eval_prompts) and (e.at_start or e.at_end or e.every_steps > 0)
+
+
+def run_target(ctx: Context) -> None:
+    r, plan, rank = ctx.recipe, ctx.plan, ctx.rank
+    model, _ = load_target_worker(ctx)
+    lay = plan.layout
+    sender = Sender(ctx.spec, ctx.device, r.topology.max_in_flight)
+    if wants_eval(ctx) and rank == lay.eval_target():
+        seqs = eval_sequences(ctx, model)
+        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
+        worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
+        for buf in worker.eval_payloads(seqs, sender.buffer):
+            sender.send(buf, dst=lay.drafter_ranks[0])
+    else:
+        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
+        worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
+    start = resume_step(ctx)
+    t0, last_log = time.perf_counter(), time.perf_counter()
+    for step in range(start, plan.total_steps):
+        for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
+            sender.send(worker.fill(sender.buffer(), m), dst=dst)
+        if (step + 1) % r.log.every_steps == 0:
+            now = time.perf_counter()
+            write_status(r.run.output_dir, rank, {"rank": rank, "step": step + 1, "tok_per_s": worker.tokens / (now - t0),
+                                                  "send_wait_share": sender.wait_seconds / (now - t0),
+                                                  "in_flight": sender.in_flight})
+            last_log = now
+    sender.flush()
+
+
+def resume_step(ctx: Context) -> int:
+    if not ctx.recipe.checkpoint.resume:
+        return 0
+    info = checkpoint.latest(ctx.recipe.run.output_dir)
+    return int(info["step"]) if info else 0
+
+
+# ----------------------------------------------------------------------------- drafter side
+
+
+class LocalSource:
+    """Colocated mode: payloads produced in this process by the target, in schedule order."""
+
+    def __init__(self, worker: TargetWorker, ctx: Context, start: int):
+        self.worker = worker
+        self.items = ((s, g) for s in range(start, ctx.plan.total_steps) for g in range(ctx.plan.grad_accum))
+        self.ctx = ctx
+        self.buf = ctx.spec.empty(ctx.device)
+        self.wait_seconds = 0.0
+
+    def get(self) -> torch.Tensor:
+        s, g = next(self.items)
+        m = self.ctx.plan.layout.micro_index(s, g, self.ctx.plan.grad_accum, self.ctx.rank)
+        t0 = time.perf_counter()
+        self.worker.fill(self.buf, m)
+        self.wait_seconds += time.perf_counter() - t0
+        return self.buf
+
+    def release(self, buf) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def build_drafter(ctx: Context):
+    from .drafter import DFlashDrafter
+    from .export import load_drafter
+
+    r = ctx.recipe
+    if r.drafter.init_from:
+        return load_drafter(r.drafter.init_from, dtype=torch.float32, device=ctx.device)
+    torch.manual_seed(r.run.seed)
+    return DFlashDrafter(ctx.drafter_cfg).to(ctx.device)
+
+
+def run_drafter(ctx: Context) -> None:
+    from .runtime import build_drafter_engine
+    from .target import embed_and_head
+
+    r, plan, rank = ctx.recipe, ctx.plan, ctx.rank
+    lay = plan.layout
+    lead = rank == lay.drafter_ranks[0]
+    dtype = DTYPES[r.target.dtype]
+    embed, head = embed_and_head(r.target.path, dtype, ctx.device)
+    drafter = build_drafter(ctx)
+    engine, _ = build_drafter_engine(r, drafter, plan, ctx.groups.drafter, rank, ctx.device)
+    start = checkpoint.load(engine, r.run.output_dir, ctx.groups.drafter, r.checkpoint.universal) if r.checkpoint.resume else 0
+    eval_set: list[torch.Tensor] = []
+    if lay.colocated:
+        model, _ = load_target_worker(ctx)
+        if wants_eval(ctx) and lead:
+            seqs = eval_sequences(ctx, model)
+        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
+        worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
+        if wants_eval(ctx) and lead:
+            eval_set = [b.clone() for b in worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device))]
+        source = LocalSource(worker, ctx, start)
+    else:
+        if wants_eval(ctx) and lead:
+            n = math.ceil(len(ctx.data.eval_prompts) / ctx.spec.rows)
+            rx = Receiver(ctx.spec, ctx.device, n, [lay.eval_target()] * n)
+            eval_set = [rx.get() for _ in range(n)]
+        sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
+                   for g in range(plan.grad_accum))
+        source = Receiver(ctx.spec, ctx.device, plan.grad_accum + 1, sources)
+    trainer = DrafterTrainer(ctx, engine, drafter, embed, head, source, lead)
+    if lead and eval_set and r.eval.at_start and start == 0:
+        trainer.log_tau(0, eval_set, "before training")
+    trainer.loop(start, eval_set)
+    source.close()
+
+
+@dataclass
+class StepStats:
+    ce_sum: torch.Tensor
+    weight: torch.Tensor
+    accept: torch.Tensor
+    anchors: torch.Tensor
+
+
+class DrafterTrainer:
+    def __init__(self, ctx: Context, engine, drafter, embed, head, source, lead: bool):
+        self.ctx, self.engine, self.drafter, self.embed, self.head = ctx, engine, drafter, embed, head
+        self.source, self.lead = source, lead
+        self.settings = StepSettings.from_recipe(ctx.recipe, ctx.device)
+        self.dtype = DTYPES[ctx.recipe.target.dtype] if ctx.device.type == "cuda" else torch.float32
+        self.metrics = Metrics(ctx.recipe.run.output_dir, to_dict(ctx.recipe), ctx.recipe.log.wandb, ctx.recipe.run.name,
+                               enabled=lead)
+
+    def train_step(self, step: int) -> StepStats:
+        from .objective import acceptance_proxy
+
+        plan, lay, rank = self.ctx.plan, self.ctx.plan.layout, self.ctx.rank
+        payloads = [self.source.get() for _ in range(plan.grad_accum)]
+        mbs = [unpack(p, self.ctx.spec, self.dtype) for p in payloads]
+        blocks = [make_blocks(mb, self.settings, lay.micro_index(step, g, plan.grad_accum, rank)) for g, mb in enumerate(mbs)]
+        # Normalise by the whole step's weight (all micro-batches, all drafter ranks): the engine
+        # divides by grad_accum and averages over ranks, so scale the loss back up by both.
+        weight = torch.stack([b.weights.sum() for b in blocks]).sum()
+        dist.all_reduce(weight, group=self.ctx.groups.drafter)
+        scale = plan.grad_accum * lay.num_drafters
+        ce_sum, accept, anchors = 0.0, 0.0, 0.0
+        for mb, bl, p in zip(mbs, blocks, payloads):
+            out = drafter_loss(self.drafter, self.embed, self.head, mb, bl, weight / scale, self.settings.loss_chunks)
+            self.engine.backward(out.loss)
+            self.engine.step()
+            b = self.settings.block_size
+            w = bl.weights.view(bl.weights.shape[0], -1, b)
+            accept = accept + acceptance_proxy(out.correct.view_as(w), w, reduce=False).sum()
+            anchors = anchors + bl.valid.sum()
+            ce_sum = ce_sum + out.ce_sum
+        for p in payloads:
+            self.source.release(p)
+        return StepStats(ce_sum, weight, accept, anchors)
+
+    def loop(self, start: int, eval_set) -> None:
+        r, plan = self.ctx.recipe, self.ctx.plan
+        t0 = time.perf_counter()
+        window_t, window_steps = t0, 0
+        for step in range(start, plan.total_steps):
+            stats = self.train_step(step)
+            window_steps += 1
+            done = step + 1
+            if done % r.log.every_steps == 0 or done == plan.total_steps:
+                self.log_step(done, stats, time.perf_counter() - window_t, window_steps, t0, start)
+                window_t, window_steps = time.perf_counter(), 0
+            if r.eval.every_steps and done % r.eval.every_steps == 0 and self.lead and done != plan.total_steps:
+                self.log_tau(done, eval_set, "")
+            if done % r.checkpoint.every_steps == 0 or done == plan.total_steps:
+                self.save(done)
+        if self.lead and eval_set and r.eval.at_end:
+            self.log_tau(plan.total_steps, eval_set, "after training")
+        self.metrics.close()
+
+    def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
+        # The only host synchronisation of the loop: at log steps.
+        vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.ctx.device).reshape(())
+                           for x in (stats.ce_sum, stats.accept, stats.anchors)])
+        dist.all_reduce(vec, group=self.ctx.groups.drafter)
+        if not self.lead:
+            return
+        plan = self.ctx.plan
+        ce, acc, anchors = vec.tolist()
+        tokens = steps * plan.tokens_per_step
+        elapsed = time.perf_counter() - t0
+        rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
+               "lr": self.engine.get_lr()[0], "tok_per_s": tokens / seconds,
+               "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
+               "drafter_wait_share": self.source.wait_seconds / max(elapsed, 1e-9),
+               "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
+        status = read_status(self.ctx.recipe.run.output_dir)
+        if status:
+            rec["target_tok_per_s"] = sum(s["tok_per_s"] for s in status) / len(status)
+            rec["target_send_wait_share"] = sum(s["send_wait_share"] for s in status) / len(status)
+            rec["in_flight"] = sum(s["in_flight"] for s in status)
+        self.metrics.log(rec)
+        if self.ctx.recipe.log.progress:
+            print_progress(rec, plan.total_steps)
+
+    def log_tau(self, step: int, eval_set, label: str) -> None:
+        s = self.settings
+        report = tau_of_payloads(self.drafter, self.embed, self.head, eval_set, self.ctx.spec, self.dtype,
+                                 s.block_size, s.mask_token_id)
+        self.metrics.log({"step": step, "tau": report.tau_mean, "tau_pooled": report.tau_pooled,
+                          "tau_histogram": report.histogram, "eval": label or "periodic"})
+        print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
+              f"{len(report.cycles)} responses)", flush=True)
+
+    def save(self, step: int) -> None:
+        from .export import save_drafter
+
+        r = self.ctx.recipe
+        checkpoint.save(self.engine, r.run.output_dir, step, self.ctx.groups.drafter, self.lead, r.checkpoint.keep_last)
+        if self.lead:
+            out = save_drafter(self.drafter, Path(r.run.output_dir) / "export")
+            print(f"[dflash] step {step}: checkpoint written; drafter exported to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

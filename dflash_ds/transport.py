@@ -1,0 +1,157 @@
+"""Payload packing and point-to-point transport of hidden states between target and drafter ranks.
+
+One micro-batch travels as ONE tensor `[R, S, T*D + M]` in the tap dtype: the tapped hidden states
+followed by M columns that reinterpret an int32 `[R, S, 3]` block (input_ids, loss_mask, doc_ids).
+The target's tap hooks write straight into the payload, so nothing is concatenated or copied, and
+one send per micro-batch keeps NCCL/gloo overheads to a minimum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    rows: int
+    seq_len: int
+    num_taps: int
+    hidden: int
+    dtype: torch.dtype
+
+    @property
+    def meta_cols(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return META_FIELDS * 4 // itemsize
+
+    @property
+    def tap_cols(self) -> int:
+        return self.num_taps * self.hidden
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.rows, self.seq_len, self.tap_cols + self.meta_cols)
+
+    @property
+    def nbytes(self) -> int:
+        r, s, c = self.shape
+        return r * s * c * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self, device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def taps_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+    return payload[..., : spec.tap_cols]
+
+
+def meta_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+    """The int32 [R, S, 3] view of the metadata columns (shares memory with the payload)."""
+    cols = payload[..., spec.tap_cols:]
+    # A non-contiguous last-dim slice cannot be reinterpreted in place; the metadata is tiny, so the
+    # writer fills it through write_meta and readers copy it out.
+    return cols.contiguous().view(torch.int32)
+
+
+def write_meta(payload: torch.Tensor, spec: PayloadSpec, input_ids, loss_mask, doc_ids) -> None:
+    meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
+    payload[..., spec.tap_cols:] = meta.view(spec.dtype).to(payload.device)
+
+
+def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta = meta_view(payload, spec)
+    return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2].clone()
+
+
+class Sender:
+    """Asynchronous sends with at most `max_in_flight` outstanding; buffers are recycled."""
+
+    def __init__(self, spec: PayloadSpec, device, max_in_flight: int):
+        self.spec = spec
+        self.device = device
+        self.max_in_flight = max_in_flight
+        self.pending: deque[tuple[object, torch.Tensor]] = deque()
+        self.free: list[torch.Tensor] = [spec.empty(device) for _ in range(max_in_flight + 1)]
+        self.wait_seconds = 0.0
+        self.sent = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def buffer(self) -> torch.Tensor:
+        """A payload buffer that no send is still reading."""
+        while not self.free:
+            self._retire_oldest()
+        return self.free.pop()
+
+    def send(self, payload: torch.Tensor, dst: int, group=None) -> None:
+        # NCCL orders the send after the work already queued on the current stream (the forward
+        # that filled the buffer), so no host synchronisation is needed here.
+        work = dist.isend(payload, dst=dst, group=group)
+        self.pending.append((work, payload))
+        self.sent += 1
+        while len(self.pending) > self.max_in_flight:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        work, buf = self.pending.popleft()
+        t0 = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - t0
+        self.free.append(buf)
+
+    def flush(self) -> None:
+        while self.pending:
+            self._retire_oldest()
+
+
+class Receiver:
+    """Receives payloads in schedule order into a ring of pre-posted buffers.
+
+    `sources` is an iterator of source ranks in the order the payloads will be consumed; up to
+    `depth` receives are posted ahead so the next payload lands while the current one is used.
+    """
+
+    def __init__(self, spec: PayloadSpec, device, depth: int, sources, group=None):
+        self.spec = spec
+        self.sources = iter(sources)
+        self.group = group
+        self.posted: deque[tuple[object, torch.Tensor]] = deque()
+        self.free = [spec.empty(device) for _ in range(depth)]
+        self.wait_seconds = 0.0
+        self.received = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.free:
+            src = next(self.sources, None)
+            if src is None:
+                return
+            buf = self.free.pop()
+            self.posted.append((dist.irecv(buf, src=src, group=self.group), buf))
+
+    def get(self) -> torch.Tensor:
+        """The next payload; hand it back with release() once it is no longer read."""
+        work, buf = self.posted.popleft()
+        t0 = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - t0
+        self.received += 1
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.free.append(buf)
+        self._fill()
+
+    def close(self) -> None:
+        for work, _ in self.posted:
+            work.wait()
+        self.posted.clear()

@@ -1,0 +1,106 @@
+"""What each role does with a payload: the target fills it, the drafter trains or evaluates on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .evaluate import TauReport, tau_from_taps
+from .step import MicroBatch
+from .target import TapCapture, forward_taps
+from .transport import PayloadSpec, read_meta, taps_view, write_meta
+from .step import positions_from_doc_ids
+
+
+class TargetWorker:
+    """Holds the frozen target and the rows; fills payload buffers for micro-batch ids."""
+
+    def __init__(self, model, layer_ids, rows: dict[str, np.ndarray], plan, spec: PayloadSpec, seed: int, device):
+        self.model = model
+        self.capture = TapCapture(model, layer_ids)
+        self.rows = rows
+        self.plan = plan
+        self.spec = spec
+        self.seed = seed
+        self.device = device
+        self.tokens = 0
+
+    def fill(self, buf: torch.Tensor, micro_index: int) -> torch.Tensor:
+        idx = self.plan.rows_of(micro_index, self.seed)
+        ids = torch.from_numpy(self.rows["input_ids"][idx].astype(np.int64)).to(self.device, non_blocking=True)
+        loss_mask = torch.from_numpy(self.rows["loss_mask"][idx].astype(np.int32)).to(self.device, non_blocking=True)
+        doc_ids = torch.from_numpy(self.rows["doc_ids"][idx].astype(np.int32)).to(self.device, non_blocking=True)
+        self.run(buf, ids, loss_mask, doc_ids)
+        self.tokens += ids.numel()
+        return buf
+
+    def run(self, buf, ids, loss_mask, doc_ids) -> None:
+        write_meta(buf, self.spec, ids, loss_mask, doc_ids)
+        positions = positions_from_doc_ids(doc_ids)
+        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec))
+
+    def eval_payloads(self, sequences: list[dict], new_buffer) -> list[torch.Tensor]:
+        """Pack the held-out (prompt + greedy continuation) sequences R per payload, padded to S."""
+        out = []
+        r, s = self.spec.rows, self.spec.seq_len
+        for i in range(0, len(sequences), r):
+            chunk = sequences[i:i + r]
+            ids = torch.zeros(r, s, dtype=torch.long)
+            loss_mask = torch.zeros(r, s, dtype=torch.int32)
+            doc_ids = torch.full((r, s), -1, dtype=torch.int32)
+            for j, seq in enumerate(chunk):
+                toks = seq["ids"][:s]
+                ids[j, :len(toks)] = torch.tensor(toks)
+                loss_mask[j, seq["prompt_len"]:len(toks)] = 1
+                doc_ids[j, :len(toks)] = 0
+            buf = new_buffer()
+            self.run(buf, ids.to(self.device), loss_mask.to(self.device), doc_ids.to(self.device))
+            out.append(buf)
+        return out
+
+
+def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
+    ids, loss_mask, doc_ids = read_meta(payload, spec)
+    return MicroBatch(taps_view(payload, spec).to(dtype), ids, loss_mask, doc_ids)
+
+
+def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, cache: Path,
+                     synced_gpus: bool = False) -> list[dict]:
+    """The target's greedy continuations of the held-out prompts, cached in the run directory."""
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    from .evaluate import greedy_continuation
+
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        full = greedy_continuation(model, ids, max_new_tokens=max_new_tokens)
+        out.append({"prompt_len": len(p), "ids": full.reshape(-1).tolist()})
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(cache)
+    return out
+
+
+@torch.no_grad()
+def tau_of_payloads(drafter, embed, head, payloads, spec: PayloadSpec, dtype, block_size: int,
+                    mask_token_id: int) -> TauReport:
+    """Exact offline tau of the held-out payloads (loss_mask marks each response)."""
+    was_training = drafter.training
+    drafter.eval()
+    cycles = []
+    for p in payloads:
+        mb = unpack(p, spec, dtype)
+        for j in range(mb.input_ids.shape[0]):
+            real = int((mb.doc_ids[j] >= 0).sum())
+            resp = torch.nonzero(mb.loss_mask[j]).flatten()
+            if real == 0 or resp.numel() == 0:
+                continue
+            first = int(resp[0])
+            cycles.append(tau_from_taps(drafter, embed, head, mb.taps[j, :real], mb.input_ids[j, :real], first, real,
+                                        block_size=block_size, mask_token_id=mask_token_id))
+    drafter.train(was_training)
+    return TauReport(block_size=block_size, cycles=cycles)

@@ -1,0 +1,6 @@
+#!/bin/sh
+# Runs the test suite; sets up the environment first when needed (see scripts/setup_env.sh).
+cd "$(dirname "$0")/.." || exit 1
+. ./scripts/setup_env.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MODE=offline
+exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@" tests

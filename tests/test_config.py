@@ -1,0 +1,108 @@
+import json
+
+import pytest
+
+from dflash_ds.config import RecipeError, dump_yaml, load_recipe
+from dflash_ds.engine_config import checkpointed_layers, drafter_ds_config, target_ds_config
+from dflash_ds.plan import lr_factor, resolve
+
+TINY = "recipes/tiny.yaml"
+
+
+def write(tmp_path, text, name="r.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_recipes_load_and_dump_round_trip(tmp_path):
+    for name in ("tiny", "qwen27b", "qwen3-8b", "qwen27b-2node"):
+        r = load_recipe(f"recipes/{name}.yaml")
+        again = load_recipe(write(tmp_path, dump_yaml(r), f"{name}.yaml"))
+        assert again.drafter == r.drafter and again.optim == r.optim and again.topology == r.topology
+
+
+def test_unknown_key_names_dotted_path(tmp_path):
+    p = write(tmp_path, "target: {path: x}\ndata: {path: y}\ndrafter: {mask_token_id: 1, blok_size: 8}\n")
+    with pytest.raises(RecipeError, match=r"drafter\.blok_size"):
+        load_recipe(p)
+
+
+def test_overrides_are_typed_and_validated():
+    r = load_recipe(TINY, ["optim.lr=1e-4", "drafter.target_layer_ids=[0,2]", "data.pack=false"])
+    assert r.optim.lr == 1e-4 and r.drafter.target_layer_ids == (0, 2) and r.data.pack is False
+    with pytest.raises(RecipeError, match=r"optim\.lrr"):
+        load_recipe(TINY, ["optim.lrr=1"])
+    with pytest.raises(RecipeError, match=r"optim\.grad_accum"):
+        load_recipe(TINY, ["optim.grad_accum=two"])
+    with pytest.raises(RecipeError, match="block_size"):
+        load_recipe(TINY, ["drafter.block_size=1"])
+    with pytest.raises(RecipeError, match="num_anchors"):
+        load_recipe(TINY, ["objective.num_anchors=100000"])
+    with pytest.raises(RecipeError, match="key.sub=value"):
+        load_recipe(TINY, ["optim.lr"])
+
+
+def test_missing_recipe_file():
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe("recipes/nope.yaml")
+
+
+def test_ds_config_injection_and_conflicts(tmp_path):
+    r = load_recipe(TINY, ["optim.grad_accum=3", "optim.rows_per_micro_batch=2"])
+    cfg = drafter_ds_config(r, num_drafters=4)
+    assert cfg["train_batch_size"] == 24 and cfg["gradient_accumulation_steps"] == 3
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_clipping"] == r.optim.grad_clip
+    assert cfg["checkpoint"]["tag_validation"] == "Ignore"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_batch_size": 5, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(RecipeError, match="train_batch_size"):
+        drafter_ds_config(load_recipe(TINY, [f"drafter.ds_config={bad}"]), 1)
+    bad.write_text(json.dumps({"optimizer": {"type": "AdamW"}}))
+    with pytest.raises(RecipeError, match="optimizer"):
+        drafter_ds_config(load_recipe(TINY, [f"drafter.ds_config={bad}"]), 1)
+    with pytest.raises(RecipeError, match="not found"):
+        drafter_ds_config(load_recipe(TINY, ["drafter.ds_config=ds_configs/missing.json"]), 1)
+    bad.write_text("{not json")
+    with pytest.raises(RecipeError, match="not valid JSON"):
+        target_ds_config(load_recipe(TINY, [f"target.ds_config={bad}"]), 1)
+
+
+def test_activation_checkpointing_section_controls_layers(tmp_path):
+    assert checkpointed_layers({}, 5) == 0
+    assert checkpointed_layers({"activation_checkpointing": {}}, 5) == 5
+    assert checkpointed_layers({"activation_checkpointing": {"number_checkpoints": 2}}, 5) == 2
+
+
+def test_target_engine_kinds():
+    r = load_recipe(TINY)
+    assert target_ds_config(r, 1)[0] == "replica"
+    r3 = load_recipe(TINY, ["target.ds_config=ds_configs/target_zero3.json"])
+    kind, cfg = target_ds_config(r3, 2)
+    assert kind == "zero3" and cfg["train_batch_size"] == 2 * r3.optim.rows_per_micro_batch
+    r3b = load_recipe(TINY, ["target.ds_config=ds_configs/target_zero3.json", "topology.targets_per_node=2"])
+    with pytest.raises(RecipeError, match="lock-step"):
+        target_ds_config(r3b, 2)
+
+
+def test_resolve_batch_arithmetic_and_schedule():
+    r = load_recipe(TINY, ["optim.epochs=2", "optim.grad_accum=2", "optim.rows_per_micro_batch=3"])
+    plan = resolve(r, world_size=2, num_rows=100)
+    assert plan.steps_per_epoch == 100 // (2 * 3) and plan.total_steps == 2 * plan.steps_per_epoch
+    # Every row of an epoch is used at most once, and each epoch uses a different order.
+    per_epoch = plan.steps_per_epoch * plan.micro_per_step
+    e0 = [int(x) for m in range(per_epoch) for x in plan.rows_of(m, 0)]
+    e1 = [int(x) for m in range(per_epoch, 2 * per_epoch) for x in plan.rows_of(m, 0)]
+    assert len(set(e0)) == len(e0) == per_epoch * 3 and e0 != e1
+    with pytest.raises(RecipeError, match="rows"):
+        resolve(r, world_size=2, num_rows=3)
+    capped = resolve(load_recipe(TINY, ["optim.max_steps=3"]), 2, 1000)
+    assert capped.total_steps == 3
+
+
+def test_lr_schedule_warmup_then_cosine():
+    r = load_recipe(TINY, ["optim.max_steps=100", "optim.warmup_ratio=0.1", "optim.min_lr_ratio=0.1"])
+    plan = resolve(r, 2, 10_000)
+    f = [lr_factor(s, plan, 0.1) for s in range(plan.total_steps)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[-1] == pytest.approx(0.1, abs=1e-3)
