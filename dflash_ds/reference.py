@@ -1,0 +1,59 @@
+"""A single-process reference trainer: no DeepSpeed, no process groups, no transport.
+
+It computes, in one process and in schedule order, exactly what the split runtime computes across
+ranks: the same micro-batches (rows of the same micro-batch ids), the same anchors, one loss
+normalised over the whole step, plain torch AdamW with the same schedule and clipping. Tests
+compare the distributed runs' losses against it; it is also the simplest reading of the method.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import Recipe
+from .drafter import DFlashDrafter
+from .plan import Plan, lr_factor
+from .step import MicroBatch, StepSettings, drafter_loss, make_blocks, positions_from_doc_ids
+from .target import TapCapture, base_model
+
+
+@torch.no_grad()
+def micro_batch(target, capture: TapCapture, rows: dict, plan: Plan, micro_index: int, seed: int, hidden: int) -> MicroBatch:
+    idx = plan.rows_of(micro_index, seed)
+    ids = torch.from_numpy(rows["input_ids"][idx]).long()
+    loss_mask = torch.from_numpy(rows["loss_mask"][idx]).bool()
+    doc_ids = torch.from_numpy(rows["doc_ids"][idx]).int()
+    taps = torch.empty(ids.shape[0], ids.shape[1], len(capture.layer_ids) * hidden)
+    capture.out = taps
+    base_model(target)(input_ids=ids, position_ids=positions_from_doc_ids(doc_ids), use_cache=False)
+    capture.out = None
+    return MicroBatch(taps, ids, loss_mask, doc_ids)
+
+
+def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter, embed: torch.Tensor,
+                     head: torch.Tensor, rows: dict, steps: int) -> list[float]:
+    """Per-step losses sum(w * CE) / sum(w) over every micro-batch of every drafter rank."""
+    o = recipe.optim
+    settings = StepSettings.from_recipe(recipe, torch.device("cpu"))
+    capture = TapCapture(target, drafter.config.target_layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, plan, o.min_lr_ratio))
+    lay = plan.layout
+    losses = []
+    for step in range(steps):
+        ids = [lay.micro_index(step, g, plan.grad_accum, d) for d in lay.drafter_ranks for g in range(plan.grad_accum)]
+        mbs = [micro_batch(target, capture, rows, plan, m, recipe.run.seed, embed.shape[1]) for m in ids]
+        blocks = [make_blocks(mb, settings, m) for mb, m in zip(mbs, ids)]
+        weight = torch.stack([b.weights.sum() for b in blocks]).sum()
+        opt.zero_grad()
+        total = 0.0
+        for mb, bl in zip(mbs, blocks):
+            out = drafter_loss(drafter, embed, head, mb, bl, weight, settings.loss_chunks)
+            out.loss.backward()
+            total += float(out.ce_sum)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(total / float(weight))
+    capture.remove()
+    return losses

@@ -1,0 +1,72 @@
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_ds.transport import PayloadSpec, Receiver, Sender, read_meta, taps_view, write_meta
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_meta_round_trip_is_exact(dtype):
+    spec = PayloadSpec(rows=2, seq_len=7, num_taps=3, hidden=4, dtype=dtype)
+    buf = spec.empty("cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 248_320, (2, 7), generator=g)  # ids beyond bf16's exact integer range
+    lm = torch.randint(0, 2, (2, 7), generator=g).bool()
+    docs = torch.randint(-1, 5, (2, 7), generator=g).int()
+    taps = torch.randn(2, 7, 12, generator=g).to(dtype)
+    taps_view(buf, spec).copy_(taps)
+    write_meta(buf, spec, ids, lm, docs)
+    i2, l2, d2 = read_meta(buf, spec)
+    assert torch.equal(i2, ids) and torch.equal(l2, lm) and torch.equal(d2, docs)
+    assert torch.equal(taps_view(buf, spec), taps)  # metadata never overwrites the taps
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, n, depth, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    spec = PayloadSpec(rows=1, seq_len=5, num_taps=2, hidden=3, dtype=torch.bfloat16)
+    if rank == 1:  # target: sends payload i filled with value i
+        tx = Sender(spec, "cpu", max_in_flight=depth)
+        for i in range(n):
+            buf = tx.buffer()
+            taps_view(buf, spec).fill_(float(i))
+            write_meta(buf, spec, torch.full((1, 5), 1000 + i), torch.ones(1, 5), torch.zeros(1, 5))
+            tx.send(buf, dst=0)
+            assert tx.in_flight <= depth
+        tx.flush()
+    else:
+        rx = Receiver(spec, "cpu", depth, [1] * n)
+        got = []
+        for _ in range(n):
+            buf = rx.get()
+            ids, _, _ = read_meta(buf, spec)
+            got.append((float(taps_view(buf, spec)[0, 0, 0]), int(ids[0, 0])))
+            rx.release(buf)
+        q.put(got)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_sender_receiver_order_and_content():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n = 9
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, n, 2, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got == [(float(i), 1000 + i) for i in range(n)]
