@@ -1,0 +1,237 @@
+"""The serving format of a DFlash drafter (spec section 3), written and read back.
+
+An export is a directory with `config.json` and `model.safetensors` that SGLang
+(`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) load as is. The tensor names
+carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter borrows both from
+the target at serving time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_ds.drafter import DFlashDrafter, DrafterConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+
+_LAYER_TENSORS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+_FIX = "pass the directory written by dflash_ds export (drafter.init_from / --drafter)"
+
+
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the export and its shape, derived from the config alone (spec 3).
+
+    Independent of `DFlashDrafter` on purpose: a module whose parameters drift from the serving
+    layout must fail `save_drafter`, not produce a file the engines misread.
+    """
+    d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_layer = {
+        "self_attn.q_proj.weight": (q_out, d),
+        "self_attn.k_proj.weight": (kv_out, d),
+        "self_attn.v_proj.weight": (kv_out, d),
+        "self_attn.o_proj.weight": (d, q_out),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (inter, d),
+        "mlp.up_proj.weight": (inter, d),
+        "mlp.down_proj.weight": (d, inter),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    assert set(per_layer) == set(_LAYER_TENSORS)
+    shapes = {
+        f"layers.{i}.{name}": shape
+        for i in range(cfg.num_hidden_layers)
+        for name, shape in per_layer.items()
+    }
+    shapes["fc.weight"] = (d, len(cfg.target_layer_ids) * d)
+    shapes["hidden_norm.weight"] = (d,)
+    shapes["norm.weight"] = (d,)
+    return shapes
+
+
+def _check_tensors(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str | None:
+    """A sentence describing how `shapes` differs from `expected`, or None when they agree."""
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    wrong = sorted(n for n in set(shapes) & set(expected) if tuple(shapes[n]) != tuple(expected[n]))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_few(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors {_few(extra)}")
+    if wrong:
+        problems.append(
+            "wrong shapes " + _few([f"{n} {tuple(shapes[n])} (expected {tuple(expected[n])})" for n in wrong])
+        )
+    return "; ".join(problems) or None
+
+
+def _few(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `drafter` as a serving export into `out_dir`, atomically.
+
+    The export is assembled in a temporary directory next to `out_dir`, flushed to disk, and only
+    then moved into place, so a crash mid-save never leaves a half-written drafter where a
+    serving engine (or a resume) would pick it up. An existing export at `out_dir` is replaced
+    only once the new one is complete. Returns the export path.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES.values())}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not _is_export(out_dir))):
+        raise ValueError(
+            f"export path {out_dir} exists and is not a DFlash drafter export; refusing to replace it: "
+            "choose an empty or new directory for the export"
+        )
+
+    cfg = drafter.config
+    state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in drafter.state_dict().items()}
+    problem = _check_tensors({n: tuple(t.shape) for n, t in state.items()}, expected_shapes(cfg))
+    if problem is not None:
+        raise RuntimeError(f"drafter state_dict does not match the serving layout of spec 3: {problem}")
+    config = dict(cfg.to_hf_config())
+    # Serving engines pick the weight dtype from here when started with dtype "auto".
+    config["torch_dtype"] = _DTYPE_NAMES[dtype]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = None
+    try:
+        # Tensors that share storage (tied weights) would be refused by safetensors; clone makes
+        # each one own its bytes.
+        save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in (WEIGHTS_NAME, CONFIG_NAME):
+            _fsync(tmp / name)
+        _fsync(tmp)
+        if out_dir.exists():
+            # Directories cannot be swapped in one rename; move the old one aside first and delete
+            # it only after the new export is in place.
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rename(out_dir, old / "export")
+        os.rename(tmp, out_dir)
+        _fsync(out_dir.parent)
+    except BaseException:
+        if old is not None and not out_dir.exists():
+            os.rename(old / "export", out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def read_export_config(path: str | os.PathLike) -> dict:
+    """config.json of an export, after checking the directory is a DFlash drafter at all."""
+    path = Path(path)
+    prefix = f"{path} is not a DFlash drafter export"
+    if not path.is_dir():
+        raise ValueError(f"{prefix}: no such directory; {_FIX}")
+    if not (path / CONFIG_NAME).is_file():
+        raise ValueError(f"{prefix}: {CONFIG_NAME} is missing; {_FIX}")
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except ValueError as e:
+        raise ValueError(f"{prefix}: {CONFIG_NAME} is not valid JSON ({e}); {_FIX}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{prefix}: {CONFIG_NAME} is not a JSON object; {_FIX}")
+    if ARCHITECTURE not in (config.get("architectures") or []):
+        raise ValueError(
+            f"{prefix}: {CONFIG_NAME} architectures is {config.get('architectures')!r}, "
+            f"not [{ARCHITECTURE!r}] (a target model directory?); {_FIX}"
+        )
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{prefix}: {CONFIG_NAME} lacks dflash_config; {_FIX}")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in dflash:
+            raise ValueError(f"{prefix}: {CONFIG_NAME} dflash_config lacks {key}; {_FIX}")
+    if not (path / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{prefix}: {WEIGHTS_NAME} is missing; {_FIX}")
+    return config
+
+
+def load_drafter(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DFlashDrafter:
+    """Read an export written by `save_drafter` (or any SGLang/vLLM-loadable DFlash drafter).
+
+    `dtype=None` keeps the stored dtype, so a save/load round trip is bit-exact.
+    """
+    path = Path(path)
+    config = read_export_config(path)
+    try:
+        cfg = DrafterConfig.from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a valid DFlash drafter export: {CONFIG_NAME} is incomplete ({e}); {_FIX}") from None
+
+    with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    problem = _check_tensors({n: tuple(t.shape) for n, t in state.items()}, expected_shapes(cfg))
+    if problem is not None:
+        raise ValueError(
+            f"{path} is not a valid DFlash drafter export: {WEIGHTS_NAME} does not match {CONFIG_NAME}: "
+            f"{problem}; {_FIX}"
+        )
+    dtypes = {t.dtype for t in state.values()}
+    if dtype is None:
+        if len(dtypes) != 1:
+            raise ValueError(f"{path}: {WEIGHTS_NAME} mixes dtypes {sorted(map(str, dtypes))}; pass dtype= explicitly")
+        dtype = dtypes.pop()
+
+    # Built on the meta device: a 1.7B drafter's random init would cost more than the load.
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    # Every tensor the module holds comes from the file; a buffer would be left uninitialised.
+    assert not list(drafter.buffers()), "DFlashDrafter grew buffers that load_drafter does not restore"
+    drafter.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in state.items()}, strict=True, assign=True)
+    return drafter.eval()

@@ -1,0 +1,102 @@
+"""Reference greedy speculative decoding with a DFlash drafter, for dense targets (Qwen3, Llama).
+
+Clarity over speed: the target runs without a cache over the whole sequence once per cycle (so
+it also works for targets whose cache cannot be cropped). Its output equals plain greedy
+decoding, and its per-cycle counts equal the offline walk of `dflash_ds.evaluate` (whose module
+docstring states the convention): the tests hold both to that.
+
+One cycle, anchored at the position t of the last emitted token (the bonus):
+  1. draft: the drafter reads the target's tapped states of positions < t and the block
+     [bonus, MASK x (B-1)] at positions t .. t+B-1; slots 1 .. B-1 give d_1 .. d_{B-1};
+  2. verify: one target forward over the sequence followed by [bonus, d_1 .. d_{B-1}] gives the
+     target's greedy token g_k for every position t+k (k = 1 .. B);
+  3. accept the longest prefix with d_k == g_k (a drafts), then the target's own g_{a+1}; a + 1
+     tokens are emitted (fewer when the budget or an EOS ends the response inside them).
+The taps of that verify pass at positions <= t + a were computed from accepted tokens only, so
+they are the next cycle's context.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dflash_ds.attention import DFlashMask
+from dflash_ds.evaluate import draft_tokens, eos_ids
+from dflash_ds.target import TapCapture, text_config
+
+
+@torch.no_grad()
+def target_logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]):
+    """Greedy next tokens [S] and tapped states [S, T*D] of one cacheless target forward."""
+    p = next(target.parameters())
+    d = text_config(target.config).hidden_size
+    ids = input_ids.reshape(1, -1).to(p.device)
+    taps = torch.empty(1, ids.shape[1], len(layer_ids) * d, dtype=p.dtype, device=p.device)
+    capture = TapCapture(target, layer_ids)
+    capture.out = taps
+    try:
+        logits = target(input_ids=ids, use_cache=False).logits
+    finally:
+        capture.out = None
+        capture.remove()
+    return logits[0].argmax(-1), taps[0]
+
+
+@torch.no_grad()
+def draft_block(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, context_taps: torch.Tensor,
+                anchor_token: int, *, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """The B-1 drafted tokens of one block anchored right after `context_taps` [t, T*D].
+
+    The block sees the whole context and itself, so the mask is all True: deliberately not
+    `build_mask`, which the offline path uses, so the two paths check each other.
+    """
+    p = next(drafter.parameters())
+    t = context_taps.shape[0]
+    ctx = drafter.fuse(context_taps[None].to(device=p.device, dtype=p.dtype))
+    block = torch.full((block_size,), mask_token_id, dtype=torch.long, device=embed_weight.device)
+    block[0] = anchor_token
+    embeds = embed_weight[block][None].to(device=p.device, dtype=p.dtype)
+    block_pos = torch.arange(t, t + block_size, device=p.device)[None]
+    ctx_pos = torch.arange(t, device=p.device)[None]
+    dense = torch.ones(1, 1, block_size, t + block_size, dtype=torch.bool, device=p.device)
+    mask = DFlashMask(query_len=block_size, kv_len=t + block_size, dense=dense)
+    hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask)
+    return draft_tokens(hidden[0, 1:], lm_head_weight).cpu()
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                         prompt_ids: torch.Tensor | Sequence[int], *, max_new_tokens: int, layer_ids: Sequence[int],
+                         block_size: int, mask_token_id: int, eos_token_id=None) -> tuple[torch.Tensor, list[int]]:
+    """Greedy speculative decoding of one prompt.
+
+    Returns (generated token ids [n] without the prompt, tokens emitted per cycle). The prefill
+    token is not a cycle, so sum(counts) == n - 1. Stops after max_new_tokens tokens or after an
+    EOS (kept, as HF generate keeps it); eos_token_id defaults to the target's generation config.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stop = set(eos_ids(target, eos_token_id))
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).cpu()
+    greedy, taps = target_logits_and_taps(target, prompt, layer_ids)
+    generated = [int(greedy[-1])]
+    counts: list[int] = []
+    while len(generated) < max_new_tokens and generated[-1] not in stop:
+        t = prompt.numel() + len(generated) - 1  # position of the bonus token, the anchor
+        drafts = draft_block(drafter, embed_weight, lm_head_weight, taps[:t], generated[-1],
+                             block_size=block_size, mask_token_id=mask_token_id)
+        seq = torch.cat([prompt, torch.tensor(generated, dtype=torch.long), drafts])
+        greedy, taps = target_logits_and_taps(target, seq, layer_ids)
+        verified = greedy[t:t + block_size].cpu()  # verified[k - 1] = target's token at t + k
+        a = int((drafts == verified[:-1]).long().cumprod(0).sum())
+        new = drafts[:a].tolist() + [int(verified[a])]
+        new = new[:max_new_tokens - len(generated)]
+        for i, tok in enumerate(new):
+            if tok in stop:
+                new = new[:i + 1]
+                break
+        counts.append(len(new))
+        generated.extend(new)
+    return torch.tensor(generated, dtype=torch.long), counts

@@ -1,0 +1,250 @@
+"""Exact offline tau (spec 4) against the reference speculative-decoding loop, on a tiny Qwen3.
+
+The drafter is trained here, single-process, with the objective's own functions on the target's
+greedy continuations, so cycles that accept several drafts occur and the walk is exercised
+beyond a(t) = 0.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ds.attention import build_mask
+from dflash_ds.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.evaluate import (TauReport, accept_lengths, greedy_continuation, main, offline_tau, read_prompts,
+                                target_taps, walk)
+from dflash_ds.export import save_drafter
+from dflash_ds.objective import block_inputs, block_targets, chunked_loss, sample_anchors
+from dflash_ds.specdec import draft_block, speculative_generate
+
+VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
+
+
+def test_walk_on_hand_made_accept_lengths():
+    # a(t) for t = first .. end-1; cycles written out by hand.
+    assert walk([0, 0, 0, 0, 0, 0], 10, 16) == [1, 1, 1, 1, 1]
+    # t=0 accepts 3 (4 tokens) -> t=4 accepts 2 -> t=7 -> t=8 -> stop at t=9 = end-1.
+    assert walk([3, 0, 0, 0, 2, 0, 0, 0, 0, 0], 0, 10) == [4, 3, 1, 1]
+    # Values at positions the walk jumps over do not matter.
+    assert walk([1, 99, 0, 0], 5, 9) == [2, 1]
+    # Capped so the cycle's last token (the target's own) is still inside the response.
+    assert walk([7, 7, 7, 7, 7], 0, 5) == [4]
+    assert walk([2, 7, 7, 7, 7, 7], 20, 26) == [3, 2]
+    # A one-token response has no cycle.
+    assert walk([5], 3, 4) == []
+    assert walk([], 3, 3) == []
+    with pytest.raises(ValueError, match="every t"):
+        walk([0, 0], 0, 3)
+
+
+def test_tau_report_aggregates_like_zlab():
+    report = TauReport(block_size=8, cycles=[[4, 3, 1, 1], [1, 1], []])
+    assert report.per_response == [2.25, 1.0, None]
+    assert report.tau_mean == pytest.approx((2.25 + 1.0) / 2)
+    assert report.tau_pooled == pytest.approx(11 / 6)
+    assert report.histogram == [4, 0, 1, 1, 0, 0, 0, 0]
+    d = json.loads(json.dumps(report.as_dict()))
+    assert d["num_cycles"] == 6 and d["num_tokens"] == 11 and d["tau_per_response"] == [2.25, 1.0, None]
+    assert TauReport(block_size=4, cycles=[[]]).as_dict()["tau_mean"] is None
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                      rope_theta=1e6, tie_word_embeddings=False)
+    # float64 keeps argmax ties out of the exact comparisons between differently shaped passes.
+    return Qwen3ForCausalLM(cfg).double().eval().requires_grad_(False)
+
+
+def train_drafter(target, sequences, steps, seed=0):
+    """Plain single-process training with the objective's functions (dense mask, AdamW)."""
+    cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=B, mask_token_id=MASK,
+                                    target_layer_ids=LAYER_IDS)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).double()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    x = torch.stack(sequences)
+    taps = torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences])
+    loss_mask = torch.zeros_like(x, dtype=torch.bool)
+    loss_mask[:, PROMPT_LEN:] = True
+    doc_ids = torch.zeros_like(x, dtype=torch.int32)
+    positions = torch.arange(x.shape[1]).expand_as(x)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(steps):
+        anchors, valid = sample_anchors(loss_mask, doc_ids, 24, gen)
+        block_ids, block_pos = block_inputs(x, positions, anchors, B, MASK)
+        labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid, B, None)
+        mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
+        hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
+        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(), 2, checkpoint=False)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return drafter.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core runner OpenMP threads
+    # contending with other processes made training here 6x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def world():
+    target = tiny_target()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 120, (PROMPT_LEN,), generator=gen) for _ in range(6)]
+    trained_on = prompts[:4]  # the last two are unseen: the drafter accepts less there
+    sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in trained_on]
+    assert all(s.numel() == PROMPT_LEN + NEW for s in sequences)  # no EOS in this tiny model
+    untrained = train_drafter(target, sequences, steps=0)
+    drafter = train_drafter(target, sequences, steps=100)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    return dict(target=target, prompts=prompts, trained_on=trained_on, sequences=sequences, drafter=drafter,
+                untrained=untrained, embed=embed, head=head)
+
+
+def test_objective_learns_offline_tau_above_3(world):
+    w = world
+    args = (w["target"],)
+    before = offline_tau(*args, w["untrained"], w["embed"], w["head"], w["trained_on"], max_new_tokens=NEW,
+                         layer_ids=LAYER_IDS)
+    sequences = []
+    after = offline_tau(*args, w["drafter"], w["embed"], w["head"], w["trained_on"], max_new_tokens=NEW,
+                        layer_ids=LAYER_IDS, sequences=sequences)
+    assert [s.tolist() for s in sequences] == [s.tolist() for s in w["sequences"]]
+    assert before.tau_mean < 1.5
+    assert after.tau_mean > 3.0
+    assert all(sum(c) == NEW - 1 for c in after.cycles)  # the walk covers each response exactly
+
+
+def test_accept_lengths_match_one_block_at_a_time(world):
+    """The batched, chunked forward with build_mask equals drafting each anchor on its own."""
+    w = world
+    x = w["sequences"][1]
+    taps = target_taps(w["target"], x, LAYER_IDS)
+    end = x.numel()
+    a = accept_lengths(w["drafter"], w["embed"], w["head"], taps, x, PROMPT_LEN, end, batch_anchors=7)
+    expected = []
+    for t in range(PROMPT_LEN, end):
+        drafts = draft_block(w["drafter"], w["embed"], w["head"], taps[:t], int(x[t]), block_size=B,
+                             mask_token_id=MASK)
+        n = 0
+        while n < B - 1 and t + n + 1 < end and int(drafts[n]) == int(x[t + n + 1]):
+            n += 1
+        expected.append(max(0, min(n, end - t - 2)))
+    assert a.tolist() == expected
+    assert max(expected) >= 3  # the comparison covers multi-token acceptance
+
+
+def online_equals_offline(w, prompts, max_new_tokens, eos_token_id=None):
+    sequences = []
+    report = offline_tau(w["target"], w["drafter"], w["embed"], w["head"], prompts, max_new_tokens=max_new_tokens,
+                         layer_ids=LAYER_IDS, eos_token_id=eos_token_id, sequences=sequences)
+    for prompt, x, cycles in zip(prompts, sequences, report.cycles):
+        ids, counts = speculative_generate(w["target"], w["drafter"], w["embed"], w["head"], prompt,
+                                           max_new_tokens=max_new_tokens, layer_ids=LAYER_IDS, block_size=B,
+                                           mask_token_id=MASK, eos_token_id=eos_token_id)
+        assert ids.tolist() == x[prompt.numel():].tolist()  # x is HF greedy generate's output
+        assert counts == cycles
+        assert sum(counts) == ids.numel() - 1
+    return report, sequences
+
+
+def test_online_loop_is_greedy_and_matches_offline_walk(world):
+    report, _ = online_equals_offline(world, world["prompts"], NEW)
+    accepted = [c - 1 for cycles in report.cycles for c in cycles]
+    assert max(accepted) >= 2 and min(accepted) == 0
+    assert len(set(accepted)) >= 4  # a mix of acceptance lengths, not all-or-nothing
+
+
+def test_online_matches_offline_at_budget_and_eos(world):
+    # A budget that ends responses inside accepted runs.
+    report, sequences = online_equals_offline(world, world["prompts"], 13)
+    assert all(s.numel() - p.numel() == 13 for s, p in zip(sequences, world["prompts"]))
+    # An EOS token taken from the middle of a memorised response: both paths stop right after it.
+    x = world["sequences"][2]
+    response = x[PROMPT_LEN:].tolist()
+    k = next(i for i in range(8, len(response)) if response[i] not in response[:i])
+    eos = response[k]
+    report, sequences = online_equals_offline(world, world["prompts"], NEW, eos_token_id=eos)
+    assert sequences[2].tolist() == x[:PROMPT_LEN + k + 1].tolist()
+    assert sum(report.cycles[2]) == k
+
+
+def make_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(125)}
+    vocab.update({"user": 125, "assistant": 126, "[M]": 127})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+def test_read_prompts_renders_messages_and_prompts(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join([
+        json.dumps({"messages": [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t9"}]}),
+        json.dumps({"prompt": "t1 t2 t3"}),
+        "",
+        json.dumps({"prompt": "t4"}),
+    ]))
+    assert read_prompts(str(f), tok) == [[125, 5, 6, 126], [1, 2, 3], [4]]
+    assert read_prompts(str(f), tok, limit=1) == [[125, 5, 6, 126]]
+    f.write_text(json.dumps({"text": "t1"}))
+    with pytest.raises(ValueError, match="'messages' list or a 'prompt' string"):
+        read_prompts(str(f), tok)
+
+
+def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
+    from dflash_ds.export import load_drafter
+
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    world["target"].float().save_pretrained(target_dir)
+    world["target"].double()
+    make_tokenizer(target_dir)
+    save_drafter(world["drafter"], drafter_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{int(i)}" for i in p)})
+                                 for p in world["prompts"][:3]))
+    out = tmp_path / "tau.json"
+    rc = main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--prompts", str(prompts),
+               "--max-new-tokens", "20", "--limit", "2", "--online", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["num_responses"] == 2 and result["online"]["responses_matching_offline"] == 2
+
+    # The same numbers as offline_tau on the same (float32 target, bf16-exported drafter) objects.
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = load_drafter(drafter_dir).float()
+    expected = offline_tau(target, drafter, target.get_input_embeddings().weight,
+                           target.get_output_embeddings().weight, world["prompts"][:2], max_new_tokens=20,
+                           layer_ids=LAYER_IDS)
+    assert result["cycles"] == expected.cycles
+    assert result["tau_mean"] == pytest.approx(expected.tau_mean)
+    assert f"tau_mean {expected.tau_mean:.3f}" in printed
+
+    # A target directory passed as the drafter, and an unreachable target.
+    assert main(["--target", str(target_dir), "--drafter", str(target_dir), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert "--drafter" in err and "not a DFlash drafter export" in err
+    missing = tmp_path / "no_such_model"
+    assert main(["--target", str(missing), "--drafter", str(drafter_dir), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert "--target" in err and str(missing) in err
