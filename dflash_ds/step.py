@@ -70,10 +70,11 @@ def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
-def anchor_generator(seed: int, micro_index: int, row_offset: int = 0) -> torch.Generator:
-    """Anchors depend only on (seed, micro-batch id): identical in split, colocated and resumed runs."""
-    digest = hashlib.blake2b(f"{seed}:{micro_index}:{row_offset}".encode(), digest_size=8).digest()
-    g = torch.Generator(device="cpu")
+def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:
+    """Anchors depend only on (seed, micro-batch id, device type): identical in split, colocated and
+    resumed runs. The generator lives on the data's device so sampling needs no host round trip."""
+    digest = hashlib.blake2b(f"{seed}:{micro_index}".encode(), digest_size=8).digest()
+    g = torch.Generator(device=device)
     g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
     return g
 
@@ -81,10 +82,8 @@ def anchor_generator(seed: int, micro_index: int, row_offset: int = 0) -> torch.
 @torch.no_grad()
 def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
     device = mb.input_ids.device
-    # Sampling runs on the CPU generator for reproducibility across devices; it is [R, S] small.
-    anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors,
-                                    anchor_generator(s.seed, micro_index))
-    anchors, valid = anchors.to(device), valid.to(device)
+    anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
+                                    anchor_generator(s.seed, micro_index, device))
     ctx_positions = positions_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
     labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)

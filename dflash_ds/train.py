@@ -29,6 +29,10 @@ from .transport import PayloadSpec, Receiver, Sender
 from .workers import TargetWorker, greedy_sequences, tau_of_payloads, unpack
 
 
+# Tests set this to kill every drafter rank right after the given step (a simulated crash).
+CRASH_AFTER_STEP = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", "0")) or None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     # The DeepSpeed launcher appends --local_rank=N; the rank comes from the environment instead.
     argv = [a for a in argv if not a.startswith("--local_rank")]
@@ -252,8 +256,8 @@ class DrafterTrainer:
             self.engine.step()
             b = self.settings.block_size
             w = bl.weights.view(bl.weights.shape[0], -1, b)
-            accept = accept + acceptance_proxy(out.correct.view_as(w), w, reduce=False).sum()
-            anchors = anchors + bl.valid.sum()
+            run_sum, blocks_counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
+            accept, anchors = accept + run_sum, anchors + blocks_counted
             ce_sum = ce_sum + out.ce_sum
         for p in payloads:
             self.source.release(p)
@@ -274,6 +278,9 @@ class DrafterTrainer:
                 self.log_tau(done, eval_set, "")
             if done % r.checkpoint.every_steps == 0 or done == plan.total_steps:
                 self.save(done)
+            if done == CRASH_AFTER_STEP:
+                # Fault injection for the resume tests: die the way a preempted job does.
+                os._exit(17)
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
         self.metrics.close()

@@ -1,0 +1,234 @@
+"""The DFlash training objective (spec 2): anchors, blocks, labels, weights, chunked lm_head loss.
+
+Conventions: a row has S tokens; N anchors per row; B = block size; Q = N*B block slots, slot k
+of the block for anchor a sits at position a + k and is trained to predict the token AT a + k
+(same-position labels; slot 0 is the anchor itself and has weight 0).
+
+Model code: no torch.distributed, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+# The paper's decay constants; other block sizes interpolate between them (see default_gamma).
+_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay gamma for a block size: 7 for 16, 5 for 10, 4 for 8 (the paper's values).
+
+    Other sizes: piecewise-linear through those three points, extended with the slope of the
+    nearest segment (B=2 -> 1, B=12 -> 5.67, B=32 -> 12.33), so gamma keeps growing with the
+    block size as the paper's choices do and the last slots keep a usable weight.
+    """
+    if block_size < 2:
+        raise ValueError(f"drafter.block_size must be >= 2, got {block_size}")
+    pts = _GAMMA_POINTS
+    if block_size <= pts[1][0]:
+        (x0, y0), (x1, y1) = pts[0], pts[1]
+    else:
+        (x0, y0), (x1, y1) = pts[1], pts[2]
+    return y0 + (block_size - x0) * (y1 - y0) / (x1 - x0)
+
+
+def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Slot weights `[B]` float32: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1."""
+    if not gamma > 0:
+        raise ValueError(f"objective.gamma must be > 0 (or null for the default), got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float64)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w.float()
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool `[b, S]`: a is valid iff a+1 < S, loss_mask[a] and loss_mask[a+1], same document at a and a+1.
+
+    (Padding, doc id -1, never anchors even if its loss mask were set.)
+    """
+    lm = loss_mask.bool()
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    return valid
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, min(N, #valid) distinct valid anchors uniformly without replacement, sorted.
+
+    Returns `anchors[b, N]` (int64) and `valid[b, N]` (bool); the tail is padded with invalid
+    anchors at position 0 so shapes are static. Random numbers come from `generator` only (drawn
+    on the generator's device), so a seeded generator gives the same anchors on any rank.
+    """
+    valid = valid_anchor_mask(loss_mask, doc_ids)
+    b, s = valid.shape
+    if num_anchors < 1:
+        raise ValueError(f"objective.num_anchors must be >= 1, got {num_anchors}")
+    if num_anchors > s:
+        raise ValueError(
+            f"objective.num_anchors={num_anchors} exceeds the row length {s} (data.max_length); "
+            "a row has fewer possible anchors than that: lower objective.num_anchors"
+        )
+    # The N largest of iid uniform keys over the valid positions are a uniform N-subset.
+    keys = torch.rand(b, s, generator=generator, device=generator.device).to(valid.device)
+    keys = keys.masked_fill(~valid, -1.0)
+    top = keys.topk(num_anchors, dim=1)
+    picked = top.values >= 0
+    pos = torch.where(picked, top.indices, torch.full_like(top.indices, s)).sort(dim=1).values
+    anchor_valid = pos < s
+    anchors = torch.where(anchor_valid, pos, torch.zeros_like(pos))
+    return anchors, anchor_valid
+
+
+def block_inputs(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block token ids `[b, N*B]` ([anchor token, MASK x (B-1)] per block) and their positions.
+
+    Positions continue the anchor's position id (which restarts per packed document), so the
+    block for anchor a sits at position_ids[a] + 0 .. B-1, matching the context's positions.
+    """
+    b, n = anchors.shape
+    anchors = anchors.long()
+    block_ids = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    offsets = torch.arange(block_size, device=position_ids.device, dtype=position_ids.dtype)
+    positions = torch.gather(position_ids, 1, anchors).unsqueeze(-1) + offsets
+    return block_ids.view(b, n * block_size), positions.view(b, n * block_size)
+
+
+def block_targets(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    gamma: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels `[b, N, B]` (token at a + k) and float32 weights `[b, N, B]`.
+
+    weight = decay_weights[k] * loss_mask[a+k] * (a+k < S) * (doc[a+k] == doc[a]) * valid.
+    Labels where the weight is 0 are arbitrary in-vocabulary ids. `gamma=None` uses default_gamma.
+    """
+    if gamma is None:
+        gamma = default_gamma(block_size)
+    b, n = anchors.shape
+    s = input_ids.shape[1]
+    idx = anchors.long().unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
+    in_row = idx < s
+    flat = idx.clamp(max=s - 1).view(b, n * block_size)
+    labels = torch.gather(input_ids, 1, flat).view(b, n, block_size)
+    supervised = torch.gather(loss_mask.bool(), 1, flat).view(b, n, block_size)
+    doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size)
+    same_doc = doc == doc[:, :, :1]
+    keep = supervised & in_row & same_doc & valid.bool().unsqueeze(-1)
+    weights = decay_weights(block_size, gamma).to(anchors.device) * keep
+    return labels, weights
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # sum(w * CE) / normaliser, differentiable
+    ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
+    correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
+
+
+def _chunk_ce(hidden, weight, labels, slot_weights):
+    # The only lm_head matmul of the chunk; argmax reuses its logits.
+    logits = F.linear(hidden, weight).to(slot_weights.dtype)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * slot_weights).sum(), logits.argmax(-1) == labels
+
+
+def chunked_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normaliser: float | torch.Tensor,
+    num_chunks: int,
+    checkpoint: bool = True,
+) -> LossOutput:
+    """Weighted CE of `hidden[b, Q, D] @ lm_head_weight[V, D].T` without materialising all logits.
+
+    Only supervised slots (weight > 0) are projected (one host sync to find them); they are split
+    into `num_chunks` chunks. With `checkpoint`, each chunk runs under non-reentrant activation
+    checkpointing, so only one chunk's logits ever exist and the lm_head matmul runs exactly
+    twice per chunk (forward + one recompute in backward). Logits are produced in the weight's
+    dtype (bf16 GEMMs accumulate in fp32) and the CE is computed in fp32.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
+    b, q, d = hidden.shape
+    # CE in fp32 (float64 stays float64, for reference checks).
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    flat_w = weights.reshape(-1).to(acc_dtype)
+    sel = torch.nonzero(flat_w > 0).squeeze(1)
+    correct = torch.zeros(b * q, dtype=torch.bool, device=hidden.device)
+    if sel.numel() == 0:
+        # Keep a graph so a backward on an all-padding micro-batch is a valid no-op.
+        zero = (hidden.sum() * 0.0).to(acc_dtype)
+        return LossOutput(zero / normaliser, zero.detach(), correct.view(b, q))
+    h = hidden.reshape(-1, d).index_select(0, sel)
+    lab = labels.reshape(-1).index_select(0, sel)
+    w = flat_w.index_select(0, sel)
+    use_ckpt = checkpoint and torch.is_grad_enabled() and (h.requires_grad or lm_head_weight.requires_grad)
+    total = hidden.new_zeros((), dtype=acc_dtype)
+    hits = []
+    for hc, lc, wc in zip(h.chunk(num_chunks), lab.chunk(num_chunks), w.chunk(num_chunks)):
+        if use_ckpt:
+            part, hit = _checkpoint(_chunk_ce, hc, lm_head_weight, lc, wc, use_reentrant=False)
+        else:
+            part, hit = _chunk_ce(hc, lm_head_weight, lc, wc)
+        total = total + part
+        hits.append(hit)
+    correct[sel] = torch.cat(hits)
+    return LossOutput(total / normaliser, total.detach(), correct.view(b, q))
+
+
+def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):
+    """Mean over valid blocks of (leading run of correct supervised slots 1..B-1) + 1.
+
+    The run stops at the first slot that is wrong or unsupervised. `correct` may be `[b, Q]` or
+    `[b, N, B]`; `weights` is `[b, N, B]`. With `reduce=False` returns (sum, count) so callers can
+    aggregate across micro-batches and ranks; the mean of no blocks is NaN.
+    This is a cheap training signal, not the acceptance length tau (spec 4).
+    """
+    correct = correct.reshape(weights.shape)
+    ok = (correct.bool() & (weights > 0))[..., 1:]
+    run = torch.cumprod(ok.to(torch.int32), dim=-1).sum(-1).float() + 1.0
+    block_valid = (weights > 0).any(-1)
+    total = (run * block_valid).sum()
+    count = block_valid.sum().float()
+    if not reduce:
+        return total, count
+    return total / count if count > 0 else torch.full_like(total, math.nan)
+
+
+def slot_accuracy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):
+    """Per-slot accuracy `[B]` over supervised slots (NaN for slots never supervised, e.g. slot 0).
+
+    `correct` may be `[b, Q]` or `[b, N, B]`. With `reduce=False` returns (hits[B], counts[B]).
+    """
+    correct = correct.reshape(weights.shape)
+    sup = weights > 0
+    dims = tuple(range(weights.dim() - 1))
+    hits = (correct.bool() & sup).sum(dims).float()
+    counts = sup.sum(dims).float()
+    if not reduce:
+        return hits, counts
+    return torch.where(counts > 0, hits / counts.clamp(min=1), torch.full_like(hits, math.nan))
