@@ -26,7 +26,7 @@ from .preflight import Context, finish, load_data, preflight
 from .step import StepSettings, drafter_loss, make_blocks
 from .target import DTYPES, load_target, truncate_after
 from .transport import PayloadSpec, Receiver, Sender
-from .workers import TargetWorker, greedy_sequences, tau_of_payloads, unpack
+from .workers import StepStats, TargetWorker, greedy_sequences, tau_of_payloads, train_step
 
 
 # Tests set this to kill every drafter rank right after the given step (a simulated crash).
@@ -154,19 +154,20 @@ class LocalSource:
         self.worker = worker
         self.items = ((s, g) for s in range(start, ctx.plan.total_steps) for g in range(ctx.plan.grad_accum))
         self.ctx = ctx
-        self.buf = ctx.spec.empty(ctx.device)
+        # A step holds all grad_accum payloads at once (the loss is normalised over the whole step).
+        self.free = [ctx.spec.empty(ctx.device) for _ in range(ctx.plan.grad_accum)]
         self.wait_seconds = 0.0
 
     def get(self) -> torch.Tensor:
         s, g = next(self.items)
         m = self.ctx.plan.layout.micro_index(s, g, self.ctx.plan.grad_accum, self.ctx.rank)
         t0 = time.perf_counter()
-        self.worker.fill(self.buf, m)
+        buf = self.worker.fill(self.free.pop(), m)
         self.wait_seconds += time.perf_counter() - t0
-        return self.buf
+        return buf
 
     def release(self, buf) -> None:
-        pass
+        self.free.append(buf)
 
     def close(self) -> None:
         pass
@@ -220,14 +221,6 @@ def run_drafter(ctx: Context) -> None:
     source.close()
 
 
-@dataclass
-class StepStats:
-    ce_sum: torch.Tensor
-    weight: torch.Tensor
-    accept: torch.Tensor
-    anchors: torch.Tensor
-
-
 class DrafterTrainer:
     def __init__(self, ctx: Context, engine, drafter, embed, head, source, lead: bool):
         self.ctx, self.engine, self.drafter, self.embed, self.head = ctx, engine, drafter, embed, head
@@ -238,30 +231,9 @@ class DrafterTrainer:
                                enabled=lead)
 
     def train_step(self, step: int) -> StepStats:
-        from .objective import acceptance_proxy
-
-        plan, lay, rank = self.ctx.plan, self.ctx.plan.layout, self.ctx.rank
-        payloads = [self.source.get() for _ in range(plan.grad_accum)]
-        mbs = [unpack(p, self.ctx.spec, self.dtype) for p in payloads]
-        blocks = [make_blocks(mb, self.settings, lay.micro_index(step, g, plan.grad_accum, rank)) for g, mb in enumerate(mbs)]
-        # Normalise by the whole step's weight (all micro-batches, all drafter ranks): the engine
-        # divides by grad_accum and averages over ranks, so scale the loss back up by both.
-        weight = torch.stack([b.weights.sum() for b in blocks]).sum()
-        dist.all_reduce(weight, group=self.ctx.groups.drafter)
-        scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors = 0.0, 0.0, 0.0
-        for mb, bl, p in zip(mbs, blocks, payloads):
-            out = drafter_loss(self.drafter, self.embed, self.head, mb, bl, weight / scale, self.settings.loss_chunks)
-            self.engine.backward(out.loss)
-            self.engine.step()
-            b = self.settings.block_size
-            w = bl.weights.view(bl.weights.shape[0], -1, b)
-            run_sum, blocks_counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
-            accept, anchors = accept + run_sum, anchors + blocks_counted
-            ce_sum = ce_sum + out.ce_sum
-        for p in payloads:
-            self.source.release(p)
-        return StepStats(ce_sum, weight, accept, anchors)
+        c = self.ctx
+        return train_step(self.engine, self.drafter, self.embed, self.head, self.source, self.settings, c.plan,
+                          c.rank, c.groups.drafter, c.spec, self.dtype, step)
 
     def loop(self, start: int, eval_set) -> None:
         r, plan = self.ctx.recipe, self.ctx.plan

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .evaluate import TauReport, tau_from_taps
-from .step import MicroBatch
+from .objective import acceptance_proxy
+from .step import MicroBatch, drafter_loss, make_blocks
 from .target import TapCapture, forward_taps
 from .transport import PayloadSpec, read_meta, taps_view, write_meta
 from .step import positions_from_doc_ids
@@ -104,3 +107,36 @@ def tau_of_payloads(drafter, embed, head, payloads, spec: PayloadSpec, dtype, bl
                                         block_size=block_size, mask_token_id=mask_token_id))
     drafter.train(was_training)
     return TauReport(block_size=block_size, cycles=cycles)
+
+
+@dataclass
+class StepStats:
+    ce_sum: torch.Tensor
+    weight: torch.Tensor
+    accept: torch.Tensor
+    anchors: torch.Tensor
+
+
+def train_step(engine, drafter, embed, head, source, settings, plan, rank: int, group, spec: PayloadSpec, dtype,
+               step: int) -> StepStats:
+    """One optimizer step of a drafter rank over its grad_accum payloads. No host synchronisation."""
+    lay = plan.layout
+    payloads = [source.get() for _ in range(plan.grad_accum)]
+    mbs = [unpack(p, spec, dtype) for p in payloads]
+    blocks = [make_blocks(mb, settings, lay.micro_index(step, g, plan.grad_accum, rank)) for g, mb in enumerate(mbs)]
+    # Normalise by the whole step's weight (all micro-batches, all drafter ranks): the engine
+    # divides by grad_accum and averages over ranks, so scale the loss back up by both.
+    weight = torch.stack([b.weights.sum() for b in blocks]).sum()
+    dist.all_reduce(weight, group=group)
+    scale = plan.grad_accum * lay.num_drafters
+    ce_sum, accept, anchors = 0.0, 0.0, 0.0
+    for mb, bl in zip(mbs, blocks):
+        out = drafter_loss(drafter, embed, head, mb, bl, weight / scale, settings.loss_chunks)
+        engine.backward(out.loss)
+        engine.step()
+        w = bl.weights.view(bl.weights.shape[0], -1, settings.block_size)
+        run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
+        accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
+    for p in payloads:
+        source.release(p)
+    return StepStats(ce_sum, weight, accept, anchors)

@@ -1,0 +1,141 @@
+"""Named model geometries: transformers configs built in code, so benches need no download.
+
+A geometry is the target's shape (layer count, widths, heads, vocabulary) plus the drafter
+choices that go with it (drafter layers, MASK id). Weights are random: speed does not depend on
+them. `target_config(name, layers=N)` shortens the target for quick runs; the tapped layers are
+then recomputed from N by the caller (build_target_layer_ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class NamedGeometry:
+    name: str
+    description: str
+    make: Callable[[int | None], object]  # layers override -> transformers config
+    drafter_layers: int
+    mask_token_id: int
+
+
+def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    # Qwen3.5/3.6: every `interval`-th layer is full attention, the others Gated DeltaNet.
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def _qwen36_27b(layers: int | None):
+    from transformers import Qwen3_5TextConfig
+
+    n = layers or 64
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=n,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=_hybrid_layer_types(n),
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )
+
+
+def _qwen3_8b(layers: int | None):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers or 36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+
+
+def _tiny(layers: int | None):
+    # The hybrid layout of Qwen3.5/3.6 at toy width (the same classes run on CPU).
+    from transformers import Qwen3_5TextConfig
+
+    n = layers or 8
+    return Qwen3_5TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        layer_types=_hybrid_layer_types(n),
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )
+
+
+def _tiny_qwen3(layers: int | None):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers or 6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+
+
+GEOMETRIES: dict[str, NamedGeometry] = {
+    g.name: g
+    for g in (
+        NamedGeometry("qwen3.6-27b", "Qwen3.6-27B text tower: 64 layers (16 x 3 Gated DeltaNet + 1 full attention), "
+                      "D 5120, vocab 248320", _qwen36_27b, drafter_layers=5, mask_token_id=248070),
+        NamedGeometry("qwen3-8b", "Qwen3-8B: 36 dense layers, D 4096, vocab 151936", _qwen3_8b,
+                      drafter_layers=5, mask_token_id=151669),
+        NamedGeometry("tiny", "toy hybrid Qwen3.5-style target (8 layers, D 64) for CPU smoke runs", _tiny,
+                      drafter_layers=2, mask_token_id=5),
+        NamedGeometry("tiny-qwen3", "toy dense Qwen3 target (6 layers, D 64) for CPU smoke runs", _tiny_qwen3,
+                      drafter_layers=2, mask_token_id=5),
+    )
+}
+
+
+def get_geometry(name: str) -> NamedGeometry:
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; choose one of {', '.join(GEOMETRIES)} (--geometry)")
+    return GEOMETRIES[name]
+
+
+def target_config(name: str, layers: int | None = None):
+    """The transformers config of a named target geometry, optionally with `layers` decoder layers."""
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    return get_geometry(name).make(layers)
