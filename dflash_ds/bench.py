@@ -680,7 +680,20 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
 # ---------------------------------------------------------------------------- the timed loop
 
 
-def drive(step_fn, device: torch.device, warmup: int, steps: int, t_build: float) -> dict:
+def profile_steps(step_fn, first: int, count: int, path: str) -> None:
+    """Kernel-level time table of `count` extra steps (torch.profiler), top 40 by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for s in range(first, first + count):
+            step_fn(s)
+        synchronize(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
+
+
+def drive(step_fn, device: torch.device, warmup: int, steps: int, t_build: float, profile: str | None = None) -> dict:
     """First step (alone, synchronised), the rest of the warmup, then `steps` timed steps."""
     out = {}
     c0 = dynamo_counters()
@@ -712,6 +725,8 @@ def drive(step_fn, device: torch.device, warmup: int, steps: int, t_build: float
     out["compile"] = {"first_step": _delta(c1, c0), "warmup": _delta(c2, c1), "timed": _delta(c3, c2),
                       "total": c3}
     out["first_step_overhead_s"] = out["first_step_s"] - out["step_s"]["median"]
+    if profile:
+        profile_steps(step_fn, warmup + steps, 2, profile)
     return out
 
 
@@ -742,7 +757,7 @@ def run_target(setup: Setup, ceiling: dict) -> dict:
         for g in range(plan.grad_accum):
             worker.fill(buf, plan.layout.micro_index(s, g, plan.grad_accum, 0))
 
-    result = drive(step, setup.device, a.warmup, a.steps, t_build)
+    result = drive(step, setup.device, a.warmup, a.steps, t_build, a.profile)
     flops = target_flops_per_micro(setup, model)
     result.update(build_s=build_s, engine=kind, taps=setup.tap_ids, flops_per_micro=flops,
                   payload_bytes=setup.spec.nbytes)
@@ -772,7 +787,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
     build_s = time.perf_counter() - t_build
     mask = time_mask(setup, probe)
     del probe
-    result = drive(step_fn, setup.device, a.warmup, a.steps, t_build)
+    result = drive(step_fn, setup.device, a.warmup, a.steps, t_build, a.profile)
     counted = drafter_flops_of_steps(setup, range(a.warmup, a.warmup + a.steps))
     flops = counted["per_step"]["total"]
     if colocated:
@@ -934,6 +949,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write all numbers to this JSON file")
     p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
+    p.add_argument("--no-fla-conv", action="store_true", help="target: keep transformers' PyTorch short conv")
+    p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--in-flight", type=int, default=4, help="transport: sends outstanding (topology.max_in_flight)")
@@ -1001,6 +1018,8 @@ def summary_lines(report: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        if args.no_fla_conv:
+            os.environ["DFLASH_FLA_SHORT_CONV"] = "0"
         report = run(args)
     except ValueError as exc:
         print(f"bench error: {exc}", file=sys.stderr)

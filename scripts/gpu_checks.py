@@ -112,5 +112,37 @@ def main():
     print(json.dumps(res, indent=1))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--short-conv" not in sys.argv:
     main()
+
+
+def short_conv_check():
+    """fla's short-conv kernel (dflash_ds.kernels) against transformers' PyTorch fallback."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen35
+
+    from dflash_ds.kernels import use_fla_short_conv
+
+    fallback = qwen35.causal_conv1d_fn
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 3072, 10240, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    w = torch.randn(10240, 4, device="cuda", dtype=torch.bfloat16, generator=g) * 0.3
+    ref = fallback(x, w, None, activation="silu")
+    if not use_fla_short_conv():
+        return {"patched": False}
+    out = qwen35.causal_conv1d_fn(x, w, None, activation="silu")
+    times = {}
+    for name, fn in (("fallback", fallback), ("fla", qwen35.causal_conv1d_fn)):
+        for _ in range(3):
+            fn(x, w, None, activation="silu")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            fn(x, w, None, activation="silu")
+        torch.cuda.synchronize()
+        times[name + "_ms"] = (time.perf_counter() - t) / 20 * 1e3
+    qwen35.causal_conv1d_fn = fallback
+    return {"patched": True, "rel_err": rel(out.float(), ref.float()), **times}
+
+
+if __name__ == "__main__" and "--short-conv" in sys.argv:
+    print(json.dumps(short_conv_check(), indent=1))
