@@ -37,13 +37,17 @@ def default_gamma(block_size: int) -> float:
     return y0 + (block_size - x0) * (y1 - y0) / (x1 - x0)
 
 
-def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """Slot weights `[B]` float32: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1."""
+def decay_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """Slot weights `[B]` float32: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1.
+
+    Built directly on `device`: a host-made tensor copied to the GPU would be a blocking copy
+    on the training path.
+    """
     if not gamma > 0:
         raise ValueError(f"objective.gamma must be > 0 (or null for the default), got {gamma}")
-    k = torch.arange(block_size, dtype=torch.float64)
+    k = torch.arange(block_size, dtype=torch.float64, device=device)
     w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
+    w = torch.where(k == 0, torch.zeros_like(w), w)
     return w.float()
 
 
@@ -68,7 +72,8 @@ def sample_anchors(
 
     Returns `anchors[b, N]` (int64) and `valid[b, N]` (bool); the tail is padded with invalid
     anchors at position 0 so shapes are static. Random numbers come from `generator` only (drawn
-    on the generator's device), so a seeded generator gives the same anchors on any rank.
+    on the generator's device), so a seeded generator gives the same anchors on any rank. Give it
+    a generator on the data's device: otherwise the keys are copied host -> device, a blocking copy.
     """
     valid = valid_anchor_mask(loss_mask, doc_ids)
     b, s = valid.shape
@@ -137,21 +142,45 @@ def block_targets(
     doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size)
     same_doc = doc == doc[:, :, :1]
     keep = supervised & in_row & same_doc & valid.bool().unsqueeze(-1)
-    weights = decay_weights(block_size, gamma).to(anchors.device) * keep
+    weights = decay_weights(block_size, gamma, device=anchors.device) * keep
     return labels, weights
 
 
 class LossOutput(NamedTuple):
-    loss: torch.Tensor  # sum(w * CE) / normaliser, differentiable
+    loss: torch.Tensor  # (sum(w * CE) + kl_weight * sum(w * KL)) / normaliser, differentiable
     ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
     correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
+    kl_sum: torch.Tensor | None = None  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
 
 
-def _chunk_ce(hidden, weight, labels, slot_weights):
-    # The only lm_head matmul of the chunk; argmax reuses its logits.
-    logits = F.linear(hidden, weight).to(slot_weights.dtype)
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * slot_weights).sum(), logits.argmax(-1) == labels
+def _chunk_loss(hidden, weight, labels, slot_weights, index, target_logits_fn, kl_weight):
+    # One chunk of `c` units of `u` slots: hidden [c, u, D] (a strided view), the rest [c, u].
+    # The only lm_head matmul of the chunk; argmax and the KL reuse its logits.
+    h = hidden.reshape(-1, hidden.shape[-1])
+    lab = labels.reshape(-1)
+    w = slot_weights.reshape(-1)
+    logits = F.linear(h, weight).to(w.dtype)
+    hit = (logits.argmax(-1) == lab) & (w > 0)
+    if kl_weight > 0:
+        logp = F.log_softmax(logits, dim=-1)
+        ce = -logp.gather(1, lab.unsqueeze(1)).squeeze(1)
+        # The target is frozen: its distribution is a constant of the drafter's loss.
+        target = F.log_softmax(target_logits_fn(index.reshape(-1)).detach().to(w.dtype), dim=-1)
+        kl = F.kl_div(logp, target, reduction="none", log_target=True).sum(-1)
+        kl_part = (kl * w).sum()
+    else:
+        ce = F.cross_entropy(logits, lab, reduction="none")
+        kl_part = w.new_zeros(())
+    return (ce * w).sum(), kl_part, hit
+
+
+def _units(t: torch.Tensor, b: int, q: int, block_size: int | None) -> torch.Tensor:
+    """`[b, Q, ...]` -> `[units, u, ...]`: blocks without their slot 0 (u = B-1), or single slots."""
+    rest = t.shape[2:]
+    if block_size is None:
+        return t.reshape(b * q, 1, *rest)
+    # A strided view, no copy: slot 0 of every block is dropped by shape, not by its weight.
+    return t.reshape(b * (q // block_size), block_size, *rest)[:, 1:]
 
 
 def chunked_loss(
@@ -162,42 +191,76 @@ def chunked_loss(
     normaliser: float | torch.Tensor,
     num_chunks: int,
     checkpoint: bool = True,
+    *,
+    block_size: int | None = None,
+    kl_weight: float = 0.0,
+    target_logits_fn=None,
 ) -> LossOutput:
     """Weighted CE of `hidden[b, Q, D] @ lm_head_weight[V, D].T` without materialising all logits.
 
-    Only supervised slots (weight > 0) are projected (one host sync to find them); they are split
-    into `num_chunks` chunks. With `checkpoint`, each chunk runs under non-reentrant activation
-    checkpointing, so only one chunk's logits ever exist and the lm_head matmul runs exactly
-    twice per chunk (forward + one recompute in backward). Logits are produced in the weight's
-    dtype (bf16 GEMMs accumulate in fp32) and the CE is computed in fp32.
+    Static shapes and no host synchronisation: every slot is projected whatever its weight
+    (zero-weight slots add exactly 0), except that with `block_size` (Q = N*B) slot 0 of every
+    block is skipped by shape, so its weight is ignored (block_targets always makes it 0). The
+    selected units (blocks of B-1 slots, or single slots when `block_size` is None) are cut into
+    at most `num_chunks` chunks of ceil(units / num_chunks) units each; the last chunk is padded
+    with zero-weight rows so every chunk has the same shape. With `checkpoint`, each chunk runs
+    under non-reentrant activation checkpointing, so only one chunk's logits ever exist and the
+    lm_head matmul runs exactly twice per chunk (forward + one recompute in backward). Logits are
+    produced in the weight's dtype (bf16 GEMMs accumulate in fp32) and the CE is computed in fp32.
+    `labels` at zero-weight slots may be anything.
+
+    Optional KL term (off by default): with `kl_weight > 0`, each slot also adds
+    kl_weight * w * KL(p_target || p_drafter). `target_logits_fn(index[n]) -> [n, V]` returns the
+    target's logits for flat slot indices into `[b * Q]` (index i = row * Q + slot), i.e. the
+    target's next-token distribution at position a+k-1, the one that predicts the token at a+k.
+    It is called inside the checkpointed chunk (again in the recompute), so the target's logits
+    never exist for more than one chunk; padding rows ask for index 0 and have weight 0.
     """
     if num_chunks < 1:
         raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
+    if not kl_weight >= 0:
+        raise ValueError(f"objective.kl_weight must be >= 0, got {kl_weight}")
+    if kl_weight > 0 and target_logits_fn is None:
+        raise ValueError("objective.kl_weight > 0 needs the target's logits (target_logits_fn); set objective.kl_weight to 0")
     b, q, d = hidden.shape
+    if block_size is not None and (block_size < 2 or q % block_size):
+        raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
     # CE in fp32 (float64 stays float64, for reference checks).
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    flat_w = weights.reshape(-1).to(acc_dtype)
-    sel = torch.nonzero(flat_w > 0).squeeze(1)
-    correct = torch.zeros(b * q, dtype=torch.bool, device=hidden.device)
-    if sel.numel() == 0:
-        # Keep a graph so a backward on an all-padding micro-batch is a valid no-op.
-        zero = (hidden.sum() * 0.0).to(acc_dtype)
-        return LossOutput(zero / normaliser, zero.detach(), correct.view(b, q))
-    h = hidden.reshape(-1, d).index_select(0, sel)
-    lab = labels.reshape(-1).index_select(0, sel)
-    w = flat_w.index_select(0, sel)
-    use_ckpt = checkpoint and torch.is_grad_enabled() and (h.requires_grad or lm_head_weight.requires_grad)
-    total = hidden.new_zeros((), dtype=acc_dtype)
+    w = _units(weights.to(acc_dtype), b, q, block_size)
+    # Zero-weight slots are projected too; a fixed in-vocabulary label keeps their CE finite.
+    lab = torch.where(w > 0, _units(labels, b, q, block_size), 0)
+    parts = [_units(hidden, b, q, block_size), lab, w]
+    if kl_weight > 0:
+        parts.append(_units(torch.arange(b * q, device=hidden.device).view(b, q), b, q, block_size))
+    units, per_unit = w.shape
+    size = -(-units // num_chunks)
+    use_ckpt = checkpoint and torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
+    ce_total = hidden.new_zeros((), dtype=acc_dtype)
+    kl_total = hidden.new_zeros((), dtype=acc_dtype)
     hits = []
-    for hc, lc, wc in zip(h.chunk(num_chunks), lab.chunk(num_chunks), w.chunk(num_chunks)):
+    for chunk in zip(*(t.split(size) for t in parts)):
+        pad = size - chunk[0].shape[0]
+        if pad:
+            # Equal chunk shapes: zero rows with weight 0 (and label / index 0) fill the last one.
+            chunk = (F.pad(chunk[0], (0, 0, 0, 0, 0, pad)),) + tuple(F.pad(t, (0, 0, 0, pad)) for t in chunk[1:])
+        hc, lc, wc = chunk[:3]
+        ic = chunk[3] if kl_weight > 0 else None
+        args = (hc, lm_head_weight, lc, wc, ic, target_logits_fn, kl_weight)
         if use_ckpt:
-            part, hit = _checkpoint(_chunk_ce, hc, lm_head_weight, lc, wc, use_reentrant=False)
+            # The chunk draws no random numbers, so no RNG state needs saving (and none is read
+            # from the device, which CUDA graph capture would not allow).
+            ce, kl, hit = _checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
         else:
-            part, hit = _chunk_ce(hc, lm_head_weight, lc, wc)
-        total = total + part
-        hits.append(hit)
-    correct[sel] = torch.cat(hits)
-    return LossOutput(total / normaliser, total.detach(), correct.view(b, q))
+            ce, kl, hit = _chunk_loss(*args)
+        ce_total = ce_total + ce
+        kl_total = kl_total + kl
+        hits.append(hit.view(size, per_unit))
+    correct = torch.cat(hits)[:units]
+    if block_size is not None:
+        correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
+    total = ce_total + kl_weight * kl_total if kl_weight > 0 else ce_total
+    return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach())
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):
@@ -216,7 +279,8 @@ def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool 
     count = block_valid.sum().float()
     if not reduce:
         return total, count
-    return total / count if count > 0 else torch.full_like(total, math.nan)
+    # torch.where, not a Python `if count > 0`: that would wait for the device.
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
 
 
 def slot_accuracy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):

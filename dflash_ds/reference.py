@@ -48,7 +48,7 @@ def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter,
         opt.zero_grad()
         total = 0.0
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(drafter, embed, head, mb, bl, weight, settings.loss_chunks)
+            out = drafter_loss(drafter, embed, head, mb, bl, weight, settings)
             out.loss.backward()
             total += float(out.ce_sum)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)

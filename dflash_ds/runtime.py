@@ -84,10 +84,12 @@ def build_target_engine(recipe: Recipe, model, plan: Plan, group):
     """The frozen target under the engine the JSON asks for; returns the module to call."""
     import deepspeed
 
-    from .kernels import use_fla_short_conv
+    from .kernels import fuse_target_elementwise, use_fla_short_conv
 
     if os.environ.get("DFLASH_FLA_SHORT_CONV", "1") != "0":
         use_fla_short_conv()
+    if os.environ.get("DFLASH_FUSE_TARGET", "1") != "0":
+        fuse_target_elementwise()
     kind, cfg = target_ds_config(recipe, plan.layout.num_targets)
     if kind == "zero3":
         patches.skip_zero3_trace_check()

@@ -94,10 +94,10 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
 
 
 def drafter_loss(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mb: MicroBatch, blocks: Blocks,
-                 normaliser, loss_chunks: int):
+                 normaliser, settings: StepSettings):
     """sum(w * CE) / normaliser for one micro-batch (the caller supplies the whole step's weight)."""
     ctx = drafter.fuse(mb.taps)
     block_embeds = F.embedding(blocks.block_ids, embed_weight).to(ctx.dtype)
     hidden = drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
-    return chunked_loss(hidden, lm_head_weight, blocks.labels, blocks.weights, normaliser, loss_chunks,
-                        checkpoint=True)
+    return chunked_loss(hidden, lm_head_weight, blocks.labels, blocks.weights, normaliser, settings.loss_chunks,
+                        checkpoint=True, block_size=settings.block_size)

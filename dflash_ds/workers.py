@@ -131,7 +131,7 @@ def train_step(engine, drafter, embed, head, source, settings, plan, rank: int, 
     scale = plan.grad_accum * lay.num_drafters
     ce_sum, accept, anchors = 0.0, 0.0, 0.0
     for mb, bl in zip(mbs, blocks):
-        out = drafter_loss(drafter, embed, head, mb, bl, weight / scale, settings.loss_chunks)
+        out = drafter_loss(drafter, embed, head, mb, bl, weight / scale, settings)
         engine.backward(out.loss)
         engine.step()
         w = bl.weights.view(bl.weights.shape[0], -1, settings.block_size)
