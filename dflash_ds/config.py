@@ -103,6 +103,8 @@ class DataConfig:
     """Held-out prompts for acceptance length; null = the last num_eval samples of the dataset."""
     eval_split: str = "train"
     num_eval: int = 16
+    num_proc: int | None = None
+    """Processes for tokenising; null = automatic (up to 32 for large datasets)."""
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from .linear_ce import linear_cross_entropy
+
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
 
@@ -195,6 +197,7 @@ def chunked_loss(
     block_size: int | None = None,
     kl_weight: float = 0.0,
     target_logits_fn=None,
+    fused: bool = False,
 ) -> LossOutput:
     """Weighted CE of `hidden[b, Q, D] @ lm_head_weight[V, D].T` without materialising all logits.
 
@@ -215,6 +218,11 @@ def chunked_loss(
     target's next-token distribution at position a+k-1, the one that predicts the token at a+k.
     It is called inside the checkpointed chunk (again in the recompute), so the target's logits
     never exist for more than one chunk; padding rows ask for index 0 and have weight 0.
+
+    `fused=True` (CE only, kl_weight must be 0) computes the same slots, loss and metrics with
+    linear_ce.linear_cross_entropy: two lm_head matmuls per chunk (forward + input gradient, the
+    gradient computed in the forward) instead of three, and one fused pass over each chunk's
+    logits. `checkpoint` does not apply there; chunks are cut by slots, not by units.
     """
     if num_chunks < 1:
         raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
@@ -225,6 +233,8 @@ def chunked_loss(
     b, q, d = hidden.shape
     if block_size is not None and (block_size < 2 or q % block_size):
         raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
+    if fused:
+        return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight)
     # CE in fp32 (float64 stays float64, for reference checks).
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = _units(weights.to(acc_dtype), b, q, block_size)
@@ -261,6 +271,25 @@ def chunked_loss(
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
     total = ce_total + kl_weight * kl_total if kl_weight > 0 else ce_total
     return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach())
+
+
+def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight) -> LossOutput:
+    if kl_weight > 0:
+        raise ValueError(f"objective.kl_weight={kl_weight}: the fused lm_head loss has no KL term; "
+                         "set objective.kl_weight to 0 or use the unfused loss")
+    b, q, d = hidden.shape
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    w = _units(weights.to(acc_dtype), b, q, block_size)
+    units, per_unit = w.shape
+    # With block_size this copies the B-1 supervised slots of every block into [n, D] rows
+    # (cheap next to the lm_head); without it the reshape is a view.
+    h = _units(hidden, b, q, block_size).reshape(units * per_unit, d)
+    lab = _units(labels, b, q, block_size).reshape(-1)
+    loss, ce_sum, hit = linear_cross_entropy(h, lm_head_weight, lab, w.reshape(-1), normaliser, num_chunks)
+    correct = hit.view(units, per_unit)
+    if block_size is not None:
+        correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
+    return LossOutput(loss, ce_sum, correct.view(b, q), hidden.new_zeros((), dtype=acc_dtype))
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):

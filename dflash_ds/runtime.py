@@ -61,8 +61,10 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
     if recipe.checkpoint.universal:
         cfg["checkpoint"]["load_universal"] = True
     n_ckpt = checkpointed_layers(cfg, len(drafter.layers))
+    mpu = patches.GroupMPU(group, plan.layout.drafter_ranks, rank)
     if n_ckpt:
-        deepspeed.checkpointing.configure(None, deepspeed_config=cfg)
+        # The mpu makes DeepSpeed's batch-size check count the drafter group, not WORLD.
+        deepspeed.checkpointing.configure(mpu, deepspeed_config=cfg)
         # Non-reentrant: the block inputs (received hidden states) do not require grad, and the
         # reentrant variant would then silently give the checkpointed layers no gradient.
         drafter.checkpoint_fn = deepspeed.checkpointing.non_reentrant_checkpoint
@@ -74,7 +76,6 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
         opt_kwargs["fused"] = True
     optimizer = torch.optim.AdamW(params, **opt_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan, o.min_lr_ratio))
-    mpu = patches.GroupMPU(group, plan.layout.drafter_ranks, rank)
     engine, _, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=cfg,
                                            mpu=mpu, dist_init_required=False)
     return engine, cfg

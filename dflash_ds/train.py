@@ -72,15 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
         (run_dir / "plan.txt").write_text(describe(recipe, ctx.plan, ctx.memory) + "\n")
-    try:
-        role = ctx.plan.layout.role(rank)
-        if role == "target":
-            run_target(ctx)
-        else:
-            run_drafter(ctx)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    role = ctx.plan.layout.role(rank)
+    # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
+    # barrier would leave the failed rank waiting for peers that wait for it.
+    if role == "target":
+        run_target(ctx)
+    else:
+        run_drafter(ctx)
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 

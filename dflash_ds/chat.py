@@ -1,0 +1,221 @@
+"""Conversations -> token ids + loss mask, for any chat template.
+
+What is supervised: the tokens the model itself produces in an assistant turn, i.e. what follows the
+generation prompt, up to and including the special token that ends the turn (`<|im_end|>`,
+`<|eot_id|>`, ...). Not supervised: system/user turns, the generation prompt, and text the template
+writes whatever the message says (role headers, the empty `<think>\\n\\n</think>\\n\\n` that Qwen
+templates insert when a turn has no reasoning, the newline after `<|im_end|>`).
+
+How it is found without knowing the template (no `{% generation %}` markers needed):
+1. Render the whole conversation once (`F`); its tokens are what training sees.
+2. For each assistant turn i, render the same conversation with that one message replaced by a probe
+   text. `F` and the probe render differ exactly where message i's text went: the common prefix and
+   common suffix of the two strings bound the turn's own characters. This works whether or not the
+   template is prefix-stable (Qwen3 drops earlier turns' reasoning and writes the empty think block
+   only on the last turn, so rendering a prefix of the conversation does not give a prefix of `F`).
+   The span is extended over the special token that immediately follows it (the end of turn).
+3. Render messages[:i] with the generation prompt (`P`) and messages[:i+1] without it (`Q`). `Q` must
+   start with `P`: the model's output is what the template appends after its own generation prompt.
+   A sample that breaks this (e.g. reasoning in the data while `data.thinking` is false, so the
+   prompt pre-fills an empty think block that the rendered turn does not have) is dropped with the
+   reason `generation_prompt_mismatch`.
+4. Tokenise `F` in pieces cut where each assistant turn's generation prompt ends (when `F` starts
+   with `P`; otherwise where the turn's own text starts), as a server tokenises the prompt and then
+   appends generated tokens. Inside a piece, the supervised tokens are found by differences of token
+   sequences: the piece's tokens minus the common prefix with the tokens of the unsupervised text
+   before the span and the common suffix with those of the text after it, so a token that merges
+   across a boundary (e.g. ".\\n" in a template without end-of-turn tokens) counts as supervised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACCEPTED_SCHEMAS = (
+    "`messages` (OpenAI: list of {role, content[, reasoning_content]}, roles system/user/assistant)",
+    "`conversations` (ShareGPT: list of {from, value}, from system/human/gpt)",
+    "`prompt` + `response` (one exchange; optional `system`)",
+)
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                   "assistant": "assistant", "chatgpt": "assistant", "model": "assistant"}
+_ROLES = ("system", "user", "assistant")
+_PROBES = tuple(chr(c) for c in range(0xE000, 0xE010))  # private-use characters: never in real text
+
+
+class SampleError(Exception):
+    """A sample that cannot be used; `reason` is the key counted in the audit report."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def detect_schema(columns, setting: str = "data.path", where: str = "") -> str:
+    cols = set(columns)
+    if "messages" in cols:
+        return "messages"
+    if "conversations" in cols:
+        return "conversations"
+    if {"prompt", "response"} <= cols:
+        return "prompt_response"
+    raise ValueError(
+        f"{setting}: unknown dataset schema{(' in ' + where) if where else ''}: found fields "
+        f"{sorted(cols)}; accepted: " + "; ".join(ACCEPTED_SCHEMAS)
+        + ". Convert the dataset or point the setting at one in these formats.")
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        parts = [p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        return "".join(parts)
+    raise SampleError("bad_message", f"content of type {type(content).__name__}")
+
+
+def normalize(sample: dict, schema: str) -> list[dict]:
+    """One row of the dataset -> list of {role, content[, reasoning_content]} messages."""
+    if schema == "prompt_response":
+        msgs = []
+        if sample.get("system"):
+            msgs.append({"role": "system", "content": _text(sample["system"])})
+        msgs.append({"role": "user", "content": _text(sample["prompt"])})
+        msgs.append({"role": "assistant", "content": _text(sample["response"])})
+        return msgs
+    raw = sample.get(schema)
+    if not isinstance(raw, list):
+        raise SampleError("bad_message", f"`{schema}` is not a list")
+    msgs = []
+    for m in raw:
+        if not isinstance(m, dict):
+            raise SampleError("bad_message", "message is not an object")
+        if schema == "messages":
+            role = str(m.get("role") or "").lower()
+            out = {"role": role, "content": _text(m.get("content"))}
+            if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+                out["reasoning_content"] = m["reasoning_content"]
+        else:
+            role = _SHAREGPT_ROLES.get(str(m.get("from") or "").lower(), str(m.get("from")))
+            out = {"role": role, "content": _text(m.get("value"))}
+        if role not in _ROLES:
+            raise SampleError("unknown_role", repr(role))
+        msgs.append(out)
+    return msgs
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # supervised token ranges
+    probe_located_turns: int = 0  # turns whose generation prompt is not a prefix of the full render
+
+
+def _common_prefix(a, b) -> int:
+    # Binary search on slice equality: C-speed comparisons on long rendered conversations.
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a, b, limit: int) -> int:
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid:] == b[len(b) - mid:]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class ChatEncoder:
+    """Renders conversations with a tokenizer's chat template and computes assistant loss masks."""
+
+    def __init__(self, tokenizer, thinking: bool, tokenizer_setting: str = "target.path"):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{tokenizer_setting}: the tokenizer has no chat template (tokenizer_config.json "
+                "`chat_template` or chat_template.jinja); use a chat/instruct checkpoint or add one")
+        self.tokenizer = tokenizer
+        self.thinking = bool(thinking)
+        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            if getattr(tok, "special", False):
+                specials.add(str(tok))
+        # Longest first so that a token that is a prefix of another does not win.
+        self.special_strings = sorted((s for s in specials if s), key=len, reverse=True)
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt,
+                enable_thinking=self.thinking)
+        except Exception as e:  # jinja raise_exception, missing fields, role order rules
+            raise SampleError("template_error", f"{type(e).__name__}: {e}") from e
+        assert isinstance(text, str), type(text)
+        return text
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` followed by the generation prompt (what a server would see)."""
+        return self.tokenize([self.render(messages, True)])[0]
+
+    def _turn_span(self, messages: list[dict], i: int, full: str) -> tuple[int, int]:
+        probe = next((p for p in _PROBES if p not in full), None)
+        assert probe is not None, "every probe character occurs in the text"
+        probed = self.render(messages[:i] + [{"role": "assistant", "content": probe}] + messages[i + 1:], False)
+        start = _common_prefix(full, probed)
+        end = len(full) - _common_suffix(full, probed, min(len(full), len(probed)) - start)
+        for s in self.special_strings:  # the end-of-turn token is the model's output too
+            if full.startswith(s, end):
+                end += len(s)
+                break
+        return start, end
+
+    def encode(self, messages: list[dict]) -> Encoded:
+        last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        if last < 0:
+            raise SampleError("no_assistant_turn")
+        messages = messages[:last + 1]  # trailing user turns are context for nothing
+        full = self.render(messages, False)
+        spans, cuts, probe_located = [], [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], True)
+            if not self.render(messages[:i + 1], False).startswith(prompt):
+                raise SampleError("generation_prompt_mismatch", f"assistant turn {i}")
+            start, end = self._turn_span(messages, i, full)
+            if spans and start < spans[-1][1]:
+                raise SampleError("template_error", "assistant turns overlap in the rendered text")
+            if full.startswith(prompt) and len(prompt) <= start:
+                cut = len(prompt)
+            else:
+                cut, probe_located = start, probe_located + 1
+            if cuts and cut < spans[-1][1]:
+                cut = start
+            spans.append((start, end))
+            cuts.append(cut)
+        ids, mask, turn_spans = [], [], []
+        head = self.tokenize([full[:cuts[0]]])[0] if cuts[0] > 0 else []
+        ids += head
+        mask += [0] * len(head)
+        bounds = cuts[1:] + [len(full)]
+        for (start, end), cut, stop in zip(spans, cuts, bounds):
+            piece, lead, tail = self.tokenize([full[cut:stop], full[cut:start], full[end:stop]])
+            a = _common_prefix(piece, lead)
+            b = _common_suffix(piece, tail, min(len(tail), len(piece) - a))
+            turn_spans.append((len(ids) + a, len(ids) + len(piece) - b))
+            ids += piece
+            mask += [0] * a + [1] * (len(piece) - a - b) + [0] * b
+        return Encoded(ids, mask, turn_spans, probe_located)

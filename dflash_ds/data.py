@@ -1,0 +1,540 @@
+"""Chat dataset (hub or local) -> fixed-length training rows, cached and audited.
+
+    python -m dflash_ds.data prepare RECIPE [key=value ...]
+
+Rows are `S = data.max_length` tokens holding whole documents (never split across rows):
+`input_ids` int32 [S] (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens),
+`doc_ids` int32 [S] (document index inside the row, -1 on padding). Position ids restart at 0 for
+every document: `position_ids_from_doc_ids`. A packed row holds several documents and the target
+must not attend across them. With transformers (5.x) the simplest correct call is
+`model(input_ids, position_ids=position_ids_from_doc_ids(doc_ids), attention_mask=None, use_cache=False)`:
+its masking utilities then detect the restarts and build the block-diagonal mask themselves (with the
+default `use_cache=True` they do NOT, and documents leak into each other). The explicit alternative is
+`attention_mask=packed_attention_mask(doc_ids)`: a bool 4D mask for SDPA, or
+`packed_attention_mask(doc_ids, dtype)` (additive) for eager attention, which adds the mask to the
+scores and silently misreads a bool one.
+
+Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
+`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`). The fingerprint covers the dataset's
+identity (local files' sizes and mtimes, or the hub dataset's fingerprint), the tokenizer, the chat
+template and every setting that changes the rows; anything else reuses the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash_ds.chat import ChatEncoder, SampleError, detect_schema, normalize
+
+FORMAT_VERSION = 1
+ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
+DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+@dataclass
+class PreparedData:
+    rows: dict  # field -> np.ndarray [num_rows, S]
+    eval_prompts: list  # token ids of held-out prompts rendered with the generation prompt
+    eval_references: list  # token ids of their reference responses, None where there is none
+    report: dict
+    fingerprint: str
+    cache_path: str | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows["input_ids"].shape[0])
+
+
+# ----------------------------------------------------------------------------- positions and masks
+
+def position_ids_from_doc_ids(doc_ids):
+    """Positions restarting at 0 at every document (padding counts as one more run). numpy or torch."""
+    if isinstance(doc_ids, np.ndarray):
+        idx = np.broadcast_to(np.arange(doc_ids.shape[-1]), doc_ids.shape)
+        new = np.ones(doc_ids.shape, dtype=bool)
+        new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+        return (idx - np.maximum.accumulate(np.where(new, idx, 0), axis=-1)).astype(np.int64)
+    import torch
+
+    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand(doc_ids.shape)
+    new = torch.ones(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
+    new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    return idx - torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=-1).values
+
+
+def packed_attention_mask(doc_ids, dtype=None):
+    """Causal, block-diagonal per document: bool [b, 1, S, S], True = attend. numpy or torch.
+
+    With a torch float `dtype`, the additive form (0 / dtype min) that eager attention needs: it adds
+    the mask to the scores, so a bool mask would be silently wrong there (SDPA takes either)."""
+    if isinstance(doc_ids, np.ndarray):
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        return (same & np.tril(np.ones((doc_ids.shape[1],) * 2, dtype=bool)))[:, None]
+    import torch
+
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
+    mask = (same & causal)[:, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+# ----------------------------------------------------------------------------- packing
+
+def _first_fit(lengths: list[int], capacity: int) -> list[int]:
+    """Row index of each document: the first row with room (max segment tree over free space)."""
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    tree = [capacity] * (2 * size)
+    rows = []
+    for n in lengths:
+        node = 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= n else 2 * node + 1
+        rows.append(node - size)
+        tree[node] -= n
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return rows
+
+
+def pack_documents(docs, max_length: int, pad_id: int, pack: bool = True, out_dir: str | None = None,
+                   lengths: list[int] | None = None) -> dict:
+    """docs: sequence of (input_ids, loss_mask) with len <= max_length -> rows dict of [R, S] arrays.
+
+    Documents keep their order within a row. With `out_dir`, arrays are written there as .npy
+    (memory-mapped) instead of held in memory."""
+    lengths = [len(d[0]) for d in docs] if lengths is None else lengths
+    assert all(0 < n <= max_length for n in lengths), "documents must be truncated before packing"
+    where = _first_fit(lengths, max_length) if pack else list(range(len(docs)))
+    num_rows = (max(where) + 1) if where else 0
+    shape = (num_rows, max_length)
+    spec = {"input_ids": (np.int32, pad_id), "loss_mask": (np.uint8, 0), "doc_ids": (np.int32, -1)}
+    rows = {}
+    for name, (dtype, fill) in spec.items():
+        if out_dir is None:
+            rows[name] = np.full(shape, fill, dtype=dtype)
+        else:
+            rows[name] = np.lib.format.open_memmap(os.path.join(out_dir, f"{name}.npy"), "w+", dtype, shape)
+            rows[name][:] = fill
+    used = [0] * num_rows
+    count = [0] * num_rows
+    for (ids, mask), r in zip(docs, where):
+        a, b = used[r], used[r] + len(ids)
+        rows["input_ids"][r, a:b] = ids
+        rows["loss_mask"][r, a:b] = mask
+        rows["doc_ids"][r, a:b] = count[r]
+        used[r], count[r] = b, count[r] + 1
+    return rows
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _local_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()
+                  and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
+
+
+def source_identity(path: str, split: str) -> dict | None:
+    """Identity of a local dataset from file names, sizes and mtimes (None for a hub id)."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    files = [{"name": str(f.relative_to(p)) if f != p else f.name, "size": f.stat().st_size,
+              "mtime_ns": f.stat().st_mtime_ns} for f in _local_files(p)]
+    return {"path": str(p.resolve()), "split": split, "files": files}
+
+
+def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setting: str = "data.path",
+              split_setting: str = "data.split"):
+    """A `datasets.Dataset` from a hub id, a local .json/.jsonl/.parquet/.arrow file or a directory."""
+    import datasets
+
+    p = Path(path)
+    kw = {"cache_dir": cache_dir} if cache_dir else {}
+    if not p.exists() and (p.is_absolute() or path.startswith(".") or p.suffix.lower() in DATA_SUFFIXES):
+        raise ValueError(f"{path_setting}: {path} does not exist (local paths must exist; hub ids look like "
+                         "'org/name')")
+    try:
+        if p.is_file():
+            builder = DATA_SUFFIXES.get(p.suffix.lower())
+            if builder is None:
+                raise ValueError(f"{path_setting}: {path} has an unsupported extension; use one of "
+                                 f"{sorted(DATA_SUFFIXES)} or a directory of such files")
+            ds = datasets.load_dataset(builder, data_files={"train": str(p)}, split=split, **kw)
+        elif p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ValueError(f"{split_setting}: split {split!r} not in {path} (has {sorted(ds)})")
+                ds = ds[split]
+        elif p.is_dir():
+            files = [f for f in _local_files(p) if f.suffix.lower() in DATA_SUFFIXES]
+            if not files:
+                raise ValueError(f"{path_setting}: no data files ({sorted(DATA_SUFFIXES)}) in {path}")
+            ds = datasets.load_dataset(str(p), split=split, **kw)
+        else:
+            ds = datasets.load_dataset(path, split=split, **kw)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith((path_setting, split_setting)):
+            raise
+        if "split" in msg.lower():
+            raise ValueError(f"{split_setting}: split {split!r} does not exist in {path}: {msg}") from e
+        raise ValueError(f"{path_setting}: cannot load {path!r}: {msg}") from e
+    except FileNotFoundError as e:
+        raise ValueError(f"{path_setting}: {path!r} is neither a local file/directory nor a dataset "
+                         f"on the hub: {e}") from e
+    except Exception as e:  # network, auth, malformed files
+        raise ValueError(f"{path_setting}: cannot load {path!r} (split {split!r}): "
+                         f"{type(e).__name__}: {e}") from e
+    if isinstance(ds, datasets.IterableDataset):
+        raise ValueError(f"{path_setting}: streaming datasets are not supported")
+    return ds
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+def tokenizer_digest(tokenizer) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())  # vocab, merges, normalizer, added tokens
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps({"special": sorted(map(str, tokenizer.all_special_tokens)),
+                         "pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}).encode())
+    return h.hexdigest()
+
+
+def _settings(cfg) -> dict:
+    return {"max_samples": cfg.max_samples, "max_length": cfg.max_length, "pack": bool(cfg.pack),
+            "truncation": cfg.truncation, "thinking": bool(cfg.thinking), "seed": cfg.seed,
+            "num_eval": cfg.num_eval, "split": cfg.split, "eval_split": cfg.eval_split}
+
+
+def compute_fingerprint(sources: dict, tokenizer, settings: dict) -> str:
+    blob = json.dumps({"format": FORMAT_VERSION, "sources": sources, "settings": settings,
+                       "tokenizer": tokenizer_digest(tokenizer),
+                       "chat_template": tokenizer.chat_template}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+# ----------------------------------------------------------------------------- prepare
+
+def _train_source(cfg) -> tuple[str, str]:
+    regen = getattr(cfg, "regenerate", None)
+    if regen is not None and getattr(regen, "enabled", False):
+        from dflash_ds.regenerate import check_complete, output_dir
+
+        check_complete(output_dir(cfg))
+        return str(output_dir(cfg)), "data.regenerate.output_dir"
+    return str(cfg.path), "data.path"
+
+
+def _pad_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def _encode_batch(batch: dict, encoder: ChatEncoder, schema: str, max_length: int, truncation: str) -> dict:
+    out = {"input_ids": [], "loss_mask": [], "drop": [], "turns": [], "probe": [], "truncated": []}
+    for i in range(len(next(iter(batch.values())))):
+        ids, mask, drop, turns, probe, cut = [], [], "", 0, 0, 0
+        try:
+            enc = encoder.encode(normalize({k: v[i] for k, v in batch.items()}, schema))
+            ids, mask = enc.input_ids, enc.loss_mask
+            turns, probe = len(enc.turn_spans), enc.probe_located_turns
+            if len(ids) > max_length:
+                if truncation == "drop":
+                    drop, ids, mask = "too_long", [], []
+                else:
+                    ids, mask, cut = ids[:max_length], mask[:max_length], 1
+            if not drop and not any(a and b for a, b in zip(mask, mask[1:])):
+                drop, ids, mask = "no_supervised_pair", [], []  # no valid anchor: nothing to learn from
+        except SampleError as e:
+            drop = e.reason
+        for key, val in zip(out, (ids, mask, drop, turns, probe, cut)):
+            out[key].append(val)
+    return out
+
+
+class _Docs:
+    """(input_ids, loss_mask) pairs of the kept documents, backed by the encoded arrow table."""
+
+    def __init__(self, table):
+        self.table = table.with_format("numpy", columns=["input_ids", "loss_mask"])
+
+    def __len__(self):
+        return len(self.table)
+
+    def __getitem__(self, i):
+        row = self.table[int(i)]
+        return row["input_ids"].astype(np.int32), row["loss_mask"].astype(np.uint8)
+
+    def __iter__(self):
+        for row in self.table:
+            yield row["input_ids"].astype(np.int32), row["loss_mask"].astype(np.uint8)
+
+
+def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: Counter, dropped: Counter):
+    import functools
+
+    # Rendering is Python (jinja) bound: use processes on big datasets. `data.num_proc`, when the
+    # config has it, overrides the choice.
+    num_proc = getattr(cfg, "num_proc", None) or (min(os.cpu_count() or 1, 32) if len(rows) >= 20_000 else None)
+    if num_proc and num_proc > 1:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import datasets
+
+    fn = functools.partial(_encode_batch, encoder=encoder, schema=schema, max_length=cfg.max_length,
+                           truncation=cfg.truncation)
+    # Explicit types: a first batch of dropped samples (empty lists) must not fix a null type.
+    features = datasets.Features({
+        "input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("uint8")),
+        "drop": datasets.Value("string"), "turns": datasets.Value("int32"), "probe": datasets.Value("int32"),
+        "truncated": datasets.Value("int8")})
+    enc = rows.map(fn, batched=True, batch_size=64, remove_columns=rows.column_names, features=features,
+                   num_proc=num_proc if num_proc and num_proc > 1 else None, new_fingerprint=f"{fp}-encoded",
+                   keep_in_memory=len(rows) < 50_000, desc="encoding conversations")
+    drops = enc["drop"]
+    dropped.update(d for d in drops if d)
+    stats["assistant_turns"] += int(sum(enc["turns"]))
+    stats["probe_located_turns"] += int(sum(enc["probe"]))
+    stats["truncated"] += int(sum(enc["truncated"]))
+    return _Docs(enc.select([i for i, d in enumerate(drops) if not d]))
+
+
+def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
+    prompts, refs = [], []
+    for sample in rows:
+        try:
+            msgs = normalize(sample, schema)
+            last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
+            if last < 0:
+                while msgs and msgs[-1]["role"] != "user":
+                    msgs = msgs[:-1]
+                if not msgs:
+                    raise SampleError("no_user_turn")
+                prompts.append(encoder.prompt_ids(msgs))
+                refs.append(None)
+                continue
+            if last == 0:
+                raise SampleError("no_prompt")
+            enc = encoder.encode(msgs[:last + 1])
+            a, b = enc.turn_spans[-1]
+            prompts.append(encoder.prompt_ids(msgs[:last]))
+            refs.append(enc.input_ids[a:b])
+        except SampleError as e:
+            dropped[e.reason] += 1
+    return prompts, refs
+
+
+def render_example(tokenizer, ids, mask, limit: int = 3000) -> str:
+    """Decoded document with supervised spans wrapped in [[ ]]."""
+    out, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or mask[t] != mask[start]:
+            text = tokenizer.decode([int(x) for x in ids[start:t]], skip_special_tokens=False)
+            out.append(f"[[{text}]]" if mask[start] else text)
+            start = t
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def report_text(report: dict) -> str:
+    lines = [f"prepared data {report['fingerprint']} from {report['source']}",
+             f"  samples {report['samples']}  documents {report['documents']}  rows {report['rows']} x {report['row_length']}",
+             f"  tokens {report['tokens']}  supervised {report['supervised_tokens']} "
+             f"({report['supervised_fraction']:.1%} of tokens)  padding {report['padding_fraction']:.1%}",
+             f"  assistant turns {report['assistant_turns']} (located by probe: {report['probe_located_turns']})"
+             f"  truncated {report['truncated']}",
+             f"  dropped {report['dropped'] or 'none'}",
+             f"  eval prompts {report['eval_prompts']} (dropped {report['eval_dropped'] or 'none'})",
+             "  example (supervised text in [[ ]]):", report.get("example", "")]
+    return "\n".join(lines) + "\n"
+
+
+def _load_cached(final: Path, fp: str) -> PreparedData:
+    # Large datasets stay on disk (read-only memory maps); small ones are read into writable arrays.
+    size = sum((final / f"{k}.npy").stat().st_size for k in ROW_FIELDS)
+    mmap = "r" if size > (1 << 30) else None
+    rows = {k: np.load(final / f"{k}.npy", mmap_mode=mmap) for k in ROW_FIELDS}
+    ev = json.loads((final / "eval.json").read_text())
+    report = json.loads((final / "report.json").read_text())
+    return PreparedData(rows, ev["prompts"], ev["references"], report, fp, str(final))
+
+
+def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = False,
+            verbose: bool = True) -> PreparedData:
+    """Rows for training plus held-out eval prompts, from the cache when nothing changed."""
+    if hybrid_target and cfg.pack and not has_fla:
+        raise ValueError(
+            "data.pack: packing several documents per row with a hybrid (Gated DeltaNet) target such as "
+            "Qwen3.5/3.6 needs flash-linear-attention's varlen kernels (pip install flash-linear-attention); "
+            "without them recurrent state leaks across documents. Install it or set data.pack=false")
+    if cfg.truncation not in ("drop", "truncate"):
+        raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
+    if cfg.max_length < 2:
+        raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
+    encoder = ChatEncoder(tokenizer, cfg.thinking)
+    path, path_setting = _train_source(cfg)
+    cache_dir = Path(cfg.cache_dir)
+    hf_cache = str(cache_dir / "hf_datasets")
+
+    loaded = {}
+    sources = {"train": source_identity(path, cfg.split)}
+    if sources["train"] is None:
+        loaded["train"] = load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
+        sources["train"] = {"hub": path, "split": cfg.split, "fingerprint": loaded["train"]._fingerprint}
+    if cfg.eval_path:
+        sources["eval"] = source_identity(cfg.eval_path, cfg.eval_split)
+        if sources["eval"] is None:
+            loaded["eval"] = load_rows(cfg.eval_path, cfg.eval_split, hf_cache,
+                                       path_setting="data.eval_path", split_setting="data.eval_split")
+            sources["eval"] = {"hub": cfg.eval_path, "split": cfg.eval_split,
+                               "fingerprint": loaded["eval"]._fingerprint}
+    fp = compute_fingerprint(sources, tokenizer, _settings(cfg))
+    final = cache_dir / fp
+    if (final / "report.json").exists():
+        data = _load_cached(final, fp)
+        if verbose:
+            print(f"[data] reusing {final}", flush=True)
+        return data
+
+    ds = loaded["train"] if "train" in loaded else load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
+    if len(ds) == 0:
+        raise ValueError(f"{path_setting}: dataset {path!r} (split {cfg.split!r}) is empty")
+    schema = detect_schema(ds.column_names, path_setting, path)
+    n = len(ds)
+    if cfg.eval_path:
+        ev = loaded["eval"] if "eval" in loaded else load_rows(
+            cfg.eval_path, cfg.eval_split, hf_cache, path_setting="data.eval_path", split_setting="data.eval_split")
+        ev_schema = detect_schema(ev.column_names, "data.eval_path", cfg.eval_path)
+        ev = ev.select(range(min(cfg.num_eval, len(ev))))
+        train_idx = np.arange(n)
+    else:
+        if cfg.num_eval >= n:
+            raise ValueError(f"data.num_eval: {cfg.num_eval} held-out samples requested from a dataset of {n}")
+        ev, ev_schema = ds.select(list(range(n - cfg.num_eval, n))), schema  # a list: empty is fine
+        train_idx = np.arange(n - cfg.num_eval)
+    train_idx = np.random.default_rng(cfg.seed).permutation(train_idx)
+    if cfg.max_samples:
+        train_idx = train_idx[:cfg.max_samples]
+
+    stats, dropped, eval_dropped = Counter(), Counter(), Counter()
+    docs = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, stats, dropped)
+    prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
+    lengths, supervised = [], 0
+    for ids, mask in docs:
+        lengths.append(len(ids))
+        supervised += int(mask.sum())
+    if supervised == 0:
+        raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
+                         f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
+                         "data.thinking and data.max_length")
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".tmp-{fp}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
+                              lengths=lengths)
+        num_rows = rows["input_ids"].shape[0]
+        tokens = int(sum(lengths))
+        report = {
+            "fingerprint": fp, "source": path, "split": cfg.split, "settings": _settings(cfg),
+            "samples": int(len(train_idx)), "documents": len(docs), "rows": int(num_rows),
+            "row_length": cfg.max_length, "tokens": tokens, "supervised_tokens": supervised,
+            "supervised_fraction": supervised / max(tokens, 1),
+            "padding_fraction": 1 - tokens / max(num_rows * cfg.max_length, 1),
+            "assistant_turns": stats["assistant_turns"], "probe_located_turns": stats["probe_located_turns"],
+            "truncated": stats["truncated"], "dropped": dict(sorted(dropped.items())),
+            "eval_prompts": len(prompts), "eval_dropped": dict(sorted(eval_dropped.items())),
+            "example": render_example(tokenizer, *docs[0]),
+        }
+        for a in rows.values():
+            a.flush()
+        del rows
+        (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
+        (tmp / "report.txt").write_text(report_text(report))
+        (tmp / "report.json").write_text(json.dumps(report, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same fingerprint first: use theirs
+            if not (final / "report.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    data = _load_cached(final, fp)
+    if verbose:
+        print(report_text(data.report), end="", flush=True)
+    return data
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def is_hybrid_target(config) -> bool:
+    """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers."""
+    config = getattr(config, "text_config", None) or config
+    layer_types = getattr(config, "layer_types", None) or []
+    return any("linear" in str(t) for t in layer_types) or str(getattr(config, "model_type", "")).startswith(
+        ("qwen3_5", "qwen3_next"))
+
+
+def fla_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"target.path: cannot load a tokenizer from {path!r}: {type(e).__name__}: {e}") from e
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_ds.data", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenise, mask, pack and cache the recipe's dataset; print the audit")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
+    args = parser.parse_args(argv)
+    from transformers import AutoConfig
+
+    from dflash_ds.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    tokenizer = load_tokenizer(recipe.target.path)
+    hybrid = is_hybrid_target(AutoConfig.from_pretrained(recipe.target.path))
+    data = prepare(recipe.data, tokenizer, hybrid_target=hybrid, has_fla=fla_available())
+    print(f"[data] {data.num_rows} rows in {data.cache_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Weighted cross-entropy of `hidden @ weight.T` with the gradients computed in the forward pass.
+
+The lm_head of a 248K-token vocabulary is the drafter's most expensive matmul. Checkpointed
+chunks (objective.chunked_loss) run it three times per chunk (forward, recompute, input
+gradient) and walk each chunk's logits several times in fp32 (upcast, log_softmax, gather,
+argmax, softmax backward). Here the loss is a sum over rows, so each chunk's gradient is known
+as soon as its logits are: the forward computes logits, then one fused elementwise pass gives
+the CE, the argmax hit and the logits' gradient, then one matmul turns that into the input
+gradient. The backward only scales the saved gradients by the incoming one. Two lm_head matmuls
+per chunk, and only one chunk's logits ever exist.
+
+Model code: no torch.distributed, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear_cross_entropy"]
+
+
+def _ce_stats(logits, labels, weights):
+    # fp32 (or wider) statistics of bf16 logits; under torch.compile these fuse into one pass.
+    x = logits.to(weights.dtype)
+    m = x.amax(-1, keepdim=True)
+    e = (x - m).exp()
+    s = e.sum(-1, keepdim=True)
+    target = x.gather(1, labels.unsqueeze(1))
+    ce = (m + s.log() - target).squeeze(1)
+    hit = (x.argmax(-1) == labels) & (weights > 0)
+    return (ce * weights).sum(), hit, e, s
+
+
+def _ce_forward(logits, labels, weights):
+    ce_sum, hit, _, _ = _ce_stats(logits, labels, weights)
+    return ce_sum, hit
+
+
+def _ce_forward_and_grad(logits, labels, weights, scale):
+    # d(sum(scale * CE)) / d(logits) = (softmax - onehot(label)) * scale, in the logits' dtype
+    # (what autograd would hand the lm_head matmul's backward).
+    ce_sum, hit, e, s = _ce_stats(logits, labels, weights)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = vocab == labels.unsqueeze(1)
+    grad = ((e / s - onehot.to(e.dtype)) * scale.unsqueeze(1)).to(logits.dtype)
+    return ce_sum, hit, grad
+
+
+_compiled: dict = {}
+
+
+def _elementwise(fn, device: torch.device):
+    """`fn` compiled (once per process) on CUDA, where fusing it saves several passes over the
+    logits; plain on CPU and meta (tests, no compiler needed)."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _compiled[fn]
+
+
+def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: bool, grad_weight: bool):
+    """The whole computation; the gradients are those of loss = sum(w * CE) / normaliser."""
+    n, d = hidden.shape
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    w = weights.to(acc_dtype)
+    # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their CE finite and
+    # lets their labels be anything (padding, out-of-vocabulary ids).
+    lab = torch.where(w > 0, labels, torch.zeros_like(labels))
+    want_grad = grad_hidden or grad_weight
+    scale = w / normaliser if want_grad else None
+    size = max(1, -(-n // num_chunks))
+    chunks = -(-n // size)
+    ce_total = hidden.new_zeros((), dtype=acc_dtype)
+    hits = []
+    # Sized for whole chunks, so every input-gradient matmul writes `size` rows in place.
+    g_hidden = hidden.new_empty(chunks * size, d) if grad_hidden else None
+    g_weight = torch.zeros_like(weight) if grad_weight else None
+    fn = _elementwise(_ce_forward_and_grad if want_grad else _ce_forward, hidden.device)
+    for i in range(chunks):
+        lo, hi = i * size, min(n, (i + 1) * size)
+        hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
+        sc = scale[lo:hi] if want_grad else None
+        pad = size - (hi - lo)
+        if pad:
+            # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
+            hc = F.pad(hc, (0, 0, 0, pad))
+            lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
+            sc = F.pad(sc, (0, pad)) if want_grad else None
+        logits = torch.mm(hc, weight.t())
+        if want_grad:
+            ce, hit, g_logits = fn(logits, lc, wc, sc)
+        else:
+            ce, hit = fn(logits, lc, wc)
+        del logits
+        ce_total = ce_total + ce
+        hits.append(hit)
+        if grad_hidden:
+            torch.mm(g_logits, weight, out=g_hidden[i * size:(i + 1) * size])
+        if grad_weight:
+            # Accumulates in the weight's dtype, as autograd would across chunks.
+            g_weight.addmm_(g_logits.t(), hc)
+        if want_grad:
+            del g_logits
+    correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight):
+        ce_total, correct, g_hidden, g_weight = _run(hidden, weight, labels, weights, normaliser, num_chunks,
+                                                     grad_hidden, grad_weight)
+        ctx.save_for_backward(g_hidden, g_weight)
+        loss = ce_total / normaliser
+        ctx.mark_non_differentiable(ce_total, correct)
+        return loss, ce_total, correct
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_ce, _g_correct):
+        if torch.is_grad_enabled():
+            # create_graph=True: the saved gradients are constants here, so a second derivative
+            # would silently come out as zero.
+            raise RuntimeError("linear_cross_entropy cannot be differentiated twice (backward with create_graph=True)")
+        # loss is linear in the saved gradients' scale: only the upstream factor is left to apply.
+        g_hidden, g_weight = ctx.saved_tensors
+        gh = g_hidden * g_loss if g_hidden is not None else None
+        gw = g_weight * g_loss if g_weight is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normaliser: float | torch.Tensor,
+    num_chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum(w * CE(hidden @ weight.T, labels)) / normaliser, two lm_head matmuls per chunk.
+
+    hidden `[n, D]`, weight `[V, D]` (same dtype; logits in that dtype, CE in fp32, or float64
+    for float64 inputs), labels `[n]` int, weights `[n]`, normaliser a float or a 0-dim tensor
+    (a constant: it gets no gradient). Rows are cut into at most `num_chunks` chunks of
+    ceil(n / num_chunks) rows, the last padded with zero-weight rows, so every chunk has the same
+    shape. Rows of weight 0 add exactly 0 and their labels may be anything.
+
+    Returns (loss, ce_sum, correct): `loss` differentiable w.r.t. `hidden`, and `weight` when it
+    requires grad; `ce_sum` = sum(w * CE), detached; `correct` bool `[n]`, argmax == label on
+    rows of weight > 0, False elsewhere. With gradients enabled the forward also computes them
+    (saved until backward, which only scales them); under no_grad it computes the loss only.
+    Static shapes and no host synchronisation. Differentiable once only.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+        raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{hidden.shape[0]}]")
+    if isinstance(normaliser, torch.Tensor):
+        normaliser = normaliser.detach()
+    grad_on = torch.is_grad_enabled()
+    grad_hidden = grad_on and hidden.requires_grad
+    grad_weight = grad_on and weight.requires_grad
+    if not (grad_hidden or grad_weight):
+        ce_total, correct, _, _ = _run(hidden.detach(), weight.detach(), labels, weights, normaliser, num_chunks,
+                                       False, False)
+        return ce_total / normaliser, ce_total, correct
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight)

@@ -1,0 +1,570 @@
+"""Chat templates -> loss masks, packing, the prepared-data cache and its errors."""
+
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_ds import data as D
+from dflash_ds.chat import ChatEncoder, SampleError, normalize
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "assets" / "tiny-target"
+CHAT = ROOT / "assets" / "tiny_chat.jsonl"
+EVAL = ROOT / "assets" / "tiny_eval.jsonl"
+
+# ----------------------------------------------------------------------------- templates under test
+
+# Qwen3: reasoning only on turns after the last user message; the last turn always gets a think block
+# (empty without reasoning); earlier turns lose theirs; thinking off pre-fills an empty block.
+QWEN3 = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+# Qwen3.5-style: the generation prompt opens the think block itself (closes it at once when
+# thinking is off).
+QWEN35 = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role in ['system', 'user'] %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{%- set r = m.reasoning_content if m.reasoning_content is string else '' %}"
+    "{%- if loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+LLAMA3 = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+# Plain text, no special tokens and no {% generation %} markers.
+PLAIN = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{{- m.content + '\\n\\n' }}"
+    "{%- elif m.role == 'user' %}{{- 'User: ' + m.content + '\\n' }}"
+    "{%- else %}{{- 'Assistant: ' + m.content + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}"
+)
+
+CONV = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+    {"role": "user", "content": "Spell the word cat."},
+    {"role": "assistant", "content": "cat is spelled c-a-t."},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny CPU ops: a second OpenMP thread costs more than it gives on small CI machines.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tokenizer(template=None, extra_specials=()):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    if extra_specials:
+        tok.add_tokens(list(extra_specials), special_tokens=True)
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+def expected(tok, pieces):
+    """Hand-built expectation: (text, supervised) pieces tokenised one by one."""
+    ids, mask = [], []
+    for text, sup in pieces:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        mask += [int(sup)] * len(t)
+    return ids, mask
+
+
+def check(tok, messages, thinking, pieces):
+    enc = ChatEncoder(tok, thinking).encode(messages)
+    ids, mask = expected(tok, pieces)
+    assert "".join(p for p, _ in pieces) == tok.apply_chat_template(
+        messages, tokenize=False, enable_thinking=thinking), "expectation text differs from the template"
+    assert enc.input_ids == ids
+    assert enc.loss_mask == mask
+    return enc
+
+
+# ----------------------------------------------------------------------------- loss masks
+
+def test_qwen3_thinking_off_multiturn_system():
+    tok = tokenizer(QWEN3)
+    check(tok, CONV, False, [
+        ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+         "<|im_start|>assistant\n", 0),
+        ("2 + 3 = 5.<|im_end|>", 1),
+        ("\n<|im_start|>user\nSpell the word cat.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        ("cat is spelled c-a-t.<|im_end|>", 1),
+        ("\n", 0),
+    ])
+
+
+def test_qwen3_thinking_on_with_reasoning():
+    tok = tokenizer(QWEN3)
+    conv = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n2 + 3 = 5."},  # history: reasoning dropped
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": "4 + 4 = 8.", "reasoning_content": "double four"},
+    ]
+    enc = check(tok, conv, True, [
+        ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("2 + 3 = 5.<|im_end|>", 1),
+        ("\n<|im_start|>user\nAnd 4 + 4?<|im_end|>\n<|im_start|>assistant\n<think>\n", 0),
+        ("double four\n</think>\n\n4 + 4 = 8.<|im_end|>", 1),
+        ("\n", 0),
+    ])
+    assert enc.probe_located_turns == 0  # thinking on: every generation prompt is a prefix of the render
+    # Without reasoning the template's empty think block is scaffolding, not output.
+    conv[-1] = {"role": "assistant", "content": "4 + 4 = 8."}
+    check(tok, conv, True, [
+        ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("2 + 3 = 5.<|im_end|>", 1),
+        ("\n<|im_start|>user\nAnd 4 + 4?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        ("4 + 4 = 8.<|im_end|>", 1),
+        ("\n", 0),
+    ])
+
+
+def test_qwen3_reasoning_data_with_thinking_off_is_refused():
+    tok = tokenizer(QWEN3)
+    conv = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"}]
+    with pytest.raises(SampleError) as e:
+        ChatEncoder(tok, False).encode(conv)
+    assert e.value.reason == "generation_prompt_mismatch"
+
+
+def test_qwen35_style_thinking_on_and_off():
+    tok = tokenizer(QWEN35)
+    conv = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Count to 3."},
+        {"role": "assistant", "content": "1, 2, 3."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue.", "reasoning_content": "pick one"},
+    ]
+    check(tok, conv, True, [
+        ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nCount to 3.<|im_end|>\n"
+         "<|im_start|>assistant\n", 0),
+        ("1, 2, 3.<|im_end|>", 1),
+        ("\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n", 0),
+        ("pick one\n</think>\n\nBlue.<|im_end|>", 1),
+        ("\n", 0),
+    ])
+    conv[-1] = {"role": "assistant", "content": "Blue."}
+    # The empty block is never supervised. Tokens are cut where the generation prompt ends, as a
+    # server tokenises the prompt alone: thinking on, "<think>\n" | "\n</think>..." (not "\n\n").
+    head = [("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nCount to 3.<|im_end|>\n"
+             "<|im_start|>assistant\n", 0), ("1, 2, 3.<|im_end|>", 1)]
+    check(tok, conv, True, head + [
+        ("\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n", 0),
+        ("\n</think>\n\n", 0), ("Blue.<|im_end|>", 1), ("\n", 0)])
+    check(tok, conv, False, head + [
+        ("\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        ("Blue.<|im_end|>", 1), ("\n", 0)])
+    ids_on = ChatEncoder(tok, True).encode(conv).input_ids
+    assert ids_on != ChatEncoder(tok, False).encode(conv).input_ids  # the cut matters for this tokenizer
+
+
+def test_llama3_style_template():
+    tok = tokenizer(LLAMA3, LLAMA3_SPECIALS)
+    hdr = lambda r: f"<|start_header_id|>{r}<|end_header_id|>\n\n"  # noqa: E731
+    check(tok, CONV, False, [
+        ("<|begin_of_text|>" + hdr("system") + "Answer briefly.<|eot_id|>" + hdr("user") + "What is 2 + 3?<|eot_id|>"
+         + hdr("assistant"), 0),
+        ("2 + 3 = 5.<|eot_id|>", 1),
+        (hdr("user") + "Spell the word cat.<|eot_id|>" + hdr("assistant"), 0),
+        ("cat is spelled c-a-t.<|eot_id|>", 1),
+    ])
+
+
+def test_plain_template_without_markers():
+    tok = tokenizer(PLAIN)
+    conv = [{"role": "system", "content": "Be kind."},
+            {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello there"},
+            {"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "is red"}]
+    # The space after "Assistant:" is template text outside the generation prompt. As its own token
+    # (" " + "Hello") it is scaffolding; merged with the reply's first word (" is") the token is the
+    # model's output and supervised. No end-of-turn special token, so nothing after the text.
+    assert tok.tokenize(" Hello")[0] == "Ġ" and tok.tokenize(" is") == ["Ġis"]
+    check(tok, conv, False, [
+        ("Be kind.\n\nUser: Say hi\nAssistant:", 0), (" ", 0), ("Hello there", 1),
+        ("\nUser: Colour?\nAssistant:", 0), (" is red", 1), ("\n", 0),
+    ])
+
+
+def test_tiny_target_template_and_schemas(tok):
+    enc = ChatEncoder(tok, False)
+    msgs = normalize({"messages": CONV}, "messages")
+    sharegpt = {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                   "value": m["content"]} for m in CONV]}
+    assert normalize(sharegpt, "conversations") == msgs
+    pr = normalize({"prompt": "What is 2 + 3?", "response": "2 + 3 = 5.", "system": "Answer briefly."},
+                   "prompt_response")
+    assert pr == msgs[:3]
+    ids, mask = expected(tok, [
+        ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+         "<|im_start|>assistant\n<think>\n\n</think>\n\n", 0), ("2 + 3 = 5.<|im_end|>", 1), ("\n", 0)])
+    got = enc.encode(pr)
+    assert (got.input_ids, got.loss_mask) == (ids, mask)
+    with pytest.raises(SampleError, match="unknown_role"):
+        normalize({"messages": [{"role": "narrator", "content": "x"}]}, "messages")
+    with pytest.raises(SampleError, match="no_assistant_turn"):
+        enc.encode([{"role": "user", "content": "hi"}])
+
+
+# ----------------------------------------------------------------------------- positions, masks, packing
+
+def test_position_ids_and_packed_mask_against_loops():
+    doc_ids = np.array([[0, 0, 0, 1, 1, 2, -1, -1], [0, 1, 1, 1, 1, 1, 1, 1]], dtype=np.int32)
+    pos_np = D.position_ids_from_doc_ids(doc_ids)
+    pos_t = D.position_ids_from_doc_ids(torch.from_numpy(doc_ids))
+    mask_np = D.packed_attention_mask(doc_ids)
+    mask_t = D.packed_attention_mask(torch.from_numpy(doc_ids))
+    for b in range(2):
+        for i in range(8):
+            run_start = i
+            while run_start > 0 and doc_ids[b, run_start - 1] == doc_ids[b, i]:
+                run_start -= 1
+            assert pos_np[b, i] == pos_t[b, i] == i - run_start
+            for j in range(8):
+                want = j <= i and doc_ids[b, j] == doc_ids[b, i]
+                assert mask_np[b, 0, i, j] == mask_t[b, 0, i, j] == want
+    add = D.packed_attention_mask(torch.from_numpy(doc_ids), dtype=torch.float32)
+    assert torch.equal(add == 0, mask_t) and (add[~mask_t] < -1e30).all()
+
+
+def test_packing_keeps_documents_whole():
+    rng = np.random.default_rng(1)
+    S = 32
+    docs = []
+    for k in range(60):
+        n = int(rng.integers(1, S + 1))
+        docs.append((rng.integers(10, 1000, n).astype(np.int32), rng.integers(0, 2, n).astype(np.uint8)))
+    rows = D.pack_documents(docs, S, pad_id=7, pack=True)
+    ids, mask, doc_ids = rows["input_ids"], rows["loss_mask"], rows["doc_ids"]
+    assert ids.dtype == np.int32 and mask.dtype == np.uint8 and doc_ids.dtype == np.int32
+    assert rows["input_ids"].shape[1] == S
+    # Every document appears exactly once, contiguous, inside one row, in placement order.
+    found = []
+    for r in range(ids.shape[0]):
+        d = doc_ids[r]
+        pad = d == -1
+        assert (ids[r][pad] == 7).all() and (mask[r][pad] == 0).all()
+        assert not pad.any() or pad[np.argmax(pad):].all(), "padding only at the end"
+        for k in range(int(d.max()) + 1):
+            where = np.flatnonzero(d == k)
+            assert len(where) and (np.diff(where) == 1).all()
+            found.append((ids[r, where].tolist(), mask[r, where].tolist()))
+    want = sorted((a.tolist(), m.tolist()) for a, m in docs)
+    assert sorted(found) == want
+    total = sum(len(a) for a, _ in docs)
+    assert ids.shape[0] <= total // S + 12  # first fit is dense (not one row per document)
+    # First fit: no document would have fitted in an earlier row that was open when it was placed.
+    rows1 = D.pack_documents(docs, S, pad_id=7, pack=False)
+    assert rows1["input_ids"].shape[0] == len(docs) and (rows1["doc_ids"] <= 0).all()
+    where = D._first_fit([len(a) for a, _ in docs], S)
+    free = [S] * (max(where) + 1)
+    for (a, _), r in zip(docs, where):
+        assert all(free[q] < len(a) for q in range(r)) and free[r] >= len(a)
+        free[r] -= len(a)
+
+
+def test_packed_row_through_qwen3_matches_separate_documents():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    lens = [5, 1, 7, 3]
+    docs = [(np.random.default_rng(k).integers(0, 96, n).astype(np.int32), np.ones(n, np.uint8))
+            for k, n in enumerate(lens)]
+    rows = D.pack_documents(docs, 20, pad_id=0, pack=True)
+    assert rows["input_ids"].shape[0] == 1
+    ids = torch.from_numpy(rows["input_ids"]).long()
+    doc_ids = torch.from_numpy(rows["doc_ids"])
+    pos = D.position_ids_from_doc_ids(doc_ids)
+
+    def errors(model, **kw):
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=pos, **kw).logits[0]
+            errs = []
+            for k in range(len(lens)):
+                where = (doc_ids[0] == k).nonzero().flatten()
+                alone = model(input_ids=ids[:, where], use_cache=False).logits[0]
+                errs.append((packed[where] - alone).abs().max().item())
+        return max(errs)
+
+    sdpa = Qwen3ForCausalLM(cfg).eval()
+    # transformers detects packing from restarting position_ids, but only without a mask and a cache.
+    assert errors(sdpa, use_cache=False) < 1e-5
+    assert errors(sdpa) > 1e-3  # the default use_cache=True disables that detection
+    assert errors(sdpa, attention_mask=D.packed_attention_mask(doc_ids), use_cache=False) < 1e-5
+    cfg._attn_implementation = "eager"
+    eager = Qwen3ForCausalLM(cfg).eval()
+    eager.load_state_dict(sdpa.state_dict())
+    assert errors(eager, use_cache=False) < 1e-5
+    # eager adds the mask to the scores: it needs the additive form, a bool mask is silently wrong
+    assert errors(eager, attention_mask=D.packed_attention_mask(doc_ids, dtype=torch.float32),
+                  use_cache=False) < 1e-5
+    assert errors(eager, attention_mask=D.packed_attention_mask(doc_ids), use_cache=False) > 1e-3
+
+
+# ----------------------------------------------------------------------------- prepare, cache, audit
+
+def make_cfg(tmp_path, **kw):
+    base = dict(path=str(CHAT), split="train", max_samples=120, max_length=128, pack=True,
+                truncation="drop", thinking=False, cache_dir=str(tmp_path / "cache"), seed=0,
+                eval_path=None, eval_split="train", num_eval=4,
+                regenerate=types.SimpleNamespace(enabled=False, output_dir=str(tmp_path / "regen"),
+                                                 max_new_tokens=32, temperature=0.0, top_p=1.0, backend="hf"))
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_prepare_rows_report_and_eval(tmp_path, tok, capsys):
+    cfg = make_cfg(tmp_path)
+    data = D.prepare(cfg, tok)
+    rows, rep = data.rows, data.report
+    assert "supervised text in [[ ]]" in capsys.readouterr().out
+    assert set(rows) == {"input_ids", "loss_mask", "doc_ids"}
+    n = rows["input_ids"].shape[0]
+    assert rep["rows"] == n and rep["row_length"] == 128 and rep["samples"] == 120
+    assert rep["documents"] + sum(rep["dropped"].values()) == 120
+    assert rep["tokens"] == int((rows["doc_ids"] >= 0).sum())
+    assert rep["supervised_tokens"] == int(rows["loss_mask"].sum()) > 0
+    assert rep["documents"] == sum(int(d.max()) + 1 for d in rows["doc_ids"])
+    assert abs(rep["padding_fraction"] - (rows["doc_ids"] < 0).mean()) < 1e-9
+    assert "[[" in rep["example"] and "<|im_end|>]]" in rep["example"]
+    cache = Path(data.cache_path)
+    assert cache.parent == tmp_path / "cache" and cache.name == data.fingerprint
+    assert json.loads((cache / "report.json").read_text())["rows"] == n
+    assert (cache / "report.txt").read_text().startswith("prepared data")
+    src = [json.loads(line) for line in CHAT.read_text().splitlines()]
+    # Eval: the last num_eval samples, prompt = render with generation prompt, reference = reply.
+    assert len(data.eval_prompts) == 4
+    for conv, prompt, ref in zip(src[-4:], data.eval_prompts, data.eval_references):
+        msgs = conv["messages"]
+        want = tok(tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False), add_special_tokens=False)["input_ids"]
+        assert prompt == want
+        assert tok.decode(ref) == msgs[-1]["content"] + "<|im_end|>"
+
+
+def test_prepare_shuffles_deterministically_and_packs_in_order(tmp_path, tok):
+    a = D.prepare(make_cfg(tmp_path, pack=False), tok, verbose=False)
+    b = D.prepare(make_cfg(tmp_path / "other", pack=False), tok, verbose=False)
+    assert a.fingerprint == b.fingerprint
+    assert np.array_equal(a.rows["input_ids"], b.rows["input_ids"])
+    enc = ChatEncoder(tok, False)
+    src = [json.loads(line)["messages"] for line in CHAT.read_text().splitlines()][:-4]
+    order = np.random.default_rng(0).permutation(len(src))[:120]
+    kept = []
+    for k in order:
+        e = enc.encode(src[k])
+        if len(e.input_ids) <= 128:
+            kept.append(e)
+    assert len(kept) == a.num_rows
+    for r, e in enumerate(kept):  # unpacked: row r is the r-th kept sample of the seeded shuffle
+        n = len(e.input_ids)
+        assert a.rows["input_ids"][r, :n].tolist() == e.input_ids
+        assert a.rows["loss_mask"][r, :n].tolist() == e.loss_mask
+        assert (a.rows["doc_ids"][r, n:] == -1).all()
+    c = D.prepare(make_cfg(tmp_path, pack=False, seed=1), tok, verbose=False)
+    assert c.fingerprint != a.fingerprint
+    assert not np.array_equal(c.rows["input_ids"][:5], a.rows["input_ids"][:5])
+
+
+def test_cache_reused_and_rebuilt_on_change(tmp_path, tok, monkeypatch):
+    cfg = make_cfg(tmp_path, max_samples=40)
+    first = D.prepare(cfg, tok, verbose=False)
+
+    def boom(*a, **k):
+        raise AssertionError("re-encoded although nothing changed")
+    with monkeypatch.context() as m:
+        m.setattr(ChatEncoder, "encode", boom)
+        again = D.prepare(cfg, tok, verbose=False)
+    assert again.fingerprint == first.fingerprint and again.cache_path == first.cache_path
+    assert np.array_equal(np.asarray(again.rows["input_ids"]), np.asarray(first.rows["input_ids"]))
+
+    changed = {
+        "template": (cfg, tokenizer(QWEN3)),
+        "max_length": (make_cfg(tmp_path, max_samples=40, max_length=96), tok),
+        "thinking": (make_cfg(tmp_path, max_samples=40, thinking=True), tok),
+        "truncation": (make_cfg(tmp_path, max_samples=40, truncation="truncate"), tok),
+    }
+    prints = {first.fingerprint}
+    for what, (c, t) in changed.items():
+        d = D.prepare(c, t, verbose=False)
+        assert d.fingerprint not in prints, what
+        prints.add(d.fingerprint)
+    # Touching the data file (new mtime) changes the dataset identity.
+    local = tmp_path / "chat.jsonl"
+    local.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:60]))
+    d1 = D.prepare(make_cfg(tmp_path, path=str(local), max_samples=40), tok, verbose=False)
+    with local.open("a") as f:
+        f.write(CHAT.read_text().splitlines(keepends=True)[60])
+    d2 = D.prepare(make_cfg(tmp_path, path=str(local), max_samples=40), tok, verbose=False)
+    assert d1.fingerprint != d2.fingerprint
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
+
+
+def test_truncation_modes(tmp_path, tok):
+    drop = D.prepare(make_cfg(tmp_path, max_length=40, max_samples=60), tok, verbose=False)
+    trunc = D.prepare(make_cfg(tmp_path, max_length=40, max_samples=60, truncation="truncate"), tok, verbose=False)
+    assert drop.report["dropped"].get("too_long", 0) > 0
+    assert "too_long" not in trunc.report["dropped"] and trunc.report["truncated"] > 0
+    assert trunc.report["documents"] > drop.report["documents"]
+
+
+def test_eval_path_with_references(tmp_path, tok):
+    data = D.prepare(make_cfg(tmp_path, eval_path=str(EVAL), num_eval=5), tok, verbose=False)
+    assert data.report["samples"] == 120
+    ev = [json.loads(line)["messages"] for line in EVAL.read_text().splitlines()][:5]
+    assert len(data.eval_prompts) == 5
+    for msgs, ref in zip(ev, data.eval_references):
+        assert tok.decode(ref) == msgs[-1]["content"] + "<|im_end|>"
+
+
+def test_regenerated_output_must_be_complete(tmp_path, tok):
+    cfg = make_cfg(tmp_path)
+    cfg.regenerate.enabled = True
+    with pytest.raises(ValueError, match="data.regenerate.output_dir"):
+        D.prepare(cfg, tok, verbose=False)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_tokenizer_without_chat_template(tmp_path):
+    tok = tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="target.path.*chat template"):
+        D.prepare(make_cfg(tmp_path), tok)
+
+
+def test_unknown_schema_names_fields(tmp_path, tok):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match=r"data.path.*\['answer', 'question'\].*messages"):
+        D.prepare(make_cfg(tmp_path, path=str(bad), num_eval=0), tok)
+
+
+def test_empty_dataset(tmp_path, tok):
+    empty = tmp_path / "empty.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"messages": pa.array([], type=pa.list_(pa.struct([("role", pa.string()),
+                                                                              ("content", pa.string())])))}), empty)
+    with pytest.raises(ValueError, match="data.path.*empty"):
+        D.prepare(make_cfg(tmp_path, path=str(empty), num_eval=0), tok)
+
+
+def test_missing_split_and_path(tmp_path, tok):
+    with pytest.raises(ValueError, match="data.split.*'validation'"):
+        D.prepare(make_cfg(tmp_path, split="validation"), tok)
+    with pytest.raises(ValueError, match="data.path.*does not exist"):
+        D.prepare(make_cfg(tmp_path, path=str(tmp_path / "nothing.jsonl")), tok)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="data.path.*extension"):
+        D.prepare(make_cfg(tmp_path, path=str(tmp_path / "notes.txt")), tok)
+
+
+def test_no_supervised_tokens(tmp_path, tok):
+    with pytest.raises(ValueError, match="data.path.*no supervised"):
+        D.prepare(make_cfg(tmp_path, max_length=8), tok)  # every sample too long, dropped
+
+
+def test_hybrid_target_packing_needs_fla(tmp_path, tok):
+    with pytest.raises(ValueError, match="data.pack"):
+        D.prepare(make_cfg(tmp_path), tok, hybrid_target=True, has_fla=False)
+    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, verbose=False)
+    assert (data.rows["doc_ids"] <= 0).all()
+    assert D.prepare(make_cfg(tmp_path, max_samples=10), tok, hybrid_target=True, has_fla=True,
+                     verbose=False).num_rows < 10
+
+
+def test_parallel_encoding_matches_serial(tmp_path, tok):
+    serial = D.prepare(make_cfg(tmp_path / "a", max_samples=80), tok, verbose=False)
+    parallel = D.prepare(make_cfg(tmp_path / "b", max_samples=80, num_proc=2), tok, verbose=False)
+    assert serial.fingerprint == parallel.fingerprint
+    for k in D.ROW_FIELDS:
+        assert np.array_equal(np.asarray(serial.rows[k]), np.asarray(parallel.rows[k]))
+
+
+def test_drop_reasons_counted(tmp_path, tok):
+    rows = [
+        {"messages": [{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "Only a question?"}]},
+        {"messages": [{"role": "user", "content": "Who?"}, {"role": "narrator", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2."}]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = D.prepare(make_cfg(tmp_path, path=str(path), num_eval=0, max_samples=None), tok, verbose=False)
+    # An empty reply leaves one supervised token (<|im_end|>): no anchor with a next token, dropped.
+    assert data.report["dropped"] == {"no_assistant_turn": 1, "no_supervised_pair": 1, "unknown_role": 1}
+    assert data.report["documents"] == 1 and data.num_rows == 1
+    assert tok.decode(np.asarray(data.rows["input_ids"][0])[np.asarray(data.rows["loss_mask"][0]) == 1]) == \
+        "1 + 1 = 2.<|im_end|>"
+
+
+def test_common_prefix_suffix_against_loops():
+    from dflash_ds.chat import _common_prefix, _common_suffix
+
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        a = "".join(rng.choice(list("ab"), rng.integers(0, 9)))
+        b = "".join(rng.choice(list("ab"), rng.integers(0, 9)))
+        lim = int(rng.integers(0, min(len(a), len(b)) + 1))
+        cp = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        cs = next((k for k in range(lim) if a[-1 - k] != b[-1 - k]), lim)
+        assert _common_prefix(a, b) == _common_prefix(list(a), list(b)) == cp
+        assert _common_suffix(a, b, lim) == cs

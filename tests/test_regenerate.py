@@ -1,0 +1,188 @@
+"""Regeneration: turn-by-turn conditioning, sharding over ranks, interruption and resume."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ds import data as D
+from dflash_ds import regenerate as R
+from dflash_ds.chat import ChatEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "assets" / "tiny-target"
+CHAT = ROOT / "assets" / "tiny_chat.jsonl"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+def make_cfg(tmp_path, path, out="regen", **rs):
+    regen = dict(enabled=False, output_dir=str(tmp_path / out), max_new_tokens=24, temperature=0.0,
+                 top_p=1.0, backend="hf")
+    regen.update(rs)
+    return types.SimpleNamespace(
+        path=str(path), split="train", max_samples=None, max_length=256, pack=True, truncation="drop",
+        thinking=False, cache_dir=str(tmp_path / "cache"), seed=0, eval_path=None, eval_split="train",
+        num_eval=2, regenerate=types.SimpleNamespace(**regen))
+
+
+def read_shards(out: Path) -> list[dict]:
+    rows = []
+    for f in sorted(out.glob("part-*.jsonl")):
+        rows += [json.loads(line) for line in f.read_text().splitlines()]
+    return rows
+
+
+def test_split_reasoning():
+    assert R.split_reasoning("plain answer") == "plain answer"
+    assert R.split_reasoning("think hard\n</think>\n\nDone.") == "<think>\nthink hard\n</think>\n\nDone."
+    assert R.split_reasoning("<think>\nx\n</think>\nY") == "<think>\nx\n</think>\n\nY"
+
+
+def test_turn_by_turn_with_recorded_prompts(tok):
+    enc = ChatEncoder(tok, False)
+    convs = [
+        [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "old A"},
+         {"role": "user", "content": "And 2 + 2?"}, {"role": "assistant", "content": "old B"}],
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "old C"}],
+        [{"role": "user", "content": "Count from 1 to 3."}, {"role": "assistant", "content": "old D"}],
+        [{"role": "user", "content": "Spell cat."}, {"role": "assistant", "content": "old E"},
+         {"role": "user", "content": "Again"}, {"role": "assistant", "content": "old F"}],
+    ]
+    seen = []
+
+    def fake(prompts, seed):
+        seen.append(prompts)
+        outs = []
+        for k, p in enumerate(prompts):
+            text = f"new {len(seen)}.{k}"
+            finished = not (len(seen) == 1 and k == 2) and not (len(seen) == 2 and k == 1)
+            outs.append((tok(text, add_special_tokens=False)["input_ids"], finished))
+        return outs
+
+    kept, unfinished = R.regenerate_conversations(convs, enc, fake, seed=0)
+    assert unfinished == 2
+    # turn 0: convs 0,1,2,3 (conv 2 unfinished -> dropped); turn 1: convs 0,3 (conv 3 unfinished -> cut)
+    assert len(seen) == 2 and len(seen[0]) == 4 and len(seen[1]) == 2
+    assert kept[0] == [convs[0][0], {"role": "assistant", "content": "new 1.0"}, convs[0][2],
+                       {"role": "assistant", "content": "new 2.0"}]
+    assert kept[1] == convs[1][:2] + [{"role": "assistant", "content": "new 1.1"}]
+    assert kept[2] == [convs[3][0], {"role": "assistant", "content": "new 1.3"}, convs[3][2]]
+    assert len(kept) == 3
+    # The second turn's prompt is the regenerated history, rendered with the generation prompt.
+    want = enc.prompt_ids([convs[0][0], {"role": "assistant", "content": "new 1.0"}, convs[0][2]])
+    assert seen[1][0] == want
+    assert "new 1.0" in tok.decode(seen[1][0]) and "old A" not in tok.decode(seen[1][0])
+
+
+def greedy(model, ids, stop, max_new):
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            if nxt in stop:
+                return out, True
+            out.append(nxt)
+    return out, False
+
+
+def test_regenerate_end_to_end_interrupted_and_resumed(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(R, "SHARD_SIZE", 3)
+    lines = CHAT.read_text().splitlines(keepends=True)
+    src = tmp_path / "src.jsonl"
+    picked = [ln for ln in lines if len(json.loads(ln)["messages"]) >= 4][:3] + lines[:7]
+    src.write_text("".join(picked))  # 10 samples, 4 shards, multi-turn ones first
+    cfg = make_cfg(tmp_path, src, "full")
+
+    # Uninterrupted reference run (builds its own HF generator).
+    summary = R.regenerate(cfg, str(TINY), verbose=False)
+    assert summary["shards_written"] == 4 and summary["samples_in"] == 10
+    full = read_shards(tmp_path / "full")
+    assert R.check_complete(tmp_path / "full")["num_shards"] == 4
+
+    # The same by hand: greedy decoding, turn by turn on the regenerated history.
+    model = R.HFGenerator(str(TINY), tok, cfg.regenerate).model
+    enc = ChatEncoder(tok, False)
+    stop = R._stop_ids(str(TINY), tok)
+    expect = []
+    for ln in picked:
+        msgs = json.loads(ln)["messages"]
+        for k, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                ids, finished = greedy(model, enc.prompt_ids(msgs[:k]), stop, 24)
+                if not finished:
+                    msgs = msgs[:k]
+                    break
+                msgs[k] = {"role": "assistant", "content": tok.decode(ids)}
+        if any(m["role"] == "assistant" for m in msgs):
+            expect.append({"messages": msgs})
+    assert full == expect
+    assert any(len(r["messages"]) >= 4 for r in full)
+    user_in = [[m for m in json.loads(ln)["messages"] if m["role"] != "assistant"] for ln in picked]
+    for r in full:
+        assert [m for m in r["messages"] if m["role"] != "assistant"] in user_in
+
+    # Interrupted: one shard, then a crash in the middle of the next one, then two ranks resume.
+    gen = R.HFGenerator(str(TINY), tok, cfg.regenerate)
+    cfg2 = make_cfg(tmp_path, src, "resumed")
+    out = tmp_path / "resumed"
+    assert R.regenerate(cfg2, str(TINY), max_shards=1, generator=gen, tokenizer=tok, verbose=False)["shards_written"] == 1
+    with pytest.raises(ValueError, match="incomplete"):
+        R.check_complete(out)
+    calls = []
+
+    def crashing(prompts, seed):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("node lost")
+        return gen(prompts, seed)
+    with pytest.raises(RuntimeError, match="node lost"):
+        R.regenerate(cfg2, str(TINY), generator=crashing, tokenizer=tok, verbose=False)
+    assert sorted(p.name for p in out.glob("part-*")) == ["part-00000.jsonl"]  # nothing half-written
+    done = [R.regenerate(cfg2, str(TINY), rank=r, world_size=2, generator=gen, tokenizer=tok, verbose=False)
+            for r in (1, 0)]
+    assert [d["shards_written"] for d in done] == [2, 1]  # rank 1: shards 1, 3; rank 0: shard 2
+    assert read_shards(out) == full
+    assert not list(out.glob(".*.tmp-*"))
+    assert R.regenerate(cfg2, str(TINY), generator=gen, tokenizer=tok, verbose=False)["shards_written"] == 0
+
+    # prepare() reads the regenerated directory when regeneration is enabled.
+    cfg2.regenerate.enabled = True
+    data = D.prepare(cfg2, tok, verbose=False)
+    assert data.report["source"] == str(out)
+    assert data.report["samples"] == len(full) - cfg2.num_eval
+    ref = full[-1]["messages"][-1]["content"]
+    assert tok.decode(data.eval_references[-1]) == ref + "<|im_end|>"
+
+
+def test_changed_settings_refuse_to_mix(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(R, "SHARD_SIZE", 2)
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:4]))
+
+    def fake(prompts, seed):
+        return [(tok("ok", add_special_tokens=False)["input_ids"], True) for _ in prompts]
+    cfg = make_cfg(tmp_path, src)
+    R.regenerate(cfg, str(TINY), max_shards=1, generator=fake, tokenizer=tok, verbose=False)
+    with pytest.raises(ValueError, match="data.regenerate.output_dir.*other inputs or settings"):
+        R.regenerate(make_cfg(tmp_path, src, temperature=0.7), str(TINY), generator=fake, tokenizer=tok)
+    with pytest.raises(ValueError, match="data.regenerate.backend"):
+        R.make_generator(make_cfg(tmp_path, src, backend="tgi"), str(TINY), tok)
+    with pytest.raises(ValueError, match="data.regenerate.output_dir.*no regenerated data"):
+        R.check_complete(tmp_path / "nowhere")
