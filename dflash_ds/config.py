@@ -116,6 +116,9 @@ class ObjectiveConfig:
     """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8."""
     loss_chunks: int = 16
     """lm_head + cross-entropy computed in this many checkpointed chunks."""
+    fused_loss: bool = True
+    """lm_head + CE with the input gradient computed in the forward pass (2 lm_head matmuls per chunk
+    instead of 3, no fp32 logits round trips); false = the checkpointed autograd path."""
     kl_weight: float = 0.0
     """Optional KL term against the target's distribution (0 = plain hard-label CE)."""
 

@@ -4,15 +4,8 @@
 
 Rows are `S = data.max_length` tokens holding whole documents (never split across rows):
 `input_ids` int32 [S] (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens),
-`doc_ids` int32 [S] (document index inside the row, -1 on padding). Position ids restart at 0 for
-every document: `position_ids_from_doc_ids`. A packed row holds several documents and the target
-must not attend across them. With transformers (5.x) the simplest correct call is
-`model(input_ids, position_ids=position_ids_from_doc_ids(doc_ids), attention_mask=None, use_cache=False)`:
-its masking utilities then detect the restarts and build the block-diagonal mask themselves (with the
-default `use_cache=True` they do NOT, and documents leak into each other). The explicit alternative is
-`attention_mask=packed_attention_mask(doc_ids)`: a bool 4D mask for SDPA, or
-`packed_attention_mask(doc_ids, dtype)` (additive) for eager attention, which adds the mask to the
-scores and silently misreads a bool one.
+`doc_ids` int32 [S] (document index inside the row, -1 on padding). Packing, the per-document
+position ids and the attention mask a packed row needs are in `dflash_ds.packing` (re-exported here).
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
 `doc_ids.npy`, `eval.json`, `report.json`, `report.txt`). The fingerprint covers the dataset's
@@ -36,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_ds.chat import ChatEncoder, SampleError, detect_schema, normalize
+# Re-exported: callers and tests import these from here.
+from dflash_ds.packing import _first_fit, pack_documents, packed_attention_mask, position_ids_from_doc_ids  # noqa: F401
 
 FORMAT_VERSION = 1
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
@@ -54,93 +49,6 @@ class PreparedData:
     @property
     def num_rows(self) -> int:
         return int(self.rows["input_ids"].shape[0])
-
-
-# ----------------------------------------------------------------------------- positions and masks
-
-def position_ids_from_doc_ids(doc_ids):
-    """Positions restarting at 0 at every document (padding counts as one more run). numpy or torch."""
-    if isinstance(doc_ids, np.ndarray):
-        idx = np.broadcast_to(np.arange(doc_ids.shape[-1]), doc_ids.shape)
-        new = np.ones(doc_ids.shape, dtype=bool)
-        new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-        return (idx - np.maximum.accumulate(np.where(new, idx, 0), axis=-1)).astype(np.int64)
-    import torch
-
-    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand(doc_ids.shape)
-    new = torch.ones(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
-    new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    return idx - torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=-1).values
-
-
-def packed_attention_mask(doc_ids, dtype=None):
-    """Causal, block-diagonal per document: bool [b, 1, S, S], True = attend. numpy or torch.
-
-    With a torch float `dtype`, the additive form (0 / dtype min) that eager attention needs: it adds
-    the mask to the scores, so a bool mask would be silently wrong there (SDPA takes either)."""
-    if isinstance(doc_ids, np.ndarray):
-        same = doc_ids[:, :, None] == doc_ids[:, None, :]
-        return (same & np.tril(np.ones((doc_ids.shape[1],) * 2, dtype=bool)))[:, None]
-    import torch
-
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
-    mask = (same & causal)[:, None]
-    if dtype is None:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-
-
-# ----------------------------------------------------------------------------- packing
-
-def _first_fit(lengths: list[int], capacity: int) -> list[int]:
-    """Row index of each document: the first row with room (max segment tree over free space)."""
-    size = 1
-    while size < max(1, len(lengths)):
-        size *= 2
-    tree = [capacity] * (2 * size)
-    rows = []
-    for n in lengths:
-        node = 1
-        while node < size:
-            node = 2 * node if tree[2 * node] >= n else 2 * node + 1
-        rows.append(node - size)
-        tree[node] -= n
-        node //= 2
-        while node:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-    return rows
-
-
-def pack_documents(docs, max_length: int, pad_id: int, pack: bool = True, out_dir: str | None = None,
-                   lengths: list[int] | None = None) -> dict:
-    """docs: sequence of (input_ids, loss_mask) with len <= max_length -> rows dict of [R, S] arrays.
-
-    Documents keep their order within a row. With `out_dir`, arrays are written there as .npy
-    (memory-mapped) instead of held in memory."""
-    lengths = [len(d[0]) for d in docs] if lengths is None else lengths
-    assert all(0 < n <= max_length for n in lengths), "documents must be truncated before packing"
-    where = _first_fit(lengths, max_length) if pack else list(range(len(docs)))
-    num_rows = (max(where) + 1) if where else 0
-    shape = (num_rows, max_length)
-    spec = {"input_ids": (np.int32, pad_id), "loss_mask": (np.uint8, 0), "doc_ids": (np.int32, -1)}
-    rows = {}
-    for name, (dtype, fill) in spec.items():
-        if out_dir is None:
-            rows[name] = np.full(shape, fill, dtype=dtype)
-        else:
-            rows[name] = np.lib.format.open_memmap(os.path.join(out_dir, f"{name}.npy"), "w+", dtype, shape)
-            rows[name][:] = fill
-    used = [0] * num_rows
-    count = [0] * num_rows
-    for (ids, mask), r in zip(docs, where):
-        a, b = used[r], used[r] + len(ids)
-        rows["input_ids"][r, a:b] = ids
-        rows["loss_mask"][r, a:b] = mask
-        rows["doc_ids"][r, a:b] = count[r]
-        used[r], count[r] = b, count[r] + 1
-    return rows
 
 
 # ----------------------------------------------------------------------------- loading

@@ -65,6 +65,11 @@ def preflight(recipe: Recipe, world_size: int) -> Context:
                                      target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
                                      num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads,
                                      head_dim=d.head_dim)
+    if geo.hybrid and recipe.data.pack:
+        raise RecipeError(
+            "data.pack: true with a hybrid (Gated DeltaNet) target would let recurrent state leak across the "
+            "packed documents of a row: the target forward here does not pass per-document boundaries "
+            "(cu_seqlens) to the linear-attention layers. Set data.pack: false (one conversation per row)")
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
@@ -86,8 +91,8 @@ def load_data(ctx: Context):
     except (OSError, ValueError) as exc:
         raise RecipeError(f"target.path {r.target.path!r}: no tokenizer could be loaded ({exc}); the target "
                           "directory must hold its tokenizer") from None
-    has_fla = importlib.util.find_spec("fla") is not None and ctx.device.type == "cuda"
-    return prepare(r.data, tok, hybrid_target=ctx.geometry.hybrid, has_fla=has_fla)
+    # Packing for hybrid targets is refused in preflight (no varlen wiring), so never claim fla here.
+    return prepare(r.data, tok, hybrid_target=ctx.geometry.hybrid, has_fla=False)
 
 
 def finish(ctx: Context) -> None:

@@ -81,22 +81,43 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
     return engine, cfg
 
 
-def build_target_engine(recipe: Recipe, model, plan: Plan, group):
-    """The frozen target under the engine the JSON asks for; returns the module to call."""
-    import deepspeed
-
+def speed_up_target_kernels() -> None:
+    """Swap in the fused target kernels of dflash_ds.kernels (GPU only; env switches for A/B runs)."""
     from .kernels import fuse_target_elementwise, use_fla_short_conv
 
     if os.environ.get("DFLASH_FLA_SHORT_CONV", "1") != "0":
         use_fla_short_conv()
     if os.environ.get("DFLASH_FUSE_TARGET", "1") != "0":
         fuse_target_elementwise()
+
+
+def build_target_engine(recipe: Recipe, model, plan: Plan, group):
+    """An already loaded frozen target under the replica engine (the bench's random-weight path)."""
+    import deepspeed
+
+    speed_up_target_kernels()
     kind, cfg = target_ds_config(recipe, plan.layout.num_targets)
     if kind == "zero3":
-        patches.skip_zero3_trace_check()
-        mpu = patches.GroupMPU(group, plan.layout.target_ranks, dist.get_rank())
-        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu, dist_init_required=False)
-        engine.eval()
-        return engine.module, kind
-    engine = deepspeed.init_inference(model, config=cfg)
-    return engine.module, kind
+        raise ValueError("a ZeRO-3 target must be loaded partitioned: use load_target_engine")
+    return deepspeed.init_inference(model, config=cfg).module, kind
+
+
+def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
+    """The frozen target from target.path under the engine target.ds_config asks for.
+
+    A full replica per rank when it fits (DeepSpeed's inference engine), else ZeRO-Inference:
+    weights partitioned over the target group at load time, gathered layer by layer each forward.
+    """
+    import deepspeed
+
+    from .target import load_target
+    from .zero_inference import load_target_zero3
+
+    speed_up_target_kernels()
+    t = recipe.target
+    kind, cfg = target_ds_config(recipe, plan.layout.num_targets)
+    if kind == "zero3":
+        return load_target_zero3(t.path, cfg, group, dtype=t.dtype, attn_implementation=t.attn_implementation,
+                                 adapter=t.adapter), kind
+    model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation)
+    return deepspeed.init_inference(model, config=cfg).module, kind

@@ -25,6 +25,7 @@ class StepSettings:
     loss_chunks: int
     mask_kind: str  # "dense" (CPU, SDPA) or "flex" (GPU, compiled flex_attention)
     seed: int
+    fused_loss: bool = True
 
     @classmethod
     def from_recipe(cls, recipe, device: torch.device) -> "StepSettings":
@@ -37,6 +38,7 @@ class StepSettings:
             loss_chunks=recipe.objective.loss_chunks,
             mask_kind="flex" if device.type == "cuda" else "dense",
             seed=recipe.run.seed,
+            fused_loss=recipe.objective.fused_loss,
         )
 
 
@@ -100,4 +102,4 @@ def drafter_loss(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tens
     block_embeds = F.embedding(blocks.block_ids, embed_weight).to(ctx.dtype)
     hidden = drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
     return chunked_loss(hidden, lm_head_weight, blocks.labels, blocks.weights, normaliser, settings.loss_chunks,
-                        checkpoint=True, block_size=settings.block_size)
+                        checkpoint=True, block_size=settings.block_size, fused=settings.fused_loss)

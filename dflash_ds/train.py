@@ -87,21 +87,18 @@ def main(argv: list[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- target side
 
 
-def load_target_worker(ctx: Context, full: bool = False):
-    """The target model (truncated after the last tap unless `full`) under its DeepSpeed engine."""
-    from .runtime import build_target_engine
+def load_target_worker(ctx: Context):
+    """The target model under its DeepSpeed engine (layers after the last tap still present)."""
+    from .runtime import load_target_engine
 
-    r = ctx.recipe
-    model = load_target(r.target.path, adapter=r.target.adapter, dtype=r.target.dtype, device=ctx.device,
-                        attn_implementation=r.target.attn_implementation)
-    model, kind = build_target_engine(r, model, ctx.plan, ctx.groups.target)
-    return model, kind
+    return load_target_engine(ctx.recipe, ctx.plan, ctx.groups.target, ctx.device)
 
 
-def eval_sequences(ctx: Context, model) -> list[dict]:
+def eval_sequences(ctx: Context, model, write: bool = True) -> list[dict]:
+    """The target's greedy continuations of the held-out prompts (cached in the run directory)."""
     r = ctx.recipe
     cache = Path(r.run.output_dir) / "eval_sequences.json"
-    return greedy_sequences(model, ctx.data.eval_prompts, r.eval.max_new_tokens, ctx.device, cache)
+    return greedy_sequences(model, ctx.data.eval_prompts, r.eval.max_new_tokens, ctx.device, cache, write)
 
 
 def wants_eval(ctx: Context) -> bool:
@@ -111,20 +108,23 @@ def wants_eval(ctx: Context) -> bool:
 
 def run_target(ctx: Context) -> None:
     r, plan, rank = ctx.recipe, ctx.plan, ctx.rank
-    model, _ = load_target_worker(ctx)
+    model, kind = load_target_worker(ctx)
     lay = plan.layout
     sender = Sender(ctx.spec, ctx.device, r.topology.max_in_flight)
-    if wants_eval(ctx) and rank == lay.eval_target():
-        seqs = eval_sequences(ctx, model)
-        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
-        worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
+    is_eval_rank = wants_eval(ctx) and rank == lay.eval_target()
+    # Under ZeRO-3 every forward gathers weights from all target ranks, so they all generate the
+    # (identical, greedy) evaluation continuations in lock-step; only one rank sends them.
+    seqs = eval_sequences(ctx, model, write=is_eval_rank) if is_eval_rank or (wants_eval(ctx) and kind == "zero3") else None
+    truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
+    worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
+    if is_eval_rank:
         for buf in worker.eval_payloads(seqs, sender.buffer):
             sender.send(buf, dst=lay.drafter_ranks[0])
-    else:
-        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
-        worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
+    elif seqs is not None:
+        for _ in worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device)):
+            pass  # the same forwards, keeping ZeRO-3 ranks in step
     start = resume_step(ctx)
-    t0, last_log = time.perf_counter(), time.perf_counter()
+    t0 = time.perf_counter()
     for step in range(start, plan.total_steps):
         for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
             sender.send(worker.fill(sender.buffer(), m), dst=dst)
@@ -133,7 +133,6 @@ def run_target(ctx: Context) -> None:
             write_status(r.run.output_dir, rank, {"rank": rank, "step": step + 1, "tok_per_s": worker.tokens / (now - t0),
                                                   "send_wait_share": sender.wait_seconds / (now - t0),
                                                   "in_flight": sender.in_flight})
-            last_log = now
     sender.flush()
 
 

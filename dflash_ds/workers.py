@@ -45,24 +45,24 @@ class TargetWorker:
         positions = positions_from_doc_ids(doc_ids)
         forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec))
 
-    def eval_payloads(self, sequences: list[dict], new_buffer) -> list[torch.Tensor]:
-        """Pack the held-out (prompt + greedy continuation) sequences R per payload, padded to S."""
-        out = []
+    def eval_payloads(self, sequences: list[dict], new_buffer):
+        """Yield the held-out (prompt + greedy continuation) sequences, R per payload, padded to S.
+
+        A generator, so a caller that sends each payload frees its buffer before the next is filled.
+        """
         r, s = self.spec.rows, self.spec.seq_len
         for i in range(0, len(sequences), r):
-            chunk = sequences[i:i + r]
             ids = torch.zeros(r, s, dtype=torch.long)
             loss_mask = torch.zeros(r, s, dtype=torch.int32)
             doc_ids = torch.full((r, s), -1, dtype=torch.int32)
-            for j, seq in enumerate(chunk):
+            for j, seq in enumerate(sequences[i:i + r]):
                 toks = seq["ids"][:s]
                 ids[j, :len(toks)] = torch.tensor(toks)
                 loss_mask[j, seq["prompt_len"]:len(toks)] = 1
                 doc_ids[j, :len(toks)] = 0
             buf = new_buffer()
             self.run(buf, ids.to(self.device), loss_mask.to(self.device), doc_ids.to(self.device))
-            out.append(buf)
-        return out
+            yield buf
 
 
 def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
@@ -71,7 +71,7 @@ def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> Micr
 
 
 def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, cache: Path,
-                     synced_gpus: bool = False) -> list[dict]:
+                     write: bool = True) -> list[dict]:
     """The target's greedy continuations of the held-out prompts, cached in the run directory."""
     if cache.is_file():
         return json.loads(cache.read_text())
@@ -82,6 +82,8 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
         ids = torch.tensor([p], device=device)
         full = greedy_continuation(model, ids, max_new_tokens=max_new_tokens)
         out.append({"prompt_len": len(p), "ids": full.reshape(-1).tolist()})
+    if not write:
+        return out
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps(out))
     tmp.replace(cache)

@@ -112,7 +112,7 @@ def main():
     print(json.dumps(res, indent=1))
 
 
-if __name__ == "__main__" and "--short-conv" not in sys.argv:
+if __name__ == "__main__" and "--short-conv" not in sys.argv and "--fused-loss" not in sys.argv:
     main()
 
 
@@ -146,3 +146,38 @@ def short_conv_check():
 
 if __name__ == "__main__" and "--short-conv" in sys.argv:
     print(json.dumps(short_conv_check(), indent=1))
+
+
+def fused_loss_check():
+    """objective.chunked_loss fused (grad in forward) vs the checkpointed autograd path, bf16, 27B sizes."""
+    from dflash_ds.objective import chunked_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, n, bs, d, v = 1, 512, 16, 5120, 248320
+    hidden = (torch.randn(b, n * bs, d, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    weight = (torch.randn(v, d, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    labels = torch.randint(0, v, (b, n * bs), device="cuda", generator=g)
+    weights = torch.rand(b, n * bs, device="cuda", generator=g)
+    norm = weights.sum()
+    res = {}
+    for fused in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        for _ in range(2):  # warm (compile)
+            h.grad = None
+            chunked_loss(h, weight, labels, weights, norm, 16, block_size=bs, fused=fused).loss.backward()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            h.grad = None
+            out = chunked_loss(h, weight, labels, weights, norm, 16, block_size=bs, fused=fused)
+            out.loss.backward()
+        torch.cuda.synchronize()
+        res["fused" if fused else "autograd"] = {"ms": (time.perf_counter() - t) / 5 * 1e3, "loss": float(out.loss),
+                                                 "grad": h.grad.float(), "correct": out.correct}
+    a, f = res["autograd"], res["fused"]
+    return {"autograd_ms": a["ms"], "fused_ms": f["ms"], "loss_autograd": a["loss"], "loss_fused": f["loss"],
+            "grad_rel_err": rel(f["grad"], a["grad"]), "correct_equal_frac": float((a["correct"] == f["correct"]).float().mean())}
+
+
+if __name__ == "__main__" and "--fused-loss" in sys.argv:
+    print(json.dumps(fused_loss_check(), indent=1))

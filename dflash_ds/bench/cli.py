@@ -1,0 +1,211 @@
+"""Performance harness: measured rates of each role, and the targets:drafters split they imply.
+
+    python -m dflash_ds.bench --role target    [--geometry qwen3.6-27b] [--layers N] [--no-engine]
+    python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
+    python -m dflash_ds.bench --role colocated
+    python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
+    python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
+
+Rates are context tokens per second (rows x seq_len), the unit both sides share, so they can be
+balanced. MFU uses the project's FLOP counting rules (flops.py: the same counts as the published
+anchor figures) against a bf16 (CPU: fp32) matmul ceiling measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from .environment import compile_cache_state, environment
+from .planner import best_split, fractional_split, plan_splits
+from .roles import run_drafter, run_target, run_transport
+from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
+from .timing import matmul_ceiling
+
+ROLES = ("target", "drafter", "colocated", "transport", "plan")
+
+
+# ============================================================================ the plan role
+
+
+def _rate_from(path: str) -> tuple[str, float, dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--from {path}: cannot read a bench JSON ({exc})") from None
+    role = data.get("role")
+    if role not in ("target", "drafter") or "tok_s" not in data.get("result", {}):
+        raise ValueError(f"--from {path}: a --role target or --role drafter bench output is needed, got role {role!r}")
+    return role, float(data["result"]["tok_s"]), data
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    rates = {"target": args.target_rate, "drafter": args.drafter_rate}
+    sources, warnings = {}, []
+    for path in args.from_files or []:
+        role, rate, data = _rate_from(path)
+        rates[role] = rate
+        run_args = data.get("args") or {}
+        sources[role] = {"file": path, "args": run_args, "device_name": data.get("env", {}).get("device_name"),
+                         "ceiling_tflops": data.get("ceiling", {}).get("tflops")}
+        if run_args.get("layers"):
+            warnings.append(f"{path}: measured with --layers {run_args['layers']}, not the full target; its rate "
+                            "is not the training rate")
+        if run_args.get("device") == "cpu" or data.get("env", {}).get("device") == "cpu":
+            warnings.append(f"{path}: measured on CPU")
+    missing = [k for k, v in rates.items() if v is None]
+    if missing:
+        raise ValueError(f"no {' and no '.join(missing)} rate: pass --{missing[0]}-rate TOK_S or --from a bench JSON "
+                         f"of --role {missing[0]}")
+    n = args.gpus_per_node
+    splits = plan_splits(rates["target"], rates["drafter"], n)
+    best = best_split(splits)
+    t_frac, tok_frac = fractional_split(rates["target"], rates["drafter"], n)
+    return {"target_rate": rates["target"], "drafter_rate": rates["drafter"], "gpus_per_node": n,
+            "splits": [{"targets": s.targets, "drafters": s.drafters, "target_tok_s": s.target_tok_s,
+                        "drafter_tok_s": s.drafter_tok_s, "tok_s": s.tok_s, "bound": s.bound} for s in splits],
+            "best": {"targets": best.targets, "drafters": best.drafters, "tok_s": best.tok_s, "bound": best.bound},
+            "fractional": {"targets": t_frac, "drafters": n - t_frac, "tok_s": tok_frac},
+            "recipe": f"topology.targets_per_node={best.targets} topology.drafters_per_node={best.drafters}",
+            "sources": sources, "warnings": warnings}
+
+
+# ============================================================================ CLI
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dflash_ds.bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--geometry", default="qwen3.6-27b", help="named target geometry (dflash_ds.geometry)")
+    p.add_argument("--recipe", default=None,
+                   help=f"recipe for engine/optimiser settings (default {DEFAULT_RECIPE.relative_to(REPO)}); its "
+                        "target geometry is used when target.path is a local directory")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra recipe override (repeatable)")
+    p.add_argument("--layers", type=int, default=None, help="override the target's layer count (taps recomputed)")
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--rows", type=int, default=1, help="rows per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before, the first one timed alone")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write all numbers to this JSON file")
+    p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
+    p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
+    p.add_argument("--no-fla-conv", action="store_true", help="target: keep transformers' PyTorch short conv")
+    p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
+    p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
+    p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--in-flight", type=int, default=4, help="transport: sends outstanding (topology.max_in_flight)")
+    p.add_argument("--recv-depth", type=int, default=2, help="transport: receives posted ahead")
+    p.add_argument("--transport-timeout", type=float, default=600.0)
+    p.add_argument("--target-rate", type=float, default=None, help="plan: target tok/s per GPU")
+    p.add_argument("--drafter-rate", type=float, default=None, help="plan: drafter tok/s per GPU")
+    p.add_argument("--from", dest="from_files", nargs="+", default=None, help="plan: bench JSONs to read rates from")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    args = p.parse_args(argv)
+    for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+def summary_lines(report: dict) -> list[str]:
+    r = report["result"]
+    geo = report.get("geometry", {}).get("name", "")
+    lines = [f"role {report['role']} | {geo} | {report['env']['device_name']}"]
+    if report["role"] == "plan":
+        lines.append(f"rates per GPU: target {r['target_rate']:,.0f} tok/s, drafter {r['drafter_rate']:,.0f} tok/s; "
+                     f"{r['gpus_per_node']} GPUs per node")
+        lines.append(f"{'targets':>8} {'drafters':>9} {'target tok/s':>13} {'drafter tok/s':>14} {'tok/s':>9}  bound")
+        for s in r["splits"]:
+            mark = "  <- best" if (s["targets"], s["drafters"]) == (r["best"]["targets"], r["best"]["drafters"]) else ""
+            lines.append(f"{s['targets']:>8} {s['drafters']:>9} {s['target_tok_s']:>13,.0f} {s['drafter_tok_s']:>14,.0f} "
+                         f"{s['tok_s']:>9,.0f}  {s['bound']}{mark}")
+        f = r["fractional"]
+        lines.append(f"fractional optimum: {f['targets']:.2f} targets + {f['drafters']:.2f} drafters -> {f['tok_s']:,.0f} tok/s")
+        lines.append(f"recipe: {r['recipe']}")
+        lines += [f"warning: {w}" for w in r["warnings"]]
+        return lines
+    c = report.get("ceiling") or {}
+    if c:
+        lines.append(f"matmul ceiling {c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['size']}^3)")
+    keys = [("tok/s", "tok_s"), ("MFU", "mfu"), ("TFLOP/s", "tflops"), ("GB/s", "gb_s"), ("payloads/s", "payloads_per_s"),
+            ("build s", "build_s"), ("first step s", "first_step_s"), ("first step since build s", "first_step_since_build_s"),
+            ("first step since process start s", "first_step_since_process_start_s")]
+    for label, key in keys:
+        if key in r:
+            lines.append(f"  {label:<34} {_fmt(r[key])}")
+    if "step_s" in r:
+        st = r["step_s"]
+        lines.append(f"  {'step s (mean/median/min/max)':<34} {st['mean']:.4f} / {st['median']:.4f} / {st['min']:.4f} / {st['max']:.4f}")
+    mem = r.get("memory", {})
+    if "first_step_peak_gib" in mem:
+        lines.append(f"  {'peak GiB (first/last timed step)':<34} {mem['first_step_peak_gib']:.2f} / {mem['last_step_peak_gib']:.2f}")
+    if "mask" in r:
+        m = r["mask"]
+        lines.append(f"  {'mask build s (first/warm)':<34} {m['first_build_s']:.4f} / {m['build_s']:.4f} ({m['kind']})")
+    comp = r.get("compile", {})
+    if comp.get("total", {}).get("unique_graphs"):
+        lines.append(f"  {'graphs compiled (first/warmup/timed)':<34} {comp['first_step']['unique_graphs']} / "
+                     f"{comp['warmup']['unique_graphs']} / {comp['timed']['unique_graphs']}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        if args.no_fla_conv:
+            os.environ["DFLASH_FLA_SHORT_CONV"] = "0"
+        report = run(args)
+    except ValueError as exc:
+        print(f"bench error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(summary_lines(report)), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"written {args.out}", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
+    cache = compile_cache_state(args.cold_cache)
+    if args.role == "plan":
+        return {"role": "plan", "args": vars(args), "env": environment(torch.device("cpu"), cache),
+                "result": run_plan(args)}
+    device = pick_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    setup = resolve_setup(args, device)
+    ceiling = matmul_ceiling(device)
+    if args.role == "target":
+        result = run_target(setup, ceiling)
+    elif args.role in ("drafter", "colocated"):
+        result = run_drafter(setup, ceiling, colocated=args.role == "colocated")
+    else:
+        result = run_transport(setup, ceiling)
+    c = setup.drafter_config
+    return {"role": args.role, "args": vars(args), "env": environment(device, cache), "ceiling": ceiling,
+            "geometry": {"name": setup.geometry_name, "target_layers": setup.target_config.num_hidden_layers,
+                         "hidden": c.hidden_size, "vocab": c.vocab_size, "taps": list(c.target_layer_ids),
+                         "drafter": dataclasses.asdict(c)},
+            "recipe": {"source": setup.recipe.source, "drafter_ds_config": setup.recipe.drafter.ds_config,
+                       "target_ds_config": setup.recipe.target.ds_config},
+            "result": result}

@@ -1,0 +1,112 @@
+"""FLOP, parameter and attention-pair counts: the rules behind the project's anchor figures.
+
+The first four are plain functions tests check by hand; the last two apply them to a bench run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .setup import Setup, setup_rows
+
+
+def count_linear_params(module: nn.Module) -> int:
+    """Weights of every nn.Linear under `module` (the matmuls of a forward)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def target_forward_flops(linear_params: int, full_attention_layers: int, heads: int, head_dim: int, rows: int,
+                         seq_len: int) -> dict[str, int]:
+    """2 x linear params x tokens + causal attention 2*2*S^2*heads*head_dim/2 per full layer per row."""
+    linear = 2 * linear_params * rows * seq_len
+    attention = full_attention_layers * rows * 2 * 2 * seq_len * seq_len * heads * head_dim // 2
+    return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> int:
+    """(query, key) pairs the DFlash mask allows, counted from the mask's definition.
+
+    Per block: B queries x (context keys strictly before the anchor in its document + the B keys
+    of its own block); invalid (padding) blocks see their own block only.
+    """
+    anchors, valid, doc_ids = anchors.cpu().long(), valid.cpu().bool(), doc_ids.cpu().long()
+    s = doc_ids.shape[1]
+    doc_at = torch.gather(doc_ids, 1, anchors.clamp(0, s - 1))
+    j = torch.arange(s)
+    ctx = (j.view(1, 1, s) < anchors.unsqueeze(-1)) & (doc_ids.unsqueeze(1) == doc_at.unsqueeze(-1))
+    ctx_keys = (ctx.sum(-1) * valid).sum()
+    blocks = anchors.numel()
+    return int(block_size * ctx_keys + blocks * block_size * block_size)
+
+
+def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> dict[str, int]:
+    """One micro-batch's forward + backward FLOPs of the drafter (the anchor figures' rule).
+
+    6 x (q, o, MLP params x block tokens + k, v params x (context + block tokens)) per layer,
+    4 x fc params x context tokens (no input gradient: the taps are data), attention
+    4 x pairs x heads x head_dim x 3 (forward + backward) per layer, and 4 x vocab x D x block
+    tokens for the frozen lm_head (forward + input gradient).
+    """
+    d, h, hk, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    layers = cfg.num_hidden_layers
+    q_o_mlp = 2 * d * h * hd + 3 * d * cfg.intermediate_size
+    k_v = 2 * d * hk * hd
+    dense = 6 * layers * (q_o_mlp * block_tokens + k_v * (ctx_tokens + block_tokens))
+    fuse = 4 * (cfg.num_taps * d * d) * ctx_tokens
+    attention = layers * 3 * 4 * pairs * h * hd
+    lm_head = 4 * cfg.vocab_size * d * block_tokens
+    return {"dense": dense, "fuse": fuse, "attention": attention, "lm_head": lm_head,
+            "total": dense + fuse + attention + lm_head}
+
+
+# ---------------------------------------------------------------------------- counts of a bench run
+
+
+def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
+    from ..target import decoder_layers
+
+    layers = decoder_layers(model)
+    tc = setup.target_config
+    types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
+    full = sum(1 for t in types[:len(layers)] if t == "full_attention")
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    out = target_forward_flops(count_linear_params(layers), full, tc.num_attention_heads, head_dim,
+                               setup.spec.rows, setup.spec.seq_len)
+    out["layers_run"] = len(layers)
+    out["full_attention_layers_run"] = full
+    out["linear_params_run"] = count_linear_params(layers)
+    return out
+
+
+def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
+    """FLOPs of the given steps, with the attention pairs counted from each micro-batch's anchors.
+
+    Anchors depend only on (seed, micro-batch id) and the loss mask / documents, which every
+    synthetic row shares, so they are recomputed here exactly as make_blocks draws them.
+    """
+    from ..objective import sample_anchors
+    from ..step import anchor_generator
+
+    a, r, plan = setup.args, setup.recipe, setup.plan
+    rows = setup_rows(setup, setup.spec.rows)
+    loss_mask = torch.from_numpy(rows["loss_mask"]).bool()
+    doc_ids = torch.from_numpy(rows["doc_ids"])
+    ctx_tokens = setup.spec.rows * a.seq_len
+    block_tokens = setup.spec.rows * r.objective.num_anchors * r.drafter.block_size
+    total, pairs, valid_blocks, n = None, 0, 0, 0
+    for step in steps:
+        for g in range(plan.grad_accum):
+            m = plan.layout.micro_index(step, g, plan.grad_accum, 0)
+            anchors, valid = sample_anchors(loss_mask, doc_ids, r.objective.num_anchors,
+                                            anchor_generator(r.run.seed, m))
+            p = visible_pairs(anchors, valid, doc_ids, r.drafter.block_size)
+            f = drafter_step_flops(setup.drafter_config, ctx_tokens, block_tokens, p)
+            total = f if total is None else {k: total[k] + f[k] for k in f}
+            pairs += p
+            valid_blocks += int(valid.sum())
+            n += 1
+    steps_n = max(len(steps), 1)
+    per_step = {k: v / steps_n for k, v in total.items()}
+    return {"per_step": per_step, "visible_pairs_per_micro": pairs / n, "valid_blocks_per_micro": valid_blocks / n,
+            "ctx_tokens_per_micro": ctx_tokens, "block_tokens_per_micro": block_tokens}

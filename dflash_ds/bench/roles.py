@@ -1,0 +1,333 @@
+"""The measured roles: target fill, drafter step (alone or colocated with its target), transport.
+
+Every compute role runs the real code path on random weights (speed does not depend on them):
+the target is the truncated HF model under the DeepSpeed replica engine filling transport
+payloads through TapCapture (TargetWorker.fill), the drafter step is DrafterTrainer.train_step
+under the ZeRO-2 engine, colocated mode is train.LocalSource feeding that step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from .flops import drafter_flops_of_steps, target_flops_per_micro
+from .setup import Setup, free_port, init_single_process, setup_rows
+from .timing import drive, record_rates, synchronize
+
+MASK_METHODS = {
+    "flex": "BlockMask.from_kv_blocks from tensor ops (attention._flex_mask), compiled flex_attention",
+    "dense": "dense bool [b,1,Q,S+Q] mask (attention._dense_mask), SDPA",
+}
+
+
+# ---------------------------------------------------------------------------- target side
+
+
+def build_target_model(setup: Setup, use_engine: bool, group):
+    """Random-weight target built on the device, truncated after the last tap, under its engine."""
+    from transformers import AutoModelForCausalLM
+
+    from ..runtime import build_target_engine
+    from ..target import DTYPES, truncate_after
+
+    dtype = DTYPES[setup.recipe.target.dtype]
+    torch.manual_seed(setup.args.seed)
+    with torch.device(setup.device):
+        model = AutoModelForCausalLM.from_config(setup.target_config, dtype=dtype,
+                                                 attn_implementation=setup.recipe.target.attn_implementation)
+    truncate_after(model, max(setup.tap_ids))
+    model.requires_grad_(False)
+    model.eval()
+    kind = "none"
+    if use_engine:
+        model, kind = build_target_engine(setup.recipe, model, setup.plan, group)
+    return model, kind
+
+
+def target_worker(setup: Setup, model):
+    from ..workers import TargetWorker
+
+    rows = setup_rows(setup, setup.plan.num_rows)
+    return TargetWorker(model, setup.tap_ids, rows, setup.plan, setup.spec, setup.recipe.run.seed, setup.device)
+
+
+# ---------------------------------------------------------------------------- drafter side
+
+
+class SyntheticSource:
+    """Payload source of the drafter role: a few pre-filled payloads, reused in turn."""
+
+    def __init__(self, payloads: list[torch.Tensor]):
+        self.payloads = payloads
+        self.i = 0
+        self.wait_seconds = 0.0
+
+    def get(self) -> torch.Tensor:
+        p = self.payloads[self.i % len(self.payloads)]
+        self.i += 1
+        return p
+
+    def release(self, buf) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def synthetic_payloads(setup: Setup, count: int = 2) -> list[torch.Tensor]:
+    from ..transport import taps_view, write_meta
+
+    a, spec = setup.args, setup.spec
+    rows = setup_rows(setup, count * spec.rows)
+    g = torch.Generator(device=setup.device).manual_seed(a.seed)
+    out = []
+    for k in range(count):
+        buf = spec.empty(setup.device)
+        taps_view(buf, spec).normal_(generator=g)
+        sl = slice(k * spec.rows, (k + 1) * spec.rows)
+        write_meta(buf, spec, *(torch.from_numpy(rows[f][sl]) for f in ("input_ids", "loss_mask", "doc_ids")))
+        out.append(buf)
+    return out
+
+
+def build_drafter_side(setup: Setup, group):
+    """Drafter under the real ZeRO-2 engine, plus random frozen embedding and lm_head [V, D]."""
+    from ..drafter import DFlashDrafter
+    from ..runtime import build_drafter_engine
+    from ..target import DTYPES
+
+    torch.manual_seed(setup.args.seed)
+    drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
+    engine, ds_cfg = build_drafter_engine(setup.recipe, drafter, setup.plan, group, 0, setup.device)
+    if setup.args.compile_layers:
+        for layer in drafter.layers:
+            layer.compile(dynamic=False)
+    c = setup.drafter_config
+    dtype = DTYPES[setup.recipe.target.dtype]
+    g = torch.Generator(device=setup.device).manual_seed(setup.args.seed + 1)
+    embed = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=dtype).normal_(0, 0.02, generator=g)
+    head = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=dtype).normal_(0, 0.02, generator=g)
+    return drafter, engine, ds_cfg, embed, head
+
+
+def bench_context(setup: Setup, group):
+    """The run context train.LocalSource reads (colocated role)."""
+    from ..preflight import Context
+    from ..runtime import Groups
+    from ..target import target_geometry
+
+    return Context(setup.recipe, setup.device, target_geometry(setup.target_config), setup.drafter_config,
+                   setup.spec, 1, plan=setup.plan, rank=0, groups=Groups(group, group))
+
+
+class DrafterStep:
+    """One optimizer step of a drafter rank: the work of train.DrafterTrainer.train_step, op for op.
+
+    Payloads -> unpack -> make_blocks -> step-wide weight all-reduce -> per micro-batch
+    drafter_loss, engine.backward, engine.step -> acceptance proxy bookkeeping. Only the logging
+    that train_step's caller does at log steps is left out.
+    """
+
+    def __init__(self, setup: Setup, engine, drafter, embed, head, source, group):
+        from ..step import StepSettings
+
+        self.setup, self.engine, self.drafter, self.embed, self.head = setup, engine, drafter, embed, head
+        self.source, self.group = source, group
+        self.settings = StepSettings.from_recipe(setup.recipe, setup.device)
+        self.dtype = step_dtype(setup)
+
+    def __call__(self, step: int):
+        import torch.distributed as dist
+
+        from ..workers import train_step
+
+        st = train_step(self.engine, self.drafter, self.embed, self.head, self.source, self.settings, self.setup.plan,
+                        dist.get_rank(), self.group, self.setup.spec, self.dtype, step)
+        return st.ce_sum, st.weight, st.accept, st.anchors
+
+
+def step_dtype(setup: Setup) -> torch.dtype:
+    """The dtype the drafter step unpacks taps to: the target's on GPU, fp32 on CPU."""
+    from ..target import DTYPES
+
+    return DTYPES[setup.recipe.target.dtype] if setup.device.type == "cuda" else torch.float32
+
+
+def micro_batch_of(setup: Setup, payload: torch.Tensor):
+    from ..workers import unpack
+
+    return unpack(payload, setup.spec, step_dtype(setup))
+
+
+def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
+    """Mask construction time: the process's first build (cold), the median warm build, make_blocks.
+
+    Runs before the first training step, so the first build here is the process's first.
+    """
+    from ..attention import build_mask
+    from ..objective import sample_anchors
+    from ..step import StepSettings, anchor_generator, make_blocks
+
+    s = StepSettings.from_recipe(setup.recipe, setup.device)
+    mb = micro_batch_of(setup, payload)
+    anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors, anchor_generator(s.seed, 0))
+    anchors, valid = anchors.to(setup.device), valid.to(setup.device)
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(setup.device)
+        t0 = time.perf_counter()
+        build_mask(anchors, valid, mb.doc_ids, s.block_size, kind=s.mask_kind)
+        synchronize(setup.device)
+        times.append(time.perf_counter() - t0)
+    synchronize(setup.device)
+    t0 = time.perf_counter()
+    make_blocks(mb, s, 0)
+    synchronize(setup.device)
+    return {"kind": s.mask_kind, "method": MASK_METHODS[s.mask_kind], "first_build_s": times[0],
+            "build_s": statistics.median(times[1:]), "make_blocks_s": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------- the roles
+
+
+def run_target(setup: Setup, ceiling: dict) -> dict:
+    group = init_single_process(setup.device)
+    a = setup.args
+    t_build = time.perf_counter()
+    model, kind = build_target_model(setup, not a.no_engine, group)
+    worker = target_worker(setup, model)
+    buf = setup.spec.empty(setup.device)
+    synchronize(setup.device)
+    build_s = time.perf_counter() - t_build
+    plan = setup.plan
+
+    def step(s: int) -> None:
+        for g in range(plan.grad_accum):
+            worker.fill(buf, plan.layout.micro_index(s, g, plan.grad_accum, 0))
+
+    result = drive(step, setup.device, a.warmup, a.steps, t_build, a.profile)
+    flops = target_flops_per_micro(setup, model)
+    result.update(build_s=build_s, engine=kind, taps=setup.tap_ids, flops_per_micro=flops,
+                  payload_bytes=setup.spec.nbytes)
+    record_rates(result, plan.grad_accum * setup.spec.rows * a.seq_len, plan.grad_accum * flops["total"], ceiling)
+    return result
+
+
+def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
+    group = init_single_process(setup.device)
+    a = setup.args
+    t_build = time.perf_counter()
+    drafter, engine, ds_cfg, embed, head = build_drafter_side(setup, group)
+    extra = {}
+    if colocated:
+        from ..train import LocalSource
+
+        model, kind = build_target_model(setup, not a.no_engine, group)
+        source = LocalSource(target_worker(setup, model), bench_context(setup, group), 0)
+        extra.update(engine_target=kind, target_flops_per_micro=target_flops_per_micro(setup, model))
+        probe = synthetic_payloads(setup, 1)[0]
+    else:
+        payloads = synthetic_payloads(setup)
+        source = SyntheticSource(payloads)
+        probe = payloads[0]
+    step_fn = DrafterStep(setup, engine, drafter, embed, head, source, group)
+    synchronize(setup.device)
+    build_s = time.perf_counter() - t_build
+    mask = time_mask(setup, probe)
+    del probe
+    result = drive(step_fn, setup.device, a.warmup, a.steps, t_build, a.profile)
+    counted = drafter_flops_of_steps(setup, range(a.warmup, a.warmup + a.steps))
+    flops = counted["per_step"]["total"]
+    if colocated:
+        flops += setup.plan.grad_accum * extra["target_flops_per_micro"]["total"]
+    result.update(build_s=build_s, mask=mask, drafter_flops=counted, taps=setup.tap_ids,
+                  drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+                  checkpointed_layers=drafter.checkpoint_layers if drafter.checkpoint_fn is not None else 0,
+                  compiled_layers=bool(a.compile_layers), zero_stage=ds_cfg.get("zero_optimization", {}).get("stage"),
+                  loss_chunks=setup.recipe.objective.loss_chunks, **extra)
+    record_rates(result, setup.plan.grad_accum * setup.spec.rows * a.seq_len, flops, ceiling)
+    return result
+
+
+def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
+    import torch.distributed as dist
+
+    from ..transport import Receiver, Sender, write_meta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    nccl = args["backend"] == "nccl"
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    if nccl:
+        torch.cuda.set_device(device)
+    dist.init_process_group(args["backend"], rank=rank, world_size=2)
+    total = args["warmup"] + args["steps"]
+    try:
+        if rank == 1:  # target: sends the same buffers over and over (the fill is not what is measured)
+            tx = Sender(spec, device, args["in_flight"])
+            zeros = torch.zeros(spec.rows, spec.seq_len, dtype=torch.long)
+            for buf in tx.free:
+                write_meta(buf, spec, zeros, zeros, zeros)
+            for _ in range(total):
+                tx.send(tx.buffer(), dst=0)
+            tx.flush()
+            queue.put({"rank": 1, "send_wait_s": tx.wait_seconds})
+        else:
+            rx = Receiver(spec, device, args["depth"], [1] * total)
+            for _ in range(args["warmup"]):
+                rx.release(rx.get())
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(args["steps"]):
+                buf = rx.get()
+                synchronize(device)  # NCCL's wait only orders streams; the bytes must have landed
+                rx.release(buf)
+            seconds = time.perf_counter() - t0
+            rx.close()
+            queue.put({"rank": 0, "seconds": seconds, "recv_wait_s": rx.wait_seconds})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_transport(setup: Setup, ceiling: dict) -> dict:
+    import torch.multiprocessing as mp
+
+    from ..transport import PayloadSpec
+
+    a = setup.args
+    spec = PayloadSpec(setup.spec.rows, setup.spec.seq_len, setup.spec.num_taps, setup.spec.hidden, torch.bfloat16)
+    if a.transport_backend == "nccl" and torch.cuda.device_count() < 2:
+        raise ValueError("--transport-backend nccl needs 2 visible GPUs; use gloo (the host path) on this machine")
+    if a.warmup < 1 or a.steps < 1:
+        raise ValueError("--warmup and --steps must be >= 1 for the transport role")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    wargs = {"backend": a.transport_backend, "warmup": a.warmup, "steps": a.steps, "in_flight": a.in_flight,
+             "depth": a.recv_depth}
+    procs = [ctx.Process(target=_transport_worker, args=(r, port, spec, wargs, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    reports = {}
+    try:
+        for _ in range(2):
+            rep = queue.get(timeout=a.transport_timeout)
+            reports[rep["rank"]] = rep
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"transport worker exited with {bad}")
+    seconds = reports[0]["seconds"]
+    per_s = a.steps / seconds
+    return {"backend": a.transport_backend, "payload_shape": list(spec.shape), "payload_bytes": spec.nbytes,
+            "payloads": a.steps, "seconds": seconds, "payloads_per_s": per_s, "gb_s": per_s * spec.nbytes / 1e9,
+            "tok_s": per_s * spec.rows * spec.seq_len, "in_flight": a.in_flight, "recv_depth": a.recv_depth,
+            "send_wait_s": reports[1]["send_wait_s"], "recv_wait_s": reports[0]["recv_wait_s"]}

@@ -1,0 +1,168 @@
+"""What every bench role runs on: the resolved recipe, target and drafter configs, one rank's world.
+
+The recipe supplies what is not geometry, exactly as a training run reads it; the flags fix the
+batch shape and a single-rank colocated layout. Rows are synthetic (speed does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent.parent
+DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    device: torch.device
+    recipe: object  # config.Recipe
+    target_config: object  # transformers text config
+    drafter_config: object  # drafter.DrafterConfig
+    geometry_name: str
+    plan: object = None  # plan.Plan for a 1-rank colocated layout
+    spec: object = None  # transport.PayloadSpec
+
+    @property
+    def tap_ids(self) -> list[int]:
+        return list(self.drafter_config.target_layer_ids)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but no GPU is visible; use --device cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if name != "cpu":
+        raise ValueError(f"--device must be auto, cuda or cpu, got {name!r}")
+    return torch.device("cpu")
+
+
+def _resize_layers(config, layers: int):
+    """A copy of a loaded target config with `layers` decoder layers (layer pattern repeated)."""
+    d = config.to_dict()
+    types = d.get("layer_types")
+    d["num_hidden_layers"] = layers
+    if types:
+        d["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    return type(config)(**{k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
+
+
+def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
+    """Target config, drafter config and the bench recipe from --geometry / --recipe and the flags.
+
+    The recipe supplies everything that is not geometry (DeepSpeed JSONs, loss chunks, optimiser,
+    activation checkpointing) exactly as a training run would read it. Batch shape, topology and
+    output directory are overridden for a single-rank colocated layout, the one every role fits.
+    """
+    from ..config import load_recipe
+    from ..drafter import DrafterConfig
+    from ..geometry import get_geometry, target_config
+    from ..plan import resolve
+    from ..target import load_config, text_config
+    from ..transport import PayloadSpec
+
+    cuda = device.type == "cuda"
+    recipe_path = Path(args.recipe) if args.recipe else DEFAULT_RECIPE
+    total_steps = args.warmup + args.steps
+    cfgs = REPO / "ds_configs"
+    # The target and transport roles draw no anchors; keep the recipe valid at short --seq-len.
+    anchors = args.anchors if args.role in ("drafter", "colocated") else min(args.anchors, args.seq_len)
+    # Nothing is written to the run directory (no metrics, no checkpoints); it only has to be valid.
+    over = [f"run.output_dir={Path(tempfile.gettempdir()) / 'dflash_bench'}", f"run.seed={args.seed}",
+            f"run.device={device.type}", "log.wandb.enabled=false", "log.progress=false",
+            f"data.max_length={args.seq_len}", f"objective.num_anchors={anchors}",
+            f"drafter.block_size={args.block_size}", f"optim.rows_per_micro_batch={args.rows}",
+            f"optim.grad_accum={args.grad_accum}", "optim.epochs=1", f"optim.max_steps={total_steps}",
+            "topology.colocated=true", "topology.drafters_per_node=1", "topology.targets_per_node=0",
+            "checkpoint.resume=false", f"target.dtype={'bfloat16' if cuda else 'float32'}"]
+    if not cuda:
+        # The GPU JSONs enable bf16, which the CPU engine cannot run.
+        over += [f"drafter.ds_config={cfgs / 'drafter_zero2_cpu.json'}",
+                 f"target.ds_config={cfgs / 'target_replica_cpu.json'}"]
+    elif not args.recipe:
+        over += [f"drafter.ds_config={cfgs / 'drafter_zero2.json'}", f"target.ds_config={cfgs / 'target_replica.json'}"]
+    local_target = None
+    if args.recipe:
+        path = load_recipe(recipe_path).target.path
+        local_target = path if Path(path).is_dir() else None
+    if local_target:
+        tcfg = text_config(load_config(local_target))
+        if args.layers:
+            tcfg = _resize_layers(tcfg, args.layers)
+            over.append("drafter.target_layer_ids=null")
+        geometry_name = f"recipe:{local_target}"
+    else:
+        geo = get_geometry(args.geometry)
+        tcfg = target_config(args.geometry, args.layers)
+        geometry_name = geo.name
+        over += [f"drafter.num_layers={geo.drafter_layers}", f"drafter.mask_token_id={geo.mask_token_id}",
+                 "drafter.target_layer_ids=null", "drafter.intermediate_size=null",
+                 "drafter.num_attention_heads=null", "drafter.num_key_value_heads=null", "drafter.head_dim=null"]
+    recipe = load_recipe(recipe_path, over + list(args.set or []))
+    d = recipe.drafter
+    dcfg = DrafterConfig.from_target(tcfg, num_layers=d.num_layers, block_size=d.block_size,
+                                     mask_token_id=d.mask_token_id, target_layer_ids=d.target_layer_ids,
+                                     intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+                                     num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim)
+    o = recipe.optim
+    plan = resolve(recipe, 1, total_steps * o.grad_accum * o.rows_per_micro_batch)
+    tap_dtype = torch.bfloat16 if cuda and recipe.target.dtype == "bfloat16" else torch.float32
+    spec = PayloadSpec(o.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, dcfg.hidden_size, tap_dtype)
+    return Setup(args, device, recipe, tcfg, dcfg, geometry_name, plan, spec)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process(device: torch.device):
+    """A world of one rank (the engines need a process group); returns its group."""
+    import torch.distributed as dist
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if device.type == "cpu":
+        # Read when deepspeed first picks its accelerator, so set before it is imported.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not dist.is_initialized():
+        from ..runtime import init_distributed
+
+        init_distributed(device)
+    return dist.new_group([0])
+
+
+def synthetic_rows(num_rows: int, seq_len: int, vocab: int, prompt_tokens: int, seed: int) -> dict[str, np.ndarray]:
+    """One document per row: random ids, loss mask off on the prompt prefix and on after it."""
+    if not 0 <= prompt_tokens < seq_len - 1:
+        raise ValueError(f"--prompt-tokens must be in [0, seq_len - 1), got {prompt_tokens} for --seq-len {seq_len}")
+    rng = np.random.default_rng(seed)
+    loss_mask = np.ones((num_rows, seq_len), dtype=np.int32)
+    loss_mask[:, :prompt_tokens] = 0
+    return {"input_ids": rng.integers(0, vocab, size=(num_rows, seq_len), dtype=np.int64),
+            "loss_mask": loss_mask,
+            "doc_ids": np.zeros((num_rows, seq_len), dtype=np.int32)}
+
+
+def prompt_tokens(args) -> int:
+    return args.prompt_tokens if args.prompt_tokens is not None else args.seq_len // 8
+
+
+def setup_rows(setup: Setup, num_rows: int) -> dict[str, np.ndarray]:
+    """`num_rows` synthetic rows of the setup's shape, vocabulary, prompt length and seed."""
+    a = setup.args
+    return synthetic_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, prompt_tokens(a), a.seed)
