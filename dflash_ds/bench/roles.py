@@ -103,9 +103,6 @@ def build_drafter_side(setup: Setup, group):
     torch.manual_seed(setup.args.seed)
     drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
     engine, ds_cfg = build_drafter_engine(setup.recipe, drafter, setup.plan, group, 0, setup.device)
-    if setup.args.compile_layers:
-        for layer in drafter.layers:
-            layer.compile(dynamic=False)
     c = setup.drafter_config
     dtype = DTYPES[setup.recipe.target.dtype]
     g = torch.Generator(device=setup.device).manual_seed(setup.args.seed + 1)
