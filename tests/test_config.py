@@ -106,3 +106,12 @@ def test_lr_schedule_warmup_then_cosine():
     f = [lr_factor(s, plan, 0.1) for s in range(plan.total_steps)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_dry_run_prints_the_plan_without_distributed(capsys):
+    from dflash_ds.train import main
+
+    assert main(["recipes/tiny.yaml", "--dry-run", "--world-size", "3", "topology.targets_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: node 0 local 0 role drafter" in out and "rank 2: node 0 local 2 role target" in out
+    assert "target 1: ->0:m0" in out and "memory estimate" in out
