@@ -7,7 +7,6 @@ process group exists, so a bad recipe stops all ranks at once.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 

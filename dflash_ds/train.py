@@ -12,20 +12,19 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .config import Recipe, dump_yaml, load_recipe, ranks_per_node, to_dict
+from .config import dump_yaml, load_recipe, ranks_per_node, to_dict
 from .metrics import Metrics, print_progress, read_status, write_status
-from .plan import Plan, describe, resolve
+from .plan import describe
 from .preflight import Context, finish, load_data, preflight
-from .step import StepSettings, drafter_loss, make_blocks
-from .target import DTYPES, load_target, truncate_after
-from .transport import PayloadSpec, Receiver, Sender
+from .step import StepSettings
+from .target import DTYPES, truncate_after
+from .transport import Receiver, Sender
 from .workers import StepStats, TargetWorker, greedy_sequences, tau_of_payloads, train_step
 
 
@@ -41,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit without touching a GPU")
     p.add_argument("--world-size", type=int, default=None, help="world size assumed by --dry-run")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,20 +189,23 @@ def run_drafter(ctx: Context) -> None:
     r, plan, rank = ctx.recipe, ctx.plan, ctx.rank
     lay = plan.layout
     lead = rank == lay.drafter_ranks[0]
-    dtype = DTYPES[r.target.dtype]
+    # CPU runs train in float32 whatever the target dtype (bf16 matmuls on CPU are slow and inexact).
+    dtype = DTYPES[r.target.dtype] if ctx.device.type == "cuda" else torch.float32
     embed, head = embed_and_head(r.target.path, dtype, ctx.device)
     drafter = build_drafter(ctx)
     engine, _ = build_drafter_engine(r, drafter, plan, ctx.groups.drafter, rank, ctx.device)
     start = checkpoint.load(engine, r.run.output_dir, ctx.groups.drafter, r.checkpoint.universal) if r.checkpoint.resume else 0
     eval_set: list[torch.Tensor] = []
     if lay.colocated:
-        model, _ = load_target_worker(ctx)
-        if wants_eval(ctx) and lead:
-            seqs = eval_sequences(ctx, model)
+        model, kind = load_target_worker(ctx)
+        # Under ZeRO-3 every rank joins each forward, so all generate; only the lead keeps the result.
+        generate = wants_eval(ctx) and (lead or kind == "zero3")
+        seqs = eval_sequences(ctx, model, write=lead) if generate else None
         truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
         worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
-        if wants_eval(ctx) and lead:
-            eval_set = [b.clone() for b in worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device))]
+        if generate:
+            eval_set = list(worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device)))
+            eval_set = eval_set if lead else []
         source = LocalSource(worker, ctx, start)
     else:
         if wants_eval(ctx) and lead:

@@ -5,18 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from dflash_ds.launch_env import free_port  # noqa: F401  (used by the tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_env(**extra) -> dict:

@@ -86,14 +86,6 @@ CONV = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny CPU ops: a second OpenMP thread costs more than it gives on small CI machines.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tokenizer(template=None, extra_specials=()):
     from transformers import AutoTokenizer

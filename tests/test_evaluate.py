@@ -87,15 +87,6 @@ def train_drafter(target, sequences, steps, seed=0):
     return drafter.eval().requires_grad_(False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core runner OpenMP threads
-    # contending with other processes made training here 6x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def world():

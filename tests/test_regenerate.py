@@ -16,13 +16,6 @@ TINY = ROOT / "assets" / "tiny-target"
 CHAT = ROOT / "assets" / "tiny_chat.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tok():

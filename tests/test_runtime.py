@@ -12,7 +12,7 @@ import torch
 from dflash_ds.config import load_recipe
 from dflash_ds.metrics import read_metrics
 
-from .launch_util import ROOT, cpu_env, deepspeed_cmd, free_port, launch, output, run
+from .launch_util import cpu_env, deepspeed_cmd, free_port, launch, output, run
 
 TINY = "recipes/tiny.yaml"
 # Short runs: few steps, a log line and a checkpoint every step where needed.
@@ -54,6 +54,14 @@ def test_split_runtime_matches_single_process(tmp_path, reference):
     assert len(got) == 4
     assert got == pytest.approx(reference, rel=2e-4), (got, reference)
     assert got[-1] < got[0]
+
+
+def test_colocated_matches_single_process(tmp_path, reference):
+    """Two colocated ranks (both models on each, hidden states in memory) train the same drafter."""
+    run_dir = tmp_path / "run"
+    ok(launch(TINY, FAST + ["topology.colocated=true", "topology.targets_per_node=0", "topology.drafters_per_node=2",
+                            "optim.grad_accum=2", f"run.output_dir={run_dir}"], procs=2))
+    assert losses(run_dir) == pytest.approx(reference, rel=2e-4)
 
 
 def test_two_targets_one_drafter(tmp_path):

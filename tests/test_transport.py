@@ -1,11 +1,11 @@
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dflash_ds.launch_env import free_port
 from dflash_ds.transport import PayloadSpec, Receiver, Sender, read_meta, taps_view, write_meta
 
 
@@ -23,12 +23,6 @@ def test_meta_round_trip_is_exact(dtype):
     i2, l2, d2 = read_meta(buf, spec)
     assert torch.equal(i2, ids) and torch.equal(l2, lm) and torch.equal(d2, docs)
     assert torch.equal(taps_view(buf, spec), taps)  # metadata never overwrites the taps
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, n, depth, q):
@@ -61,7 +55,7 @@ def test_sender_receiver_order_and_content():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     n = 9
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, n, 2, q)) for r in range(2)]
     for p in procs:
         p.start()

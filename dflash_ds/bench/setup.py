@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"
@@ -123,11 +124,6 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     spec = PayloadSpec(o.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, dcfg.hidden_size, tap_dtype)
     return Setup(args, device, recipe, tcfg, dcfg, geometry_name, plan, spec)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_single_process(device: torch.device):
