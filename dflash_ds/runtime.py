@@ -23,13 +23,19 @@ class Groups:
 
 
 def pick_device(recipe: Recipe) -> torch.device:
-    want = recipe.run.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda":
+    return device_named(recipe.run.device, "run.device")
+
+
+def device_named(name: str, setting: str) -> torch.device:
+    """auto / cuda / cpu -> this rank's device (cuda:LOCAL_RANK); errors name `setting`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("run.device is cuda but no GPU is visible; set run.device: cpu or auto")
+            raise ValueError(f"{setting} is cuda but no GPU is visible; set {setting} to cpu or auto")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if name != "cpu":
+        raise ValueError(f"{setting} must be auto, cuda or cpu, got {name!r}")
     return torch.device("cpu")
 
 

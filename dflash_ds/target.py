@@ -92,11 +92,15 @@ def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     if adapter:
         model = merge_adapter(model, adapter)
+    return freeze(model, last_layer).to(device)
+
+
+def freeze(model: nn.Module, last_layer: int | None = None) -> nn.Module:
+    """Eval mode, no gradients, and the layers after `last_layer` dropped (when given)."""
     if last_layer is not None:
         truncate_after(model, last_layer)
     model.requires_grad_(False)
-    model.eval()
-    return model.to(device)
+    return model.eval()
 
 
 def merge_adapter(model: nn.Module, adapter: str) -> nn.Module:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import deepspeed_patches as patches
-from .target import DTYPES, TargetError, base_model, load_config, truncate_after
+from .target import DTYPES, TargetError, base_model, freeze, load_config
 
 
 def config_dtype(ds_config: dict) -> torch.dtype:
@@ -76,10 +76,7 @@ def load_target_zero3(path: str, ds_config: dict, group, *, dtype, attn_implemen
         del hf_ds_config
     if adapter:
         model = merge_adapter_partitioned(model, adapter)
-    if last_layer is not None:
-        truncate_after(model, last_layer)
-    model.requires_grad_(False)
-    model.eval()
+    model = freeze(model, last_layer)
 
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, mpu=patches.GroupMPU.for_group(group),
                                            dist_init_required=False)

@@ -38,15 +38,9 @@ class Setup:
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but no GPU is visible; use --device cpu or auto")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if name != "cpu":
-        raise ValueError(f"--device must be auto, cuda or cpu, got {name!r}")
-    return torch.device("cpu")
+    from ..runtime import device_named
+
+    return device_named(name, "--device")
 
 
 def _resize_layers(config, layers: int):

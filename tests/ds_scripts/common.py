@@ -93,6 +93,23 @@ def release(ctx: Ctx, dsts: list[int]) -> None:
         dist.send(torch.ones(1), dst=dst)
 
 
+def run_one_group(ctx: Ctx, work, busy: str) -> None:
+    """`busy` ("drafter" or "target") runs work(ctx) alone while the other group waits for its
+    leader's release message (a P2P token, not a collective), then everyone finishes."""
+    is_busy = ctx.is_drafter if busy == "drafter" else not ctx.is_drafter
+    busy_ranks, busy_group = ((ctx.drafter_ranks, ctx.drafter_group) if busy == "drafter"
+                              else (ctx.target_ranks, ctx.target_group))
+    idle_ranks = ctx.target_ranks if busy == "drafter" else ctx.drafter_ranks
+    if is_busy:
+        work(ctx)
+        dist.barrier(group=busy_group)
+        if ctx.rank == busy_ranks[0]:
+            release(ctx, idle_ranks)
+    else:
+        wait_for(ctx, src=busy_ranks[0])
+    finish(ctx)
+
+
 def finish(ctx: Ctx) -> None:
     dist.barrier()
     dist.destroy_process_group()

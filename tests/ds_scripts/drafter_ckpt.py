@@ -14,7 +14,6 @@ from pathlib import Path
 
 import common
 import torch
-import torch.distributed as dist
 
 from dflash_ds import checkpoint
 from dflash_ds.deepspeed_patches import GroupMPU
@@ -78,15 +77,7 @@ def main() -> None:
     args = p.parse_args()
     if "barriers" in args.without:
         checkpoint.barriers_on = lambda group: contextlib.nullcontext()
-    ctx = common.setup(args)
-    if ctx.is_drafter:
-        run_drafter(ctx)
-        dist.barrier(group=ctx.drafter_group)
-        if ctx.rank == ctx.drafter_ranks[0]:
-            common.release(ctx, ctx.target_ranks)
-    else:
-        common.wait_for(ctx, src=ctx.drafter_ranks[0])
-    common.finish(ctx)
+    common.run_one_group(common.setup(args), run_drafter, busy="drafter")
 
 
 if __name__ == "__main__":

@@ -76,15 +76,7 @@ def run_drafter(ctx) -> None:
 
 def main() -> None:
     args = common.parser(__doc__).parse_args()
-    ctx = common.setup(args)
-    if ctx.is_drafter:
-        run_drafter(ctx)
-        dist.barrier(group=ctx.drafter_group)
-        if ctx.rank == ctx.drafter_ranks[0]:
-            common.release(ctx, ctx.target_ranks)
-    else:
-        common.wait_for(ctx, src=ctx.drafter_ranks[0])
-    common.finish(ctx)
+    common.run_one_group(common.setup(args), run_drafter, busy="drafter")
 
 
 if __name__ == "__main__":

@@ -66,15 +66,7 @@ def main() -> None:
         patches.zero_init_on = lambda group: contextlib.nullcontext()
     if "loader_rank" in args.without:  # zero.Init on the group, but HF's loader writes on rank 0 only
         patches._group_rank_as_rank = lambda group: contextlib.nullcontext()
-    ctx = common.setup(args)
-    if ctx.is_drafter:
-        common.wait_for(ctx, src=ctx.target_ranks[0])
-    else:
-        run_target(ctx)
-        dist.barrier(group=ctx.target_group)
-        if ctx.rank == ctx.target_ranks[0]:
-            common.release(ctx, ctx.drafter_ranks)
-    common.finish(ctx)
+    common.run_one_group(common.setup(args), run_target, busy="target")
 
 
 if __name__ == "__main__":

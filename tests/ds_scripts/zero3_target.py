@@ -116,13 +116,7 @@ def main() -> None:
         x = torch.randn(64, 64)
         for _ in range(10):
             x = torch.tanh(x @ x.T / 64)
-        common.wait_for(ctx, src=ctx.target_ranks[0])
-    else:
-        run_target(ctx)
-        dist.barrier(group=ctx.target_group)
-        if ctx.rank == ctx.target_ranks[0]:
-            common.release(ctx, ctx.drafter_ranks)
-    common.finish(ctx)
+    common.run_one_group(ctx, run_target, busy="target")
 
 
 if __name__ == "__main__":
