@@ -204,14 +204,18 @@ def run_drafter(ctx: Context) -> None:
         truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
         worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
         if generate:
-            eval_set = list(worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device)))
+            # Held on the host: 64 held-out rows of a 27B target are ~10 GB of hidden states.
+            eval_set = [p.cpu() for p in worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device))]
             eval_set = eval_set if lead else []
         source = LocalSource(worker, ctx, start)
     else:
         if wants_eval(ctx) and lead:
             n = math.ceil(len(ctx.data.eval_prompts) / ctx.spec.rows)
-            rx = Receiver(ctx.spec, ctx.device, n, [lay.eval_target()] * n)
-            eval_set = [rx.get() for _ in range(n)]
+            rx = Receiver(ctx.spec, ctx.device, 2, [lay.eval_target()] * n)
+            for _ in range(n):  # held on the host: 64 rows of a 27B target are ~10 GB
+                buf = rx.get()
+                eval_set.append(buf.cpu())
+                rx.release(buf)
         sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                    for g in range(plan.grad_accum))
         source = Receiver(ctx.spec, ctx.device, plan.grad_accum + 1, sources)

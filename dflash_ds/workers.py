@@ -97,16 +97,19 @@ def tau_of_payloads(drafter, embed, head, payloads, spec: PayloadSpec, dtype, bl
     was_training = drafter.training
     drafter.eval()
     cycles = []
-    for p in payloads:
-        mb = unpack(p, spec, dtype)
-        for j in range(mb.input_ids.shape[0]):
-            real = int((mb.doc_ids[j] >= 0).sum())
-            resp = torch.nonzero(mb.loss_mask[j]).flatten()
-            if real == 0 or resp.numel() == 0:
-                continue
-            first = int(resp[0])
-            cycles.append(tau_from_taps(drafter, embed, head, mb.taps[j, :real], mb.input_ids[j, :real], first, real,
-                                        block_size=block_size, mask_token_id=mask_token_id))
+    # Held-out sequences have many lengths: compiled layers would recompile for each, so run eager.
+    with torch.compiler.set_stance("force_eager"):
+        device = next(drafter.parameters()).device
+        for p in payloads:
+            mb = unpack(p.to(device), spec, dtype)
+            for j in range(mb.input_ids.shape[0]):
+                real = int((mb.doc_ids[j] >= 0).sum())
+                resp = torch.nonzero(mb.loss_mask[j]).flatten()
+                if real == 0 or resp.numel() == 0:
+                    continue
+                first = int(resp[0])
+                cycles.append(tau_from_taps(drafter, embed, head, mb.taps[j, :real], mb.input_ids[j, :real], first, real,
+                                            block_size=block_size, mask_token_id=mask_token_id))
     drafter.train(was_training)
     return TauReport(block_size=block_size, cycles=cycles)
 
