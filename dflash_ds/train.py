@@ -45,9 +45,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    recipe = load_recipe(args.recipe, args.overrides)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
-    ctx = preflight(recipe, world)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
+        ctx = preflight(recipe, world)
+    except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
+        print(f"[dflash] error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if args.dry_run:
         finish(ctx)
         print(describe(recipe, ctx.plan, ctx.memory))
