@@ -305,7 +305,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.regenerate", description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Under `deepspeed --module dflash_ds.regenerate` every rank also gets --local_rank=N.
+    args = parser.parse_args([a for a in argv if not a.startswith("--local_rank")])
     from dflash_ds.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
