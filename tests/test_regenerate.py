@@ -179,3 +179,19 @@ def test_changed_settings_refuse_to_mix(tmp_path, tok, monkeypatch):
         R.make_generator(make_cfg(tmp_path, src, backend="tgi"), str(TINY), tok)
     with pytest.raises(ValueError, match="data.regenerate.output_dir.*no regenerated data"):
         R.check_complete(tmp_path / "nowhere")
+
+
+def test_regenerate_under_the_deepspeed_launcher(tmp_path):
+    """`deepspeed --module dflash_ds.regenerate` (every rank gets --local_rank=N) spreads the shards."""
+    import json as _json
+
+    from .launch_util import deepspeed_cmd, free_port, output, run, cpu_env
+
+    out = tmp_path / "regen"
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), "--module", "dflash_ds.regenerate",
+                             "recipes/tiny.yaml", "data.max_samples=12", "data.regenerate.max_new_tokens=64",
+                             f"data.regenerate.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}"]
+    proc = run(cmd, 180, cpu_env())
+    assert proc.returncode == 0, output(proc)[-4000:]
+    rows = [_json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+    assert len(rows) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
