@@ -6,6 +6,7 @@ Computed once from the recipe, the world size and the number of prepared rows; p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,8 +39,14 @@ class Plan:
         """Row indices of global micro-batch `micro_index`: a fresh permutation every epoch."""
         per_epoch = self.steps_per_epoch * self.micro_per_step
         epoch, i = divmod(micro_index, per_epoch)
-        perm = np.random.default_rng([seed, epoch]).permutation(self.num_rows)
+        perm = epoch_order(seed, epoch, self.num_rows)
         return perm[i * self.rows_per_micro:(i + 1) * self.rows_per_micro]
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    """The row order of one epoch, computed once (not per micro-batch: 800K rows cost ~10 ms)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
 def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:

@@ -13,21 +13,9 @@ import torch
 from .config import Recipe
 from .drafter import DFlashDrafter
 from .plan import Plan, lr_factor
-from .step import MicroBatch, StepSettings, drafter_loss, make_blocks, positions_from_doc_ids
-from .target import TapCapture, base_model
-
-
-@torch.no_grad()
-def micro_batch(target, capture: TapCapture, rows: dict, plan: Plan, micro_index: int, seed: int, hidden: int) -> MicroBatch:
-    idx = plan.rows_of(micro_index, seed)
-    ids = torch.from_numpy(rows["input_ids"][idx]).long()
-    loss_mask = torch.from_numpy(rows["loss_mask"][idx]).bool()
-    doc_ids = torch.from_numpy(rows["doc_ids"][idx]).int()
-    taps = torch.empty(ids.shape[0], ids.shape[1], len(capture.layer_ids) * hidden)
-    capture.out = taps
-    base_model(target)(input_ids=ids, position_ids=positions_from_doc_ids(doc_ids), use_cache=False)
-    capture.out = None
-    return MicroBatch(taps, ids, loss_mask, doc_ids)
+from .step import StepSettings, drafter_loss, make_blocks
+from .transport import PayloadSpec
+from .workers import TargetWorker, unpack
 
 
 def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter, embed: torch.Tensor,
@@ -35,14 +23,17 @@ def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter,
     """Per-step losses sum(w * CE) / sum(w) over every micro-batch of every drafter rank."""
     o = recipe.optim
     settings = StepSettings.from_recipe(recipe, torch.device("cpu"))
-    capture = TapCapture(target, drafter.config.target_layer_ids)
+    layer_ids = drafter.config.target_layer_ids
+    spec = PayloadSpec(plan.rows_per_micro, plan.seq_len, len(layer_ids), embed.shape[1], torch.float32)
+    # The same row selection and tap capture as a target rank, minus the sending.
+    worker = TargetWorker(target, layer_ids, rows, plan, spec, recipe.run.seed, "cpu")
     opt = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, plan, o.min_lr_ratio))
     lay = plan.layout
     losses = []
     for step in range(steps):
         ids = [lay.micro_index(step, g, plan.grad_accum, d) for d in lay.drafter_ranks for g in range(plan.grad_accum)]
-        mbs = [micro_batch(target, capture, rows, plan, m, recipe.run.seed, embed.shape[1]) for m in ids]
+        mbs = [unpack(worker.fill(spec.empty("cpu"), m), spec, torch.float32) for m in ids]
         blocks = [make_blocks(mb, settings, m) for mb, m in zip(mbs, ids)]
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
         opt.zero_grad()
@@ -55,5 +46,5 @@ def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter,
         opt.step()
         sched.step()
         losses.append(total / float(weight))
-    capture.remove()
+    worker.capture.remove()
     return losses

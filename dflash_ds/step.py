@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .attention import build_mask
 from .objective import block_inputs, block_targets, chunked_loss, default_gamma, sample_anchors
+from .packing import position_ids_from_doc_ids
 
 
 @dataclass(frozen=True)
@@ -62,16 +63,6 @@ class Blocks:
     mask: object
 
 
-def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Position of every token inside its document (restarting at 0 at each document start)."""
-    s = doc_ids.shape[-1]
-    idx = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=-1).values
-    return idx - first
-
-
 def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:
     """Anchors depend only on (seed, micro-batch id, device type): identical in split, colocated and
     resumed runs. The generator lives on the data's device so sampling needs no host round trip."""
@@ -86,7 +77,7 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
     device = mb.input_ids.device
     anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
                                     anchor_generator(s.seed, micro_index, device))
-    ctx_positions = positions_from_doc_ids(mb.doc_ids)
+    ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
     labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)
     mask = build_mask(anchors, valid, mb.doc_ids, s.block_size, kind=s.mask_kind)

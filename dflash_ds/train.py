@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .runtime import init_distributed, make_groups
 
-    rank, world = init_distributed(ctx.device)
+    rank, _ = init_distributed(ctx.device)
     ctx.rank = rank
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:

@@ -52,22 +52,15 @@ def taps_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
     return payload[..., : spec.tap_cols]
 
 
-def meta_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
-    """The int32 [R, S, 3] view of the metadata columns (shares memory with the payload)."""
-    cols = payload[..., spec.tap_cols:]
-    # A non-contiguous last-dim slice cannot be reinterpreted in place; the metadata is tiny, so the
-    # writer fills it through write_meta and readers copy it out.
-    return cols.contiguous().view(torch.int32)
-
-
 def write_meta(payload: torch.Tensor, spec: PayloadSpec, input_ids, loss_mask, doc_ids) -> None:
     meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
     payload[..., spec.tap_cols:] = meta.view(spec.dtype).to(payload.device)
 
 
 def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta = meta_view(payload, spec)
-    return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2].clone()
+    # A last-dim slice cannot be reinterpreted in place, so the (tiny) metadata is copied out.
+    meta = payload[..., spec.tap_cols:].contiguous().view(torch.int32)
+    return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2]
 
 
 class Sender:

@@ -15,7 +15,7 @@ from .objective import acceptance_proxy
 from .step import MicroBatch, drafter_loss, make_blocks
 from .target import TapCapture, forward_taps
 from .transport import PayloadSpec, read_meta, taps_view, write_meta
-from .step import positions_from_doc_ids
+from .packing import position_ids_from_doc_ids
 
 
 class TargetWorker:
@@ -42,7 +42,7 @@ class TargetWorker:
 
     def run(self, buf, ids, loss_mask, doc_ids) -> None:
         write_meta(buf, self.spec, ids, loss_mask, doc_ids)
-        positions = positions_from_doc_ids(doc_ids)
+        positions = position_ids_from_doc_ids(doc_ids)
         forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec))
 
     def eval_payloads(self, sequences: list[dict], new_buffer):

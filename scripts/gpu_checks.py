@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_ds.attention import attend, build_mask  # noqa: E402
 from dflash_ds.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_ds.objective import block_inputs, sample_anchors  # noqa: E402
-from dflash_ds.step import positions_from_doc_ids  # noqa: E402
+from dflash_ds.packing import position_ids_from_doc_ids  # noqa: E402
 
 
 def packed_row(b, s, docs, device, g):
@@ -53,7 +53,7 @@ def compare(dtype, device):
     anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
     anchors, valid = anchors.to(device), valid.to(device)
     ids = torch.randint(0, 999, (b, s), generator=g).to(device)
-    pos = positions_from_doc_ids(doc_ids)
+    pos = position_ids_from_doc_ids(doc_ids)
     block_ids, block_pos = block_inputs(ids, pos, anchors, 16, 999)
     taps = torch.randn(b, s, 3 * 512, generator=g).to(device, dtype)
     emb = torch.randn(1000, 512, generator=g).to(device, dtype)
