@@ -10,7 +10,7 @@ if [ $# -lt 1 ]; then echo "usage: bash launch.sh RECIPE [key=value ...] [--dry-
 for a in "$@"; do
   if [ "$a" = "--dry-run" ]; then exec "$PYTHON" -m dflash_ds.train "$@"; fi
 done
-eval "$("$PYTHON" -m dflash_ds.launch_env "$@")" || exit 1
+eval "$("$PYTHON" -m dflash_ds.runtime.launch_env "$@")" || exit 1
 exec deepspeed --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
 '''
 import os

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
-from .config import dump_yaml, load_recipe, ranks_per_node, to_dict
-from .metrics import Metrics, print_progress, read_status, write_status
-from .plan import describe
-from .preflight import Context, finish, load_data, preflight
-from .step import StepSettings
-from .target import DTYPES, truncate_after
-from .transport import Receiver, Sender
-from .workers import StepStats, TargetWorker, greedy_sequences, tau_of_payloads, train_step
+from dflash_ds.runtime import checkpoint
+from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node, to_dict
+from dflash_ds.metrics import Metrics, print_progress, read_status, write_status
+from dflash_ds.runtime.plan import describe
+from dflash_ds.run import Context, finish, load_data, preflight
+from dflash_ds.model.loss import StepSettings
+from dflash_ds.target.model import DTYPES, truncate_after
+from dflash_ds.runtime.transport import Receiver, Sender
+from dflash_ds.runtime.workers import StepStats, TargetWorker, greedy_sequences, tau_of_payloads, train_step
 
 
 # Tests set this to kill every drafter rank right after the given step (a simulated crash).
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in ctx.notes:
             print("note:", note)
         return 0
-    from .runtime import init_distributed, make_groups
+    from dflash_ds.runtime.engines import init_distributed, make_groups
 
     rank, _ = init_distributed(ctx.device)
     ctx.rank = rank
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_target_worker(ctx: Context):
     """The target model under its DeepSpeed engine (layers after the last tap still present)."""
-    from .runtime import load_target_engine
+    from dflash_ds.runtime.engines import load_target_engine
 
     return load_target_engine(ctx.recipe, ctx.plan, ctx.groups.target, ctx.device)
 
@@ -176,8 +176,8 @@ class LocalSource:
 
 
 def build_drafter(ctx: Context):
-    from .drafter import DFlashDrafter
-    from .export import load_drafter
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.export import load_drafter
 
     r = ctx.recipe
     if r.drafter.init_from:
@@ -187,8 +187,8 @@ def build_drafter(ctx: Context):
 
 
 def run_drafter(ctx: Context) -> None:
-    from .runtime import build_drafter_engine
-    from .target import embed_and_head
+    from dflash_ds.runtime.engines import build_drafter_engine
+    from dflash_ds.target.model import embed_and_head
 
     r, plan, rank = ctx.recipe, ctx.plan, ctx.rank
     lay = plan.layout
@@ -301,7 +301,7 @@ class DrafterTrainer:
               f"{len(report.cycles)} responses)", flush=True)
 
     def save(self, step: int) -> None:
-        from .export import save_drafter
+        from dflash_ds.export import save_drafter
 
         r = self.ctx.recipe
         checkpoint.save(self.engine, r.run.output_dir, step, self.ctx.groups.drafter, self.lead, r.checkpoint.keep_last)

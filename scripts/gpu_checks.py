@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_ds.attention import attend, build_mask  # noqa: E402
-from dflash_ds.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_ds.objective import block_inputs, sample_anchors  # noqa: E402
-from dflash_ds.packing import position_ids_from_doc_ids  # noqa: E402
+from dflash_ds.model.attention import attend, build_mask  # noqa: E402
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_ds.model.objective import block_inputs, sample_anchors  # noqa: E402
+from dflash_ds.data.packing import position_ids_from_doc_ids  # noqa: E402
 
 
 def packed_row(b, s, docs, device, g):
@@ -120,7 +120,7 @@ def short_conv_check():
     """fla's short-conv kernel (dflash_ds.kernels) against transformers' PyTorch fallback."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as qwen35
 
-    from dflash_ds.kernels import use_fla_short_conv
+    from dflash_ds.target.kernels import use_fla_short_conv
 
     fallback = qwen35.causal_conv1d_fn
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -150,7 +150,7 @@ if __name__ == "__main__" and "--short-conv" in sys.argv:
 
 def fused_loss_check():
     """objective.chunked_loss fused (grad in forward) vs the checkpointed autograd path, bf16, 27B sizes."""
-    from dflash_ds.objective import chunked_loss
+    from dflash_ds.model.objective import chunked_loss
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, n, bs, d, v = 1, 512, 16, 5120, 248320

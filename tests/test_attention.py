@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_ds.attention import FLEX_BLOCK, attend, build_mask
-from dflash_ds.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.attention import FLEX_BLOCK, attend, build_mask
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
 
 
 def naive_mask(anchors, valid, doc_ids, B):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dflash_ds import bench
-from dflash_ds.attention import build_mask
-from dflash_ds.geometry import GEOMETRIES, target_config
-from dflash_ds.objective import sample_anchors
-from dflash_ds.step import anchor_generator
+from dflash_ds.model.attention import build_mask
+from dflash_ds.target.presets import GEOMETRIES, target_config
+from dflash_ds.model.objective import sample_anchors
+from dflash_ds.model.loss import anchor_generator
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def tiny_drafter_flops(pairs: int) -> float:
 def test_target_flops_by_hand():
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.target import truncate_after
+    from dflash_ds.target.model import truncate_after
 
     cfg = target_config("tiny")
     with torch.device("meta"):
@@ -96,7 +96,7 @@ def test_visible_pairs_equals_dense_mask_count():
 
 
 def test_drafter_flops_by_hand():
-    from dflash_ds.drafter import DrafterConfig
+    from dflash_ds.model.drafter import DrafterConfig
 
     dcfg = DrafterConfig.from_target(target_config("tiny"), num_layers=2, block_size=BLOCK, mask_token_id=5)
     f = bench.drafter_step_flops(dcfg, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
@@ -244,7 +244,7 @@ def test_drafter_role(runs):
     assert r["mfu"] == pytest.approx(expected * r["tok_s"] / (ROWS * SEQ) / 1e12 / report["ceiling"]["tflops"])
     assert r["drafter_flops"]["valid_blocks_per_micro"] == ROWS * ANCHORS
     assert r["mask"]["kind"] == "dense" and r["mask"]["first_build_s"] > 0 and r["mask"]["build_s"] > 0
-    from dflash_ds.drafter import DFlashDrafter, DrafterConfig
+    from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
 
     dcfg = DrafterConfig.from_target(target_config("tiny"), num_layers=2, block_size=BLOCK, mask_token_id=5)
     assert r["drafter_params"] == sum(p.numel() for p in DFlashDrafter(dcfg).parameters())

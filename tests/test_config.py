@@ -3,8 +3,8 @@ import json
 import pytest
 
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
-from dflash_ds.engine_config import checkpointed_layers, drafter_ds_config, target_ds_config
-from dflash_ds.plan import lr_factor, resolve
+from dflash_ds.runtime.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
+from dflash_ds.runtime.plan import lr_factor, resolve
 
 TINY = "recipes/tiny.yaml"
 

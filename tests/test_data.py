@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_ds import data as D
-from dflash_ds.chat import ChatEncoder, SampleError, normalize
+from dflash_ds.data import prepare as D
+from dflash_ds.data.chat import ChatEncoder, SampleError, normalize
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-target"
@@ -549,7 +549,7 @@ def test_drop_reasons_counted(tmp_path, tok):
 
 
 def test_common_prefix_suffix_against_loops():
-    from dflash_ds.chat import _common_prefix, _common_suffix
+    from dflash_ds.data.chat import _common_prefix, _common_suffix
 
     rng = np.random.default_rng(3)
     for _ in range(500):

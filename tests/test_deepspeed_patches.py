@@ -114,7 +114,7 @@ def test_group_mpu_makes_the_drafter_group_data_parallel():
 
 
 def test_group_mpu_reports_the_group():
-    from dflash_ds.deepspeed_patches import GroupMPU
+    from dflash_ds.runtime.deepspeed_patches import GroupMPU
 
     group = object()
     mpu = GroupMPU(group, [3, 4, 5], 5)
@@ -129,7 +129,7 @@ def test_group_mpu_reports_the_group():
 def test_barriers_on_routes_only_groupless_barriers(monkeypatch):
     import deepspeed.comm as dscomm
 
-    from dflash_ds.deepspeed_patches import barriers_on
+    from dflash_ds.runtime.deepspeed_patches import barriers_on
 
     calls = []
 
@@ -150,7 +150,7 @@ def test_skip_zero3_trace_check_replaces_only_the_coordinator_binding():
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
     from deepspeed.runtime.zero import utils as zutils
 
-    from dflash_ds.deepspeed_patches import skip_zero3_trace_check
+    from dflash_ds.runtime.deepspeed_patches import skip_zero3_trace_check
 
     original = ppc.assert_ints_same_as_other_ranks
     try:
@@ -172,7 +172,7 @@ ZERO3 = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     ({"zero_optimization": {"stage": 3}}, "bfloat16", "target.dtype"),
 ])
 def test_load_target_zero3_rejects_mismatched_settings(ds_config, dtype, setting):
-    from dflash_ds.zero_inference import load_target_zero3
+    from dflash_ds.target.zero_inference import load_target_zero3
 
     with pytest.raises(ValueError, match=setting):
         load_target_zero3("unused", ds_config, None, dtype=dtype)
@@ -185,7 +185,7 @@ def write_adapter_config(path, **cfg) -> str:
 
 
 def test_merge_adapter_partitioned_refuses_what_it_cannot_merge(tmp_path):
-    from dflash_ds.zero_inference import merge_adapter_partitioned
+    from dflash_ds.target.zero_inference import merge_adapter_partitioned
 
     lora_with_saved_modules = write_adapter_config(
         tmp_path / "a", peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])

@@ -10,9 +10,9 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
-from dflash_ds.attention import build_mask
-from dflash_ds.drafter import DFlashDrafter, DrafterConfig, RMSNorm, build_target_layer_ids, rope_cos_sin
-from dflash_ds.objective import chunked_loss
+from dflash_ds.model.attention import build_mask
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, RMSNorm, build_target_layer_ids, rope_cos_sin
+from dflash_ds.model.objective import chunked_loss
 
 D, VOCAB = 64, 300
 
@@ -217,7 +217,7 @@ def test_rmsnorm_and_rope_match_transformers_qwen3():
     torch.testing.assert_close(cos, cos_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, sin_ref, rtol=0, atol=1e-6)
     q = torch.randn(2, 3, 5, 16)
-    from dflash_ds.drafter import _apply_rope
+    from dflash_ds.model.drafter import _apply_rope
     q_ref, _ = apply_rotary_pos_emb(q, q, cos_ref, sin_ref)
     torch.testing.assert_close(_apply_rope(q, cos, sin), q_ref, rtol=0, atol=1e-5)
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ds.attention import build_mask
-from dflash_ds.drafter import DFlashDrafter, DrafterConfig
-from dflash_ds.evaluate import (TauReport, accept_lengths, greedy_continuation, main, offline_tau, read_prompts,
-                                target_taps, walk)
+from dflash_ds.model.attention import build_mask
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.eval.cli import main, read_prompts
+from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
+from dflash_ds.eval.tau import TauReport, accept_lengths, walk
 from dflash_ds.export import save_drafter
-from dflash_ds.objective import block_inputs, block_targets, chunked_loss, sample_anchors
-from dflash_ds.specdec import draft_block, speculative_generate
+from dflash_ds.model.objective import block_inputs, block_targets, chunked_loss, sample_anchors
+from dflash_ds.eval.specdec import draft_block, speculative_generate
 
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
 

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 
 import dflash_ds.export as export
-from dflash_ds.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
 
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 128

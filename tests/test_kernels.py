@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_ds import kernels
+from dflash_ds.target import kernels
 
 
 def test_compiled_norm_and_mlp_functions_equal_transformers_modules():

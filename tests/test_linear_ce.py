@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.linear_ce import _ce_forward, _ce_forward_and_grad, linear_cross_entropy
-from dflash_ds.objective import chunked_loss
+from dflash_ds.model.linear_ce import _ce_forward, _ce_forward_and_grad, linear_cross_entropy
+from dflash_ds.model.objective import chunked_loss
 from tests.test_objective import B, NoHostSync, Q, ROWS, loss_case
 
 N, D, V = 23, 16, 50  # 23 rows: most chunk counts are uneven

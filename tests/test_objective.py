@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.objective import (
+from dflash_ds.model.objective import (
     acceptance_proxy,
     block_inputs,
     block_targets,

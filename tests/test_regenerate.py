@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ds import data as D
-from dflash_ds import regenerate as R
-from dflash_ds.chat import ChatEncoder
+from dflash_ds.data import prepare as D
+from dflash_ds.data import regenerate as R
+from dflash_ds.data.chat import ChatEncoder
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-target"

@@ -31,10 +31,10 @@ def ok(proc):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process losses for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
-    from dflash_ds.reference import reference_losses
-    from dflash_ds.target import embed_and_head, load_target
+    from dflash_ds.runtime.reference import reference_losses
+    from dflash_ds.target.model import embed_and_head, load_target
     from dflash_ds.train import build_drafter
-    from dflash_ds.preflight import finish, load_data, preflight
+    from dflash_ds.run import finish, load_data, preflight
 
     out = tmp_path_factory.mktemp("ref")
     recipe = load_recipe(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2", f"run.output_dir={out}"])

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_ds.launch_env import free_port
-from dflash_ds.transport import PayloadSpec, Receiver, Sender, read_meta, taps_view, write_meta
+from dflash_ds.runtime.launch_env import free_port
+from dflash_ds.runtime.transport import PayloadSpec, Receiver, Sender, read_meta, taps_view, write_meta
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

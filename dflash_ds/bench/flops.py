@@ -64,7 +64,7 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
 
 
 def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
-    from ..target import decoder_layers
+    from dflash_ds.target.model import decoder_layers
 
     layers = decoder_layers(model)
     tc = setup.target_config
@@ -85,8 +85,8 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     Anchors depend only on (seed, micro-batch id) and the loss mask / documents, which every
     synthetic row shares, so they are recomputed here exactly as make_blocks draws them.
     """
-    from ..objective import sample_anchors
-    from ..step import anchor_generator
+    from dflash_ds.model.objective import sample_anchors
+    from dflash_ds.model.loss import anchor_generator
 
     a, r, plan = setup.args, setup.recipe, setup.plan
     rows = setup_rows(setup, setup.spec.rows)

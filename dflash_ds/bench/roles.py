@@ -31,8 +31,8 @@ def build_target_model(setup: Setup, use_engine: bool, group):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
-    from ..runtime import build_target_engine
-    from ..target import DTYPES, truncate_after
+    from dflash_ds.runtime.engines import build_target_engine
+    from dflash_ds.target.model import DTYPES, truncate_after
 
     dtype = DTYPES[setup.recipe.target.dtype]
     torch.manual_seed(setup.args.seed)
@@ -49,7 +49,7 @@ def build_target_model(setup: Setup, use_engine: bool, group):
 
 
 def target_worker(setup: Setup, model):
-    from ..workers import TargetWorker
+    from dflash_ds.runtime.workers import TargetWorker
 
     rows = setup_rows(setup, setup.plan.num_rows)
     return TargetWorker(model, setup.tap_ids, rows, setup.plan, setup.spec, setup.recipe.run.seed, setup.device)
@@ -79,7 +79,7 @@ class SyntheticSource:
 
 
 def synthetic_payloads(setup: Setup, count: int = 2) -> list[torch.Tensor]:
-    from ..transport import taps_view, write_meta
+    from dflash_ds.runtime.transport import taps_view, write_meta
 
     a, spec = setup.args, setup.spec
     rows = setup_rows(setup, count * spec.rows)
@@ -96,9 +96,9 @@ def synthetic_payloads(setup: Setup, count: int = 2) -> list[torch.Tensor]:
 
 def build_drafter_side(setup: Setup, group):
     """Drafter under the real ZeRO-2 engine, plus random frozen embedding and lm_head [V, D]."""
-    from ..drafter import DFlashDrafter
-    from ..runtime import build_drafter_engine
-    from ..target import DTYPES
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.runtime.engines import build_drafter_engine
+    from dflash_ds.target.model import DTYPES
 
     torch.manual_seed(setup.args.seed)
     drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
@@ -113,9 +113,9 @@ def build_drafter_side(setup: Setup, group):
 
 def bench_context(setup: Setup, group):
     """The run context train.LocalSource reads (colocated role)."""
-    from ..preflight import Context
-    from ..runtime import Groups
-    from ..target import target_geometry
+    from dflash_ds.run import Context
+    from dflash_ds.runtime.engines import Groups
+    from dflash_ds.target.model import target_geometry
 
     return Context(setup.recipe, setup.device, target_geometry(setup.target_config), setup.drafter_config,
                    setup.spec, 1, plan=setup.plan, rank=0, groups=Groups(group, group))
@@ -130,7 +130,7 @@ class DrafterStep:
     """
 
     def __init__(self, setup: Setup, engine, drafter, embed, head, source, group):
-        from ..step import StepSettings
+        from dflash_ds.model.loss import StepSettings
 
         self.setup, self.engine, self.drafter, self.embed, self.head = setup, engine, drafter, embed, head
         self.source, self.group = source, group
@@ -140,7 +140,7 @@ class DrafterStep:
     def __call__(self, step: int):
         import torch.distributed as dist
 
-        from ..workers import train_step
+        from dflash_ds.runtime.workers import train_step
 
         st = train_step(self.engine, self.drafter, self.embed, self.head, self.source, self.settings, self.setup.plan,
                         dist.get_rank(), self.group, self.setup.spec, self.dtype, step)
@@ -149,13 +149,13 @@ class DrafterStep:
 
 def step_dtype(setup: Setup) -> torch.dtype:
     """The dtype the drafter step unpacks taps to: the target's on GPU, fp32 on CPU."""
-    from ..target import DTYPES
+    from dflash_ds.target.model import DTYPES
 
     return DTYPES[setup.recipe.target.dtype] if setup.device.type == "cuda" else torch.float32
 
 
 def micro_batch_of(setup: Setup, payload: torch.Tensor):
-    from ..workers import unpack
+    from dflash_ds.runtime.workers import unpack
 
     return unpack(payload, setup.spec, step_dtype(setup))
 
@@ -165,9 +165,9 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
     Runs before the first training step, so the first build here is the process's first.
     """
-    from ..attention import build_mask
-    from ..objective import sample_anchors
-    from ..step import StepSettings, anchor_generator, make_blocks
+    from dflash_ds.model.attention import build_mask
+    from dflash_ds.model.objective import sample_anchors
+    from dflash_ds.model.loss import StepSettings, anchor_generator, make_blocks
 
     s = StepSettings.from_recipe(setup.recipe, setup.device)
     mb = micro_batch_of(setup, payload)
@@ -221,7 +221,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
     drafter, engine, ds_cfg, embed, head = build_drafter_side(setup, group)
     extra = {}
     if colocated:
-        from ..train import LocalSource
+        from dflash_ds.train import LocalSource
 
         model, kind = build_target_model(setup, not a.no_engine, group)
         source = LocalSource(target_worker(setup, model), bench_context(setup, group), 0)
@@ -253,7 +253,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
 def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
     import torch.distributed as dist
 
-    from ..transport import Receiver, Sender, write_meta
+    from dflash_ds.runtime.transport import Receiver, Sender, write_meta
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     nccl = args["backend"] == "nccl"
@@ -293,7 +293,7 @@ def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
 def run_transport(setup: Setup, ceiling: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from ..transport import PayloadSpec
+    from dflash_ds.runtime.transport import PayloadSpec
 
     a = setup.args
     spec = PayloadSpec(setup.spec.rows, setup.spec.seq_len, setup.spec.num_taps, setup.spec.hidden, torch.bfloat16)

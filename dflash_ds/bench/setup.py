@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
+from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"
@@ -38,7 +38,7 @@ class Setup:
 
 
 def pick_device(name: str) -> torch.device:
-    from ..runtime import device_named
+    from dflash_ds.runtime.engines import device_named
 
     return device_named(name, "--device")
 
@@ -60,12 +60,12 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     activation checkpointing) exactly as a training run would read it. Batch shape, topology and
     output directory are overridden for a single-rank colocated layout, the one every role fits.
     """
-    from ..config import load_recipe
-    from ..drafter import DrafterConfig
-    from ..geometry import get_geometry, target_config
-    from ..plan import resolve
-    from ..target import load_config, text_config
-    from ..transport import PayloadSpec
+    from dflash_ds.config import load_recipe
+    from dflash_ds.model.drafter import DrafterConfig
+    from dflash_ds.target.presets import get_geometry, target_config
+    from dflash_ds.runtime.plan import resolve
+    from dflash_ds.target.model import load_config, text_config
+    from dflash_ds.runtime.transport import PayloadSpec
 
     cuda = device.type == "cuda"
     recipe_path = Path(args.recipe) if args.recipe else DEFAULT_RECIPE
@@ -132,7 +132,7 @@ def init_single_process(device: torch.device):
         # Read when deepspeed first picks its accelerator, so set before it is imported.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not dist.is_initialized():
-        from ..runtime import init_distributed
+        from dflash_ds.runtime.engines import init_distributed
 
         init_distributed(device)
     return dist.new_group([0])

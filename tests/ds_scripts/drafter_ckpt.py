@@ -15,8 +15,8 @@ from pathlib import Path
 import common
 import torch
 
-from dflash_ds import checkpoint
-from dflash_ds.deepspeed_patches import GroupMPU
+from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.deepspeed_patches import GroupMPU
 
 ROWS, ACCUM = 2, 2
 

@@ -12,7 +12,7 @@ import common
 import torch
 import torch.distributed as dist
 
-from dflash_ds.deepspeed_patches import GroupMPU
+from dflash_ds.runtime.deepspeed_patches import GroupMPU
 
 ROWS, ACCUM, STEPS = 2, 2, 3
 

@@ -16,7 +16,7 @@ import common
 import torch
 import torch.distributed as dist
 
-from dflash_ds import deepspeed_patches as patches
+from dflash_ds.runtime import deepspeed_patches as patches
 
 
 def check_shards(model, path: str, ctx) -> int:

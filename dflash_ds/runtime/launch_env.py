@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import sys
 
-from .config import RecipeError, load_recipe, ranks_per_node
+from dflash_ds.config import RecipeError, load_recipe, ranks_per_node
 
 
 def free_port() -> int:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import deepspeed_patches as patches
-from .config import Recipe
-from .engine_config import checkpointed_layers, drafter_ds_config, target_ds_config
-from .plan import Plan, lr_factor
-from .topology import Layout
+from dflash_ds.runtime import deepspeed_patches as patches
+from dflash_ds.config import Recipe
+from dflash_ds.runtime.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
+from dflash_ds.runtime.plan import Plan, lr_factor
+from dflash_ds.runtime.topology import Layout
 
 
 @dataclass
@@ -93,7 +93,7 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
 
 def speed_up_target_kernels() -> None:
     """Swap in the fused target kernels of dflash_ds.kernels (GPU only; env switches for A/B runs)."""
-    from .kernels import fuse_target_elementwise, use_fla_short_conv
+    from dflash_ds.target.kernels import fuse_target_elementwise, use_fla_short_conv
 
     if os.environ.get("DFLASH_FLA_SHORT_CONV", "1") != "0":
         use_fla_short_conv()
@@ -120,8 +120,8 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     """
     import deepspeed
 
-    from .target import load_target
-    from .zero_inference import load_target_zero3
+    from dflash_ds.target.model import load_target
+    from dflash_ds.target.zero_inference import load_target_zero3
 
     speed_up_target_kernels()
     t = recipe.target

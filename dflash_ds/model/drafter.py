@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.attention import DFlashMask, attend
+from dflash_ds.model.attention import DFlashMask, attend
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
 _ARCHITECTURE = "DFlashDraftModel"

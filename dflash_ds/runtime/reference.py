@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .config import Recipe
-from .drafter import DFlashDrafter
-from .plan import Plan, lr_factor
-from .step import StepSettings, drafter_loss, make_blocks
-from .transport import PayloadSpec
-from .workers import TargetWorker, unpack
+from dflash_ds.config import Recipe
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.runtime.plan import Plan, lr_factor
+from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
+from dflash_ds.runtime.transport import PayloadSpec
+from dflash_ds.runtime.workers import TargetWorker, unpack
 
 
 def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter, embed: torch.Tensor,

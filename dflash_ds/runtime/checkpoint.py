@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .deepspeed_patches import barriers_on
+from dflash_ds.runtime.deepspeed_patches import barriers_on
 
 LATEST = "latest.json"
 

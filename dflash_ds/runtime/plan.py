@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Recipe, RecipeError
-from .topology import Layout
+from dflash_ds.config import Recipe, RecipeError
+from dflash_ds.runtime.topology import Layout
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import build_mask
-from .objective import block_inputs, block_targets, chunked_loss, default_gamma, sample_anchors
-from .packing import position_ids_from_doc_ids
+from dflash_ds.model.attention import build_mask
+from dflash_ds.model.objective import block_inputs, block_targets, chunked_loss, default_gamma, sample_anchors
+from dflash_ds.data.packing import position_ids_from_doc_ids
 
 
 @dataclass(frozen=True)

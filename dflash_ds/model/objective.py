@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .linear_ce import linear_cross_entropy
+from dflash_ds.model.linear_ce import linear_cross_entropy
 
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))

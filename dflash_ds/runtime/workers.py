@@ -10,12 +10,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .evaluate import TauReport, tau_from_taps
-from .objective import acceptance_proxy
-from .step import MicroBatch, drafter_loss, make_blocks
-from .target import TapCapture, forward_taps
-from .transport import PayloadSpec, read_meta, taps_view, write_meta
-from .packing import position_ids_from_doc_ids
+from dflash_ds.eval.tau import TauReport, tau_from_taps
+from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.model.loss import MicroBatch, drafter_loss, make_blocks
+from dflash_ds.target.model import TapCapture, forward_taps
+from dflash_ds.runtime.transport import PayloadSpec, read_meta, taps_view, write_meta
+from dflash_ds.data.packing import position_ids_from_doc_ids
 
 
 class TargetWorker:
@@ -75,7 +75,7 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
     """The target's greedy continuations of the held-out prompts, cached in the run directory."""
     if cache.is_file():
         return json.loads(cache.read_text())
-    from .evaluate import greedy_continuation
+    from dflash_ds.eval.generate import greedy_continuation
 
     out = []
     for p in prompts:

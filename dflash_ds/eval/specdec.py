@@ -2,7 +2,7 @@
 
 Clarity over speed: the target runs without a cache over the whole sequence once per cycle (so
 it also works for targets whose cache cannot be cropped). Its output equals plain greedy
-decoding, and its per-cycle counts equal the offline walk of `dflash_ds.evaluate` (whose module
+decoding, and its per-cycle counts equal the offline walk of `dflash_ds.eval.tau` (whose module
 docstring states the convention): the tests hold both to that.
 
 One cycle, anchored at the position t of the last emitted token (the bonus):
@@ -22,9 +22,10 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.attention import DFlashMask
-from dflash_ds.evaluate import draft_tokens, eos_ids
-from dflash_ds.target import TapCapture, text_config
+from dflash_ds.model.attention import DFlashMask
+from dflash_ds.eval.generate import eos_ids
+from dflash_ds.eval.tau import draft_tokens
+from dflash_ds.target.model import TapCapture, text_config
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import copy
 import json
 from pathlib import Path
 
-from .config import Recipe, RecipeError
+from dflash_ds.config import Recipe, RecipeError
 
 
 def load_json(path: str, setting: str) -> dict:

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ds.chat import ChatEncoder, SampleError, detect_schema, normalize
+from dflash_ds.data.sources import check_complete, load_rows, load_tokenizer, output_dir, source_identity  # noqa: F401
+from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
 # Re-exported: callers and tests import these from here.
-from dflash_ds.packing import _first_fit, pack_documents, packed_attention_mask, position_ids_from_doc_ids  # noqa: F401
+from dflash_ds.data.packing import _first_fit, pack_documents, packed_attention_mask, position_ids_from_doc_ids  # noqa: F401
 
 FORMAT_VERSION = 1
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
-DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 @dataclass
@@ -49,73 +49,6 @@ class PreparedData:
     @property
     def num_rows(self) -> int:
         return int(self.rows["input_ids"].shape[0])
-
-
-# ----------------------------------------------------------------------------- loading
-
-def _local_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file()
-                  and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
-
-
-def source_identity(path: str, split: str) -> dict | None:
-    """Identity of a local dataset from file names, sizes and mtimes (None for a hub id)."""
-    p = Path(path)
-    if not p.exists():
-        return None
-    files = [{"name": str(f.relative_to(p)) if f != p else f.name, "size": f.stat().st_size,
-              "mtime_ns": f.stat().st_mtime_ns} for f in _local_files(p)]
-    return {"path": str(p.resolve()), "split": split, "files": files}
-
-
-def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setting: str = "data.path",
-              split_setting: str = "data.split"):
-    """A `datasets.Dataset` from a hub id, a local .json/.jsonl/.parquet/.arrow file or a directory."""
-    import datasets
-
-    p = Path(path)
-    kw = {"cache_dir": cache_dir} if cache_dir else {}
-    if not p.exists() and (p.is_absolute() or path.startswith(".") or p.suffix.lower() in DATA_SUFFIXES):
-        raise ValueError(f"{path_setting}: {path} does not exist (local paths must exist; hub ids look like "
-                         "'org/name')")
-    try:
-        if p.is_file():
-            builder = DATA_SUFFIXES.get(p.suffix.lower())
-            if builder is None:
-                raise ValueError(f"{path_setting}: {path} has an unsupported extension; use one of "
-                                 f"{sorted(DATA_SUFFIXES)} or a directory of such files")
-            ds = datasets.load_dataset(builder, data_files={"train": str(p)}, split=split, **kw)
-        elif p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
-            ds = datasets.load_from_disk(str(p))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ValueError(f"{split_setting}: split {split!r} not in {path} (has {sorted(ds)})")
-                ds = ds[split]
-        elif p.is_dir():
-            files = [f for f in _local_files(p) if f.suffix.lower() in DATA_SUFFIXES]
-            if not files:
-                raise ValueError(f"{path_setting}: no data files ({sorted(DATA_SUFFIXES)}) in {path}")
-            ds = datasets.load_dataset(str(p), split=split, **kw)
-        else:
-            ds = datasets.load_dataset(path, split=split, **kw)
-    except ValueError as e:
-        msg = str(e)
-        if msg.startswith((path_setting, split_setting)):
-            raise
-        if "split" in msg.lower():
-            raise ValueError(f"{split_setting}: split {split!r} does not exist in {path}: {msg}") from e
-        raise ValueError(f"{path_setting}: cannot load {path!r}: {msg}") from e
-    except FileNotFoundError as e:
-        raise ValueError(f"{path_setting}: {path!r} is neither a local file/directory nor a dataset "
-                         f"on the hub: {e}") from e
-    except Exception as e:  # network, auth, malformed files
-        raise ValueError(f"{path_setting}: cannot load {path!r} (split {split!r}): "
-                         f"{type(e).__name__}: {e}") from e
-    if isinstance(ds, datasets.IterableDataset):
-        raise ValueError(f"{path_setting}: streaming datasets are not supported")
-    return ds
 
 
 # ----------------------------------------------------------------------------- fingerprint
@@ -150,7 +83,6 @@ def compute_fingerprint(sources: dict, tokenizer, settings: dict) -> str:
 def _train_source(cfg) -> tuple[str, str]:
     regen = getattr(cfg, "regenerate", None)
     if regen is not None and getattr(regen, "enabled", False):
-        from dflash_ds.regenerate import check_complete, output_dir
 
         check_complete(output_dir(cfg))
         return str(output_dir(cfg)), "data.regenerate.output_dir"
@@ -414,15 +346,6 @@ def fla_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("fla") is not None
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ValueError(f"target.path: cannot load a tokenizer from {path!r}: {type(e).__name__}: {e}") from e
 
 
 def main(argv=None) -> int:

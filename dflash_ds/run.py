@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from .config import Recipe, RecipeError
-from .engine_config import drafter_ds_config, target_ds_config
-from .plan import Plan, drafter_params, memory_estimate, resolve
-from .target import DTYPES, Geometry, load_config, target_geometry
-from .topology import Layout, TopologyError
-from .transport import PayloadSpec
+from dflash_ds.config import Recipe, RecipeError
+from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
+from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
+from dflash_ds.runtime.topology import Layout, TopologyError
+from dflash_ds.runtime.transport import PayloadSpec
 
 
 @dataclass
@@ -45,8 +45,8 @@ def check_world(recipe: Recipe, world_size: int) -> Layout:
 
 
 def preflight(recipe: Recipe, world_size: int) -> Context:
-    from .drafter import DrafterConfig
-    from .runtime import pick_device
+    from dflash_ds.model.drafter import DrafterConfig
+    from dflash_ds.runtime.engines import pick_device
 
     layout = check_world(recipe, world_size)
     drafter_ds_config(recipe, layout.num_drafters)
@@ -82,7 +82,7 @@ def load_data(ctx: Context):
     """Prepare (or read the cache of) the training rows and held-out prompts."""
     from transformers import AutoTokenizer
 
-    from .data import prepare
+    from dflash_ds.data.prepare import prepare
 
     r = ctx.recipe
     try:

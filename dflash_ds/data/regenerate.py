@@ -1,0 +1,297 @@
+"""Replace every assistant turn of a chat dataset by the target's own generation.
+
+    python -m dflash_ds.regenerate RECIPE [key=value ...]                       # one process
+    deepspeed --num_gpus 8 --module dflash_ds.regenerate RECIPE [key=value ...]  # one process per GPU
+
+A drafter learns to predict what the target would say; training on the target's own responses
+(paper: all ~800K samples regenerated) is worth more than on another model's. Multi-turn
+conversations are regenerated turn by turn, each turn conditioned on the regenerated history.
+
+Input: `data.path` / `data.split` (the first `data.max_samples` (+ `data.num_eval` when the eval set is
+taken from the same data) samples when set). Sampling: `data.regenerate.{temperature, top_p,
+max_new_tokens}`; `data.thinking` picks the generation prompt. Backend: vLLM's offline API when
+importable and `data.regenerate.backend` is "auto" or "vllm" (with a GPU), else HF `generate`
+(batched, left padding).
+
+Output: `data.regenerate.output_dir/part-NNNNN.jsonl` in `messages` format (what `prepare` reads) plus
+`.manifest.json`. Input samples are cut into fixed shards of `SHARD_SIZE` (independent of the number
+of ranks); rank r handles shards i with i % world_size == r (RANK / WORLD_SIZE from the launcher). A
+shard file is written to a temporary name and renamed when complete, so an interrupted run resumes
+by skipping finished shards, without duplicating or losing samples. A turn that hits
+`max_new_tokens` without ending is dropped together with the rest of its conversation (the sample
+is dropped when it is the first assistant turn): an unfinished response followed by an end-of-turn
+token would teach the drafter a wrong ending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
+from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
+
+SHARD_SIZE = 256
+FORMAT_VERSION = 1
+
+
+def split_reasoning(text: str) -> str:
+    """Generated text -> message content, with reasoning (if any) as an inline <think> block.
+
+    With Qwen3.5-style prompts the opening <think> is part of the prompt, so the output starts inside
+    the block; chat templates that understand reasoning parse the inline form."""
+    if "</think>" not in text:
+        return text
+    reasoning, answer = text.split("</think>", 1)
+    reasoning = reasoning.split("<think>")[-1].strip("\n")
+    return f"<think>\n{reasoning}\n</think>\n\n{answer.lstrip(chr(10))}"
+
+
+# ----------------------------------------------------------------------------- backends
+
+def _stop_ids(target_path: str, tokenizer) -> set[int]:
+    ids = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(target_path).eos_token_id
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class HFGenerator:
+    """Batched `generate` with left padding; returns (new token ids without the stop token, finished)."""
+
+    def __init__(self, target_path: str, tokenizer, settings, device=None, batch_size: int = 32):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        if device is None and torch.cuda.is_available():
+            # modulo: main() may have pinned this process to its one GPU already
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+        device = device or "cpu"
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+        self.device = device
+        self.settings = settings
+        self.batch_size = batch_size
+        self.stop = _stop_ids(target_path, tokenizer)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop)
+
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
+        torch = self.torch
+        rs = self.settings
+        sample = rs.temperature > 0
+        results: list = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))  # less padding per batch
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            width = max(len(prompts[k]) for k in idx)
+            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
+            attn = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, k in enumerate(idx):
+                ids[r, width - len(prompts[k]):] = torch.tensor(prompts[k])
+                attn[r, width - len(prompts[k]):] = 1
+            torch.manual_seed(seed * 1_000_003 + b)
+            # top_k=None: no hidden top-k (generate's default 50) on top of the recipe's top_p
+            kw = dict(do_sample=True, temperature=rs.temperature, top_p=rs.top_p) if sample else dict(do_sample=False)
+            with torch.no_grad():
+                out = self.model.generate(
+                    input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                    max_new_tokens=rs.max_new_tokens, eos_token_id=sorted(self.stop),
+                    pad_token_id=self.pad, top_k=None, **kw)
+            for r, k in enumerate(idx):
+                new = out[r, width:].tolist()
+                end = next((t for t, tok in enumerate(new) if tok in self.stop), None)
+                results[k] = (new, False) if end is None else (new[:end], True)
+        return results
+
+
+class VLLMGenerator:
+    """vLLM offline engine on this rank's GPU."""
+
+    def __init__(self, target_path: str, tokenizer, settings, seed: int):
+        from vllm import LLM
+
+        self.llm = LLM(model=target_path, seed=seed, dtype="bfloat16")
+        self.settings = settings
+        self.stop = _stop_ids(target_path, tokenizer)
+
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
+        from vllm import SamplingParams
+
+        rs = self.settings
+        params = SamplingParams(temperature=rs.temperature, top_p=rs.top_p if rs.temperature > 0 else 1.0,
+                                max_tokens=rs.max_new_tokens, seed=seed, stop_token_ids=sorted(self.stop),
+                                skip_special_tokens=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results = []
+        for o in outs:
+            # vLLM may or may not keep the stop token in token_ids; finish_reason says whether it ended
+            toks = list(o.outputs[0].token_ids)
+            end = next((t for t, tok in enumerate(toks) if tok in self.stop), len(toks))
+            results.append((toks[:end], o.outputs[0].finish_reason == "stop"))
+        return results
+
+
+def make_generator(cfg, target_path: str, tokenizer):
+    backend = cfg.regenerate.backend
+    if backend not in ("auto", "vllm", "hf"):
+        raise ValueError(f"data.regenerate.backend: {backend!r}; use 'auto', 'vllm' or 'hf'")
+    if backend in ("auto", "vllm"):
+        import importlib.util
+
+        import torch
+
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        if backend == "vllm" and not (has_vllm and torch.cuda.is_available()):
+            raise ValueError("data.regenerate.backend: 'vllm' needs the vllm package and a GPU; "
+                             "install vllm or use backend=hf")
+        if has_vllm and torch.cuda.is_available():
+            return VLLMGenerator(target_path, tokenizer, cfg.regenerate, cfg.seed)
+    return HFGenerator(target_path, tokenizer, cfg.regenerate)
+
+
+# ----------------------------------------------------------------------------- the shard loop
+
+def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, generate, seed: int):
+    """Regenerate all assistant turns, turn by turn; returns (kept conversations, unfinished count)."""
+    convs = [list(c) for c in convs]
+    alive = list(range(len(convs)))
+    unfinished = 0
+    turn = 0
+    while alive:
+        todo = []  # (conversation, message index) of each conversation's `turn`-th assistant message
+        for c in alive:
+            pos = [k for k, m in enumerate(convs[c]) if m["role"] == "assistant"]
+            if turn < len(pos):
+                todo.append((c, pos[turn]))
+        if not todo:
+            break
+        prompts, ok = [], []
+        for c, k in todo:
+            try:
+                prompts.append(encoder.prompt_ids(convs[c][:k]))
+                ok.append((c, k))
+            except SampleError:  # e.g. an assistant message with no turn before it
+                convs[c] = convs[c][:k]
+        todo = ok
+        outs = generate(prompts, seed * 1000 + turn) if prompts else []
+        for (c, k), (ids, finished) in zip(todo, outs):
+            if not finished:
+                unfinished += 1
+                convs[c] = convs[c][:k]  # the turn and what follows it are lost
+                continue
+            text = encoder.tokenizer.decode(ids, skip_special_tokens=False)
+            convs[c][k] = {"role": "assistant", "content": split_reasoning(text)}
+        alive = [c for c, _ in todo]
+        turn += 1
+    kept = [c for c in convs if any(m["role"] == "assistant" for m in c)]
+    return kept, unfinished
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
+    rs = cfg.regenerate
+    return {"format": FORMAT_VERSION, "source": source_identity(cfg.path, cfg.split) or {"hub": cfg.path, "split": cfg.split},
+            "num_samples": num_samples, "shard_size": SHARD_SIZE, "num_shards": num_shards,
+            "settings": {"max_new_tokens": rs.max_new_tokens, "temperature": rs.temperature,
+                         "top_p": rs.top_p, "thinking": bool(cfg.thinking), "seed": cfg.seed}}
+
+
+def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max_shards: int | None = None,
+               generator=None, tokenizer=None, verbose: bool = True) -> dict:
+    """Regenerate this rank's shards; `max_shards` stops after that many new shards (a partial run).
+
+    `generator(prompts, seed) -> [(ids, finished)]` and `tokenizer` may be passed in (tests, reuse)."""
+    out = output_dir(cfg)
+    ds = load_rows(cfg.path, cfg.split, str(Path(cfg.cache_dir) / "hf_datasets"))
+    if len(ds) == 0:
+        raise ValueError(f"data.path: dataset {cfg.path!r} (split {cfg.split!r}) is empty")
+    schema = detect_schema(ds.column_names, "data.path", cfg.path)
+    n = len(ds)
+    if cfg.max_samples:
+        n = min(n, cfg.max_samples + (0 if cfg.eval_path else cfg.num_eval))
+    num_shards = (n + SHARD_SIZE - 1) // SHARD_SIZE
+    manifest = _manifest(cfg, n, num_shards)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        old = json.loads((out / MANIFEST).read_text())
+        if old != manifest:
+            raise ValueError(f"data.regenerate.output_dir: {out} holds a regeneration with other inputs or "
+                             f"settings ({old.get('settings')}, {old.get('num_samples')} samples); choose "
+                             "another output_dir or delete it")
+    else:
+        _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+    tokenizer = tokenizer or load_tokenizer(target_path)
+    encoder = ChatEncoder(tokenizer, cfg.thinking)
+    mine = [i for i in range(num_shards) if i % world_size == rank and not (out / shard_name(i)).exists()]
+    if max_shards is not None:
+        mine = mine[:max_shards]
+    summary = {"shards_written": 0, "samples_in": 0, "samples_out": 0, "unfinished_turns": 0, "bad_samples": 0}
+    if mine and generator is None:
+        generator = make_generator(cfg, target_path, tokenizer)
+    for i in mine:
+        t0 = time.time()
+        convs = []
+        for row in ds.select(range(i * SHARD_SIZE, min(n, (i + 1) * SHARD_SIZE))):
+            try:
+                convs.append(normalize(row, schema))
+            except SampleError:
+                summary["bad_samples"] += 1
+        kept, unfinished = regenerate_conversations(convs, encoder, generator, cfg.seed * 100_003 + i)
+        _write_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
+        summary["shards_written"] += 1
+        summary["samples_in"] += len(convs)
+        summary["samples_out"] += len(kept)
+        summary["unfinished_turns"] += unfinished
+        if verbose:
+            print(f"[regenerate] rank {rank}: {shard_name(i)} {len(kept)}/{len(convs)} samples, "
+                  f"{unfinished} unfinished turns, {time.time() - t0:.1f} s", flush=True)
+    return summary
+
+
+def _pin_local_gpu(local_rank: int) -> None:
+    """Make this process see only its own GPU (vLLM takes the first visible one). Must run before CUDA
+    is initialised, hence from main() before any model is built."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[local_rank] if local_rank < len(visible) else str(local_rank)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_ds.regenerate", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
+    argv = sys.argv[1:] if argv is None else argv
+    # Under `deepspeed --module dflash_ds.regenerate` every rank also gets --local_rank=N.
+    args = parser.parse_args([a for a in argv if not a.startswith("--local_rank")])
+    from dflash_ds.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and "LOCAL_RANK" in os.environ:
+        _pin_local_gpu(int(os.environ["LOCAL_RANK"]))
+    summary = regenerate(recipe.data, recipe.target.path, rank=rank, world_size=world)
+    print(f"[regenerate] rank {rank} done: {summary}")
+    if rank == 0 and not recipe.data.regenerate.enabled:
+        print("[regenerate] note: data.regenerate.enabled is false, so training will not read this output")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The target's side of tau: greedy continuations, teacher-forced taps, and the whole offline measurement."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
+from dflash_ds.target.model import TapCapture, forward_taps, text_config
+
+
+def eos_ids(target, eos_token_id=None) -> list[int]:
+    """The stop tokens: the explicit argument, else the target's generation config."""
+    if eos_token_id is None:
+        gen = getattr(target, "generation_config", None)
+        eos_token_id = getattr(gen, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(target.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    return [int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)]
+
+
+@torch.no_grad()
+def greedy_continuation(target, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    """prompt + the target's greedy response (HF generate, do_sample False), as [S] on the CPU.
+
+    A fresh GenerationConfig keeps a checkpoint's sampling defaults (temperature, repetition
+    penalty) out of it: tau is defined for plain greedy decoding.
+    """
+    from transformers import GenerationConfig
+
+    eos = eos_ids(target, eos_token_id)
+    device = next(target.parameters()).device
+    ids = prompt_ids.reshape(1, -1).to(device)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                           pad_token_id=eos[0] if eos else 0)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return out[0].cpu()
+
+
+@torch.no_grad()
+def target_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """The target's tapped states [S, T*D] over input_ids [S], teacher-forced, no lm_head."""
+    p = next(target.parameters())
+    d = text_config(target.config).hidden_size
+    ids = input_ids.reshape(1, -1).to(p.device)
+    out = torch.empty(1, ids.shape[1], len(layer_ids) * d, dtype=p.dtype, device=p.device)
+    capture = TapCapture(target, layer_ids)
+    try:
+        forward_taps(target, capture, ids, None, out)
+    finally:
+        capture.remove()
+    return out[0]
+
+
+def check_layer_ids(drafter, layer_ids: Sequence[int]) -> list[int]:
+    if list(layer_ids) != list(drafter.config.target_layer_ids):
+        raise ValueError(f"layer_ids {list(layer_ids)} differ from the drafter's target_layer_ids "
+                         f"{list(drafter.config.target_layer_ids)}; tau is only meaningful with the taps it was trained on")
+    return list(layer_ids)
+
+
+@torch.no_grad()
+def offline_tau(target, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                prompts: Sequence[torch.Tensor | Sequence[int]], *, max_new_tokens: int, layer_ids: Sequence[int],
+                eos_token_id=None, batch_anchors: int = DEFAULT_BATCH_ANCHORS,
+                sequences: list | None = None) -> TauReport:
+    """Exact greedy tau of `drafter` on `prompts` (token ids): greedy response, one teacher-forced
+    tap pass, a(t) for every response position, the walk. `sequences`, when a list, receives each
+    prompt + response."""
+    layer_ids = check_layer_ids(drafter, layer_ids)
+    report = TauReport(block_size=drafter.config.block_size)
+    for prompt in prompts:
+        prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        x = greedy_continuation(target, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        if sequences is not None:
+            sequences.append(x)
+        taps = target_taps(target, x, layer_ids)
+        report.cycles.append(tau_from_taps(drafter, embed_weight, lm_head_weight, taps, x, prompt.numel(), x.numel(),
+                                           batch_anchors=batch_anchors))
+    return report

@@ -1,0 +1,185 @@
+"""Acceptance length tau (spec section 4), computed exactly offline.
+
+Convention (the one `dflash_ds.specdec.speculative_generate` runs online, cycle for cycle):
+
+- Sequence `x` = prompt (`P` tokens) + the target's greedy response `y`, so `x[P]` is the first
+  generated token and `end = len(x)`. The response ends at EOS (included) or at the token budget.
+- The target's prefill emits `x[P]` on its own; that token belongs to no cycle.
+- A cycle is anchored at the position `t` of the last token the target emitted (its bonus).
+  The drafter sees the target's tapped hidden states of positions `< t` and the block
+  `[x[t], MASK x (B-1)]` at positions `t .. t+B-1`; block slot `k` proposes the token at `t + k`.
+- `a(t)` = the number of leading slots `k = 1 .. B-1` whose argmax equals `x[t + k]`, capped at
+  `end - t - 2` so that the cycle's last token, the target's own token at `t + a(t) + 1`, lies in
+  the response. The cycle emits `a(t) + 1` tokens; the next cycle is anchored at `t + a(t) + 1`.
+- The walk starts at `t = P` and stops at `t = end - 1` (the last response token, which anchors
+  nothing). It therefore covers exactly the response: `sum(cycles) = len(y) - 1`.
+
+Because greedy speculative decoding emits exactly the target's greedy text and the target is
+causal, one teacher-forced target pass over `x` gives every cycle's context, so tau needs no
+online loop (and no cache, which hybrid Gated DeltaNet targets cannot crop).
+
+tau per response = mean of its cycles' emitted tokens; `tau_mean` averages the per-response
+means (z-lab's way), `tau_pooled` = total tokens / total cycles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dflash_ds.model.attention import build_mask
+from dflash_ds.model.objective import block_inputs
+
+DEFAULT_BATCH_ANCHORS = 64
+
+
+def draft_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
+    """Greedy tokens of drafter states [..., D] through the target lm_head, in chunks of rows so
+    the [rows, vocab] logits of a 248K vocabulary stay small."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    w = lm_head_weight.to(device=flat.device, dtype=flat.dtype)
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+    for i in range(0, flat.shape[0], chunk):
+        out[i:i + chunk] = (flat[i:i + chunk] @ w.T).argmax(-1)
+    return out.view(hidden.shape[:-1])
+
+
+def _drafter_param(drafter) -> torch.Tensor:
+    return next(drafter.parameters())
+
+
+@torch.no_grad()
+def accept_lengths(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, taps: torch.Tensor,
+                   input_ids: torch.Tensor, start: int, end: int, *, block_size: int | None = None,
+                   mask_token_id: int | None = None,
+                   batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
+    """a(t) for every anchor t in [start, end) of one sequence (see the module docstring).
+
+    taps [S, T*D]: the target's tapped states of `input_ids` [S] (teacher-forced), S >= end - 1.
+    All anchors go through the drafter in batches of `batch_anchors` blocks with the training
+    mask (context strictly before the anchor, own block bidirectional), so this exercises the
+    same drafter path as training. Returns a LongTensor [end - start] on the CPU.
+    """
+    cfg = drafter.config
+    B = block_size or cfg.block_size
+    mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    ids = input_ids.reshape(-1)
+    if not 1 <= start <= end <= ids.numel():
+        raise ValueError(f"need 1 <= start <= end <= sequence length, got start={start} end={end} S={ids.numel()}")
+    if taps.dim() != 2 or taps.shape[0] < end - 1:
+        raise ValueError(f"taps must be [S, T*D] covering positions < {end - 1}, got {tuple(taps.shape)}")
+    p = _drafter_param(drafter)
+    device, dtype = p.device, p.dtype
+    out = torch.zeros(end - start, dtype=torch.long)
+    if end - start == 0:
+        return out
+
+    s_all = min(taps.shape[0], end)
+    ctx = drafter.fuse(taps[None, :s_all].to(device=device, dtype=dtype))
+    y = ids[:end].to(device)
+    positions = torch.arange(end, device=device)[None]
+    doc_ids = torch.zeros(1, s_all, dtype=torch.int32, device=device)
+    slots = torch.arange(1, B, device=device)
+    for c0 in range(start, end, batch_anchors):
+        anchors = torch.arange(c0, min(c0 + batch_anchors, end), device=device)
+        n = anchors.numel()
+        # Context columns at or after the last anchor are masked for every block of the chunk.
+        s_ctx = min(int(anchors[-1]) + 1, s_all)
+        block_ids, block_pos = block_inputs(y[None], positions, anchors[None], B, mask_id)
+        mask = build_mask(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device),
+                          doc_ids[:, :s_ctx], B, kind="dense")
+        embeds = embed_weight[block_ids.to(embed_weight.device)].to(device=device, dtype=dtype)
+        hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
+        drafts = draft_tokens(hidden.view(n, B, -1)[:, 1:], lm_head_weight)  # [n, B-1]
+        where = anchors[:, None] + slots[None]
+        inside = where < end
+        match = (drafts == y[where.clamp(max=end - 1)]) & inside
+        a = match.long().cumprod(1).sum(1)
+        cap = (end - 2 - anchors).clamp(min=0)
+        out[c0 - start:c0 - start + n] = torch.minimum(a, cap).cpu()
+    return out
+
+
+def walk(a: Sequence[int] | torch.Tensor, first: int, end: int) -> list[int]:
+    """Tokens emitted per cycle when decoding positions [first, end) (module docstring).
+
+    `a[i]` is a(first + i), len(a) == end - first. Cycle anchors: t = first, then t + a(t) + 1,
+    while t < end - 1. Each cycle records min(a(t), end - t - 2) + 1, so the cycles add up to
+    end - 1 - first tokens.
+    """
+    a = [int(v) for v in (a.tolist() if isinstance(a, torch.Tensor) else a)]
+    if len(a) != end - first:
+        raise ValueError(f"walk needs a(t) for every t in [first, end): len(a)={len(a)}, first={first}, end={end}")
+    cycles, t = [], first
+    while t < end - 1:
+        emitted = min(max(a[t - first], 0), end - t - 2) + 1
+        cycles.append(emitted)
+        t += emitted
+    return cycles
+
+
+def tau_from_taps(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, taps: torch.Tensor,
+                  input_ids: torch.Tensor, first: int, end: int, *, block_size: int | None = None,
+                  mask_token_id: int | None = None, batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> list[int]:
+    """Per-cycle emitted tokens of one response: `first` = prompt length, `end` = sequence length."""
+    a = accept_lengths(drafter, embed_weight, lm_head_weight, taps, input_ids, first, end,
+                       block_size=block_size, mask_token_id=mask_token_id, batch_anchors=batch_anchors)
+    return walk(a, first, end)
+
+
+@dataclass
+class TauReport:
+    """tau over a set of responses, from each response's per-cycle emitted tokens."""
+
+    block_size: int
+    cycles: list[list[int]] = field(default_factory=list)
+
+    @property
+    def per_response(self) -> list[float | None]:
+        # A one-token response (EOS or budget right after prefill) has no cycle and no tau.
+        return [sum(c) / len(c) if c else None for c in self.cycles]
+
+    @property
+    def tau_mean(self) -> float:
+        taus = [t for t in self.per_response if t is not None]
+        return sum(taus) / len(taus) if taus else math.nan
+
+    @property
+    def num_cycles(self) -> int:
+        return sum(len(c) for c in self.cycles)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(sum(c) for c in self.cycles)
+
+    @property
+    def tau_pooled(self) -> float:
+        return self.num_tokens / self.num_cycles if self.num_cycles else math.nan
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[j] = number of cycles that accepted exactly j drafts (j = 0 .. B-1)."""
+        h = [0] * self.block_size
+        for c in self.cycles:
+            for emitted in c:
+                h[emitted - 1] += 1
+        return h
+
+    def as_dict(self) -> dict:
+        def num(x):
+            return None if x is None or math.isnan(x) else x
+
+        return {
+            "tau_mean": num(self.tau_mean),
+            "tau_pooled": num(self.tau_pooled),
+            "block_size": self.block_size,
+            "num_responses": len(self.cycles),
+            "num_cycles": self.num_cycles,
+            "num_tokens": self.num_tokens,
+            "accepted_histogram": self.histogram,
+            "tau_per_response": [num(t) for t in self.per_response],
+            "cycles": self.cycles,
+        }

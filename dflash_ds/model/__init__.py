@@ -1,0 +1,1 @@
+"""The drafter and its training objective: pure PyTorch, no distributed code."""

@@ -1,0 +1,1 @@
+"""The frozen target: loading (+ PEFT adapters), tap capture, kernels, ZeRO-Inference loading."""
