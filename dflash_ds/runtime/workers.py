@@ -43,7 +43,7 @@ class TargetWorker:
     def run(self, buf, ids, loss_mask, doc_ids) -> None:
         write_meta(buf, self.spec, ids, loss_mask, doc_ids)
         positions = position_ids_from_doc_ids(doc_ids)
-        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec))
+        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec), doc_ids=doc_ids)
 
     def eval_payloads(self, sequences: list[dict], new_buffer):
         """Yield the held-out (prompt + greedy continuation) sequences, R per payload, padded to S.

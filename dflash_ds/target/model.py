@@ -148,14 +148,22 @@ class TapCapture:
 
 @torch.no_grad()
 def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                 out: torch.Tensor) -> torch.Tensor:
+                 out: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run the base model over input_ids and write the tapped states into out [b, S, T*D].
 
     position_ids restarting per document make transformers mask attention across packed documents.
+    With doc_ids ([b, S], -1 = padding) and a hybrid target, the Gated DeltaNet layers also keep
+    the documents apart (target.packed): their recurrent state and convolution restart per document.
     """
+    from dflash_ds.target.packed import is_hybrid, packed_documents
+
     capture.out = out
     try:
-        base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if doc_ids is not None and is_hybrid(model):
+            with packed_documents(model, doc_ids):
+                base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        else:
+            base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
         capture.out = None
     return out
