@@ -64,11 +64,11 @@ def preflight(recipe: Recipe, world_size: int) -> Context:
                                      target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
                                      num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads,
                                      head_dim=d.head_dim)
-    if geo.hybrid and recipe.data.pack:
+    if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
-            "data.pack: true with a hybrid (Gated DeltaNet) target would let recurrent state leak across the "
-            "packed documents of a row: the target forward here does not pass per-document boundaries "
-            "(cu_seqlens) to the linear-attention layers. Set data.pack: false (one conversation per row)")
+            "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
+            "kernel to keep the packed documents of a row apart (without it the exact per-document fallback is "
+            "far too slow); pip install 'dflash-ds[gpu]' (flash-linear-attention), or set data.pack=false")
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
@@ -90,8 +90,7 @@ def load_data(ctx: Context):
     except (OSError, ValueError) as exc:
         raise RecipeError(f"target.path {r.target.path!r}: no tokenizer could be loaded ({exc}); the target "
                           "directory must hold its tokenizer") from None
-    # Packing for hybrid targets is refused in preflight (no varlen wiring), so never claim fla here.
-    return prepare(r.data, tok, hybrid_target=ctx.geometry.hybrid, has_fla=False)
+    return prepare(r.data, tok)
 
 
 def finish(ctx: Context) -> None:

@@ -514,13 +514,13 @@ def test_no_supervised_tokens(tmp_path, tok):
         D.prepare(make_cfg(tmp_path, max_length=8), tok)  # every sample too long, dropped
 
 
-def test_hybrid_target_packing_needs_fla(tmp_path, tok):
-    with pytest.raises(ValueError, match="data.pack"):
-        D.prepare(make_cfg(tmp_path), tok, hybrid_target=True, has_fla=False)
-    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, verbose=False)
-    assert (data.rows["doc_ids"] <= 0).all()
-    assert D.prepare(make_cfg(tmp_path, max_samples=10), tok, hybrid_target=True, has_fla=True,
-                     verbose=False).num_rows < 10
+def test_lengths_file_lists_every_conversation(tmp_path, tok):
+    data = D.prepare(make_cfg(tmp_path, max_samples=10), tok, verbose=False)
+    saved = json.loads((Path(data.cache_path) / D.LENGTHS_FILE).read_text())
+    doc_ids = np.asarray(data.rows["doc_ids"])
+    from_rows = sorted(int((row == d).sum()) for row in doc_ids for d in range(int(row.max()) + 1))
+    assert sorted(saved["lengths"]) == from_rows and len(from_rows) == data.report["documents"]
+    assert saved["max_length"] == data.report["row_length"] and data.num_rows < 10  # packed
 
 
 def test_parallel_encoding_matches_serial(tmp_path, tok):

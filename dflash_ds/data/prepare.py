@@ -8,7 +8,8 @@ Rows are `S = data.max_length` tokens holding whole documents (never split acros
 position ids and the attention mask a packed row needs are in `dflash_ds.packing` (re-exported here).
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
-`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`). The fingerprint covers the dataset's
+`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, and `lengths.json`: every conversation's
+token count, which `python -m dflash_ds.bench --lengths FILE` reads). The fingerprint covers the dataset's
 identity (local files' sizes and mtimes, or the hub dataset's fingerprint), the tokenizer, the chat
 template and every setting that changes the rows; anything else reuses the cache.
 """
@@ -33,8 +34,9 @@ from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normali
 # Re-exported: callers and tests import these from here.
 from dflash_ds.data.packing import _first_fit, pack_documents, packed_attention_mask, position_ids_from_doc_ids  # noqa: F401
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: lengths.json beside the audit
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
+LENGTHS_FILE = "lengths.json"
 
 
 @dataclass
@@ -224,14 +226,12 @@ def _load_cached(final: Path, fp: str) -> PreparedData:
     return PreparedData(rows, ev["prompts"], ev["references"], report, fp, str(final))
 
 
-def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = False,
-            verbose: bool = True) -> PreparedData:
-    """Rows for training plus held-out eval prompts, from the cache when nothing changed."""
-    if hybrid_target and cfg.pack and not has_fla:
-        raise ValueError(
-            "data.pack: packing several documents per row with a hybrid (Gated DeltaNet) target such as "
-            "Qwen3.5/3.6 needs flash-linear-attention's varlen kernels (pip install flash-linear-attention); "
-            "without them recurrent state leaks across documents. Install it or set data.pack=false")
+def prepare(cfg, tokenizer, *, verbose: bool = True) -> PreparedData:
+    """Rows for training plus held-out eval prompts, from the cache when nothing changed.
+
+    Packing (data.pack) suits every target: the target forward keeps packed documents apart in
+    every layer, Gated DeltaNet layers included (target.packed). Beside the audit, lengths.json
+    lists every conversation's token count (the bench's --lengths FILE)."""
     if cfg.truncation not in ("drop", "truncate"):
         raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
     if cfg.max_length < 2:
@@ -316,6 +316,8 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
             a.flush()
         del rows
         (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
+        (tmp / LENGTHS_FILE).write_text(json.dumps({"max_length": cfg.max_length, "pack": bool(cfg.pack),
+                                                    "lengths": [int(n) for n in lengths]}))
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
         try:
@@ -334,19 +336,6 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
 
 # ----------------------------------------------------------------------------- CLI
 
-def is_hybrid_target(config) -> bool:
-    """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers."""
-    config = getattr(config, "text_config", None) or config
-    layer_types = getattr(config, "layer_types", None) or []
-    return any("linear" in str(t) for t in layer_types) or str(getattr(config, "model_type", "")).startswith(
-        ("qwen3_5", "qwen3_next"))
-
-
-def fla_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("fla") is not None
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.data", description=__doc__.splitlines()[0])
@@ -355,15 +344,16 @@ def main(argv=None) -> int:
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
     args = parser.parse_args(argv)
-    from transformers import AutoConfig
-
     from dflash_ds.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = load_tokenizer(recipe.target.path)
-    hybrid = is_hybrid_target(AutoConfig.from_pretrained(recipe.target.path))
-    data = prepare(recipe.data, tokenizer, hybrid_target=hybrid, has_fla=fla_available())
+    data = prepare(recipe.data, tokenizer)
     print(f"[data] {data.num_rows} rows in {data.cache_path}")
+    lengths = Path(data.cache_path) / LENGTHS_FILE
+    if lengths.is_file():
+        print(f"[data] conversation lengths: {lengths} (measure on them: python -m dflash_ds.bench --role target "
+              f"--lengths {lengths})")
     return 0
 
 

@@ -33,7 +33,7 @@ class Geometry:
     hidden_size: int
     vocab_size: int
     model_type: str
-    hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packing needs fla varlen
+    hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packed rows go through target.packed
 
 
 def target_geometry(config) -> Geometry:

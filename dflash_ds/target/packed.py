@@ -6,8 +6,9 @@ build a block-diagonal causal mask (see data.packing). The Gated DeltaNet layers
 their short causal convolution and their recurrent state run straight across document boundaries.
 `packed_documents(model, doc_ids)` swaps, for the duration of one forward, every Gated DeltaNet
 module's forward for one that
-  - runs the short convolution with the taps that reach into another document masked out (exact,
-    plain tensor ops, any device), and
+  - runs the short convolution per segment (on CUDA with flash-linear-attention, its varlen
+    kernel; elsewhere the taps that reach into another document masked out: exact, plain tensor
+    ops), and
   - runs the gated delta rule per segment: on CUDA with flash-linear-attention, one varlen kernel
     call over the flattened rows with `cu_seqlens`; elsewhere (CPU, or no fla), the reference
     PyTorch rule once per segment, which is exact but slow and meant for tests and CPU runs.
@@ -81,12 +82,26 @@ class Packing:
         return self._cu
 
 
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, pack: Packing) -> torch.Tensor:
+    """The Gated DeltaNet short convolution per segment: fla's varlen kernel on CUDA, else masked_causal_conv."""
+    if x.is_cuda and fla_available():
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        r, s = pack.shape
+        out = causal_conv1d(x.reshape(1, r * s, -1), weight=weight, bias=bias, activation=activation,
+                            cu_seqlens=pack.cu_seqlens)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(r, s, -1)
+    return masked_causal_conv(x, weight, bias, activation, pack)
+
+
 def masked_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None,
                        pack: Packing) -> torch.Tensor:
     """Depthwise causal convolution of x [R, S, C] with weight [C, K] that never reads another document.
 
     Equals F.conv1d(x, weight, padding=K-1)[..., :S] run on each document alone: output t sums
-    weight[:, K-1-j] * x[t-j] over the j whose position t - j lies in t's document."""
+    weight[:, K-1-j] * x[t-j] over the j whose position t - j lies in t's document. Plain tensor
+    ops (about a dozen passes over x), so any device runs it."""
     k = weight.shape[-1]
     w = weight.to(torch.float32)
     xf = x.to(weight.dtype).to(torch.float32)
@@ -141,7 +156,7 @@ def packed_gdn_forward(self, pack: Packing, hidden_states: torch.Tensor, cache_p
     z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
-    mixed_qkv = masked_causal_conv(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, pack)
+    mixed_qkv = short_conv(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, pack)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch, seq_len, -1, self.head_k_dim)
     key = key.reshape(batch, seq_len, -1, self.head_k_dim)
