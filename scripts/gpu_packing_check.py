@@ -8,7 +8,8 @@ documents of chat-like lengths. Compared per document (relative L2 error over it
 layer's output):
   - packed: the packed row through target.packed (fla varlen kernel, masked short convolution)
     vs each document alone through the stock transformers forward (fla, no cu_seqlens);
-  - noise floor: each document alone in bf16 vs the same in float32 (what bf16 costs anyway);
+  - noise floor: each document alone in bf16 vs the same weights run in float32 (what bf16 costs
+    anyway), beside packed bf16 vs that float32 reference;
   - leak: the stock forward over the packed row (no boundaries in the Gated DeltaNet layers)
     vs each document alone, the error the packed path removes.
 """
@@ -30,7 +31,7 @@ from dflash_ds.target.model import TapCapture, forward_taps  # noqa: E402
 from dflash_ds.target.presets import target_config  # noqa: E402
 
 DOCS = [[700, 1210, 95, 880, 150], [2400, 500, 60]]  # tokens per document; the rest of a row is padding
-TOLERANCE = 2e-2  # relative L2 per document, bf16
+TOLERANCE = 2e-2  # relative L2 per document, bf16 (a priori; see the float32 reference for bf16's own error)
 
 
 def build(layers: int, dtype, device):
@@ -106,12 +107,10 @@ def check(layers: int = 8, seq_len: int = 3072) -> dict:
     alone = run(model, ids, doc_ids, packed=False, alone=True)
     packed = run(model, ids, doc_ids, packed=True, alone=False)
     stock = run(model, ids, doc_ids, packed=False, alone=False)
-    t_packed = timed(lambda: run(model, ids, doc_ids, packed=True, alone=False))
-    t_stock = timed(lambda: run(model, ids, doc_ids, packed=False, alone=False))
-    del model
-    torch.cuda.empty_cache()
-    model32 = build(layers, torch.float32, device)
-    alone32 = run(model32, ids, doc_ids, packed=False, alone=True)
+    t_packed = timed(lambda: run(model, ids, doc_ids, packed=True, alone=False), reps=3)
+    t_stock = timed(lambda: run(model, ids, doc_ids, packed=False, alone=False), reps=3)
+    model.float()  # the same weights in float32: the reference bf16 is measured against
+    alone32 = run(model, ids, doc_ids, packed=False, alone=True).float()
     return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -121,7 +120,8 @@ def check(layers: int = 8, seq_len: int = 3072) -> dict:
         "seq_len": seq_len,
         "tolerance_rel_l2_per_doc": TOLERANCE,
         "packed_vs_alone_bf16": per_doc_error(packed, alone),
-        "bf16_vs_fp32_alone_noise_floor": per_doc_error(alone.float(), alone32),
+        "alone_bf16_vs_alone_fp32": per_doc_error(alone.float(), alone32),
+        "packed_bf16_vs_alone_fp32": per_doc_error(packed.float(), alone32),
         "stock_packed_vs_alone_leak": per_doc_error(stock, alone),
         "finite": bool(torch.isfinite(packed).all()),
         "forward_ms_packed_path": 1000 * t_packed,
