@@ -31,7 +31,12 @@ from dflash_ds.target.model import TapCapture, forward_taps  # noqa: E402
 from dflash_ds.target.presets import target_config  # noqa: E402
 
 DOCS = [[700, 1210, 95, 880, 150], [2400, 500, 60]]  # tokens per document; the rest of a row is padding
-TOLERANCE = 2e-2  # relative L2 per document, bf16 (a priori; see the float32 reference for bf16's own error)
+# Pass rule. bf16 alone costs ~2.7e-2 relative L2 at this depth with random weights (each document
+# alone in bf16 vs the same weights in float32, measured on an H200), so a fixed bf16-vs-bf16 bound
+# says little: the packed bf16 taps must be as close to the float32 reference as the stock bf16
+# forward of each document alone is (within 25%), and the cross-document leak must be far larger.
+BF16_SLACK = 1.25
+LEAK_FACTOR = 10.0
 
 
 def build(layers: int, dtype, device):
@@ -118,7 +123,8 @@ def check(layers: int = 8, seq_len: int = 3072) -> dict:
         "geometry": f"qwen3.6-27b, first {layers} layers, random weights",
         "rows": DOCS,
         "seq_len": seq_len,
-        "tolerance_rel_l2_per_doc": TOLERANCE,
+        "pass_rule": f"packed_bf16_vs_alone_fp32 <= {BF16_SLACK} x alone_bf16_vs_alone_fp32 and "
+                     f"stock_packed_vs_alone_leak >= {LEAK_FACTOR} x alone_bf16_vs_alone_fp32",
         "packed_vs_alone_bf16": per_doc_error(packed, alone),
         "alone_bf16_vs_alone_fp32": per_doc_error(alone.float(), alone32),
         "packed_bf16_vs_alone_fp32": per_doc_error(packed.float(), alone32),
@@ -139,8 +145,13 @@ def main(argv=None):
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
-    ok = res["finite"] and res["packed_vs_alone_bf16"] < TOLERANCE
-    return 0 if ok else 1
+    return 0 if passed(res) else 1
+
+
+def passed(res: dict) -> bool:
+    floor = res["alone_bf16_vs_alone_fp32"]
+    return (res["finite"] and res["packed_bf16_vs_alone_fp32"] <= BF16_SLACK * floor
+            and res["stock_packed_vs_alone_leak"] >= LEAK_FACTOR * floor)
 
 
 if __name__ == "__main__":
