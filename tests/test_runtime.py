@@ -31,19 +31,21 @@ def ok(proc):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process losses for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.run import check_recipe
     from dflash_ds.runtime.reference import reference_losses
+    from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target.model import embed_and_head, load_target
-    from dflash_ds.train import build_drafter
-    from dflash_ds.run import finish, load_data, preflight
 
     out = tmp_path_factory.mktemp("ref")
     recipe = load_recipe(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2", f"run.output_dir={out}"])
-    ctx = preflight(recipe, world_size=3)
-    ctx.data = load_data(ctx)
-    finish(ctx)
+    spec = check_recipe(recipe, world_size=3)
+    data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+    spec = spec.with_rows(data.num_rows)
     target = load_target(recipe.target.path, dtype="float32")
     embed, head = embed_and_head(recipe.target.path, torch.float32)
-    return reference_losses(recipe, ctx.plan, target, build_drafter(ctx), embed, head, ctx.data.rows, steps=4)
+    return reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4)
 
 
 def test_split_runtime_matches_single_process(tmp_path, reference):

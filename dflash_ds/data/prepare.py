@@ -332,6 +332,15 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
     return data
 
 
+def load_training_data(recipe, *, hybrid_target: bool) -> PreparedData:
+    """The rows and held-out prompts a training run reads: prepared now, or read from the cache.
+
+    Packing for a hybrid target is refused before launch (the target forward passes no per-document
+    boundaries to its linear-attention layers), so fla is never claimed here.
+    """
+    return prepare(recipe.data, load_tokenizer(recipe.target.path), hybrid_target=hybrid_target, has_fla=False)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def is_hybrid_target(config) -> bool:

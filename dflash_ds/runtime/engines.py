@@ -16,27 +16,12 @@ from dflash_ds.runtime.plan import Plan, lr_factor
 from dflash_ds.runtime.topology import Layout
 
 
-@dataclass
+@dataclass(frozen=True)
 class Groups:
-    drafter: object
-    target: object
+    """This rank's two process groups (the same group twice in colocated mode)."""
 
-
-def pick_device(recipe: Recipe) -> torch.device:
-    return device_named(recipe.run.device, "run.device")
-
-
-def device_named(name: str, setting: str) -> torch.device:
-    """auto / cuda / cpu -> this rank's device (cuda:LOCAL_RANK); errors name `setting`."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{setting} is cuda but no GPU is visible; set {setting} to cpu or auto")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if name != "cpu":
-        raise ValueError(f"{setting} must be auto, cuda or cpu, got {name!r}")
-    return torch.device("cpu")
+    drafter: dist.ProcessGroup
+    target: dist.ProcessGroup
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
