@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[dflash] error: {exc}", file=sys.stderr, flush=True)
         return 2
     if args.dry_run:
-        print(describe(recipe, spec.plan, spec.memory))
+        print(describe(spec.plan, spec.memory))
         for note in spec.notes:
             print("note:", note)
         return 0
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(recipe.run.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
-        (run_dir / "plan.txt").write_text(describe(recipe, spec.plan, spec.memory) + "\n")
+        (run_dir / "plan.txt").write_text(describe(spec.plan, spec.memory) + "\n")
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.
     if spec.layout.role(rank) == "target":

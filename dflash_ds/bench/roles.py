@@ -27,7 +27,7 @@ MASK_METHODS = {
 # ---------------------------------------------------------------------------- target side
 
 
-def build_target_model(setup: Setup, use_engine: bool, group):
+def build_target_model(setup: Setup, use_engine: bool):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,7 @@ def build_target_model(setup: Setup, use_engine: bool, group):
     model.eval()
     kind = "none"
     if use_engine:
-        model, kind = build_target_engine(setup.recipe, model, setup.plan, group)
+        model, kind = build_target_engine(setup.recipe, model, setup.plan)
     return model, kind
 
 
@@ -163,10 +163,10 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
 
 def run_target(setup: Setup, ceiling: dict) -> dict:
-    group = init_single_process(setup.device)
+    init_single_process(setup.device)
     a = setup.args
     t_build = time.perf_counter()
-    model, kind = build_target_model(setup, not a.no_engine, group)
+    model, kind = build_target_model(setup, not a.no_engine)
     worker = target_worker(setup, model)
     buf = setup.spec.empty(setup.device)
     synchronize(setup.device)
@@ -195,7 +195,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
     if colocated:
         from dflash_ds.runtime.trainer import LocalSource
 
-        model, kind = build_target_model(setup, not a.no_engine, group)
+        model, kind = build_target_model(setup, not a.no_engine)
         source = LocalSource(target_worker(setup, model), 0, 0)
         extra.update(engine_target=kind, target_flops_per_micro=target_flops_per_micro(setup, model))
         probe = synthetic_payloads(setup, 1)[0]

@@ -1,6 +1,6 @@
-"""Acceptance length tau (spec section 4), computed exactly offline.
+"""Acceptance length tau (docs/algorithm.md, section 'Tau'), computed exactly offline.
 
-Convention (the one `dflash_ds.specdec.speculative_generate` runs online, cycle for cycle):
+Convention (the one `dflash_ds.eval.specdec.speculative_generate` runs online, cycle for cycle):
 
 - Sequence `x` = prompt (`P` tokens) + the target's greedy response `y`, so `x[P]` is the first
   generated token and `end = len(x)`. The response ends at EOS (included) or at the token budget.

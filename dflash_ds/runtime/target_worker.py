@@ -20,6 +20,7 @@ import torch
 
 from dflash_ds.data.packing import position_ids_from_doc_ids
 from dflash_ds.data.prepare import PreparedData
+from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import write_status
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
@@ -147,9 +148,7 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
         out.append({"prompt_len": len(p), "ids": full.reshape(-1).tolist()})
     if not write:
         return out
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(cache)
+    write_json_atomic(cache, out)
     return out
 
 

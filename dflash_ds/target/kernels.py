@@ -44,15 +44,10 @@ def use_fla_short_conv() -> bool:
 # each into one kernel; compiling whole decoder layers instead was slower (graph breaks around
 # the linear-attention kernels). The math is exactly transformers', so only rounding order moves.
 
-_compiled: dict = {}
-
-
 def _compile(fn):
-    import torch
+    from dflash_ds.model.compile import compile_once
 
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False)
-    return _compiled[fn]
+    return compile_once(fn, dynamic=False)
 
 
 def _rms_zero_centered(x, weight, eps: float):
