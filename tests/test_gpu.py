@@ -49,10 +49,10 @@ def packed_rows(b, s, docs, device, g):
     return doc_ids.to(device), loss_mask.to(device)
 
 
-# Worst errors seen on an H200 (docs/gpu_checks_h200.json) with headroom: fp32 forward 8e-8, bf16
-# forward 7.7e-4; the gradients differ more (flex's backward uses TF32 dots; bf16 on the smallest
-# gradients): 6e-3 fp32, 3e-2 bf16. A wrong mask gives errors of order 1.
-@pytest.mark.parametrize("dtype, fwd_tol, grad_tol", [(torch.float32, 1e-5, 2e-2), (torch.bfloat16, 5e-3, 1e-1)])
+# Worst errors seen on an H200 (docs/gpu_checks_h200.json), with headroom: forward 9e-8 (fp32) and
+# 5e-4 (bf16); gradients 1.6e-2 (fp32: flex's backward uses TF32 dots) and 2.3e-2 (bf16, on the
+# smallest gradients). A wrong mask gives errors of order 1.
+@pytest.mark.parametrize("dtype, fwd_tol, grad_tol", [(torch.float32, 1e-5, 5e-2), (torch.bfloat16, 5e-3, 1e-1)])
 def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol, grad_tol):
     """Three packed documents + padding blocks: forward and every parameter gradient."""
     device = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""Acceptance length tau (spec section 4), computed exactly offline.
+"""Acceptance length tau (docs/algorithm.md section 7), computed exactly offline.
 
 Convention (the one `dflash_ds.specdec.speculative_generate` runs online, cycle for cycle):
 
