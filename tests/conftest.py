@@ -4,9 +4,10 @@ Every test belongs to exactly one tier (see README, "Tests"):
   unit      fast, in-process: no launcher, no subprocess, no worker processes (the default);
   launcher  the real `deepspeed` launcher on gloo, or other spawned processes;
   gpu       needs CUDA (skipped without it).
-A test is `unit` unless it is marked `launcher` or `gpu`. A unit test that starts a Python or
+A test is `unit` unless it is marked `launcher` or `gpu`. A unit test that starts a Python, shell or
 launcher process, or a multiprocessing worker, fails with a message saying to mark it `launcher`,
-so the fast tier cannot silently grow slow.
+so the fast tier cannot silently grow slow. (Other processes, such as wandb's service, are not
+caught: mark those tests by hand.)
 """
 
 import contextlib
