@@ -1,4 +1,4 @@
-"""The serving format of a DFlash drafter (docs/algorithm.md, section 'Export'), written and read back.
+"""The serving format of a DFlash drafter (docs/algorithm.md section 6), written and read back.
 
 An export is a directory with `config.json` and `model.safetensors` that SGLang
 (`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) load as is. The tensor names
@@ -42,7 +42,7 @@ _FIX = "pass the directory written by dflash_ds export (drafter.init_from / --dr
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the export and its shape, derived from the config alone (docs/algorithm.md, section 'Export').
+    """Every tensor of the export and its shape, derived from the config alone (docs/algorithm.md section 6).
 
     Independent of `DFlashDrafter` on purpose: a module whose parameters drift from the serving
     layout must fail `save_drafter`, not produce a file the engines misread.
@@ -123,8 +123,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in drafter.state_dict().items()}
     problem = _check_tensors({n: tuple(t.shape) for n, t in state.items()}, expected_shapes(cfg))
     if problem is not None:
-        raise RuntimeError("drafter state_dict does not match the serving layout (docs/algorithm.md, "
-                           f"section 'Export'): {problem}")
+        raise RuntimeError(f"drafter state_dict does not match the serving layout (docs/algorithm.md section 6): {problem}")
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]

@@ -532,15 +532,33 @@ def test_no_supervised_tokens(tmp_path, tok):
         D.prepare(make_cfg(tmp_path, max_length=8), tok)  # every sample too long, dropped
 
 
-def test_hybrid_target_packing_needs_fla(tmp_path, tok):
+def test_hybrid_targets_train_on_one_conversation_per_row(tmp_path, tok, capsys):
+    """What training does with a hybrid (Gated DeltaNet) target today: never packs its rows.
+
+    Training asks prepare() for rows with has_fla=False whatever is installed (the target forward
+    passes no per-document boundaries to the linear-attention layers), and its pre-launch check
+    refuses data.pack=true for such a target, so a packed row can never reach it."""
     with pytest.raises(ValueError, match="data.pack"):
         D.prepare(make_cfg(tmp_path), tok, hybrid_target=True, has_fla=False)
-    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, verbose=False)
-    assert (data.rows["doc_ids"] <= 0).all()
-    assert D.prepare(make_cfg(tmp_path, max_samples=10), tok, hybrid_target=True, has_fla=True,
-                     verbose=False).num_rows < 10
+    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, has_fla=False,
+                     verbose=False)
+    assert data.num_rows == 10 and (data.rows["doc_ids"] <= 0).all()
+
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    from dflash_ds.train import main
+
+    target = tmp_path / "hybrid-target"
+    Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=256).save_pretrained(target)
+    args = ["recipes/tiny.yaml", "--dry-run", "--world-size", "2", f"target.path={target}"]
+    assert main(args + ["data.pack=true"]) == 2
+    assert "data.pack" in capsys.readouterr().err
+    assert main(args + ["data.pack=false"]) == 0
 
 
+@pytest.mark.launcher
 def test_parallel_encoding_matches_serial(tmp_path, tok):
     serial = D.prepare(make_cfg(tmp_path / "a", max_samples=80), tok, verbose=False)
     parallel = D.prepare(make_cfg(tmp_path / "b", max_samples=80, num_proc=2), tok, verbose=False)

@@ -1,5 +1,4 @@
-"""Exact offline tau (docs/algorithm.md, section 'Tau') against the reference
-speculative-decoding loop, on a tiny Qwen3.
+"""Exact offline tau (docs/algorithm.md section 7) against the reference speculative-decoding loop, on a tiny Qwen3.
 
 The drafter is trained here, single-process, with the objective's own functions on the target's
 greedy continuations, so cycles that accept several drafts occur and the walk is exercised

@@ -1,5 +1,4 @@
-"""The DFlash objective (docs/algorithm.md, sections 'Anchors, labels and weights' and 'Loss'):
-anchors, labels, weights (hand-worked), chunked loss (with and
+"""The DFlash objective (docs/algorithm.md sections 4-5): anchors, labels, weights (hand-worked), chunked loss (with and
 without the optional KL term) against a float64 dense reference, lm_head matmul count and equal
 chunk shapes under checkpointing, the training metrics, and the absence of host syncs and
 data-dependent shapes on the whole path (forward and backward)."""

@@ -1,4 +1,4 @@
-"""Acceptance length tau (docs/algorithm.md, section 'Tau'), computed exactly offline.
+"""Acceptance length tau (docs/algorithm.md section 7), computed exactly offline.
 
 Convention (the one `dflash_ds.eval.specdec.speculative_generate` runs online, cycle for cycle):
 

@@ -1,5 +1,4 @@
-"""The DFlash attention mask (docs/algorithm.md, section 'Injection and attention mask'), dense
-for CPU/tests and as a flex BlockMask for GPUs.
+"""The DFlash attention mask (docs/algorithm.md section 3), dense for CPU/tests, a flex BlockMask for GPUs.
 
 Queries are the `Q = N*B` block tokens (block n = queries n*B .. n*B+B-1); keys are the `S`
 context features followed by the same `Q` block tokens. Query of block n (anchor a_n) sees:

@@ -3,7 +3,7 @@ speculative loop take.
 
 A DFlash drafter has no embedding and no lm_head of its own: block tokens are embedded with the
 target's frozen `embed_tokens` and its states are read out through the target's frozen `lm_head`
-(docs/algorithm.md, section 'Model'). Block size and mask id come from the drafter's config.
+(docs/algorithm.md section 1). Block size and mask id come from the drafter's config.
 """
 
 from __future__ import annotations

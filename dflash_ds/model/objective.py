@@ -1,5 +1,4 @@
-"""The DFlash training objective: anchors, blocks, labels, weights, chunked lm_head loss
-(docs/algorithm.md, sections 'Anchors, labels and weights' and 'Loss').
+"""The DFlash training objective (docs/algorithm.md sections 4-5): anchors, blocks, labels, weights, chunked loss.
 
 Conventions: a row has S tokens; N anchors per row; B = block size; Q = N*B block slots, slot k
 of the block for anchor a sits at position a + k and is trained to predict the token AT a + k
@@ -299,8 +298,7 @@ def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool 
     The run stops at the first slot that is wrong or unsupervised. `correct` may be `[b, Q]` or
     `[b, N, B]`; `weights` is `[b, N, B]`. With `reduce=False` returns (sum, count) so callers can
     aggregate across micro-batches and ranks; the mean of no blocks is NaN.
-    This is a cheap training signal, not the acceptance length tau
-    (docs/algorithm.md, section 'Tau').
+    This is a cheap training signal, not the acceptance length tau (docs/algorithm.md section 7).
     """
     correct = correct.reshape(weights.shape)
     ok = (correct.bool() & (weights > 0))[..., 1:]

@@ -4,7 +4,7 @@ transformers runs the Gated DeltaNet short convolution of Qwen3.5/3.6 through th
 package when it is installed and a PyTorch depthwise conv1d otherwise. flash-linear-attention,
 which such targets need anyway, ships a Triton kernel for the same operation; using it spares the
 causal-conv1d CUDA build. Forward only (the target is frozen); numerics are checked against the
-fallback by scripts/gpu_checks.py.
+fallback by tests/test_gpu.py (`pytest -m gpu`).
 """
 
 from __future__ import annotations
