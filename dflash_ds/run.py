@@ -91,7 +91,7 @@ def load_data(ctx: Context):
         raise RecipeError(f"target.path {r.target.path!r}: no tokenizer could be loaded ({exc}); the target "
                           "directory must hold its tokenizer") from None
     # Packing for hybrid targets is refused in preflight (no varlen wiring), so never claim fla here.
-    return prepare(r.data, tok, hybrid_target=ctx.geometry.hybrid, has_fla=False)
+    return prepare(r.data, tok, hybrid_target=ctx.geometry.hybrid, has_fla=False, recipe=r.source or None)
 
 
 def finish(ctx: Context) -> None:
