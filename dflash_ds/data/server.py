@@ -67,7 +67,7 @@ def endpoint(url: str) -> str:
 class ServerClient:
     """Turn-by-turn regeneration of conversations against one or more servers."""
 
-    def __init__(self, settings, thinking: bool, model: str | None, sleep=time.sleep):
+    def __init__(self, settings, thinking: bool, model: str | None):
         self.s = settings
         self.urls = [endpoint(u) for u in settings.urls]
         self.thinking = bool(thinking)
@@ -75,7 +75,6 @@ class ServerClient:
         self.stats = Stats()
         self._next = 0
         self._lock = threading.Lock()
-        self._sleep = sleep
 
     def _url(self, attempt_offset: int = 0) -> str:
         with self._lock:
@@ -114,7 +113,7 @@ class ServerClient:
                 self.stats.error(type(reason).__name__)
             if attempt < self.s.max_retries:
                 self.stats.add(retries=1)
-                self._sleep(wait)
+                time.sleep(wait)
                 wait = min(wait * 2, 60.0)
         raise RequestFailed(f"no answer after {self.s.max_retries + 1} attempts ({self.stats.errors})")
 
