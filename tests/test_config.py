@@ -115,3 +115,21 @@ def test_dry_run_prints_the_plan_without_distributed(capsys):
     out = capsys.readouterr().out
     assert "rank 0: node 0 local 0 role drafter" in out and "rank 2: node 0 local 2 role target" in out
     assert "target 1: ->0:m0" in out and "memory estimate" in out
+
+
+@pytest.mark.parametrize("override,setting", [
+    ("data.regenerate.urls=[localhost:8000]", r"data\.regenerate\.urls\[0\]"),
+    ("data.regenerate.urls=[ftp://host/x]", r"data\.regenerate\.urls\[0\]"),
+    ("data.regenerate.backend=server", r"data\.regenerate\.urls is empty"),
+    ("data.regenerate.backend=vllm", r"data\.regenerate\.backend.*vllm serve"),
+    ("data.regenerate.concurrency=0", r"data\.regenerate\.concurrency must be >= 1"),
+    ("data.regenerate.timeout_s=0", r"data\.regenerate\.timeout_s"),
+    ("data.regenerate.max_retries=-1", r"data\.regenerate\.max_retries"),
+    ("data.regenerate.max_failed_fraction=1.5", r"data\.regenerate\.max_failed_fraction"),
+    ("data.num_proc=-2", r"data\.num_proc"),
+])
+def test_regenerate_settings_validated(override, setting):
+    with pytest.raises(RecipeError, match=setting):
+        load_recipe(TINY, [override])
+    ok = load_recipe(TINY, ["data.regenerate.backend=server", "data.regenerate.urls=[http://10.0.0.5:8000/v1]"])
+    assert ok.data.regenerate.urls == ("http://10.0.0.5:8000/v1",)
