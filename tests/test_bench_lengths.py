@@ -68,6 +68,7 @@ def test_useful_rate_is_raw_rate_times_real_share():
     assert result["docs_per_row"] == pytest.approx(1.5)
 
 
+@pytest.mark.launcher
 def test_target_role_on_a_lengths_file_reports_useful_rate(tmp_path):
     # CPU smoke run of the CLI on the tiny hybrid target with packed rows (the per-segment route).
     f = tmp_path / "lengths.json"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.run import preflight
+from dflash_ds.run import check_recipe
 
 TINY = "recipes/tiny.yaml"
 
@@ -24,16 +24,16 @@ def recipe(hybrid_target, pack):
 
 
 def test_hybrid_target_packs_on_cpu(hybrid_target):
-    ctx = preflight(recipe(hybrid_target, True), world_size=2)
-    assert ctx.geometry.hybrid and ctx.recipe.data.pack
+    spec = check_recipe(recipe(hybrid_target, True), world_size=2)
+    assert spec.geometry.hybrid and spec.recipe.data.pack
 
 
 def test_gpu_without_fla_refuses_packing_and_names_the_fix(hybrid_target, monkeypatch):
-    import dflash_ds.runtime.engines as engines
+    import dflash_ds.run as run
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(engines, "pick_device", lambda r: torch.device("cuda"))
+    monkeypatch.setattr(run, "resolve_device", lambda name, setting: torch.device("cuda"))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real(name, *a))
     with pytest.raises(RecipeError, match=r"data\.pack.*flash-linear-attention.*data\.pack=false"):
-        preflight(recipe(hybrid_target, True), world_size=2)
-    assert not preflight(recipe(hybrid_target, False), world_size=2).recipe.data.pack
+        check_recipe(recipe(hybrid_target, True), world_size=2)
+    assert not check_recipe(recipe(hybrid_target, False), world_size=2).recipe.data.pack

@@ -6,6 +6,7 @@
     python -m dflash_ds.bench --role target --lengths chat [--set data.pack=false]
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
+    python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
 
 Rates are context tokens per second (rows x seq_len), the unit both sides share, so they can be
 balanced; every role also reports the useful (non-padding) rate and the padding share of its rows
@@ -31,7 +32,7 @@ from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
 from .timing import matmul_ceiling
 
-ROLES = ("target", "drafter", "colocated", "transport", "plan")
+ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
 
 
 # ============================================================================ the plan role
@@ -176,6 +177,11 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "data" in argv and argv[argv.index("data") - 1] == "--role" or "--role=data" in argv:
+        from .data import main as data_main  # CPU only, its own options
+
+        return data_main([a for a in argv if a != "--role=data"])
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.no_fla_conv:

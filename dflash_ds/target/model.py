@@ -36,15 +36,27 @@ class Geometry:
     hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packed rows go through target.packed
 
 
-def target_geometry(config) -> Geometry:
+def is_hybrid(config) -> bool:
+    """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers.
+
+    Their recurrent state would leak across documents packed into one row unless per-document
+    boundaries reach the linear-attention layers: forward_taps(doc_ids=) routes them through
+    target.packed.
+    """
     tc = text_config(config)
     layer_types = getattr(tc, "layer_types", None) or []
+    return any("linear" in str(t) for t in layer_types) or str(getattr(tc, "model_type", "")).startswith(
+        ("qwen3_5", "qwen3_next"))
+
+
+def target_geometry(config) -> Geometry:
+    tc = text_config(config)
     return Geometry(
         num_layers=tc.num_hidden_layers,
         hidden_size=tc.hidden_size,
         vocab_size=tc.vocab_size,
         model_type=getattr(tc, "model_type", ""),
-        hybrid=any(t == "linear_attention" for t in layer_types),
+        hybrid=is_hybrid(tc),
     )
 
 
@@ -155,11 +167,11 @@ def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor,
     With doc_ids ([b, S], -1 = padding) and a hybrid target, the Gated DeltaNet layers also keep
     the documents apart (target.packed): their recurrent state and convolution restart per document.
     """
-    from dflash_ds.target.packed import is_hybrid, packed_documents
+    from dflash_ds.target.packed import has_linear_attention, packed_documents
 
     capture.out = out
     try:
-        if doc_ids is not None and is_hybrid(model):
+        if doc_ids is not None and has_linear_attention(model):
             with packed_documents(model, doc_ids):
                 base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         else:

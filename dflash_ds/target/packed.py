@@ -47,7 +47,7 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end])
 
 
-def is_hybrid(model: nn.Module) -> bool:
+def has_linear_attention(model: nn.Module) -> bool:
     from dflash_ds.target.model import decoder_layers
 
     return any(hasattr(layer, "linear_attn") for layer in decoder_layers(model))
