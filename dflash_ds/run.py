@@ -14,8 +14,9 @@ import torch
 
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.runtime.dtypes import payload_dtype
 from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
-from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
+from dflash_ds.target.model import Geometry, load_config, target_geometry
 from dflash_ds.runtime.topology import Layout, TopologyError
 from dflash_ds.runtime.transport import PayloadSpec
 
@@ -49,9 +50,11 @@ def preflight(recipe: Recipe, world_size: int) -> Context:
     from dflash_ds.runtime.engines import pick_device
 
     layout = check_world(recipe, world_size)
-    drafter_ds_config(recipe, layout.num_drafters)
-    target_ds_config(recipe, layout.num_targets)
+    drafter_json = drafter_ds_config(recipe, layout.num_drafters)
+    target_kind, target_json = target_ds_config(recipe, layout.num_targets)
     device = pick_device(recipe)
+    # Decided once: the drafter's compute dtype; the target casts its taps into it when sending.
+    tap_dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
     if recipe.drafter.init_from and not Path(recipe.drafter.init_from).is_dir():
         raise RecipeError(f"drafter.init_from {recipe.drafter.init_from!r} is not a directory; point it at an exported drafter")
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
@@ -72,7 +75,6 @@ def preflight(recipe: Recipe, world_size: int) -> Context:
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
-    tap_dtype = DTYPES[recipe.target.dtype] if device.type == "cuda" else torch.float32
     spec = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, len(dcfg.target_layer_ids),
                        geo.hidden_size, tap_dtype)
     return Context(recipe, device, geo, dcfg, spec, world_size)

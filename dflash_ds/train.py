@@ -23,7 +23,7 @@ from dflash_ds.metrics import Metrics, print_progress, read_status, write_status
 from dflash_ds.runtime.plan import describe
 from dflash_ds.run import Context, finish, load_data, preflight
 from dflash_ds.model.loss import StepSettings
-from dflash_ds.target.model import DTYPES, truncate_after
+from dflash_ds.target.model import truncate_after
 from dflash_ds.runtime.transport import Receiver, Sender
 from dflash_ds.runtime.workers import StepStats, TargetWorker, greedy_sequences, tau_of_payloads, train_step
 
@@ -193,9 +193,8 @@ def run_drafter(ctx: Context) -> None:
     r, plan, rank = ctx.recipe, ctx.plan, ctx.rank
     lay = plan.layout
     lead = rank == lay.drafter_ranks[0]
-    # CPU runs train in float32 whatever the target dtype (bf16 matmuls on CPU are slow and inexact).
-    dtype = DTYPES[r.target.dtype] if ctx.device.type == "cuda" else torch.float32
-    embed, head = embed_and_head(r.target.path, dtype, ctx.device)
+    # The drafter's compute dtype, decided before launch (payloads arrive in it already).
+    embed, head = embed_and_head(r.target.path, ctx.spec.dtype, ctx.device)
     drafter = build_drafter(ctx)
     engine, _ = build_drafter_engine(r, drafter, plan, ctx.groups.drafter, rank, ctx.device)
     start = checkpoint.load(engine, r.run.output_dir, ctx.groups.drafter, r.checkpoint.universal) if r.checkpoint.resume else 0
@@ -235,7 +234,7 @@ class DrafterTrainer:
         self.ctx, self.engine, self.drafter, self.embed, self.head = ctx, engine, drafter, embed, head
         self.source, self.lead = source, lead
         self.settings = StepSettings.from_recipe(ctx.recipe, ctx.device)
-        self.dtype = DTYPES[ctx.recipe.target.dtype] if ctx.device.type == "cuda" else torch.float32
+        self.dtype = ctx.spec.dtype
         self.metrics = Metrics(ctx.recipe.run.output_dir, to_dict(ctx.recipe), ctx.recipe.log.wandb, ctx.recipe.run.name,
                                enabled=lead)
 
