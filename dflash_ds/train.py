@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dflash_ds.runtime import checkpoint
 from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node, to_dict
-from dflash_ds.metrics import Metrics, print_progress, read_status, write_status
+from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status, target_counters, write_status
 from dflash_ds.runtime.plan import describe
 from dflash_ds.run import Context, finish, load_data, preflight
 from dflash_ds.model.loss import StepSettings
@@ -127,15 +127,15 @@ def run_target(ctx: Context) -> None:
         for _ in worker.eval_payloads(seqs, lambda: ctx.spec.empty(ctx.device)):
             pass  # the same forwards, keeping ZeRO-3 ranks in step
     start = resume_step(ctx)
-    t0 = time.perf_counter()
+    t0, tokens0, wait0 = time.perf_counter(), worker.tokens, sender.wait_seconds
+    # Replaces any report left by an earlier run in this directory before the drafter reads one.
+    write_status(r.run.output_dir, rank, target_counters(rank, start, t0, 0, 0.0, 0, now=t0))
     for step in range(start, plan.total_steps):
         for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
             sender.send(worker.fill(sender.buffer(), m), dst=dst)
-        if (step + 1) % r.log.every_steps == 0:
-            now = time.perf_counter()
-            write_status(r.run.output_dir, rank, {"rank": rank, "step": step + 1, "tok_per_s": worker.tokens / (now - t0),
-                                                  "send_wait_share": sender.wait_seconds / (now - t0),
-                                                  "in_flight": sender.in_flight})
+        if (step + 1) % r.log.every_steps == 0 or step + 1 == plan.total_steps:
+            write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, worker.tokens - tokens0,
+                                                                 sender.wait_seconds - wait0, sender.in_flight))
     sender.flush()
 
 
@@ -237,6 +237,8 @@ class DrafterTrainer:
         self.dtype = ctx.spec.dtype
         self.metrics = Metrics(ctx.recipe.run.output_dir, to_dict(ctx.recipe), ctx.recipe.log.wandb, ctx.recipe.run.name,
                                enabled=lead)
+        # Rates over each log window (the drafter's own and the targets'), not since the start.
+        self.target_window, self.wait_before = TargetWindow(), 0.0
 
     def train_step(self, step: int) -> StepStats:
         c = self.ctx
@@ -279,13 +281,10 @@ class DrafterTrainer:
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
                "lr": self.engine.get_lr()[0], "tok_per_s": tokens / seconds,
                "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
-               "drafter_wait_share": self.source.wait_seconds / max(elapsed, 1e-9),
+               "drafter_wait_share": (self.source.wait_seconds - self.wait_before) / max(seconds, 1e-9),
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
-        status = read_status(self.ctx.recipe.run.output_dir)
-        if status:
-            rec["target_tok_per_s"] = sum(s["tok_per_s"] for s in status) / len(status)
-            rec["target_send_wait_share"] = sum(s["send_wait_share"] for s in status) / len(status)
-            rec["in_flight"] = sum(s["in_flight"] for s in status)
+        self.wait_before = self.source.wait_seconds
+        rec.update(self.target_window.update(read_status(self.ctx.recipe.run.output_dir)))
         self.metrics.log(rec)
         if self.ctx.recipe.log.progress:
             print_progress(rec, plan.total_steps)
