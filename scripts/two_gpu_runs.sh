@@ -17,9 +17,9 @@ PORT=29611
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/commands.txt"; }
 
 common() {  # overrides shared by every run on model dir $1, output dir $2
-  echo "target.path=$1 data.path=$1/chats.jsonl data.eval_path=$1/eval.jsonl data.num_eval=8" \
-       "data.cache_dir=$WORK/data_cache eval.max_new_tokens=64 log.every_steps=5 log.wandb.enabled=false" \
-       "checkpoint.every_steps=100000 checkpoint.keep_last=1 run.output_dir=$2"
+  echo "target.path=$1 data.path=$1/chats.jsonl data.eval_path=$1/eval.jsonl data.num_eval=${NUM_EVAL:-8}" \
+       "data.cache_dir=$WORK/data_cache eval.max_new_tokens=${NEW_TOKENS:-64} log.every_steps=5 log.wandb.enabled=false" \
+       "checkpoint.every_steps=100000 checkpoint.keep_last=1 run.output_dir=$2 ${SHORT:-}"
 }
 
 # launch NAME NUM_GPUS OVERRIDES...: runs in the background, pid in $LPID, log in OUT/NAME.log
@@ -50,6 +50,12 @@ finish() {
   log "$name: rc=$rc after $((SECONDS - t0))s"
   [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
   return 0
+}
+
+model16() {
+  log "model16: scripts/make_random_target.py --layers 16"
+  python scripts/make_random_target.py --layers 16 --out "$M16" --chats 256 > "$OUT/model16.json" 2>"$OUT/model16.err"
+  cat "$OUT/model16.json"
 }
 
 models() {
@@ -97,6 +103,18 @@ equal() {  # the same recipe split 1+1 and colocated on 1 GPU (global batch 4 ro
   launch equal_colo1 1 $(common "$M16" "$WORK/runs/colo1") topology.colocated=true topology.targets_per_node=0 \
     topology.drafters_per_node=1 optim.grad_accum=4 optim.max_steps=20
   finish equal_colo1 "$WORK/runs/colo1" 120
+}
+
+zero3_and_split() {  # both at once on both GPUs: the ZeRO-3 end of training, and split vs 2-rank losses
+  launch zero3_colo2 2 $(common "$M16" "$WORK/runs/zero3") topology.colocated=true topology.targets_per_node=0 \
+    topology.drafters_per_node=2 optim.grad_accum=2 optim.max_steps=20 target.ds_config=ds_configs/target_zero3.json
+  local zpid=$LPID
+  launch equal_split 2 $(common "$M16" "$WORK/runs/split") topology.targets_per_node=1 topology.drafters_per_node=1 \
+    optim.grad_accum=4 optim.max_steps=20 eval.at_start=false
+  local spid=$LPID
+  LPID=$zpid; finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-90}
+  ls -la "$WORK/runs/zero3" "$WORK/runs/zero3/export" >> "$OUT/zero3_colo2.log" 2>&1
+  LPID=$spid; finish equal_split "$WORK/runs/split" 120
 }
 
 for step in "$@"; do "$step"; done
