@@ -309,7 +309,7 @@ class DrafterTrainer:
         if self.lead:
             t1 = time.perf_counter()
             out = save_drafter(self.drafter, Path(r.run.output_dir) / "export")
-            # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~25 GB and can take minutes.
+            # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
             print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
                   f"({time.perf_counter() - t1:.0f} s)", flush=True)
 
