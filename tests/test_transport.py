@@ -106,3 +106,20 @@ def test_wait_timer_reads_the_stream_stall_on_cuda_without_syncing(monkeypatch):
     cpu = transport.WaitTimer("cpu")
     cpu.wait(Work())
     assert 0.0 <= cpu.seconds < 0.1 and not cpu.events
+
+
+def test_in_flight_counts_sends_not_completed():
+    """Under NCCL the host never blocks on a send, so the ring is always full on the host; the
+    progress line's 'in flight' counts the transfers that have not completed."""
+    class Work:
+        def __init__(self, done):
+            self.done = done
+
+        def is_completed(self):
+            return self.done
+
+    tx = Sender(PayloadSpec(1, 4, 1, 8, torch.float32), "cpu", max_in_flight=3)
+    tx.pending.extend([(Work(True), None), (Work(False), None), (Work(False), None)])
+    assert tx.in_flight == 2
+    tx.pending[1][0].done = True
+    assert tx.in_flight == 1

@@ -116,7 +116,9 @@ class Sender:
 
     @property
     def in_flight(self) -> int:
-        return len(self.pending)
+        # Sends not yet completed. Not len(pending): under NCCL the host never blocks on a send, so
+        # pending stays at max_in_flight whether or not the transfers are done.
+        return sum(not work.is_completed() for work, _ in self.pending)
 
     def buffer(self) -> torch.Tensor:
         """A payload buffer that no send is still reading."""
