@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.run import preflight
+from dflash_ds.run import check_recipe
 from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.runtime.dtypes import payload_dtype
-from dflash_ds.runtime.transport import PayloadSpec
-from dflash_ds.runtime.workers import TargetWorker, unpack
+from dflash_ds.runtime.target_worker import TargetWorker
+from dflash_ds.runtime.transport import PayloadSpec, unpack
 
 from .test_target import tiny_qwen3
 
@@ -46,7 +46,7 @@ def test_payload_dtype_is_the_drafter_compute_dtype(overrides, device, want):
 def test_unworkable_dtypes_are_refused_before_launch(overrides, needle):
     r = load_recipe(TINY, overrides)
     with pytest.raises(RecipeError, match=needle) as info:
-        preflight(r, 2)
+        check_recipe(r, 2)
     assert "\n" not in str(info.value)
 
 
@@ -57,8 +57,9 @@ def test_both_half_sections_refused(tmp_path):
         dtype_for([f"drafter.ds_config={p}"], CUDA)
 
 
-def test_preflight_spec_carries_the_payload_dtype():
-    assert preflight(load_recipe(TINY, []), 2).spec.dtype == torch.float32
+def test_run_spec_carries_the_payload_dtype():
+    spec = check_recipe(load_recipe(TINY, []), 2)
+    assert spec.dtype == spec.payload.dtype == torch.float32
 
 
 def test_float32_target_taps_are_cast_once_at_the_sender():
@@ -69,13 +70,16 @@ def test_float32_target_taps_are_cast_once_at_the_sender():
     target = tiny_qwen3()
     taps = [0, 2]
     spec = PayloadSpec(rows=2, seq_len=9, num_taps=2, hidden=32, dtype=torch.bfloat16)
-    worker = TargetWorker(target, taps, None, None, spec, 0, torch.device("cpu"))
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(drafter=SimpleNamespace(target_layer_ids=taps), payload=spec, device=torch.device("cpu"))
+    worker = TargetWorker(run, target, None)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
     loss_mask = (torch.arange(9) >= 4).int().expand(2, 9).contiguous()
     doc_ids = torch.zeros(2, 9, dtype=torch.int32)
     buf = spec.empty("cpu")
     with torch.no_grad():
-        worker.run(buf, ids, loss_mask, doc_ids)
+        worker._forward(buf, ids, loss_mask, doc_ids)  # what fill() does with a micro-batch's rows
         hs = target(input_ids=ids, output_hidden_states=True).hidden_states
     mb = unpack(buf, spec, spec.dtype)
     assert mb.taps.dtype == torch.bfloat16

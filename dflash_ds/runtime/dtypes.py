@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
+from dflash_ds.runtime.ds_config import replica_dtype
 from dflash_ds.target.model import DTYPES
-
-_JSON_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-               "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
@@ -50,12 +47,10 @@ def check_target_dtype(recipe: Recipe, kind: str, target_cfg: dict) -> torch.dty
         fix = f"set bf16.enabled {'true' if want == torch.bfloat16 else 'false'}" + \
               (" and fp16.enabled true" if want == torch.float16 else "")
     else:
-        raw = target_cfg.get("dtype")
-        if raw is None:
+        name = replica_dtype(target_cfg, path)
+        if name is None:
             return want
-        got = _JSON_NAMES.get(str(raw).replace("torch.", "").lower())
-        if got is None:
-            raise RecipeError(f"{setting} ({path}) has dtype {raw!r}; use bf16, fp16 or fp32")
+        got = getattr(torch, name)
         fix = f"set \"dtype\" to {_name(want)!r}"
     if got != want:
         raise RecipeError(f"target.dtype is {recipe.target.dtype} but {setting} ({path}) makes the engine hold "

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dflash_ds.model.loss import MicroBatch
+
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 
 
@@ -96,6 +98,12 @@ class WaitTimer:
             before, after = self.events.popleft()
             self.stream += before.elapsed_time(after) / 1000.0
         return self.host + self.stream
+
+
+def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
+    """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
+    ids, loss_mask, doc_ids = read_meta(payload, spec)
+    return MicroBatch(taps_view(payload, spec).to(dtype), ids, loss_mask, doc_ids)
 
 
 class Sender:
