@@ -19,7 +19,8 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/commands.txt"; }
 common() {  # overrides shared by every run on model dir $1, output dir $2
   echo "target.path=$1 data.path=$1/chats.jsonl data.eval_path=$1/eval.jsonl data.num_eval=${NUM_EVAL:-8}" \
        "data.cache_dir=$WORK/data_cache eval.max_new_tokens=${NEW_TOKENS:-64} log.every_steps=5 log.wandb.enabled=false" \
-       "checkpoint.every_steps=100000 checkpoint.keep_last=1 run.output_dir=$2 ${SHORT:-}"
+       "data.regenerate.enabled=false data.split=train checkpoint.every_steps=100000 checkpoint.keep_last=1" \
+       "run.output_dir=$2 ${SHORT:-}"
 }
 
 # launch NAME NUM_GPUS OVERRIDES...: runs in the background, pid in $LPID, log in OUT/NAME.log
