@@ -63,22 +63,27 @@ def write_model(geometry: str, layers: int | None, out: Path, device: str, shard
 
 
 def write_chats(out: Path, n: int, tokens: int, seed: int = 0) -> None:
-    """Conversations of plain words (about one token each in the bundled tokenizer's BPE)."""
+    """Conversations of plain words, about `tokens` tokens each in the bundled tokenizer."""
+    from transformers import AutoTokenizer
+
     words = ("alpha beta gamma delta seven eleven river stone paper cloud green orange table window north "
              "south count spell list number answer question model token block draft target").split()
+    tok = AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-target")
+    # The small BPE splits most words into several tokens: size the texts by the measured ratio.
+    per_word = len(tok(" " + " ".join(words))["input_ids"]) / len(words)
     rng = random.Random(seed)
 
     def text(k):
-        return " ".join(rng.choice(words) for _ in range(k))
+        return " ".join(rng.choice(words) for _ in range(max(1, round(k / per_word))))
 
     with (out / "chats.jsonl").open("w") as f:
         for _ in range(n):
             q = rng.randint(tokens // 8, tokens // 4)
-            msgs = [{"role": "user", "content": text(q // 2)}, {"role": "assistant", "content": text((tokens - q) // 2)}]
+            msgs = [{"role": "user", "content": text(q)}, {"role": "assistant", "content": text(tokens - q)}]
             f.write(json.dumps({"messages": msgs}) + "\n")
     with (out / "eval.jsonl").open("w") as f:
         for _ in range(8):
-            f.write(json.dumps({"messages": [{"role": "user", "content": text(40)}]}) + "\n")
+            f.write(json.dumps({"messages": [{"role": "user", "content": text(60)}]}) + "\n")
 
 
 def main(argv=None) -> int:
