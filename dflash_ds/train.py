@@ -295,10 +295,9 @@ class DrafterTrainer:
         s = self.settings
         report = tau_of_payloads(self.drafter, self.embed, self.head, eval_set, self.ctx.spec, self.dtype,
                                  s.block_size, s.mask_token_id)
-        self.metrics.log({"step": step, "tau": report.tau_mean, "tau_pooled": report.tau_pooled,
-                          "tau_histogram": report.histogram, "eval": label or "periodic"})
+        self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
         print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
-              f"{len(report.cycles)} responses)", flush=True)
+              f"{len(report.cycles)} responses)\n[dflash] {report.position_line()}", flush=True)
 
     def save(self, step: int) -> None:
         from dflash_ds.export import save_drafter
