@@ -4,6 +4,12 @@ An export is a directory with `config.json` and `model.safetensors` that SGLang
 (`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) load as is. The tensor names
 carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter borrows both from
 the target at serving time.
+
+It also holds `modeling_dflash.py` (self-contained, copied from dflash_ds/export_modeling) with an
+`auto_map` in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it,
+and a README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
+transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the
+directory 0755 whatever the umask or the temporary directory's mode: exports are shared.
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+MODELING_NAME = "modeling_dflash.py"
+CARD_NAME = "README.md"
+MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
+AUTO_MAP = {"AutoConfig": "modeling_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
+FILE_MODE, DIR_MODE = 0o644, 0o755
 
 _LAYER_TENSORS = (
     "self_attn.q_proj.weight",
@@ -114,8 +126,11 @@ def _is_export(path: Path) -> bool:
     return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                 card: dict | None = None) -> Path:
     """Write `drafter` as a serving export into `out_dir`, atomically.
+
+    `card`: keyword arguments of `model_card.model_card` (target, data, steps, tau, ...).
 
     The export is assembled in a temporary directory next to `out_dir`, flushed to disk, and only
     then moved into place, so a crash mid-save never leaves a half-written drafter where a
@@ -139,6 +154,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    config["auto_map"] = dict(AUTO_MAP)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -148,8 +164,12 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
         # each one own its bytes.
         save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
+        shutil.copyfile(MODELING_SOURCE, tmp / MODELING_NAME)
+        (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
+        for name in (WEIGHTS_NAME, CONFIG_NAME, MODELING_NAME, CARD_NAME):
+            os.chmod(tmp / name, FILE_MODE)
             _fsync(tmp / name)
+        os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700
         _fsync(tmp)
         if out_dir.exists():
             # Directories cannot be swapped in one rename; move the old one aside first and delete
@@ -168,6 +188,16 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def write_card(out_dir: str | os.PathLike, **card) -> None:
+    """Rewrite the model card of an existing export (e.g. once the final tau is known), atomically."""
+    out_dir = Path(out_dir)
+    cfg = DrafterConfig.from_hf_config(read_export_config(out_dir))
+    tmp = out_dir / f".{CARD_NAME}.tmp"
+    tmp.write_text(model_card(cfg, **card))
+    os.chmod(tmp, FILE_MODE)
+    os.replace(tmp, out_dir / CARD_NAME)
 
 
 def read_export_config(path: str | os.PathLike) -> dict:
