@@ -23,6 +23,8 @@ from dflash_ds.metrics import Metrics, print_progress, read_status, write_status
 from dflash_ds.runtime.plan import describe
 from dflash_ds.run import Context, finish, load_data, preflight
 from dflash_ds.model.loss import StepSettings
+from dflash_ds.model_card import card_info
+from dflash_ds.report import finish_run
 from dflash_ds.target.model import DTYPES, truncate_after
 from dflash_ds.runtime.transport import Receiver, Sender
 from dflash_ds.runtime.workers import StepStats, TargetWorker, greedy_sequences, tau_of_payloads, train_step
@@ -234,6 +236,7 @@ class DrafterTrainer:
     def __init__(self, ctx: Context, engine, drafter, embed, head, source, lead: bool):
         self.ctx, self.engine, self.drafter, self.embed, self.head = ctx, engine, drafter, embed, head
         self.source, self.lead = source, lead
+        self.last_tau = None  # the latest eval.tau.TauReport, for the export's model card
         self.settings = StepSettings.from_recipe(ctx.recipe, ctx.device)
         self.dtype = DTYPES[ctx.recipe.target.dtype] if ctx.device.type == "cuda" else torch.float32
         self.metrics = Metrics(ctx.recipe.run.output_dir, to_dict(ctx.recipe), ctx.recipe.log.wandb, ctx.recipe.run.name,
@@ -265,6 +268,8 @@ class DrafterTrainer:
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
         self.metrics.close()
+        if self.lead:
+            finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
 
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
@@ -295,6 +300,7 @@ class DrafterTrainer:
         s = self.settings
         report = tau_of_payloads(self.drafter, self.embed, self.head, eval_set, self.ctx.spec, self.dtype,
                                  s.block_size, s.mask_token_id)
+        self.last_tau = report
         self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
         print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
               f"{len(report.cycles)} responses)\n[dflash] {report.position_line()}", flush=True)
@@ -305,7 +311,7 @@ class DrafterTrainer:
         r = self.ctx.recipe
         checkpoint.save(self.engine, r.run.output_dir, step, self.ctx.groups.drafter, self.lead, r.checkpoint.keep_last)
         if self.lead:
-            out = save_drafter(self.drafter, Path(r.run.output_dir) / "export")
+            out = save_drafter(self.drafter, Path(r.run.output_dir) / "export", card=card_info(r, step, self.last_tau))
             print(f"[dflash] step {step}: checkpoint written; drafter exported to {out}", flush=True)
 
 
