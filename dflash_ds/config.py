@@ -120,7 +120,11 @@ class ObjectiveConfig:
     """lm_head + CE with the input gradient computed in the forward pass (2 lm_head matmuls per chunk
     instead of 3, no fp32 logits round trips); false = the checkpointed autograd path."""
     kl_weight: float = 0.0
-    """Optional KL term against the target's distribution (0 = plain hard-label CE)."""
+    """Weight of a distillation term KL(target || drafter) added to the hard-label CE at every slot
+    (0 = plain CE, the paper's recipe). Target ranks then also send their final-norm hidden state
+    and run all their layers; drafter ranks compute the target's logits chunk by chunk."""
+    kl_temperature: float = 1.0
+    """Softens both distributions in the KL term (the term is scaled by T^2)."""
 
 
 @dataclass(frozen=True)
@@ -335,7 +339,8 @@ def validate(r: Recipe) -> None:
     need(r.objective.num_anchors <= r.data.max_length,
          f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")
     need(r.objective.loss_chunks >= 1, "objective.loss_chunks must be >= 1")
-    need(r.objective.kl_weight == 0.0, "objective.kl_weight > 0 needs the target's logits on drafter ranks, which this runtime does not send; set it to 0")
+    need(r.objective.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {r.objective.kl_weight}")
+    need(r.objective.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {r.objective.kl_temperature}")
     need(r.optim.lr > 0, "optim.lr must be > 0")
     need(0 <= r.optim.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
     need(r.optim.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {r.optim.schedule!r}")

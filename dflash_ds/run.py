@@ -73,8 +73,9 @@ def preflight(recipe: Recipe, world_size: int) -> Context:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
     tap_dtype = DTYPES[recipe.target.dtype] if device.type == "cuda" else torch.float32
+    # With the KL term on, targets also send their final-norm states (one more tap).
     spec = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, len(dcfg.target_layer_ids),
-                       geo.hidden_size, tap_dtype)
+                       geo.hidden_size, tap_dtype, final_norm=recipe.objective.kl_weight > 0)
     return Context(recipe, device, geo, dcfg, spec, world_size)
 
 

@@ -120,7 +120,8 @@ def run_target(ctx: Context) -> None:
     # Under ZeRO-3 every forward gathers weights from all target ranks, so they all generate the
     # (identical, greedy) evaluation continuations in lock-step; only one rank sends them.
     seqs = eval_sequences(ctx, model, write=is_eval_rank) if is_eval_rank or (wants_eval(ctx) and kind == "zero3") else None
-    truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
+    if not ctx.spec.final_norm:  # the KL term needs the final norm, hence every layer
+        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
     worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
     if is_eval_rank:
         for buf in worker.eval_payloads(seqs, sender.buffer):
@@ -207,7 +208,8 @@ def run_drafter(ctx: Context) -> None:
         # Under ZeRO-3 every rank joins each forward, so all generate; only the lead keeps the result.
         generate = wants_eval(ctx) and (lead or kind == "zero3")
         seqs = eval_sequences(ctx, model, write=lead) if generate else None
-        truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
+        if not ctx.spec.final_norm:  # the KL term needs the final norm, hence every layer
+            truncate_after(model, max(ctx.drafter_cfg.target_layer_ids))
         worker = TargetWorker(model, ctx.drafter_cfg.target_layer_ids, ctx.data.rows, plan, ctx.spec, r.run.seed, ctx.device)
         if generate:
             # Held on the host: 64 held-out rows of a 27B target are ~10 GB of hidden states.
@@ -274,12 +276,12 @@ class DrafterTrainer:
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.ctx.device).reshape(())
-                           for x in (stats.ce_sum, stats.accept, stats.anchors)])
+                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum)])
         dist.all_reduce(vec, group=self.ctx.groups.drafter)
         if not self.lead:
             return
         plan = self.ctx.plan
-        ce, acc, anchors = vec.tolist()
+        ce, acc, anchors, kl = vec.tolist()
         tokens = steps * plan.tokens_per_step
         elapsed = time.perf_counter() - t0
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
@@ -287,6 +289,8 @@ class DrafterTrainer:
                "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
                "drafter_wait_share": self.source.wait_seconds / max(elapsed, 1e-9),
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
+        if self.ctx.recipe.objective.kl_weight > 0:
+            rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
         status = read_status(self.ctx.recipe.run.output_dir)
         if status:
             rec["target_tok_per_s"] = sum(s["tok_per_s"] for s in status) / len(status)

@@ -24,7 +24,8 @@ def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter,
     o = recipe.optim
     settings = StepSettings.from_recipe(recipe, torch.device("cpu"))
     layer_ids = drafter.config.target_layer_ids
-    spec = PayloadSpec(plan.rows_per_micro, plan.seq_len, len(layer_ids), embed.shape[1], torch.float32)
+    spec = PayloadSpec(plan.rows_per_micro, plan.seq_len, len(layer_ids), embed.shape[1], torch.float32,
+                       final_norm=recipe.objective.kl_weight > 0)
     # The same row selection and tap capture as a target rank, minus the sending.
     worker = TargetWorker(target, layer_ids, rows, plan, spec, recipe.run.seed, "cpu")
     opt = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)

@@ -14,7 +14,7 @@ from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.model.objective import acceptance_proxy
 from dflash_ds.model.loss import MicroBatch, drafter_loss, make_blocks
 from dflash_ds.target.model import TapCapture, forward_taps
-from dflash_ds.runtime.transport import PayloadSpec, read_meta, taps_view, write_meta
+from dflash_ds.runtime.transport import PayloadSpec, final_hidden, layer_taps, read_meta, taps_view, write_meta
 from dflash_ds.data.packing import position_ids_from_doc_ids
 
 
@@ -23,7 +23,7 @@ class TargetWorker:
 
     def __init__(self, model, layer_ids, rows: dict[str, np.ndarray], plan, spec: PayloadSpec, seed: int, device):
         self.model = model
-        self.capture = TapCapture(model, layer_ids)
+        self.capture = TapCapture(model, layer_ids, final_norm=spec.final_norm)
         self.rows = rows
         self.plan = plan
         self.spec = spec
@@ -67,7 +67,9 @@ class TargetWorker:
 
 def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
     ids, loss_mask, doc_ids = read_meta(payload, spec)
-    return MicroBatch(taps_view(payload, spec).to(dtype), ids, loss_mask, doc_ids)
+    final = final_hidden(payload, spec)
+    return MicroBatch(layer_taps(payload, spec).to(dtype), ids, loss_mask, doc_ids,
+                      None if final is None else final.to(dtype))
 
 
 def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, cache: Path,
@@ -120,6 +122,7 @@ class StepStats:
     weight: torch.Tensor
     accept: torch.Tensor
     anchors: torch.Tensor
+    kl_sum: torch.Tensor | float = 0.0  # sum(w * KL) of the step (0 with the KL term off)
 
 
 def train_step(engine, drafter, embed, head, source, settings, plan, rank: int, group, spec: PayloadSpec, dtype,
@@ -134,7 +137,7 @@ def train_step(engine, drafter, embed, head, source, settings, plan, rank: int, 
     weight = torch.stack([b.weights.sum() for b in blocks]).sum()
     dist.all_reduce(weight, group=group)
     scale = plan.grad_accum * lay.num_drafters
-    ce_sum, accept, anchors = 0.0, 0.0, 0.0
+    ce_sum, accept, anchors, kl_sum = 0.0, 0.0, 0.0, 0.0
     for mb, bl in zip(mbs, blocks):
         out = drafter_loss(drafter, embed, head, mb, bl, weight / scale, settings)
         engine.backward(out.loss)
@@ -142,6 +145,7 @@ def train_step(engine, drafter, embed, head, source, settings, plan, rank: int, 
         w = bl.weights.view(bl.weights.shape[0], -1, settings.block_size)
         run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
         accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
+        kl_sum = kl_sum + out.kl_sum
     for p in payloads:
         source.release(p)
-    return StepStats(ce_sum, weight, accept, anchors)
+    return StepStats(ce_sum, weight, accept, anchors, kl_sum)
