@@ -103,9 +103,11 @@ def finish(ctx: Context) -> None:
     dp = drafter_params(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
                         c.num_key_value_heads, c.head_dim, len(c.target_layer_ids))
     g = ctx.geometry
-    last = max(c.target_layer_ids) + 1
+    # The KL term keeps every target layer and sends one more tap (the final-norm state).
+    last = g.num_layers if ctx.spec.final_norm else max(c.target_layer_ids) + 1
     tp = int(12 * g.hidden_size * g.hidden_size * last + g.vocab_size * g.hidden_size)  # dense estimate
-    ctx.memory = memory_estimate(ctx.recipe, ctx.plan, dp, tp, g.hidden_size, g.vocab_size, len(c.target_layer_ids))
+    ctx.memory = memory_estimate(ctx.recipe, ctx.plan, dp, tp, g.hidden_size, g.vocab_size,
+                                 len(c.target_layer_ids) + int(ctx.spec.final_norm))
     if num_rows is None:
         ctx.notes.append("data not prepared yet: step counts assume one step per epoch "
                          "(run python -m dflash_ds.data prepare RECIPE for exact numbers)")
