@@ -1,4 +1,4 @@
-"""The serving format of a DFlash drafter (spec section 3), written and read back.
+"""The serving format of a DFlash drafter (docs/algorithm.md section 6), written and read back.
 
 An export is a directory with `config.json` and `model.safetensors` that SGLang
 (`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) load as is. The tensor names
@@ -9,7 +9,7 @@ It also holds `modeling_dflash.py` (self-contained, copied from dflash_ds/export
 `auto_map` in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it,
 and a README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
 transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the
-directory 0755 whatever the umask or the temporary directory's mode: exports are shared.
+directory 0755 whatever the umask or the staging directory's mode: exports are shared.
 """
 
 from __future__ import annotations
@@ -17,19 +17,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.io import replace_dir_atomic, write_text_atomic
+from dflash_ds.model.drafter import ARCHITECTURE, DFlashDrafter, DrafterConfig
 from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-ARCHITECTURE = "DFlashDraftModel"
 MODELING_NAME = "modeling_dflash.py"
 CARD_NAME = "README.md"
 MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
@@ -56,7 +55,7 @@ _FIX = "pass the directory written by dflash_ds export (drafter.init_from / --dr
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the export and its shape, derived from the config alone (spec 3).
+    """Every tensor of the export and its shape, derived from the config alone (docs/algorithm.md section 6).
 
     Independent of `DFlashDrafter` on purpose: a module whose parameters drift from the serving
     layout must fail `save_drafter`, not produce a file the engines misread.
@@ -110,14 +109,6 @@ def _few(items: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_export(path: Path) -> bool:
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
@@ -132,10 +123,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
 
     `card`: keyword arguments of `model_card.model_card` (target, data, steps, tau, ...).
 
-    The export is assembled in a temporary directory next to `out_dir`, flushed to disk, and only
-    then moved into place, so a crash mid-save never leaves a half-written drafter where a
-    serving engine (or a resume) would pick it up. An existing export at `out_dir` is replaced
-    only once the new one is complete. Returns the export path.
+    An existing export at `out_dir` is replaced only once the new one is complete (see
+    `dflash_ds.io.replace_dir_atomic`). Returns the export path.
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES.values())}")
@@ -150,16 +139,15 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in drafter.state_dict().items()}
     problem = _check_tensors({n: tuple(t.shape) for n, t in state.items()}, expected_shapes(cfg))
     if problem is not None:
-        raise RuntimeError(f"drafter state_dict does not match the serving layout of spec 3: {problem}")
+        raise RuntimeError(f"drafter state_dict does not match the serving layout (docs/algorithm.md section 6): {problem}")
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     config["auto_map"] = dict(AUTO_MAP)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
+    # Staged next to out_dir and moved into place only when complete: a crash mid-save never
+    # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
+    with replace_dir_atomic(out_dir) as tmp:
         # Tensors that share storage (tied weights) would be refused by safetensors; clone makes
         # each one own its bytes.
         save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -168,25 +156,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
         (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
         for name in (WEIGHTS_NAME, CONFIG_NAME, MODELING_NAME, CARD_NAME):
             os.chmod(tmp / name, FILE_MODE)
-            _fsync(tmp / name)
         os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700
-        _fsync(tmp)
-        if out_dir.exists():
-            # Directories cannot be swapped in one rename; move the old one aside first and delete
-            # it only after the new export is in place.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "export")
-        os.rename(tmp, out_dir)
-        _fsync(out_dir.parent)
-    except BaseException:
-        if old is not None and not out_dir.exists():
-            os.rename(old / "export", out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -194,10 +164,8 @@ def write_card(out_dir: str | os.PathLike, **card) -> None:
     """Rewrite the model card of an existing export (e.g. once the final tau is known), atomically."""
     out_dir = Path(out_dir)
     cfg = DrafterConfig.from_hf_config(read_export_config(out_dir))
-    tmp = out_dir / f".{CARD_NAME}.tmp"
-    tmp.write_text(model_card(cfg, **card))
-    os.chmod(tmp, FILE_MODE)
-    os.replace(tmp, out_dir / CARD_NAME)
+    write_text_atomic(out_dir / CARD_NAME, model_card(cfg, **card))
+    os.chmod(out_dir / CARD_NAME, FILE_MODE)
 
 
 def read_export_config(path: str | os.PathLike) -> dict:

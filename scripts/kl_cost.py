@@ -13,43 +13,43 @@ import time
 import torch
 
 from dflash_ds.config import load_recipe
+from dflash_ds.data.prepare import load_training_data
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
-from dflash_ds.run import finish, load_data, preflight
-from dflash_ds.runtime.transport import PayloadSpec
-from dflash_ds.runtime.workers import TargetWorker, unpack
+from dflash_ds.run import check_recipe
+from dflash_ds.runtime.target_worker import TargetWorker
+from dflash_ds.runtime.trainer import build_drafter
+from dflash_ds.runtime.transport import unpack
 from dflash_ds.target.model import embed_and_head, load_target, truncate_after
-from dflash_ds.train import build_drafter
 
 
 def main(repeats: int = 20) -> None:
     torch.set_num_threads(1)
-    recipe = load_recipe("recipes/tiny.yaml", ["objective.kl_weight=0.5", "run.output_dir=/tmp/kl_cost"])
-    ctx = preflight(recipe, world_size=2)
-    ctx.data = load_data(ctx)
-    finish(ctx)
-    ids = ctx.drafter_cfg.target_layer_ids
+    specs = {}
+    for k, extra in (("ce", []), ("kl", ["objective.kl_weight=0.5"])):
+        recipe = load_recipe("recipes/tiny.yaml", extra + ["run.output_dir=/tmp/kl_cost"])
+        spec = check_recipe(recipe, world_size=2)
+        data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+        specs[k] = spec.with_rows(data.num_rows)
+    ids = specs["ce"].drafter.target_layer_ids
     full = load_target(recipe.target.path, dtype="float32")
     cut = copy.deepcopy(full)
     truncate_after(cut, max(ids))
-    s = ctx.spec
-    spec_ce = PayloadSpec(s.rows, s.seq_len, s.num_taps, s.hidden, s.dtype)
-    workers = {"ce": (TargetWorker(cut, ids, ctx.data.rows, ctx.plan, spec_ce, 0, "cpu"), spec_ce),
-               "kl": (TargetWorker(full, ids, ctx.data.rows, ctx.plan, s, 0, "cpu"), s)}
+    workers = {"ce": TargetWorker(specs["ce"], cut, data.rows), "kl": TargetWorker(specs["kl"], full, data.rows)}
     embed, head = embed_and_head(recipe.target.path, torch.float32)
-    drafter = build_drafter(ctx)
-    settings = {"ce": StepSettings.from_recipe(load_recipe("recipes/tiny.yaml"), torch.device("cpu")),
-                "kl": StepSettings.from_recipe(recipe, torch.device("cpu"))}
+    model = DraftModel(build_drafter(specs["ce"]), embed, head)
+    settings = {k: StepSettings.from_recipe(specs[k].recipe, torch.device("cpu")) for k in specs}
     times = {(k, part): [] for k in ("ce", "kl") for part in ("target", "drafter")}
     for i in range(repeats + 2):
         for k in ("ce", "kl"):
-            worker, spec = workers[k]
+            payload = specs[k].payload
             t0 = time.perf_counter()
-            mb = unpack(worker.fill(spec.empty("cpu"), i), spec, torch.float32)
+            mb = unpack(workers[k].fill(payload.empty("cpu"), i), payload, torch.float32)
             t1 = time.perf_counter()
             blocks = make_blocks(mb, settings[k], i)
-            out = drafter_loss(drafter, embed, head, mb, blocks, blocks.weights.sum(), settings[k])
+            out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings[k])
             out.loss.backward()
-            drafter.zero_grad(set_to_none=True)
+            model.drafter.zero_grad(set_to_none=True)
             t2 = time.perf_counter()
             if i >= 2:  # warm-up
                 times[(k, "target")].append(t1 - t0)

@@ -19,9 +19,7 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +28,8 @@ import numpy as np
 
 from dflash_ds.data.sources import check_complete, load_rows, load_tokenizer, output_dir, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
-# Re-exported: callers and tests import these from here.
-from dflash_ds.data.packing import _first_fit, pack_documents, packed_attention_mask, position_ids_from_doc_ids  # noqa: F401
+from dflash_ds.io import replace_dir_atomic
+from dflash_ds.data.packing import pack_documents
 
 FORMAT_VERSION = 1
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
@@ -293,10 +291,9 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
                          f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
                          "data.thinking and data.max_length")
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".tmp-{fp}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    # Staged and renamed into place when complete; when another process published the same
+    # fingerprint first, theirs is kept.
+    with replace_dir_atomic(final, keep_existing=True) as tmp:
         rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
                               lengths=lengths)
         num_rows = rows["input_ids"].shape[0]
@@ -318,35 +315,22 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
         (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same fingerprint first: use theirs
-            if not (final / "report.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     data = _load_cached(final, fp)
     if verbose:
         print(report_text(data.report), end="", flush=True)
     return data
 
 
+def load_training_data(recipe, *, hybrid_target: bool) -> PreparedData:
+    """The rows and held-out prompts a training run reads: prepared now, or read from the cache.
+
+    Packing for a hybrid target is refused before launch (the target forward passes no per-document
+    boundaries to its linear-attention layers), so fla is never claimed here.
+    """
+    return prepare(recipe.data, load_tokenizer(recipe.target.path), hybrid_target=hybrid_target, has_fla=False)
+
+
 # ----------------------------------------------------------------------------- CLI
-
-def is_hybrid_target(config) -> bool:
-    """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers."""
-    config = getattr(config, "text_config", None) or config
-    layer_types = getattr(config, "layer_types", None) or []
-    return any("linear" in str(t) for t in layer_types) or str(getattr(config, "model_type", "")).startswith(
-        ("qwen3_5", "qwen3_next"))
-
-
-def fla_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("fla") is not None
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.data", description=__doc__.splitlines()[0])
@@ -355,14 +339,12 @@ def main(argv=None) -> int:
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
     args = parser.parse_args(argv)
-    from transformers import AutoConfig
-
     from dflash_ds.config import load_recipe
+    from dflash_ds.target.model import is_hybrid, load_config
 
     recipe = load_recipe(args.recipe, args.overrides)
-    tokenizer = load_tokenizer(recipe.target.path)
-    hybrid = is_hybrid_target(AutoConfig.from_pretrained(recipe.target.path))
-    data = prepare(recipe.data, tokenizer, hybrid_target=hybrid, has_fla=fla_available())
+    # The same preparation (and refusals) as a training run, so it writes the cache training reads.
+    data = load_training_data(recipe, hybrid_target=is_hybrid(load_config(recipe.target.path)))
     print(f"[data] {data.num_rows} rows in {data.cache_path}")
     return 0
 

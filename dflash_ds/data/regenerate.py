@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
+from dflash_ds.io import write_text_atomic
 
 SHARD_SIZE = 256
 FORMAT_VERSION = 1
@@ -199,12 +200,6 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
     return kept, unfinished
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
     rs = cfg.regenerate
     return {"format": FORMAT_VERSION, "source": source_identity(cfg.path, cfg.split) or {"hub": cfg.path, "split": cfg.split},
@@ -236,7 +231,7 @@ def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max
                              f"settings ({old.get('settings')}, {old.get('num_samples')} samples); choose "
                              "another output_dir or delete it")
     else:
-        _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
     tokenizer = tokenizer or load_tokenizer(target_path)
     encoder = ChatEncoder(tokenizer, cfg.thinking)
@@ -255,7 +250,7 @@ def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max
             except SampleError:
                 summary["bad_samples"] += 1
         kept, unfinished = regenerate_conversations(convs, encoder, generator, cfg.seed * 100_003 + i)
-        _write_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
+        write_text_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
         summary["shards_written"] += 1
         summary["samples_in"] += len(convs)
         summary["samples_out"] += len(kept)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_ds.model.compile import compile_once
+
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_kl"]
 
 
@@ -74,17 +76,12 @@ def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl_coef, t
     return ce_sum, hit, kl_sum, (g * scale.unsqueeze(1)).to(logits.dtype)
 
 
-_compiled: dict = {}
-
-
 def _elementwise(fn, device: torch.device):
     """`fn` compiled (once per process) on CUDA, where fusing it saves several passes over the
     logits; plain on CPU and meta (tests, no compiler needed)."""
     if device.type != "cuda":
         return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _compiled[fn]
+    return compile_once(fn, dynamic=False, fullgraph=True)
 
 
 def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: bool, grad_weight: bool,

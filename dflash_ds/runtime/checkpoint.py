@@ -9,14 +9,13 @@ are functions of (seed, micro-batch id), so nothing else needs saving for an ide
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dflash_ds.io import write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 
 LATEST = "latest.json"
@@ -24,16 +23,6 @@ LATEST = "latest.json"
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def latest(run_dir: str | Path) -> dict | None:
@@ -62,7 +51,7 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
         engine.save_checkpoint(str(ck), tag=tag, client_state=state, save_latest=False)
     dist.barrier(group=group)
     if is_lead:
-        write_json_atomic(ck / LATEST, {"tag": tag, "step": step})
+        write_json_atomic(ck / LATEST, {"tag": tag, "step": step}, indent=1)
         prune(ck, keep_last)
     dist.barrier(group=group)
     return tag

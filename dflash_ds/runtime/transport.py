@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dflash_ds.model.loss import MicroBatch
+
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 
 
@@ -73,6 +75,14 @@ def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, t
     # A last-dim slice cannot be reinterpreted in place, so the (tiny) metadata is copied out.
     meta = payload[..., spec.tap_cols:].contiguous().view(torch.int32)
     return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2]
+
+
+def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
+    """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
+    ids, loss_mask, doc_ids = read_meta(payload, spec)
+    final = final_hidden(payload, spec)
+    return MicroBatch(layer_taps(payload, spec).to(dtype), ids, loss_mask, doc_ids,
+                      None if final is None else final.to(dtype))
 
 
 class Sender:
