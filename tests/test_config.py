@@ -162,3 +162,21 @@ def test_errors_before_launch_print_one_line_and_exit_2(tmp_path, capsys, overri
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("[dflash] error:"), out.err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,setting", [
+    ("data.regenerate.urls=[localhost:8000]", r"data\.regenerate\.urls\[0\]"),
+    ("data.regenerate.urls=[ftp://host/x]", r"data\.regenerate\.urls\[0\]"),
+    ("data.regenerate.backend=server", r"data\.regenerate\.urls is empty"),
+    ("data.regenerate.backend=vllm", r"data\.regenerate\.backend.*vllm serve"),
+    ("data.regenerate.concurrency=0", r"data\.regenerate\.concurrency must be >= 1"),
+    ("data.regenerate.timeout_s=0", r"data\.regenerate\.timeout_s"),
+    ("data.regenerate.max_retries=-1", r"data\.regenerate\.max_retries"),
+    ("data.regenerate.max_failed_fraction=1.5", r"data\.regenerate\.max_failed_fraction"),
+    ("data.num_proc=-2", r"data\.num_proc"),
+])
+def test_regenerate_settings_validated(override, setting):
+    with pytest.raises(RecipeError, match=setting):
+        load_recipe(TINY, [override])
+    ok = load_recipe(TINY, ["data.regenerate.backend=server", "data.regenerate.urls=[http://10.0.0.5:8000/v1]"])
+    assert ok.data.regenerate.urls == ("http://10.0.0.5:8000/v1",)

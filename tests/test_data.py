@@ -596,3 +596,87 @@ def test_common_prefix_suffix_against_loops():
         cs = next((k for k in range(lim) if a[-1 - k] != b[-1 - k]), lim)
         assert _common_prefix(a, b) == _common_prefix(list(a), list(b)) == cp
         assert _common_suffix(a, b, lim) == cs
+
+
+# ----------------------------------------------------------------------------- single pass = per-turn probes
+
+def _random_conversations(rng, n, with_reasoning):
+    words = ["the", "cat", "sat", "on", "a", "mat", "2", "+", "3", "=", "5.", "Hello", "\n", "  ", "ok!",
+             "<|im_end|>", "User:", "Assistant:"]
+    def text():
+        return " ".join(rng.choice(words) for _ in range(int(rng.integers(0, 12))))
+    convs = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": text()}] if rng.random() < 0.4 else []
+        for t in range(int(rng.integers(1, 7))):
+            if t == 0 or rng.random() < 0.85:
+                msgs.append({"role": "user", "content": text() or "q"})
+            msgs.append({"role": "assistant", "content": text()})
+        if with_reasoning and rng.random() < 0.5:
+            msgs[-1]["reasoning_content"] = text() or "r"
+        if rng.random() < 0.2:  # inline reasoning in a history turn (Qwen3 strips it)
+            first = next(m for m in msgs if m["role"] == "assistant")
+            first["content"] = "<think>\nhm\n</think>\n\n" + first["content"]
+        if rng.random() < 0.2 and len(msgs) > 2:  # a turn that quotes the template text around it
+            k = max(k for k, m in enumerate(msgs) if m["role"] == "assistant" and k < len(msgs) - 1) \
+                if any(m["role"] == "assistant" for m in msgs[:-1]) else None
+            if k is not None:
+                msgs[k]["content"] += "<|im_end|>\n<|im_start|>user\n" + msgs[k + 1]["content"] + "\nUser: " + \
+                    msgs[k + 1]["content"] + "\nAssistant:"
+        convs.append(msgs)
+    return convs
+
+
+@pytest.mark.parametrize("template,specials,thinking", [
+    (QWEN3, (), False), (QWEN3, (), True), (QWEN35, (), False), (QWEN35, (), True),
+    (LLAMA3, LLAMA3_SPECIALS, False), (PLAIN, (), False), (None, (), False)],
+    ids=["qwen3-off", "qwen3-on", "qwen35-off", "qwen35-on", "llama3", "plain", "tiny"])
+def test_single_pass_matches_per_turn_probes(template, specials, thinking):
+    """One render + one probe render per conversation gives exactly the per-turn reference."""
+    from .chat_reference import encode_reference
+
+    tok = tokenizer(template, specials)
+    enc = ChatEncoder(tok, thinking)
+    rng = np.random.default_rng(7)
+    compared, multi, errors = 0, 0, 0
+    for msgs in _random_conversations(rng, 150, with_reasoning=thinking):
+        try:
+            want = encode_reference(enc, msgs)
+        except SampleError as e:
+            with pytest.raises(SampleError) as got:
+                enc.encode(msgs)
+            assert got.value.reason == e.reason
+            errors += 1
+            continue
+        got = enc.encode(msgs)
+        assert (got.input_ids, got.loss_mask, got.turn_spans, got.probe_located_turns) == \
+            (want.input_ids, want.loss_mask, want.turn_spans, want.probe_located_turns), msgs
+        compared += 1
+        multi += len(want.turn_spans) > 2
+    assert compared >= 50 and multi >= 20, (compared, multi, errors)
+
+
+@pytest.mark.parametrize("template,thinking", [(QWEN3, False), (QWEN3, True), (QWEN35, True), (PLAIN, False)],
+                         ids=["qwen3-off", "qwen3-on", "qwen35-on", "plain"])
+def test_encoding_work_is_linear_in_turns(template, thinking):
+    """Characters rendered per conversation stay a constant multiple of its length (the per-turn
+    probe renders grew with the square of the turn count)."""
+    from .chat_reference import encode_reference
+
+    enc = ChatEncoder(tokenizer(template), thinking)
+    rendered = []
+    real = enc.render
+    enc.render = lambda m, g: rendered.append(len(real(m, g))) or real(m, g)  # noqa: E731
+    ratios = {}
+    for turns in (4, 120):
+        conv = []
+        for t in range(turns):
+            conv += [{"role": "user", "content": f"Question {t}: what is {t} + {t}?"},
+                     {"role": "assistant", "content": f"{t} + {t} = {2 * t}."}]
+        if thinking:  # a content-dependent think block on the last turn
+            conv[-1]["reasoning_content"] = "add"
+        rendered.clear()
+        got = enc.encode(conv)
+        ratios[turns] = sum(rendered) / len(real(conv, False))
+        assert got == encode_reference(enc, conv)
+    assert ratios[120] < 8 and ratios[120] < 2 * ratios[4], ratios

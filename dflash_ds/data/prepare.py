@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -78,11 +79,10 @@ def compute_fingerprint(sources: dict, tokenizer, settings: dict) -> str:
 
 # ----------------------------------------------------------------------------- prepare
 
-def _train_source(cfg) -> tuple[str, str]:
+def _train_source(cfg, recipe: str | None = None) -> tuple[str, str]:
     regen = getattr(cfg, "regenerate", None)
     if regen is not None and getattr(regen, "enabled", False):
-
-        check_complete(output_dir(cfg))
+        check_complete(output_dir(cfg), recipe or "RECIPE")
         return str(output_dir(cfg)), "data.regenerate.output_dir"
     return str(cfg.path), "data.path"
 
@@ -134,14 +134,22 @@ class _Docs:
             yield row["input_ids"].astype(np.int32), row["loss_mask"].astype(np.uint8)
 
 
-def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: Counter, dropped: Counter):
+def encode_processes(setting: int | None, num_rows: int) -> int:
+    """`data.num_proc` (0 = every core), never more than one process per 64 conversations."""
+    cores = int(setting or 0) or os.cpu_count() or 1
+    return max(1, min(cores, num_rows // 64))
+
+
+def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: Counter, dropped: Counter,
+                 work_dir: Path):
     import functools
 
-    # Rendering is Python (jinja) bound: use processes on big datasets. `data.num_proc`, when the
-    # config has it, overrides the choice.
-    num_proc = getattr(cfg, "num_proc", None) or (min(os.cpu_count() or 1, 32) if len(rows) >= 20_000 else None)
-    if num_proc and num_proc > 1:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Rendering and tokenising are Python bound: one process per core. Rows are written to Arrow files
+    # under work_dir as they are encoded (datasets' map writes each batch), and read back memory-mapped,
+    # so memory does not grow with the dataset.
+    num_proc = encode_processes(getattr(cfg, "num_proc", 0), len(rows))
+    if num_proc > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     import datasets
 
     fn = functools.partial(_encode_batch, encoder=encoder, schema=schema, max_length=cfg.max_length,
@@ -152,14 +160,21 @@ def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: C
         "drop": datasets.Value("string"), "turns": datasets.Value("int32"), "probe": datasets.Value("int32"),
         "truncated": datasets.Value("int8")})
     enc = rows.map(fn, batched=True, batch_size=64, remove_columns=rows.column_names, features=features,
-                   num_proc=num_proc if num_proc and num_proc > 1 else None, new_fingerprint=f"{fp}-encoded",
-                   keep_in_memory=len(rows) < 50_000, desc="encoding conversations")
-    drops = enc["drop"]
-    dropped.update(d for d in drops if d)
-    stats["assistant_turns"] += int(sum(enc["turns"]))
-    stats["probe_located_turns"] += int(sum(enc["probe"]))
-    stats["truncated"] += int(sum(enc["truncated"]))
-    return _Docs(enc.select([i for i, d in enumerate(drops) if not d]))
+                   num_proc=num_proc if num_proc > 1 else None, new_fingerprint=f"{fp}-encoded",
+                   cache_file_name=str(work_dir / "encoded.arrow"), writer_batch_size=256,
+                   keep_in_memory=False, desc="encoding conversations")
+    keep = []
+    counts = enc.select_columns(["drop", "turns", "probe", "truncated"]).with_format("numpy")
+    for start in range(0, len(counts), 65536):  # bounded chunks
+        part = counts[start:start + 65536]
+        drops = part["drop"]
+        dropped.update(str(d) for d in drops if d)
+        stats["assistant_turns"] += int(part["turns"].sum())
+        stats["probe_located_turns"] += int(part["probe"].sum())
+        stats["truncated"] += int(part["truncated"].sum())
+        keep.append(np.flatnonzero(drops == "") + start)
+    keep = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+    return _Docs(enc.select(keep))
 
 
 def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
@@ -223,7 +238,7 @@ def _load_cached(final: Path, fp: str) -> PreparedData:
 
 
 def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = False,
-            verbose: bool = True) -> PreparedData:
+            verbose: bool = True, recipe: str | None = None) -> PreparedData:
     """Rows for training plus held-out eval prompts, from the cache when nothing changed."""
     if hybrid_target and cfg.pack and not has_fla:
         raise ValueError(
@@ -235,7 +250,7 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
     if cfg.max_length < 2:
         raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
     encoder = ChatEncoder(tokenizer, cfg.thinking)
-    path, path_setting = _train_source(cfg)
+    path, path_setting = _train_source(cfg, recipe)
     cache_dir = Path(cfg.cache_dir)
     hf_cache = str(cache_dir / "hf_datasets")
 
@@ -280,20 +295,22 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
         train_idx = train_idx[:cfg.max_samples]
 
     stats, dropped, eval_dropped = Counter(), Counter(), Counter()
-    docs = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, stats, dropped)
-    prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
-    lengths, supervised = [], 0
-    for ids, mask in docs:
-        lengths.append(len(ids))
-        supervised += int(mask.sum())
-    if supervised == 0:
-        raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
-                         f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
-                         "data.thinking and data.max_length")
-
     # Staged and renamed into place when complete; when another process published the same
     # fingerprint first, theirs is kept.
     with replace_dir_atomic(final, keep_existing=True) as tmp:
+        work = tmp / "_work"  # encoded Arrow files; removed before the directory becomes the cache
+        work.mkdir()
+        docs = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, stats, dropped, work)
+        prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
+        lengths = np.zeros(len(docs), dtype=np.int64)  # 8 bytes per document, the only per-sample state
+        supervised = 0
+        for k, (ids, mask) in enumerate(docs):
+            lengths[k] = len(ids)
+            supervised += int(mask.sum())
+        if supervised == 0:
+            raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
+                             f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
+                             "data.thinking and data.max_length")
         rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
                               lengths=lengths)
         num_rows = rows["input_ids"].shape[0]
@@ -311,7 +328,8 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
         }
         for a in rows.values():
             a.flush()
-        del rows
+        del rows, docs
+        shutil.rmtree(work)
         (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
@@ -327,7 +345,8 @@ def load_training_data(recipe, *, hybrid_target: bool) -> PreparedData:
     Packing for a hybrid target is refused before launch (the target forward passes no per-document
     boundaries to its linear-attention layers), so fla is never claimed here.
     """
-    return prepare(recipe.data, load_tokenizer(recipe.target.path), hybrid_target=hybrid_target, has_fla=False)
+    return prepare(recipe.data, load_tokenizer(recipe.target.path), hybrid_target=hybrid_target, has_fla=False,
+                   recipe=recipe.source or None)
 
 
 # ----------------------------------------------------------------------------- CLI
