@@ -149,7 +149,10 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
         save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name in (WEIGHTS_NAME, CONFIG_NAME):
+            # Readable by a serving process running as another user (mkdtemp makes 0700).
+            os.chmod(tmp / name, 0o644)
             _fsync(tmp / name)
+        os.chmod(tmp, 0o755)
         _fsync(tmp)
         if out_dir.exists():
             # Directories cannot be swapped in one rename; move the old one aside first and delete

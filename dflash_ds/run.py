@@ -33,6 +33,7 @@ class Context:
     data: object = None
     rank: int = 0
     groups: object = None
+    control: object = None  # runtime.control.RunControl: lock, start point, peers, stop requests
     notes: list[str] = field(default_factory=list)
 
 

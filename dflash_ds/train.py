@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.control import Stopped
+from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node, to_dict
 from dflash_ds.metrics import Metrics, print_progress, read_status, write_status
 from dflash_ds.runtime.plan import describe
@@ -60,8 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from dflash_ds.runtime.engines import init_distributed, make_groups
 
+    from dflash_ds.run import check_world
+    from dflash_ds.runtime.control import RunControl, run_guarded
+
     rank, _ = init_distributed(ctx.device)
     ctx.rank = rank
+    # The run lock and the start point are settled before any data or model is loaded.
+    ctx.control = RunControl.setup(recipe, check_world(recipe, world), rank)
+    if ctx.control.error:
+        return 2
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
         ctx.data = load_data(ctx)
@@ -78,13 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     role = ctx.plan.layout.role(rank)
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.
-    if role == "target":
-        run_target(ctx)
-    else:
-        run_drafter(ctx)
+    code = run_guarded(lambda: run_target(ctx) if role == "target" else run_drafter(ctx), ctx.control)
     dist.barrier()
+    ctx.control.release()
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 # ----------------------------------------------------------------------------- target side
@@ -140,10 +147,8 @@ def run_target(ctx: Context) -> None:
 
 
 def resume_step(ctx: Context) -> int:
-    if not ctx.recipe.checkpoint.resume:
-        return 0
-    info = checkpoint.latest(ctx.recipe.run.output_dir)
-    return int(info["step"]) if info else 0
+    # Decided on the lead and shared through the process group (no shared filesystem assumed).
+    return ctx.control.start_step
 
 
 # ----------------------------------------------------------------------------- drafter side
@@ -198,7 +203,7 @@ def run_drafter(ctx: Context) -> None:
     embed, head = embed_and_head(r.target.path, dtype, ctx.device)
     drafter = build_drafter(ctx)
     engine, _ = build_drafter_engine(r, drafter, plan, ctx.groups.drafter, rank, ctx.device)
-    start = checkpoint.load(engine, r.run.output_dir, ctx.groups.drafter, r.checkpoint.universal) if r.checkpoint.resume else 0
+    start = checkpoint.load(engine, r.run.output_dir, ctx.groups.drafter, ctx.control.start, r.checkpoint.universal, lead)
     eval_set: list[torch.Tensor] = []
     if lay.colocated:
         model, kind = load_target_worker(ctx)
@@ -237,7 +242,7 @@ class DrafterTrainer:
         self.settings = StepSettings.from_recipe(ctx.recipe, ctx.device)
         self.dtype = DTYPES[ctx.recipe.target.dtype] if ctx.device.type == "cuda" else torch.float32
         self.metrics = Metrics(ctx.recipe.run.output_dir, to_dict(ctx.recipe), ctx.recipe.log.wandb, ctx.recipe.run.name,
-                               enabled=lead)
+                               enabled=lead, start_step=ctx.control.start_step)
 
     def train_step(self, step: int) -> StepStats:
         c = self.ctx
@@ -257,8 +262,15 @@ class DrafterTrainer:
                 window_t, window_steps = time.perf_counter(), 0
             if r.eval.every_steps and done % r.eval.every_steps == 0 and self.lead and done != plan.total_steps:
                 self.log_tau(done, eval_set, "")
-            if done % r.checkpoint.every_steps == 0 or done == plan.total_steps:
+            saved = done % r.checkpoint.every_steps == 0 or done == plan.total_steps
+            if saved:
                 self.save(done)
+            if done < plan.total_steps and self.ctx.control.should_stop():
+                # Every drafter rank voted on the same step boundary, so they all save this step.
+                if not saved:
+                    self.save(done)
+                self.metrics.close()
+                raise Stopped(done, str(checkpoint.checkpoint_dir(r.run.output_dir) / checkpoint.tag_of(done)))
             if done == CRASH_AFTER_STEP:
                 # Fault injection for the resume tests: die the way a preempted job does.
                 os._exit(17)
@@ -270,7 +282,8 @@ class DrafterTrainer:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.ctx.device).reshape(())
                            for x in (stats.ce_sum, stats.accept, stats.anchors)])
-        dist.all_reduce(vec, group=self.ctx.groups.drafter)
+        with waiting_on("the metrics all-reduce", self.ctx.plan.layout.drafter_ranks):
+            dist.all_reduce(vec, group=self.ctx.groups.drafter)
         if not self.lead:
             return
         plan = self.ctx.plan

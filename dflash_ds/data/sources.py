@@ -38,6 +38,10 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
     if not p.exists() and (p.is_absolute() or path.startswith(".") or p.suffix.lower() in DATA_SUFFIXES):
         raise ValueError(f"{path_setting}: {path} does not exist (local paths must exist; hub ids look like "
                          "'org/name')")
+    if p.is_file() or (p.is_dir() and not (p / "state.json").exists() and not (p / "dataset_dict.json").exists()):
+        from dflash_ds.data.validate import check_local
+
+        check_local(_local_files(p), path_setting)
     try:
         if p.is_file():
             builder = DATA_SUFFIXES.get(p.suffix.lower())

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dflash_ds.runtime.watchdog import waiting_on
+
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 
 
@@ -70,7 +72,7 @@ class Sender:
         self.spec = spec
         self.device = device
         self.max_in_flight = max_in_flight
-        self.pending: deque[tuple[object, torch.Tensor]] = deque()
+        self.pending: deque[tuple[object, torch.Tensor, int]] = deque()
         self.free: list[torch.Tensor] = [spec.empty(device) for _ in range(max_in_flight + 1)]
         self.wait_seconds = 0.0
         self.sent = 0
@@ -89,15 +91,16 @@ class Sender:
         # NCCL orders the send after the work already queued on the current stream (the forward
         # that filled the buffer), so no host synchronisation is needed here.
         work = dist.isend(payload, dst=dst, group=group)
-        self.pending.append((work, payload))
+        self.pending.append((work, payload, dst))
         self.sent += 1
         while len(self.pending) > self.max_in_flight:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        work, buf = self.pending.popleft()
+        work, buf, dst = self.pending.popleft()
         t0 = time.perf_counter()
-        work.wait()
+        with waiting_on("a payload send", dst):
+            work.wait()
         self.wait_seconds += time.perf_counter() - t0
         self.free.append(buf)
 
@@ -117,7 +120,7 @@ class Receiver:
         self.spec = spec
         self.sources = iter(sources)
         self.group = group
-        self.posted: deque[tuple[object, torch.Tensor]] = deque()
+        self.posted: deque[tuple[object, torch.Tensor, int]] = deque()
         self.free = [spec.empty(device) for _ in range(depth)]
         self.wait_seconds = 0.0
         self.received = 0
@@ -129,13 +132,14 @@ class Receiver:
             if src is None:
                 return
             buf = self.free.pop()
-            self.posted.append((dist.irecv(buf, src=src, group=self.group), buf))
+            self.posted.append((dist.irecv(buf, src=src, group=self.group), buf, src))
 
     def get(self) -> torch.Tensor:
         """The next payload; hand it back with release() once it is no longer read."""
-        work, buf = self.posted.popleft()
+        work, buf, src = self.posted.popleft()
         t0 = time.perf_counter()
-        work.wait()
+        with waiting_on("a payload receive", src):
+            work.wait()
         self.wait_seconds += time.perf_counter() - t0
         self.received += 1
         return buf
@@ -145,6 +149,7 @@ class Receiver:
         self._fill()
 
     def close(self) -> None:
-        for work, _ in self.posted:
-            work.wait()
+        for work, _, src in self.posted:
+            with waiting_on("a payload receive", src):
+                work.wait()
         self.posted.clear()

@@ -16,6 +16,7 @@ from dflash_ds.model.loss import MicroBatch, drafter_loss, make_blocks
 from dflash_ds.target.model import TapCapture, forward_taps
 from dflash_ds.runtime.transport import PayloadSpec, read_meta, taps_view, write_meta
 from dflash_ds.data.packing import position_ids_from_doc_ids
+from dflash_ds.runtime.watchdog import waiting_on
 
 
 class TargetWorker:
@@ -132,7 +133,8 @@ def train_step(engine, drafter, embed, head, source, settings, plan, rank: int, 
     # Normalise by the whole step's weight (all micro-batches, all drafter ranks): the engine
     # divides by grad_accum and averages over ranks, so scale the loss back up by both.
     weight = torch.stack([b.weights.sum() for b in blocks]).sum()
-    dist.all_reduce(weight, group=group)
+    with waiting_on("the loss-weight all-reduce", plan.layout.drafter_ranks):
+        dist.all_reduce(weight, group=group)
     scale = plan.grad_accum * lay.num_drafters
     ce_sum, accept, anchors = 0.0, 0.0, 0.0
     for mb, bl in zip(mbs, blocks):
