@@ -86,6 +86,11 @@ def load_data(ctx: Context):
     from dflash_ds.data.prepare import prepare
 
     r = ctx.recipe
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if Path(r.target.path).is_dir() and not any((Path(r.target.path) / f).is_file() for f in files):
+        # transformers would otherwise build some tokenizer from the config and fail later on the data.
+        raise RecipeError(f"target.path {r.target.path!r}: no tokenizer could be loaded (none of {', '.join(files)} "
+                          "in that directory); the target directory must hold its tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(r.target.path)
     except (OSError, ValueError) as exc:
