@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.data = load_data(ctx)
     finish(ctx)
     ctx.groups = make_groups(ctx.plan.layout)
+    ctx.control.bound(ctx.groups.drafter, ctx.groups.target)
     run_dir = Path(recipe.run.output_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

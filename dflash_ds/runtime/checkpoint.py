@@ -150,6 +150,14 @@ def describe_error(exc: BaseException) -> str:
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{os.strerror(exc.errno)}{where}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(k in text for k in ("inline_container", "iostream", "file write failed", "PytorchStreamWriter")):
+        # torch's writer reports a short write without errno; name the likely causes instead.
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why = (f"the file-size limit (ulimit -f) is {soft} bytes" if soft != resource.RLIM_INFINITY
+               else "disk full, quota or I/O error")
+        return f"a write was cut short ({why}; torch: {text})"
     return f"{type(exc).__name__}: {text}"
 
 
@@ -203,8 +211,8 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
         if is_lead:
             shutil.rmtree(ck / tag, ignore_errors=True)
         cause = describe_error(error) + _space_note(ck) if error is not None else "it failed on another drafter rank"
-        prev = latest(run_dir)
-        kept = f"the previous checkpoint {ck / prev['tag']} is untouched" if prev else "no earlier checkpoint exists"
+        prev = next((t for t in reversed(tags(ck)) if t != tag and verify(ck / t) is None), None)
+        kept = f"the previous checkpoint {ck / prev} is untouched" if prev else "no earlier checkpoint exists"
         raise CheckpointError(f"could not write checkpoint {ck / tag}: {cause}; the partial directory was removed and "
                               f"{kept}")
     if is_lead:

@@ -98,6 +98,21 @@ class RunControl:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
         return bool(flag.item())
 
+    def bound(self, *groups) -> None:
+        """Bound every collective on `groups`, DeepSpeed's own included, by the peer timeout.
+
+        WORLD keeps the start-up timeout: rank 0 may prepare data for long before the first
+        collective, and target ranks wait at the closing barrier while the drafters evaluate.
+        """
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter exists
+
+        timeout = datetime.timedelta(seconds=self.recipe.topology.peer_timeout_s)
+        for g in {g for g in groups if g is not None}:
+            try:
+                _set_pg_timeout(timeout, g)
+            except (AttributeError, RuntimeError, ValueError):
+                pass  # this backend keeps its own timeout; our waits are still bounded by the watchdog
+
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()

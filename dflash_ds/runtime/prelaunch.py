@@ -21,7 +21,7 @@ def check_wandb(recipe: Recipe) -> None:
     if not w.enabled or mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
         return
     try:
-        auth = netrc.netrc().authenticators("api.wandb.ai")
+        auth = netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai")
     except (OSError, netrc.NetrcParseError):
         auth = None
     if not auth:
@@ -49,11 +49,11 @@ def check_resume(recipe: Recipe) -> None:
 
 def prelaunch(recipe: Recipe) -> None:
     """Raise ValueError (one line) for the first problem; prepares and caches the data on success."""
-    from dflash_ds.run import load_data, preflight
-
-    check_lock(recipe)
+    check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
     check_wandb(recipe)
     if Path(recipe.run.output_dir).exists():
         check_resume(recipe)
+    from dflash_ds.run import load_data, preflight
+
     ctx = preflight(recipe, ranks_per_node(recipe))
     load_data(ctx)
