@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -148,7 +149,7 @@ def prelaunch_error(run: Path, *overrides: str) -> str:
         launch_env.main([TINY, f"run.output_dir={run}", *overrides])
     text = out.getvalue()
     assert text.startswith("echo ") and text.rstrip().endswith("exit 2"), text
-    return text
+    return shlex.split(text.split(" >&2")[0])[1]  # the line launch.sh prints
 
 
 @pytest.mark.parametrize("damage,needle", [

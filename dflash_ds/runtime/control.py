@@ -15,7 +15,6 @@ import datetime
 import os
 import socket
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -149,8 +148,7 @@ def run_guarded(fn, control: RunControl) -> int:
             raise
         if control.stop.requested and control.role == "target":
             return _exit(EXIT_STOPPED, f"[dflash] {me}: stopped ({control.stop.name})", control)
-        cause = str(exc).strip().splitlines()[-1][:200]
-        traceback.print_exc(limit=3)
+        cause = str(exc).strip().splitlines()[0][:160]
         return _exit(EXIT_PEER, f"[dflash] {me}: a peer of the drafter or target group is gone or stalled ({cause}); "
                      "stopping the job", control)
     return 0

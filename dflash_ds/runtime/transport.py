@@ -90,7 +90,8 @@ class Sender:
     def send(self, payload: torch.Tensor, dst: int, group=None) -> None:
         # NCCL orders the send after the work already queued on the current stream (the forward
         # that filled the buffer), so no host synchronisation is needed here.
-        work = dist.isend(payload, dst=dst, group=group)
+        with waiting_on("a payload send", dst):  # a peer already gone fails right here
+            work = dist.isend(payload, dst=dst, group=group)
         self.pending.append((work, payload, dst))
         self.sent += 1
         while len(self.pending) > self.max_in_flight:
@@ -132,7 +133,8 @@ class Receiver:
             if src is None:
                 return
             buf = self.free.pop()
-            self.posted.append((dist.irecv(buf, src=src, group=self.group), buf, src))
+            with waiting_on("a payload receive", src):
+                self.posted.append((dist.irecv(buf, src=src, group=self.group), buf, src))
 
     def get(self) -> torch.Tensor:
         """The next payload; hand it back with release() once it is no longer read."""

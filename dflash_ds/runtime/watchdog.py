@@ -64,7 +64,7 @@ class Watchdog:
         except (RuntimeError, ConnectionError) as exc:
             if isinstance(exc, PeerLost):
                 raise
-            cause = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+            cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
             raise PeerLost(f"{self.me}: lost {self.names(ranks)} during {what} ({cause}); stopping the job") from None
         finally:
             with self.lock:
