@@ -41,7 +41,7 @@ class RunControl:
         self.recipe, self.layout, self.rank = recipe, layout, rank
         self.role = layout.role(rank)
         self.me = Peer(self.role, rank, socket.gethostname(), os.getpid())
-        self.stop = StopRequest(str(self.me))
+        self.stop = StopRequest(str(self.me), saves=layout.is_drafter(rank))
         self.lock: RunLock | None = None
         self.start: dict | None = None
         self.error: str | None = None

@@ -19,8 +19,9 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the 
 
 
 class StopRequest:
-    def __init__(self, who: str):
+    def __init__(self, who: str, saves: bool = True):
         self.who = who
+        self.saves = saves  # drafter ranks write the checkpoint; target ranks only wait for them
         self.signum: int | None = None
         self.count = 0
         self._thread: threading.Thread | None = None
@@ -61,9 +62,10 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.count == 1:
             self.signum = signum
-            print(f"[dflash] {self.who}: {name} received; stopping after the current step (send it again to stop at "
-                  "once)", file=sys.stderr, flush=True)
+            what = "stopping after the current step" if self.saves else "serving the drafters until they have stopped"
+            print(f"[dflash] {self.who}: {name} received; {what} (send it again to stop at once)", file=sys.stderr,
+                  flush=True)
             return
-        print(f"[dflash] {self.who}: {name} received again; exiting now without a checkpoint", file=sys.stderr,
-              flush=True)
+        what = "exiting now without a checkpoint" if self.saves else "exiting now"
+        print(f"[dflash] {self.who}: {name} received again; {what}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
