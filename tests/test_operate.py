@@ -307,3 +307,58 @@ def test_failed_wait_becomes_one_line_naming_the_peer():
     assert str(exc.value) == ("rank 1 (target on node-b): lost rank 0 (drafter on node-a) during a payload send "
                               "([../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4321); "
                               "stopping the job")
+
+
+SUPERVISED_RANK = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda s, f: print("rank got", s, flush=True))
+print("rank up", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def supervised(tmp_path, grace: float) -> tuple[subprocess.Popen, Path]:
+    """supervise -> sh -> one fake rank process (`--local_rank=0`) that ignores SIGTERM."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(SUPERVISED_RANK)
+    log = tmp_path / "rank.log"
+    inner = f"{sys.executable} {rank} --local_rank=0 > {log} & wait"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ds.runtime.supervise", "--grace", str(grace), "--", "sh", "-c",
+                             inner], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE,
+                            text=True)
+    t0 = time.monotonic()
+    while "rank up" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.1)
+    return proc, log
+
+
+def alive(marker: Path) -> bool:
+    import psutil
+
+    return any(str(marker) in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+
+
+def test_supervisor_forwards_once_then_kills_the_group_on_a_second_signal(tmp_path):
+    proc, log = supervised(tmp_path, grace=60)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    while "rank got 15" not in log.read_text():
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.1)
+    time.sleep(1)
+    assert proc.poll() is None and log.read_text().count("rank got") == 1  # the rank decides; no duplicate
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode != 0 and "SIGINT again: killing the job now" in err
+    assert not alive(tmp_path / "rank.py")
+
+
+def test_supervisor_kills_the_group_after_the_grace_time(tmp_path):
+    proc, _ = supervised(tmp_path, grace=2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=15)
+    assert 1.5 < time.monotonic() - t0 < 8 and "run.stop_grace_s=2s passed" in err
+    assert not alive(tmp_path / "rank.py")

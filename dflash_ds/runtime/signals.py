@@ -57,15 +57,20 @@ class StopRequest:
                 if signum in STOP_SIGNALS:
                     self.on_signal(signum)
 
+    def say(self, msg: str) -> None:
+        try:
+            print(f"[dflash] {self.who}: {msg}", file=sys.stderr, flush=True)
+        except OSError:
+            pass  # a closed terminal must not kill the thread that handles the stop
+
     def on_signal(self, signum: int) -> None:
         self.count += 1
         name = signal.Signals(signum).name
         if self.count == 1:
             self.signum = signum
             what = "stopping after the current step" if self.saves else "serving the drafters until they have stopped"
-            print(f"[dflash] {self.who}: {name} received; {what} (send it again to stop at once)", file=sys.stderr,
-                  flush=True)
+            self.say(f"{name} received; {what} (send it again to stop at once)")
             return
         what = "exiting now without a checkpoint" if self.saves else "exiting now"
-        print(f"[dflash] {self.who}: {name} received again; {what}", file=sys.stderr, flush=True)
+        self.say(f"{name} received again; {what}")
         os._exit(128 + signum)

@@ -44,7 +44,10 @@ def rank_processes(root: int) -> list[int]:
 
 
 def say(msg: str) -> None:
-    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
+    try:
+        print(f"[dflash] {msg}", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # the terminal is gone (SIGHUP): stopping the job matters more than the message
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
