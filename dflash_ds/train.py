@@ -320,7 +320,12 @@ class DrafterTrainer:
         r = self.ctx.recipe
         checkpoint.save(self.engine, r.run.output_dir, step, self.ctx.groups.drafter, self.lead, r.checkpoint.keep_last)
         if self.lead:
-            out = save_drafter(self.drafter, Path(r.run.output_dir) / "export")
+            try:
+                out = save_drafter(self.drafter, Path(r.run.output_dir) / "export")
+            except OSError as exc:  # the export is swapped in only when complete: the old one stays
+                raise checkpoint.CheckpointError(
+                    f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
+                    f"the previous export is untouched and checkpoint step {step} is complete") from None
             print(f"[dflash] step {step}: checkpoint written; drafter exported to {out}", flush=True)
 
 
