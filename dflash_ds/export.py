@@ -1,4 +1,4 @@
-"""The serving format of a DFlash drafter (spec section 3), written and read back.
+"""The serving format of a DFlash drafter (docs/algorithm.md section 6), written and read back.
 
 An export is a directory with `config.json` and `model.safetensors` that SGLang
 (`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) load as is. The tensor names
@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.io import replace_dir_atomic
+from dflash_ds.model.drafter import ARCHITECTURE, DFlashDrafter, DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-ARCHITECTURE = "DFlashDraftModel"
 
 _LAYER_TENSORS = (
     "self_attn.q_proj.weight",
@@ -44,7 +42,7 @@ _FIX = "pass the directory written by dflash_ds export (drafter.init_from / --dr
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the export and its shape, derived from the config alone (spec 3).
+    """Every tensor of the export and its shape, derived from the config alone (docs/algorithm.md section 6).
 
     Independent of `DFlashDrafter` on purpose: a module whose parameters drift from the serving
     layout must fail `save_drafter`, not produce a file the engines misread.
@@ -98,14 +96,6 @@ def _few(items: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_export(path: Path) -> bool:
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
@@ -117,10 +107,8 @@ def _is_export(path: Path) -> bool:
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write `drafter` as a serving export into `out_dir`, atomically.
 
-    The export is assembled in a temporary directory next to `out_dir`, flushed to disk, and only
-    then moved into place, so a crash mid-save never leaves a half-written drafter where a
-    serving engine (or a resume) would pick it up. An existing export at `out_dir` is replaced
-    only once the new one is complete. Returns the export path.
+    An existing export at `out_dir` is replaced only once the new one is complete (see
+    `dflash_ds.io.replace_dir_atomic`). Returns the export path.
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES.values())}")
@@ -135,41 +123,22 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in drafter.state_dict().items()}
     problem = _check_tensors({n: tuple(t.shape) for n, t in state.items()}, expected_shapes(cfg))
     if problem is not None:
-        raise RuntimeError(f"drafter state_dict does not match the serving layout of spec 3: {problem}")
+        raise RuntimeError(f"drafter state_dict does not match the serving layout (docs/algorithm.md section 6): {problem}")
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
+    # Staged next to out_dir and moved into place only when complete: a crash mid-save never
+    # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
+    with replace_dir_atomic(out_dir) as tmp:
         # Tensors that share storage (tied weights) would be refused by safetensors; clone makes
         # each one own its bytes.
         save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        # Readable by a serving process running as another user (the staging directory is 0700).
         for name in (WEIGHTS_NAME, CONFIG_NAME):
-            # Readable by a serving process running as another user (mkdtemp makes 0700).
             os.chmod(tmp / name, 0o644)
-            _fsync(tmp / name)
         os.chmod(tmp, 0o755)
-        _fsync(tmp)
-        if out_dir.exists():
-            # Directories cannot be swapped in one rename; move the old one aside first and delete
-            # it only after the new export is in place.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "export")
-        os.rename(tmp, out_dir)
-        _fsync(out_dir.parent)
-    except BaseException:
-        if old is not None and not out_dir.exists():
-            os.rename(old / "export", out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_ds.io import write_json_atomic
+
 
 class Metrics:
     def __init__(self, run_dir: str | Path, recipe_dict: dict, wandb_cfg, run_name: str, enabled: bool = True,
@@ -98,11 +100,7 @@ def print_progress(r: dict, total_steps: int) -> None:
 
 def write_status(run_dir: str | Path, rank: int, data: dict) -> None:
     """Target ranks publish their rates here; the lead drafter reads them at log steps (no collective)."""
-    d = Path(run_dir) / "status"
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".target{rank}.json.tmp"
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, d / f"target{rank}.json")
+    write_json_atomic(Path(run_dir) / "status" / f"target{rank}.json", data)
 
 
 def read_status(run_dir: str | Path) -> list[dict]:

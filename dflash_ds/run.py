@@ -1,40 +1,71 @@
-"""Everything that can be checked before any GPU time is spent, and the per-rank run context.
+"""The run spec: everything about a run that follows from the recipe and the world size, resolved once.
 
-Each check names the recipe setting at fault and the fix. It runs on every rank before the
-process group exists, so a bad recipe stops all ranks at once.
+`check_recipe` runs every check that needs no GPU and no process group, on every rank before the
+process group exists, so a bad recipe stops all ranks at once with one message naming the setting
+at fault and the fix. What it returns is frozen: nothing fills fields in later. What belongs to a
+process rather than to the run (its rank, its process groups, the loaded rows) is held by the
+objects that use it (`runtime.target_worker.TargetWorker`, `runtime.trainer.DrafterTrainer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
+from dflash_ds.model.drafter import DrafterConfig
 from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
-from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
 from dflash_ds.runtime.topology import Layout, TopologyError
 from dflash_ds.runtime.transport import PayloadSpec
+from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
 
 
-@dataclass
-class Context:
+@dataclass(frozen=True)
+class RunSpec:
     recipe: Recipe
-    device: torch.device
-    geometry: Geometry
-    drafter_cfg: object
-    spec: PayloadSpec
-    world_size: int
-    plan: Plan | None = None
-    memory: dict | None = None
-    data: object = None
-    rank: int = 0
-    groups: object = None
-    control: object = None  # runtime.control.RunControl: lock, start point, peers, stop requests
-    notes: list[str] = field(default_factory=list)
+    device: torch.device  # this rank's device (cuda:LOCAL_RANK or cpu)
+    dtype: torch.dtype  # taps on the wire, the frozen embedding / lm_head, the drafter's inputs
+    geometry: Geometry  # the target's
+    drafter: DrafterConfig
+    payload: PayloadSpec  # one micro-batch on the wire
+    plan: Plan  # batch arithmetic, step counts, the schedule
+    memory: dict[str, float]  # rough GiB per rank by role
+    rows_known: bool  # False: the plan assumes one step per epoch (data not prepared yet)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    def with_rows(self, num_rows: int) -> "RunSpec":
+        """The same run once the prepared data's row count is known (exact step counts)."""
+        plan, memory = plan_and_memory(self.recipe, self.layout.world_size, self.drafter, self.geometry, num_rows)
+        return dataclasses.replace(self, plan=plan, memory=memory, rows_known=True, notes=())
+
+
+def resolve_device(name: str, setting: str) -> torch.device:
+    """auto / cuda / cpu -> this rank's device (cuda:LOCAL_RANK); errors name `setting`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{setting} is cuda but no GPU is visible; set {setting} to cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if name != "cpu":
+        raise ValueError(f"{setting} must be auto, cuda or cpu, got {name!r}")
+    return torch.device("cpu")
+
+
+def compute_dtype(target_dtype: str, device: torch.device) -> torch.dtype:
+    """target.dtype on a GPU; float32 on CPU whatever the recipe says (bf16 matmuls on CPU are slow
+    and inexact, and CPU runs are for tests, which compare against float references)."""
+    return DTYPES[target_dtype] if device.type == "cuda" else torch.float32
 
 
 def check_world(recipe: Recipe, world_size: int) -> Layout:
@@ -45,14 +76,14 @@ def check_world(recipe: Recipe, world_size: int) -> Layout:
         raise RecipeError(str(exc)) from None
 
 
-def preflight(recipe: Recipe, world_size: int) -> Context:
-    from dflash_ds.model.drafter import DrafterConfig
-    from dflash_ds.runtime.engines import pick_device
-
+def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -> RunSpec:
+    """Every pre-launch check, then the resolved spec. Without `num_rows` (the data is prepared
+    after the process group starts) the plan assumes one step per epoch: `RunSpec.with_rows` then
+    gives the exact one."""
     layout = check_world(recipe, world_size)
     drafter_ds_config(recipe, layout.num_drafters)
     target_ds_config(recipe, layout.num_targets)
-    device = pick_device(recipe)
+    device = resolve_device(recipe.run.device, "run.device")
     if recipe.drafter.init_from and not Path(recipe.drafter.init_from).is_dir():
         raise RecipeError(f"drafter.init_from {recipe.drafter.init_from!r} is not a directory; point it at an exported drafter")
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
@@ -73,50 +104,25 @@ def preflight(recipe: Recipe, world_size: int) -> Context:
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
-    tap_dtype = DTYPES[recipe.target.dtype] if device.type == "cuda" else torch.float32
-    spec = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, len(dcfg.target_layer_ids),
-                       geo.hidden_size, tap_dtype)
-    return Context(recipe, device, geo, dcfg, spec, world_size)
+    dtype = compute_dtype(recipe.target.dtype, device)
+    payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, geo.hidden_size, dtype)
+    rows = num_rows
+    notes: tuple[str, ...] = ()
+    if rows is None:
+        o = recipe.optim
+        rows = o.rows_per_micro_batch * o.grad_accum * layout.num_drafters
+        notes = ("data not prepared yet: step counts assume one step per epoch "
+                 "(run python -m dflash_ds.data prepare RECIPE for exact numbers)",)
+    plan, memory = plan_and_memory(recipe, world_size, dcfg, geo, rows)
+    return RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, num_rows is not None, notes)
 
 
-def load_data(ctx: Context):
-    """Prepare (or read the cache of) the training rows and held-out prompts."""
-    from transformers import AutoTokenizer
-
-    from dflash_ds.data.prepare import prepare
-
-    r = ctx.recipe
-    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if Path(r.target.path).is_dir() and not any((Path(r.target.path) / f).is_file() for f in files):
-        # transformers would otherwise build some tokenizer from the config and fail later on the data.
-        raise RecipeError(f"target.path {r.target.path!r}: no tokenizer could be loaded (none of {', '.join(files)} "
-                          "in that directory); the target directory must hold its tokenizer")
-    try:
-        tok = AutoTokenizer.from_pretrained(r.target.path)
-    except (OSError, ValueError) as exc:
-        raise RecipeError(f"target.path {r.target.path!r}: no tokenizer could be loaded ({exc}); the target "
-                          "directory must hold its tokenizer") from None
-    # Packing for hybrid targets is refused in preflight (no varlen wiring), so never claim fla here.
-    return prepare(r.data, tok, hybrid_target=ctx.geometry.hybrid, has_fla=False)
-
-
-def finish(ctx: Context) -> None:
-    """Batch arithmetic and memory estimates once the number of rows is known."""
-    num_rows = len(ctx.data.rows["input_ids"]) if ctx.data is not None else None
-    ctx.plan = resolve(ctx.recipe, ctx.world_size, num_rows if num_rows is not None else _placeholder_rows(ctx))
-    c = ctx.drafter_cfg
+def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterConfig, g: Geometry,
+                    num_rows: int) -> tuple[Plan, dict[str, float]]:
+    """The plan for `num_rows` prepared rows and the rough memory per rank it implies."""
+    plan = resolve(recipe, world_size, num_rows)
     dp = drafter_params(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
-                        c.num_key_value_heads, c.head_dim, len(c.target_layer_ids))
-    g = ctx.geometry
+                        c.num_key_value_heads, c.head_dim, c.num_taps)
     last = max(c.target_layer_ids) + 1
     tp = int(12 * g.hidden_size * g.hidden_size * last + g.vocab_size * g.hidden_size)  # dense estimate
-    ctx.memory = memory_estimate(ctx.recipe, ctx.plan, dp, tp, g.hidden_size, g.vocab_size, len(c.target_layer_ids))
-    if num_rows is None:
-        ctx.notes.append("data not prepared yet: step counts assume one step per epoch "
-                         "(run python -m dflash_ds.data prepare RECIPE for exact numbers)")
-
-
-def _placeholder_rows(ctx: Context) -> int:
-    o = ctx.recipe.optim
-    lay = check_world(ctx.recipe, ctx.world_size)
-    return o.rows_per_micro_batch * o.grad_accum * lay.num_drafters
+    return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps)

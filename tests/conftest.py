@@ -1,5 +1,92 @@
+"""Test tiers and shared fixtures.
+
+Every test belongs to exactly one tier (see README, "Tests"):
+  unit      fast, in-process: no launcher, no subprocess, no worker processes (the default);
+  launcher  the real `deepspeed` launcher on gloo, or other spawned processes;
+  gpu       needs CUDA (skipped without it).
+A test is `unit` unless it is marked `launcher` or `gpu`. A unit test that starts a Python, shell or
+launcher process, or a multiprocessing worker, fails with a message saying to mark it `launcher`,
+so the fast tier cannot silently grow slow. (Other processes, such as wandb's service, are not
+caught: mark those tests by hand.)
+"""
+
+import contextlib
+import multiprocessing.process
+import os
+import subprocess
+
 import pytest
 import torch
+
+TIERS = ("unit", "launcher", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked {sorted(tiers)}: a test belongs to exactly one tier")
+        if not tiers:
+            item.add_marker(pytest.mark.unit)
+        elif "gpu" in tiers and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="gpu tier: needs CUDA"))
+
+
+def _spawns_a_process(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    if not argv:
+        return False
+    program = os.path.basename(os.fsdecode(argv[0]).split()[0])
+    text = " ".join(os.fsdecode(a) for a in argv)
+    # Compilers run by torch.compile / the inductor's compile workers are not test processes.
+    if "compile_worker" in text:
+        return False
+    return program.startswith("python") or program in ("deepspeed", "bash", "sh", "torchrun")
+
+
+@contextlib.contextmanager
+def _no_processes(name: str):
+    """Make starting a Python/launcher process or a worker pool fail, naming the test."""
+
+    def refuse(what):
+        raise AssertionError(f"{name} is a unit test but starts {what}: mark it @pytest.mark.launcher")
+
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_popen(self, args, *a, **kw):
+        if _spawns_a_process(args):
+            refuse(f"the process {args!r}")
+        popen_init(self, args, *a, **kw)
+
+    patches = [(subprocess.Popen, "__init__", guarded_popen),
+               (multiprocessing.process.BaseProcess, "start", lambda self: refuse("a multiprocessing worker"))]
+    try:
+        import multiprocess.process  # datasets' worker pools (num_proc > 1)
+
+        patches.append((multiprocess.process.BaseProcess, "start", lambda self: refuse("a worker process pool")))
+    except ImportError:
+        pass
+    saved = [(obj, attr, obj.__dict__[attr]) for obj, attr, _ in patches]
+    for obj, attr, fn in patches:
+        setattr(obj, attr, fn)
+    try:
+        yield
+    finally:
+        for obj, attr, old in saved:
+            setattr(obj, attr, old)
+
+
+# Fixture set-up is guarded too: a module fixture that launches processes makes its tests launcher tests.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes(item.nodeid) if item.get_closest_marker("unit") else contextlib.nullcontext():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes(item.nodeid) if item.get_closest_marker("unit") else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

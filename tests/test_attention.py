@@ -1,4 +1,4 @@
-"""The DFlash mask (spec 1): dense mask vs the definition, flex BlockMask vs dense (element by
+"""The DFlash mask (docs/algorithm.md section 3): dense mask vs the definition, flex BlockMask vs dense (element by
 element, as the kernel reads it), flex_attention vs SDPA through the drafter, and no leakage."""
 
 import pytest

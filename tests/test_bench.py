@@ -221,6 +221,7 @@ def check_timed(r: dict, tokens_per_step: int) -> None:
     assert r["memory"]["host_max_rss_gib"] > 0
 
 
+@pytest.mark.launcher
 def test_target_role(runs):
     report = runs["target"]
     r = check_common(report, "target")
@@ -235,6 +236,7 @@ def test_target_role(runs):
     assert r["payload_bytes"] == ROWS * SEQ * (2 * 64 + 3) * 4
 
 
+@pytest.mark.launcher
 def test_drafter_role(runs):
     report = runs["drafter"]
     r = check_common(report, "drafter")
@@ -252,6 +254,7 @@ def test_drafter_role(runs):
     assert report["recipe"]["drafter_ds_config"].endswith("drafter_zero2_cpu.json")
 
 
+@pytest.mark.launcher
 def test_colocated_role(runs):
     report = runs["colocated"]
     r = check_common(report, "colocated")
@@ -262,6 +265,7 @@ def test_colocated_role(runs):
     assert r["engine_target"] == "replica"
 
 
+@pytest.mark.launcher
 def test_transport_role(runs):
     report = runs["transport"]
     r = check_common(report, "transport")
@@ -273,6 +277,7 @@ def test_transport_role(runs):
     assert r["tok_s"] == pytest.approx(r["payloads_per_s"] * ROWS * SEQ)
 
 
+@pytest.mark.launcher
 def test_plan_role_reads_bench_outputs(runs, capsys):
     d = runs["dir"]
     out = d / "plan.json"

@@ -115,3 +115,45 @@ def test_dry_run_prints_the_plan_without_distributed(capsys):
     out = capsys.readouterr().out
     assert "rank 0: node 0 local 0 role drafter" in out and "rank 2: node 0 local 2 role target" in out
     assert "target 1: ->0:m0" in out and "memory estimate" in out
+
+
+# Errors found before the process group exists: every rank runs these checks first, so they are
+# tested here in-process through the entry point (`--dry-run` never starts a process group, so a
+# check that wrongly passes returns 0 instead of hanging). test_runtime.py proves once that
+# `bash launch.sh` turns such an error into one line and exit code 2.
+@pytest.mark.parametrize("overrides, world, needle", [
+    (["drafter.blok_size=4"], 2, "drafter.blok_size"),
+    (["drafter.ds_config=ds_configs/nope.json"], 2, "drafter.ds_config"),
+    (["target.path=/nonexistent/model"], 2, "target.path"),
+    ([], 3, "world size 3"),
+    (["drafter.ds_config={bad}"], 2, "train_micro_batch_size_per_gpu"),
+])
+def test_errors_before_launch_print_one_line_and_exit_2(tmp_path, capsys, overrides, world, needle):
+    from dflash_ds.train import main
+
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 7, "zero_optimization": {"stage": 2}}))
+    args = [TINY, "--dry-run", "--world-size", str(world), f"run.output_dir={tmp_path / 'run'}"]
+    assert main(args + [o.format(bad=bad) for o in overrides]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("[dflash] error:"), out.err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,setting", [
+    ("data.regenerate.urls=[localhost:8000]", r"data\.regenerate\.urls\[0\]"),
+    ("data.regenerate.urls=[ftp://host/x]", r"data\.regenerate\.urls\[0\]"),
+    ("data.regenerate.backend=server", r"data\.regenerate\.urls is empty"),
+    ("data.regenerate.backend=vllm", r"data\.regenerate\.backend.*vllm serve"),
+    ("data.regenerate.concurrency=0", r"data\.regenerate\.concurrency must be >= 1"),
+    ("data.regenerate.timeout_s=0", r"data\.regenerate\.timeout_s"),
+    ("data.regenerate.max_retries=-1", r"data\.regenerate\.max_retries"),
+    ("data.regenerate.max_failed_fraction=1.5", r"data\.regenerate\.max_failed_fraction"),
+    ("data.num_proc=-2", r"data\.num_proc"),
+])
+def test_regenerate_settings_validated(override, setting):
+    with pytest.raises(RecipeError, match=setting):
+        load_recipe(TINY, [override])
+    ok = load_recipe(TINY, ["data.regenerate.backend=server", "data.regenerate.urls=[http://10.0.0.5:8000/v1]"])
+    assert ok.data.regenerate.urls == ("http://10.0.0.5:8000/v1",)

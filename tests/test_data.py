@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_ds.data import packing as P
 from dflash_ds.data import prepare as D
 from dflash_ds.data.chat import ChatEncoder, SampleError, normalize
 
@@ -254,12 +255,29 @@ def test_tiny_target_template_and_schemas(tok):
 
 # ----------------------------------------------------------------------------- positions, masks, packing
 
+def packed_attention_mask(doc_ids, dtype=None):
+    """The explicit mask that restarting position ids stand for (the tests' reference): causal,
+    block-diagonal per document, bool [b, 1, S, S], True = attend. numpy or torch.
+
+    With a torch float `dtype`, the additive form (0 / dtype min) that eager attention needs: it adds
+    the mask to the scores, so a bool mask would be silently wrong there (SDPA takes either)."""
+    if isinstance(doc_ids, np.ndarray):
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        return (same & np.tril(np.ones((doc_ids.shape[1],) * 2, dtype=bool)))[:, None]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
+    mask = (same & causal)[:, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 def test_position_ids_and_packed_mask_against_loops():
     doc_ids = np.array([[0, 0, 0, 1, 1, 2, -1, -1], [0, 1, 1, 1, 1, 1, 1, 1]], dtype=np.int32)
-    pos_np = D.position_ids_from_doc_ids(doc_ids)
-    pos_t = D.position_ids_from_doc_ids(torch.from_numpy(doc_ids))
-    mask_np = D.packed_attention_mask(doc_ids)
-    mask_t = D.packed_attention_mask(torch.from_numpy(doc_ids))
+    pos_np = P.position_ids_from_doc_ids(doc_ids)
+    pos_t = P.position_ids_from_doc_ids(torch.from_numpy(doc_ids))
+    mask_np = packed_attention_mask(doc_ids)
+    mask_t = packed_attention_mask(torch.from_numpy(doc_ids))
     for b in range(2):
         for i in range(8):
             run_start = i
@@ -269,7 +287,7 @@ def test_position_ids_and_packed_mask_against_loops():
             for j in range(8):
                 want = j <= i and doc_ids[b, j] == doc_ids[b, i]
                 assert mask_np[b, 0, i, j] == mask_t[b, 0, i, j] == want
-    add = D.packed_attention_mask(torch.from_numpy(doc_ids), dtype=torch.float32)
+    add = packed_attention_mask(torch.from_numpy(doc_ids), dtype=torch.float32)
     assert torch.equal(add == 0, mask_t) and (add[~mask_t] < -1e30).all()
 
 
@@ -280,7 +298,7 @@ def test_packing_keeps_documents_whole():
     for k in range(60):
         n = int(rng.integers(1, S + 1))
         docs.append((rng.integers(10, 1000, n).astype(np.int32), rng.integers(0, 2, n).astype(np.uint8)))
-    rows = D.pack_documents(docs, S, pad_id=7, pack=True)
+    rows = P.pack_documents(docs, S, pad_id=7, pack=True)
     ids, mask, doc_ids = rows["input_ids"], rows["loss_mask"], rows["doc_ids"]
     assert ids.dtype == np.int32 and mask.dtype == np.uint8 and doc_ids.dtype == np.int32
     assert rows["input_ids"].shape[1] == S
@@ -300,9 +318,9 @@ def test_packing_keeps_documents_whole():
     total = sum(len(a) for a, _ in docs)
     assert ids.shape[0] <= total // S + 12  # first fit is dense (not one row per document)
     # First fit: no document would have fitted in an earlier row that was open when it was placed.
-    rows1 = D.pack_documents(docs, S, pad_id=7, pack=False)
+    rows1 = P.pack_documents(docs, S, pad_id=7, pack=False)
     assert rows1["input_ids"].shape[0] == len(docs) and (rows1["doc_ids"] <= 0).all()
-    where = D._first_fit([len(a) for a, _ in docs], S)
+    where = P._first_fit([len(a) for a, _ in docs], S)
     free = [S] * (max(where) + 1)
     for (a, _), r in zip(docs, where):
         assert all(free[q] < len(a) for q in range(r)) and free[r] >= len(a)
@@ -318,11 +336,11 @@ def test_packed_row_through_qwen3_matches_separate_documents():
     lens = [5, 1, 7, 3]
     docs = [(np.random.default_rng(k).integers(0, 96, n).astype(np.int32), np.ones(n, np.uint8))
             for k, n in enumerate(lens)]
-    rows = D.pack_documents(docs, 20, pad_id=0, pack=True)
+    rows = P.pack_documents(docs, 20, pad_id=0, pack=True)
     assert rows["input_ids"].shape[0] == 1
     ids = torch.from_numpy(rows["input_ids"]).long()
     doc_ids = torch.from_numpy(rows["doc_ids"])
-    pos = D.position_ids_from_doc_ids(doc_ids)
+    pos = P.position_ids_from_doc_ids(doc_ids)
 
     def errors(model, **kw):
         with torch.no_grad():
@@ -338,15 +356,15 @@ def test_packed_row_through_qwen3_matches_separate_documents():
     # transformers detects packing from restarting position_ids, but only without a mask and a cache.
     assert errors(sdpa, use_cache=False) < 1e-5
     assert errors(sdpa) > 1e-3  # the default use_cache=True disables that detection
-    assert errors(sdpa, attention_mask=D.packed_attention_mask(doc_ids), use_cache=False) < 1e-5
+    assert errors(sdpa, attention_mask=packed_attention_mask(doc_ids), use_cache=False) < 1e-5
     cfg._attn_implementation = "eager"
     eager = Qwen3ForCausalLM(cfg).eval()
     eager.load_state_dict(sdpa.state_dict())
     assert errors(eager, use_cache=False) < 1e-5
     # eager adds the mask to the scores: it needs the additive form, a bool mask is silently wrong
-    assert errors(eager, attention_mask=D.packed_attention_mask(doc_ids, dtype=torch.float32),
+    assert errors(eager, attention_mask=packed_attention_mask(doc_ids, dtype=torch.float32),
                   use_cache=False) < 1e-5
-    assert errors(eager, attention_mask=D.packed_attention_mask(doc_ids), use_cache=False) > 1e-3
+    assert errors(eager, attention_mask=packed_attention_mask(doc_ids), use_cache=False) > 1e-3
 
 
 # ----------------------------------------------------------------------------- prepare, cache, audit
@@ -445,7 +463,7 @@ def test_cache_reused_and_rebuilt_on_change(tmp_path, tok, monkeypatch):
         f.write(CHAT.read_text().splitlines(keepends=True)[60])
     d2 = D.prepare(make_cfg(tmp_path, path=str(local), max_samples=40), tok, verbose=False)
     assert d1.fingerprint != d2.fingerprint
-    assert not list((tmp_path / "cache").glob(".tmp-*"))
+    assert not list((tmp_path / "cache").glob(".*.tmp-*"))
 
 
 def test_truncation_modes(tmp_path, tok):
@@ -514,15 +532,33 @@ def test_no_supervised_tokens(tmp_path, tok):
         D.prepare(make_cfg(tmp_path, max_length=8), tok)  # every sample too long, dropped
 
 
-def test_hybrid_target_packing_needs_fla(tmp_path, tok):
+def test_hybrid_targets_train_on_one_conversation_per_row(tmp_path, tok, capsys):
+    """What training does with a hybrid (Gated DeltaNet) target today: never packs its rows.
+
+    Training asks prepare() for rows with has_fla=False whatever is installed (the target forward
+    passes no per-document boundaries to the linear-attention layers), and its pre-launch check
+    refuses data.pack=true for such a target, so a packed row can never reach it."""
     with pytest.raises(ValueError, match="data.pack"):
         D.prepare(make_cfg(tmp_path), tok, hybrid_target=True, has_fla=False)
-    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, verbose=False)
-    assert (data.rows["doc_ids"] <= 0).all()
-    assert D.prepare(make_cfg(tmp_path, max_samples=10), tok, hybrid_target=True, has_fla=True,
-                     verbose=False).num_rows < 10
+    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, has_fla=False,
+                     verbose=False)
+    assert data.num_rows == 10 and (data.rows["doc_ids"] <= 0).all()
+
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    from dflash_ds.train import main
+
+    target = tmp_path / "hybrid-target"
+    Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=256).save_pretrained(target)
+    args = ["recipes/tiny.yaml", "--dry-run", "--world-size", "2", f"target.path={target}"]
+    assert main(args + ["data.pack=true"]) == 2
+    assert "data.pack" in capsys.readouterr().err
+    assert main(args + ["data.pack=false"]) == 0
 
 
+@pytest.mark.launcher
 def test_parallel_encoding_matches_serial(tmp_path, tok):
     serial = D.prepare(make_cfg(tmp_path / "a", max_samples=80), tok, verbose=False)
     parallel = D.prepare(make_cfg(tmp_path / "b", max_samples=80, num_proc=2), tok, verbose=False)
@@ -560,3 +596,87 @@ def test_common_prefix_suffix_against_loops():
         cs = next((k for k in range(lim) if a[-1 - k] != b[-1 - k]), lim)
         assert _common_prefix(a, b) == _common_prefix(list(a), list(b)) == cp
         assert _common_suffix(a, b, lim) == cs
+
+
+# ----------------------------------------------------------------------------- single pass = per-turn probes
+
+def _random_conversations(rng, n, with_reasoning):
+    words = ["the", "cat", "sat", "on", "a", "mat", "2", "+", "3", "=", "5.", "Hello", "\n", "  ", "ok!",
+             "<|im_end|>", "User:", "Assistant:"]
+    def text():
+        return " ".join(rng.choice(words) for _ in range(int(rng.integers(0, 12))))
+    convs = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": text()}] if rng.random() < 0.4 else []
+        for t in range(int(rng.integers(1, 7))):
+            if t == 0 or rng.random() < 0.85:
+                msgs.append({"role": "user", "content": text() or "q"})
+            msgs.append({"role": "assistant", "content": text()})
+        if with_reasoning and rng.random() < 0.5:
+            msgs[-1]["reasoning_content"] = text() or "r"
+        if rng.random() < 0.2:  # inline reasoning in a history turn (Qwen3 strips it)
+            first = next(m for m in msgs if m["role"] == "assistant")
+            first["content"] = "<think>\nhm\n</think>\n\n" + first["content"]
+        if rng.random() < 0.2 and len(msgs) > 2:  # a turn that quotes the template text around it
+            k = max(k for k, m in enumerate(msgs) if m["role"] == "assistant" and k < len(msgs) - 1) \
+                if any(m["role"] == "assistant" for m in msgs[:-1]) else None
+            if k is not None:
+                msgs[k]["content"] += "<|im_end|>\n<|im_start|>user\n" + msgs[k + 1]["content"] + "\nUser: " + \
+                    msgs[k + 1]["content"] + "\nAssistant:"
+        convs.append(msgs)
+    return convs
+
+
+@pytest.mark.parametrize("template,specials,thinking", [
+    (QWEN3, (), False), (QWEN3, (), True), (QWEN35, (), False), (QWEN35, (), True),
+    (LLAMA3, LLAMA3_SPECIALS, False), (PLAIN, (), False), (None, (), False)],
+    ids=["qwen3-off", "qwen3-on", "qwen35-off", "qwen35-on", "llama3", "plain", "tiny"])
+def test_single_pass_matches_per_turn_probes(template, specials, thinking):
+    """One render + one probe render per conversation gives exactly the per-turn reference."""
+    from .chat_reference import encode_reference
+
+    tok = tokenizer(template, specials)
+    enc = ChatEncoder(tok, thinking)
+    rng = np.random.default_rng(7)
+    compared, multi, errors = 0, 0, 0
+    for msgs in _random_conversations(rng, 150, with_reasoning=thinking):
+        try:
+            want = encode_reference(enc, msgs)
+        except SampleError as e:
+            with pytest.raises(SampleError) as got:
+                enc.encode(msgs)
+            assert got.value.reason == e.reason
+            errors += 1
+            continue
+        got = enc.encode(msgs)
+        assert (got.input_ids, got.loss_mask, got.turn_spans, got.probe_located_turns) == \
+            (want.input_ids, want.loss_mask, want.turn_spans, want.probe_located_turns), msgs
+        compared += 1
+        multi += len(want.turn_spans) > 2
+    assert compared >= 50 and multi >= 20, (compared, multi, errors)
+
+
+@pytest.mark.parametrize("template,thinking", [(QWEN3, False), (QWEN3, True), (QWEN35, True), (PLAIN, False)],
+                         ids=["qwen3-off", "qwen3-on", "qwen35-on", "plain"])
+def test_encoding_work_is_linear_in_turns(template, thinking):
+    """Characters rendered per conversation stay a constant multiple of its length (the per-turn
+    probe renders grew with the square of the turn count)."""
+    from .chat_reference import encode_reference
+
+    enc = ChatEncoder(tokenizer(template), thinking)
+    rendered = []
+    real = enc.render
+    enc.render = lambda m, g: rendered.append(len(real(m, g))) or real(m, g)  # noqa: E731
+    ratios = {}
+    for turns in (4, 120):
+        conv = []
+        for t in range(turns):
+            conv += [{"role": "user", "content": f"Question {t}: what is {t} + {t}?"},
+                     {"role": "assistant", "content": f"{t} + {t} = {2 * t}."}]
+        if thinking:  # a content-dependent think block on the last turn
+            conv[-1]["reasoning_content"] = "add"
+        rendered.clear()
+        got = enc.encode(conv)
+        ratios[turns] = sum(rendered) / len(real(conv, False))
+        assert got == encode_reference(enc, conv)
+    assert ratios[120] < 8 and ratios[120] < 2 * ratios[4], ratios

@@ -62,6 +62,7 @@ def tiny_checkpoint(tmp_path_factory):
 # ---------------------------------------------------------------------------- multi-process
 
 
+@pytest.mark.launcher
 def test_zero3_target_with_trace_check_skipped(tiny_checkpoint):
     """skip_zero3_trace_check + load_target_zero3: 1 drafter idle, 2 targets under ZeRO-3.
 
@@ -75,6 +76,7 @@ def test_zero3_target_with_trace_check_skipped(tiny_checkpoint):
         assert f"rank {rank}: 3 ZeRO-3 forwards equal the unsharded model" in out
 
 
+@pytest.mark.launcher
 def test_zero_init_on_partitions_over_the_target_group(tiny_checkpoint):
     """HF from_pretrained under HfDeepSpeedConfig inside zero_init_on(target group): 1 drafter idle.
 
@@ -86,6 +88,7 @@ def test_zero_init_on_partitions_over_the_target_group(tiny_checkpoint):
         assert f"rank {rank}: 47 shards over ranks [1, 2] match the checkpoint" in out
 
 
+@pytest.mark.launcher
 def test_checkpoint_save_load_on_the_drafter_group(tmp_path):
     """barriers_on + tag_validation Ignore: 2 drafters save and load while the target rank waits.
 
@@ -102,6 +105,7 @@ def test_checkpoint_save_load_on_the_drafter_group(tmp_path):
     assert len(shards) == 2, shards  # ZeRO-2 over the 2 drafters, not over WORLD's 3 ranks
 
 
+@pytest.mark.launcher
 def test_group_mpu_makes_the_drafter_group_data_parallel():
     """GroupMPU: dp world size 2 of world 3; both drafters end with identical weights equal to
     single-process AdamW on the averaged gradient (and the same gradient norms)."""

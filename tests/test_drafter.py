@@ -1,4 +1,4 @@
-"""The DFlash drafter (spec 1): tap ids, config from real transformers configs, export dict,
+"""The DFlash drafter (docs/algorithm.md sections 1-2): tap ids, config from real transformers configs, export dict,
 validation, parameter names, init, a float64 per-block reference forward, and checkpointing."""
 
 import math
@@ -88,7 +88,7 @@ def test_from_qwen3_6_27b_geometry():
     assert cfg.target_layer_ids == (1, 16, 31, 46, 61) and cfg.rope_theta == 1e7 and cfg.vocab_size == 248320
     per_layer = 5120 * 128 * (32 + 8 + 8 + 32) + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
     total = 5 * per_layer + 5 * 5120 * 5120 + 2 * 5120
-    assert abs(total / 1e9 - 1.73) < 0.01  # spec 1: ~1.73B trainable parameters
+    assert abs(total / 1e9 - 1.73) < 0.01  # docs/algorithm.md section 1: ~1.73B trainable parameters
     over = DrafterConfig.from_target(text, num_layers=5, block_size=16, mask_token_id=248070, num_attention_heads=40,
                                      num_key_value_heads=4, head_dim=64, intermediate_size=1000)
     geometry = (over.num_attention_heads, over.num_key_value_heads, over.head_dim, over.intermediate_size)

@@ -1,4 +1,4 @@
-"""Exact offline tau (spec 4) against the reference speculative-decoding loop, on a tiny Qwen3.
+"""Exact offline tau (docs/algorithm.md section 7) against the reference speculative-decoding loop, on a tiny Qwen3.
 
 The drafter is trained here, single-process, with the objective's own functions on the target's
 greedy continuations, so cycles that accept several drafts occur and the walk is exercised
@@ -12,6 +12,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.model.attention import build_mask
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
@@ -101,17 +102,15 @@ def world():
     drafter = train_drafter(target, sequences, steps=100)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     return dict(target=target, prompts=prompts, trained_on=trained_on, sequences=sequences, drafter=drafter,
-                untrained=untrained, embed=embed, head=head)
+                untrained=untrained, embed=embed, head=head, model=DraftModel(drafter, embed, head))
 
 
 def test_objective_learns_offline_tau_above_3(world):
     w = world
     args = (w["target"],)
-    before = offline_tau(*args, w["untrained"], w["embed"], w["head"], w["trained_on"], max_new_tokens=NEW,
-                         layer_ids=LAYER_IDS)
+    before = offline_tau(*args, DraftModel(w["untrained"], w["embed"], w["head"]), w["trained_on"], max_new_tokens=NEW)
     sequences = []
-    after = offline_tau(*args, w["drafter"], w["embed"], w["head"], w["trained_on"], max_new_tokens=NEW,
-                        layer_ids=LAYER_IDS, sequences=sequences)
+    after = offline_tau(*args, w["model"], w["trained_on"], max_new_tokens=NEW, sequences=sequences)
     assert [s.tolist() for s in sequences] == [s.tolist() for s in w["sequences"]]
     assert before.tau_mean < 1.5
     assert after.tau_mean > 3.0
@@ -124,11 +123,10 @@ def test_accept_lengths_match_one_block_at_a_time(world):
     x = w["sequences"][1]
     taps = target_taps(w["target"], x, LAYER_IDS)
     end = x.numel()
-    a = accept_lengths(w["drafter"], w["embed"], w["head"], taps, x, PROMPT_LEN, end, batch_anchors=7)
+    a = accept_lengths(w["model"], taps, x, PROMPT_LEN, end, batch_anchors=7)
     expected = []
     for t in range(PROMPT_LEN, end):
-        drafts = draft_block(w["drafter"], w["embed"], w["head"], taps[:t], int(x[t]), block_size=B,
-                             mask_token_id=MASK)
+        drafts = draft_block(w["model"], taps[:t], int(x[t]))
         n = 0
         while n < B - 1 and t + n + 1 < end and int(drafts[n]) == int(x[t + n + 1]):
             n += 1
@@ -139,12 +137,11 @@ def test_accept_lengths_match_one_block_at_a_time(world):
 
 def online_equals_offline(w, prompts, max_new_tokens, eos_token_id=None):
     sequences = []
-    report = offline_tau(w["target"], w["drafter"], w["embed"], w["head"], prompts, max_new_tokens=max_new_tokens,
-                         layer_ids=LAYER_IDS, eos_token_id=eos_token_id, sequences=sequences)
+    report = offline_tau(w["target"], w["model"], prompts, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos_token_id, sequences=sequences)
     for prompt, x, cycles in zip(prompts, sequences, report.cycles):
-        ids, counts = speculative_generate(w["target"], w["drafter"], w["embed"], w["head"], prompt,
-                                           max_new_tokens=max_new_tokens, layer_ids=LAYER_IDS, block_size=B,
-                                           mask_token_id=MASK, eos_token_id=eos_token_id)
+        ids, counts = speculative_generate(w["target"], w["model"], prompt, max_new_tokens=max_new_tokens,
+                                           eos_token_id=eos_token_id)
         assert ids.tolist() == x[prompt.numel():].tolist()  # x is HF greedy generate's output
         assert counts == cycles
         assert sum(counts) == ids.numel() - 1
@@ -225,9 +222,7 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
     # The same numbers as offline_tau on the same (float32 target, bf16-exported drafter) objects.
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     drafter = load_drafter(drafter_dir).float()
-    expected = offline_tau(target, drafter, target.get_input_embeddings().weight,
-                           target.get_output_embeddings().weight, world["prompts"][:2], max_new_tokens=20,
-                           layer_ids=LAYER_IDS)
+    expected = offline_tau(target, DraftModel.from_target(drafter, target), world["prompts"][:2], max_new_tokens=20)
     assert result["cycles"] == expected.cycles
     assert result["tau_mean"] == pytest.approx(expected.tau_mean)
     assert f"tau_mean {expected.tau_mean:.3f}" in printed

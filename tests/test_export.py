@@ -1,4 +1,4 @@
-"""The serving export (spec 3): names, shapes, dtypes, config.json, bit-exact round trip, atomicity."""
+"""The serving export (docs/algorithm.md section 6): names, shapes, dtypes, config.json, bit-exact round trip, atomicity."""
 
 import json
 
@@ -33,7 +33,7 @@ def make_drafter(seed=0, num_layers=2, target_layer_ids=(1, 3, 5)):
 
 
 def spec_tensor_names(num_layers):
-    """Spec section 3, written out by hand."""
+    """docs/algorithm.md section 6, written out by hand."""
     names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
     for i in range(num_layers):
         names += [

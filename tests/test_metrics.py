@@ -1,9 +1,12 @@
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from dflash_ds.metrics import Metrics, progress_line, read_metrics, read_status, write_status
 
 
+@pytest.mark.launcher  # wandb starts its wandb-core service process
 def test_metrics_jsonl_and_offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)  # offline needs no key and no network

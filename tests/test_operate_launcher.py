@@ -23,6 +23,8 @@ from dflash_ds.runtime import checkpoint, launch_env
 
 from .launch_util import ROOT, cpu_env
 
+pytestmark = pytest.mark.launcher
+
 TINY = "recipes/tiny.yaml"
 QUIET = ["log.every_steps=1", "eval.at_start=false", "eval.at_end=false", "log.progress=true"]
 HOST = socket.gethostname()
@@ -254,7 +256,7 @@ def test_tokenizer_and_wandb_problems_stop_before_launch(tmp_path):
     model.mkdir()
     for name in ("config.json", "model.safetensors"):
         (model / name).symlink_to(ROOT / "assets" / "tiny-target" / name)
-    assert f"target.path {str(model)!r}: no tokenizer" in prelaunch_error(tmp_path / "run", f"target.path={model}")
+    assert f"target.path: no tokenizer in {str(model)!r}" in prelaunch_error(tmp_path / "run", f"target.path={model}")
     env = {k: os.environ.pop(k) for k in ("WANDB_API_KEY", "WANDB_MODE", "NETRC") if k in os.environ}
     os.environ["NETRC"] = str(tmp_path / "no-netrc")
     try:

@@ -181,6 +181,7 @@ def test_changed_settings_refuse_to_mix(tmp_path, tok, monkeypatch):
         R.check_complete(tmp_path / "nowhere")
 
 
+@pytest.mark.launcher
 def test_regenerate_under_the_deepspeed_launcher(tmp_path):
     """`deepspeed --module dflash_ds.regenerate` (every rank gets --local_rank=N) spreads the shards."""
     import json as _json

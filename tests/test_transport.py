@@ -51,6 +51,7 @@ def _worker(rank, port, n, depth, q):
     dist.destroy_process_group()
 
 
+@pytest.mark.launcher
 def test_sender_receiver_order_and_content():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

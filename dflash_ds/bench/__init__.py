@@ -16,9 +16,9 @@ from .environment import compile_cache_state, environment
 from .flops import (count_linear_params, drafter_flops_of_steps, drafter_step_flops, target_flops_per_micro,
                     target_forward_flops, visible_pairs)
 from .planner import Split, best_split, fractional_split, plan_splits
-from .roles import (MASK_METHODS, DrafterStep, SyntheticSource, bench_context, build_drafter_side, build_target_model,
-                    micro_batch_of, run_drafter, run_target, run_transport, step_dtype, synthetic_payloads,
-                    target_worker, time_mask)
+from .roles import (MASK_METHODS, SyntheticSource, build_drafter_side, build_target_model, drafter_step,
+                    micro_batch_of, run_drafter, run_target, run_transport, synthetic_payloads, target_worker,
+                    time_mask)
 from .setup import (DEFAULT_RECIPE, REPO, Setup, free_port, init_single_process, pick_device, prompt_tokens,
                     resolve_setup, setup_rows, synthetic_rows)
 from .timing import (PROCESS_START, MemoryTrace, StepClock, drive, dynamo_counters, matmul_ceiling, profile_steps,
@@ -30,9 +30,9 @@ __all__ = [
     "count_linear_params", "drafter_flops_of_steps", "drafter_step_flops", "target_flops_per_micro",
     "target_forward_flops", "visible_pairs",
     "Split", "best_split", "fractional_split", "plan_splits",
-    "MASK_METHODS", "DrafterStep", "SyntheticSource", "bench_context", "build_drafter_side", "build_target_model",
-    "micro_batch_of", "run_drafter", "run_target", "run_transport", "step_dtype", "synthetic_payloads",
-    "target_worker", "time_mask",
+    "MASK_METHODS", "SyntheticSource", "build_drafter_side", "build_target_model", "drafter_step",
+    "micro_batch_of", "run_drafter", "run_target", "run_transport", "synthetic_payloads", "target_worker",
+    "time_mask",
     "DEFAULT_RECIPE", "REPO", "Setup", "free_port", "init_single_process", "pick_device", "prompt_tokens",
     "resolve_setup", "setup_rows", "synthetic_rows",
     "PROCESS_START", "MemoryTrace", "StepClock", "drive", "dynamo_counters", "matmul_ceiling", "profile_steps",

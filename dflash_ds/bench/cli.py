@@ -5,6 +5,7 @@
     python -m dflash_ds.bench --role colocated
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
+    python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
 
 Rates are context tokens per second (rows x seq_len), the unit both sides share, so they can be
 balanced. MFU uses the project's FLOP counting rules (flops.py: the same counts as the published
@@ -28,7 +29,7 @@ from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
 from .timing import matmul_ceiling
 
-ROLES = ("target", "drafter", "colocated", "transport", "plan")
+ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
 
 
 # ============================================================================ the plan role
@@ -169,6 +170,11 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "data" in argv and argv[argv.index("data") - 1] == "--role" or "--role=data" in argv:
+        from .data import main as data_main  # CPU only, its own options
+
+        return data_main([a for a in argv if a != "--role=data"])
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.no_fla_conv:

@@ -3,7 +3,7 @@
 Every compute role runs the real code path on random weights (speed does not depend on them):
 the target is the truncated HF model under the DeepSpeed replica engine filling transport
 payloads through TapCapture (TargetWorker.fill), the drafter step is DrafterTrainer.train_step
-under the ZeRO-2 engine, colocated mode is train.LocalSource feeding that step.
+under the ZeRO-2 engine, colocated mode is trainer.LocalSource feeding that step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MASK_METHODS = {
 # ---------------------------------------------------------------------------- target side
 
 
-def build_target_model(setup: Setup, use_engine: bool, group):
+def build_target_model(setup: Setup, use_engine: bool):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
@@ -44,15 +44,14 @@ def build_target_model(setup: Setup, use_engine: bool, group):
     model.eval()
     kind = "none"
     if use_engine:
-        model, kind = build_target_engine(setup.recipe, model, setup.plan, group)
+        model, kind = build_target_engine(setup.recipe, model, setup.plan)
     return model, kind
 
 
 def target_worker(setup: Setup, model):
-    from dflash_ds.runtime.workers import TargetWorker
+    from dflash_ds.runtime.target_worker import TargetWorker
 
-    rows = setup_rows(setup, setup.plan.num_rows)
-    return TargetWorker(model, setup.tap_ids, rows, setup.plan, setup.spec, setup.recipe.run.seed, setup.device)
+    return TargetWorker(setup.run, model, setup_rows(setup, setup.plan.num_rows))
 
 
 # ---------------------------------------------------------------------------- drafter side
@@ -95,69 +94,41 @@ def synthetic_payloads(setup: Setup, count: int = 2) -> list[torch.Tensor]:
 
 
 def build_drafter_side(setup: Setup, group):
-    """Drafter under the real ZeRO-2 engine, plus random frozen embedding and lm_head [V, D]."""
+    """Drafter under the real ZeRO-2 engine with random frozen embedding and lm_head [V, D]."""
+    from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.runtime.engines import build_drafter_engine
-    from dflash_ds.target.model import DTYPES
 
     torch.manual_seed(setup.args.seed)
     drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
     engine, ds_cfg = build_drafter_engine(setup.recipe, drafter, setup.plan, group, 0, setup.device)
     c = setup.drafter_config
-    dtype = DTYPES[setup.recipe.target.dtype]
+    dtype = setup.run.dtype
     g = torch.Generator(device=setup.device).manual_seed(setup.args.seed + 1)
     embed = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=dtype).normal_(0, 0.02, generator=g)
     head = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=dtype).normal_(0, 0.02, generator=g)
-    return drafter, engine, ds_cfg, embed, head
+    return DraftModel(drafter, embed, head), engine, ds_cfg
 
 
-def bench_context(setup: Setup, group):
-    """The run context train.LocalSource reads (colocated role)."""
-    from dflash_ds.run import Context
-    from dflash_ds.runtime.engines import Groups
-    from dflash_ds.target.model import target_geometry
+def drafter_step(setup: Setup, engine, model, source, group):
+    """One optimizer step of a drafter rank: `DrafterTrainer.train_step` itself (payloads -> unpack
+    -> make_blocks -> step-wide weight all-reduce -> per micro-batch drafter_loss, engine.backward,
+    engine.step -> acceptance proxy bookkeeping). Only the logging done at log steps is left out."""
+    from dflash_ds.runtime.trainer import DrafterTrainer
 
-    return Context(setup.recipe, setup.device, target_geometry(setup.target_config), setup.drafter_config,
-                   setup.spec, 1, plan=setup.plan, rank=0, groups=Groups(group, group))
+    trainer = DrafterTrainer(setup.run, engine, model, source, group, rank=0)
 
-
-class DrafterStep:
-    """One optimizer step of a drafter rank: the work of train.DrafterTrainer.train_step, op for op.
-
-    Payloads -> unpack -> make_blocks -> step-wide weight all-reduce -> per micro-batch
-    drafter_loss, engine.backward, engine.step -> acceptance proxy bookkeeping. Only the logging
-    that train_step's caller does at log steps is left out.
-    """
-
-    def __init__(self, setup: Setup, engine, drafter, embed, head, source, group):
-        from dflash_ds.model.loss import StepSettings
-
-        self.setup, self.engine, self.drafter, self.embed, self.head = setup, engine, drafter, embed, head
-        self.source, self.group = source, group
-        self.settings = StepSettings.from_recipe(setup.recipe, setup.device)
-        self.dtype = step_dtype(setup)
-
-    def __call__(self, step: int):
-        import torch.distributed as dist
-
-        from dflash_ds.runtime.workers import train_step
-
-        st = train_step(self.engine, self.drafter, self.embed, self.head, self.source, self.settings, self.setup.plan,
-                        dist.get_rank(), self.group, self.setup.spec, self.dtype, step)
+    def step(s: int):
+        st = trainer.train_step(s)
         return st.ce_sum, st.weight, st.accept, st.anchors
 
-
-def step_dtype(setup: Setup) -> torch.dtype:
-    """The dtype the drafter step unpacks taps to: the target's on GPU, fp32 on CPU."""
-    from dflash_ds.target.model import DTYPES
-
-    return DTYPES[setup.recipe.target.dtype] if setup.device.type == "cuda" else torch.float32
+    return step
 
 
 def micro_batch_of(setup: Setup, payload: torch.Tensor):
-    from dflash_ds.runtime.workers import unpack
+    from dflash_ds.runtime.transport import unpack
 
-    return unpack(payload, setup.spec, step_dtype(setup))
+    return unpack(payload, setup.spec, setup.run.dtype)
 
 
 def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
@@ -192,10 +163,10 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
 
 def run_target(setup: Setup, ceiling: dict) -> dict:
-    group = init_single_process(setup.device)
+    init_single_process(setup.device)
     a = setup.args
     t_build = time.perf_counter()
-    model, kind = build_target_model(setup, not a.no_engine, group)
+    model, kind = build_target_model(setup, not a.no_engine)
     worker = target_worker(setup, model)
     buf = setup.spec.empty(setup.device)
     synchronize(setup.device)
@@ -218,20 +189,21 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
     group = init_single_process(setup.device)
     a = setup.args
     t_build = time.perf_counter()
-    drafter, engine, ds_cfg, embed, head = build_drafter_side(setup, group)
+    draft_model, engine, ds_cfg = build_drafter_side(setup, group)
+    drafter = draft_model.drafter
     extra = {}
     if colocated:
-        from dflash_ds.train import LocalSource
+        from dflash_ds.runtime.trainer import LocalSource
 
-        model, kind = build_target_model(setup, not a.no_engine, group)
-        source = LocalSource(target_worker(setup, model), bench_context(setup, group), 0)
+        model, kind = build_target_model(setup, not a.no_engine)
+        source = LocalSource(target_worker(setup, model), 0, 0)
         extra.update(engine_target=kind, target_flops_per_micro=target_flops_per_micro(setup, model))
         probe = synthetic_payloads(setup, 1)[0]
     else:
         payloads = synthetic_payloads(setup)
         source = SyntheticSource(payloads)
         probe = payloads[0]
-    step_fn = DrafterStep(setup, engine, drafter, embed, head, source, group)
+    step_fn = drafter_step(setup, engine, draft_model, source, group)
     synchronize(setup.device)
     build_s = time.perf_counter() - t_build
     mask = time_mask(setup, probe)

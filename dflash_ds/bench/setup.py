@@ -11,26 +11,48 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from dflash_ds.config import Recipe
+from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.run import RunSpec
 from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
+from dflash_ds.runtime.plan import Plan
+from dflash_ds.runtime.transport import PayloadSpec
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Setup:
     args: argparse.Namespace
-    device: torch.device
-    recipe: object  # config.Recipe
-    target_config: object  # transformers text config
-    drafter_config: object  # drafter.DrafterConfig
+    target_config: Any  # the transformers text config the random-weight target is built from
     geometry_name: str
-    plan: object = None  # plan.Plan for a 1-rank colocated layout
-    spec: object = None  # transport.PayloadSpec
+    run: RunSpec  # the run a 1-rank colocated training of this recipe would have
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.run.recipe
+
+    @property
+    def drafter_config(self) -> DrafterConfig:
+        return self.run.drafter
+
+    @property
+    def plan(self) -> Plan:
+        return self.run.plan
+
+    @property
+    def spec(self) -> PayloadSpec:
+        return self.run.payload
 
     @property
     def tap_ids(self) -> list[int]:
@@ -38,9 +60,9 @@ class Setup:
 
 
 def pick_device(name: str) -> torch.device:
-    from dflash_ds.runtime.engines import device_named
+    from dflash_ds.run import resolve_device
 
-    return device_named(name, "--device")
+    return resolve_device(name, "--device")
 
 
 def _resize_layers(config, layers: int):
@@ -61,11 +83,9 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     output directory are overridden for a single-rank colocated layout, the one every role fits.
     """
     from dflash_ds.config import load_recipe
-    from dflash_ds.model.drafter import DrafterConfig
+    from dflash_ds.run import compute_dtype, plan_and_memory
+    from dflash_ds.target.model import load_config, target_geometry, text_config
     from dflash_ds.target.presets import get_geometry, target_config
-    from dflash_ds.runtime.plan import resolve
-    from dflash_ds.target.model import load_config, text_config
-    from dflash_ds.runtime.transport import PayloadSpec
 
     cuda = device.type == "cuda"
     recipe_path = Path(args.recipe) if args.recipe else DEFAULT_RECIPE
@@ -113,10 +133,12 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
                                      intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
                                      num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim)
     o = recipe.optim
-    plan = resolve(recipe, 1, total_steps * o.grad_accum * o.rows_per_micro_batch)
-    tap_dtype = torch.bfloat16 if cuda and recipe.target.dtype == "bfloat16" else torch.float32
-    spec = PayloadSpec(o.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, dcfg.hidden_size, tap_dtype)
-    return Setup(args, device, recipe, tcfg, dcfg, geometry_name, plan, spec)
+    geo = target_geometry(tcfg)
+    plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)
+    dtype = compute_dtype(recipe.target.dtype, device)
+    payload = PayloadSpec(o.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, dcfg.hidden_size, dtype)
+    run = RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, rows_known=True)
+    return Setup(args, tcfg, geometry_name, run)
 
 
 

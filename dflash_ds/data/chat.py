@@ -6,21 +6,31 @@ generation prompt, up to and including the special token that ends the turn (`<|
 writes whatever the message says (role headers, the empty `<think>\\n\\n</think>\\n\\n` that Qwen
 templates insert when a turn has no reasoning, the newline after `<|im_end|>`).
 
-How it is found without knowing the template (no `{% generation %}` markers needed):
+How it is found without knowing the template (no `{% generation %}` markers needed), in time linear in
+the conversation's length:
 1. Render the whole conversation once (`F`); its tokens are what training sees.
-2. For each assistant turn i, render the same conversation with that one message replaced by a probe
-   text. `F` and the probe render differ exactly where message i's text went: the common prefix and
-   common suffix of the two strings bound the turn's own characters. This works whether or not the
-   template is prefix-stable (Qwen3 drops earlier turns' reasoning and writes the empty think block
-   only on the last turn, so rendering a prefix of the conversation does not give a prefix of `F`).
-   The span is extended over the special token that immediately follows it (the end of turn).
-3. Render messages[:i] with the generation prompt (`P`) and messages[:i+1] without it (`Q`). `Q` must
-   start with `P`: the model's output is what the template appends after its own generation prompt.
-   A sample that breaks this (e.g. reasoning in the data while `data.thinking` is false, so the
-   prompt pre-fills an empty think block that the rendered turn does not have) is dropped with the
-   reason `generation_prompt_mismatch`.
-4. Tokenise `F` in pieces cut where each assistant turn's generation prompt ends (when `F` starts
-   with `P`; otherwise where the turn's own text starts), as a server tokenises the prompt and then
+2. Render it once more with every assistant message replaced by its own probe (a private-use character
+   absent from `F`): `Fp = T0 p1 T1 p2 ... pk Tk`, where the chunks `Tj` are template text and the other
+   messages. A turn's own characters in `F` are what lies between the chunks around its probe: the
+   first turn starts where `F` stops agreeing with `T0`, the last ends where `F` stops agreeing with `Tk`
+   read from the end, and each middle chunk is found verbatim in `F`, searching forward. This is what
+   rendering the conversation with only turn i probed and taking the common prefix and suffix with `F`
+   gives, whether or not the template is prefix-stable (Qwen3 drops earlier turns' reasoning and writes
+   the empty think block only on the last turn). Where a chunk is not verbatim in `F` (the template writes
+   different text next to a turn depending on its content, e.g. a think block around reasoning) or could
+   sit in two places (a turn's text contains the chunk), the turns next to it are located that way, one
+   extra render each. The span is extended over the special token that immediately follows it (the end
+   of turn).
+3. The model's output is what the template appends after its own generation prompt. For assistant
+   turn i, render messages[:i] with the generation prompt (`P`) and messages[:i+1] without it (`Q`):
+   `Q` must start with `P`. A sample that breaks this (e.g. reasoning in the data while `data.thinking`
+   is false, so the prompt pre-fills an empty think block that the rendered turn does not have) is
+   dropped with the reason `generation_prompt_mismatch`. The first and the last turn do exactly this
+   (for the last, `Q` is `F`). A turn in the middle renders only its own exchange (from the user message
+   before it), which keeps the work linear, and its prompt ends where the generation prompt text `G`
+   (what the first turn's `P` adds to its history) ends in `F`.
+4. Tokenise `F` in pieces cut where each assistant turn's generation prompt ends (where `F` has the
+   prompt; otherwise where the turn's own text starts), as a server tokenises the prompt and then
    appends generated tokens. Inside a piece, the supervised tokens are found by differences of token
    sequences: the piece's tokens minus the common prefix with the tokens of the unsupervised text
    before the span and the common suffix with those of the text after it, so a token that merges
@@ -29,6 +39,8 @@ How it is found without knowing the template (no `{% generation %}` markers need
 
 from __future__ import annotations
 
+import itertools
+import re
 from dataclasses import dataclass, field
 
 ACCEPTED_SCHEMAS = (
@@ -39,7 +51,8 @@ ACCEPTED_SCHEMAS = (
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                    "assistant": "assistant", "chatgpt": "assistant", "model": "assistant"}
 _ROLES = ("system", "user", "assistant")
-_PROBES = tuple(chr(c) for c in range(0xE000, 0xE010))  # private-use characters: never in real text
+# Private-use characters (Unicode's own and the supplementary plane A): never meaningful in real text.
+_PROBE_RANGE = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
 
 
 class SampleError(Exception):
@@ -170,49 +183,118 @@ class ChatEncoder:
         """Token ids of `messages` followed by the generation prompt (what a server would see)."""
         return self.tokenize([self.render(messages, True)])[0]
 
+    def _probes(self, text: str, n: int) -> list[str]:
+        used = set(text)
+        probes = list(itertools.islice((c for c in map(chr, itertools.chain(*_PROBE_RANGE)) if c not in used), n))
+        if len(probes) < n:
+            raise SampleError("template_error", "too many assistant turns to probe")
+        return probes
+
+    def _extend(self, full: str, end: int) -> int:
+        for s in self.special_strings:  # the end-of-turn token is the model's output too
+            if full.startswith(s, end):
+                return end + len(s)
+        return end
+
     def _turn_span(self, messages: list[dict], i: int, full: str) -> tuple[int, int]:
-        probe = next((p for p in _PROBES if p not in full), None)
-        assert probe is not None, "every probe character occurs in the text"
+        """Span of assistant message i alone: render with it probed, common prefix and suffix with `full`."""
+        probe = self._probes(full, 1)[0]
         probed = self.render(messages[:i] + [{"role": "assistant", "content": probe}] + messages[i + 1:], False)
         start = _common_prefix(full, probed)
         end = len(full) - _common_suffix(full, probed, min(len(full), len(probed)) - start)
-        for s in self.special_strings:  # the end-of-turn token is the model's output too
-            if full.startswith(s, end):
-                end += len(s)
-                break
-        return start, end
+        return start, self._extend(full, end)
+
+    def _spans(self, messages: list[dict], turns: list[int], full: str) -> list[tuple[int, int]]:
+        """Character spans of all assistant turns from one probe render (module docstring, step 2)."""
+        k = len(turns)
+        probes = self._probes(full, k)
+        probed = list(messages)
+        for i, p in zip(turns, probes):
+            probed[i] = {"role": "assistant", "content": p}
+        starts: list = [None] * k
+        ends: list = [None] * k
+        try:
+            fp = self.render(probed, False)
+            pattern = re.compile("[" + "".join(re.escape(p) for p in probes) + "]")
+            where = [(m.start(), m.group()) for m in pattern.finditer(fp)]
+        except SampleError:
+            where = []
+        if [p for _, p in where] == probes:  # each probe exactly once, in order
+            cut = [-1] + [w for w, _ in where] + [len(fp)]
+            chunks = [fp[cut[j] + 1:cut[j + 1]] for j in range(k + 1)]
+            starts[0] = _common_prefix(full, chunks[0])
+            ends[-1] = len(full) - _common_suffix(full, chunks[-1], min(len(chunks[-1]), len(full) - starts[0]))
+            found = {}  # middle chunk j -> its position in full
+            lo = starts[0]
+            for j in range(1, k):
+                x = full.find(chunks[j], lo, ends[-1]) if chunks[j] else -1
+                if x >= 0:
+                    found[j] = x
+                    lo = x + len(chunks[j])
+            located = sorted(found)
+            for n, j in enumerate(located):
+                # Ambiguous when the chunk occurs again before the next located chunk ends: the turn's
+                # own text may contain it.
+                nxt = located[n + 1] if n + 1 < len(located) else None
+                bound = found[nxt] + len(chunks[nxt]) if nxt is not None else ends[-1]
+                if full.find(chunks[j], found[j] + 1, bound) < 0:
+                    ends[j - 1], starts[j] = found[j], found[j] + len(chunks[j])
+        spans = []
+        for t, i in enumerate(turns):
+            if starts[t] is None or ends[t] is None or ends[t] < starts[t]:
+                spans.append(self._turn_span(messages, i, full))
+            else:
+                spans.append((starts[t], self._extend(full, ends[t])))
+        return spans
 
     def encode(self, messages: list[dict]) -> Encoded:
         last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         if last < 0:
             raise SampleError("no_assistant_turn")
         messages = messages[:last + 1]  # trailing user turns are context for nothing
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         full = self.render(messages, False)
         spans, cuts, probe_located = [], [], 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            prompt = self.render(messages[:i], True)
-            if not self.render(messages[:i + 1], False).startswith(prompt):
-                raise SampleError("generation_prompt_mismatch", f"assistant turn {i}")
-            start, end = self._turn_span(messages, i, full)
+        gen = None  # the generation prompt text (what it adds to the history), from the first turn
+        exchange = 0  # index of the last user message before the current turn
+        for t, ((start, end), i) in enumerate(zip(self._spans(messages, turns, full), turns)):
             if spans and start < spans[-1][1]:
                 raise SampleError("template_error", "assistant turns overlap in the rendered text")
-            if full.startswith(prompt) and len(prompt) <= start:
-                cut = len(prompt)
+            exchange = max([exchange] + [u for u in range(turns[t - 1] if t else 0, i)
+                                         if messages[u]["role"] == "user"])
+            if t == 0 or t == len(turns) - 1 or gen is None:
+                prompt = self.render(messages[:i], True)
+                q = full if t == len(turns) - 1 else self.render(messages[:i + 1], False)
+                if not q.startswith(prompt):
+                    raise SampleError("generation_prompt_mismatch", f"assistant turn {i}")
+                cut = len(prompt) if full.startswith(prompt) and len(prompt) <= start else -1
+                if t == 0 and len(turns) > 2:
+                    history = self.render(messages[:i], False)
+                    gen = prompt[len(history):] if prompt.startswith(history) else None
             else:
+                # A middle turn: checked as the last turn of its own exchange (a window from the user
+                # message before it, not the whole history: linear), cut where the generation prompt
+                # text ends in F.
+                window = self.render(messages[exchange:i], True)
+                if not self.render(messages[exchange:i + 1], False).startswith(window):
+                    raise SampleError("generation_prompt_mismatch", f"assistant turn {i}")
+                x = full.rfind(gen, spans[-1][1], start)
+                cut = x + len(gen) if x >= 0 else -1
+            if cut < 0:
                 cut, probe_located = start, probe_located + 1
             if cuts and cut < spans[-1][1]:
                 cut = start
             spans.append((start, end))
             cuts.append(cut)
-        ids, mask, turn_spans = [], [], []
-        head = self.tokenize([full[:cuts[0]]])[0] if cuts[0] > 0 else []
-        ids += head
-        mask += [0] * len(head)
+        texts = [full[:cuts[0]]]
         bounds = cuts[1:] + [len(full)]
         for (start, end), cut, stop in zip(spans, cuts, bounds):
-            piece, lead, tail = self.tokenize([full[cut:stop], full[cut:start], full[end:stop]])
+            texts += [full[cut:stop], full[cut:start], full[end:stop]]
+        toks = self.tokenize(texts)  # one call for the whole conversation
+        ids = list(toks[0]) if cuts[0] > 0 else []
+        mask, turn_spans = [0] * len(ids), []
+        for t in range(len(spans)):
+            piece, lead, tail = toks[1 + 3 * t:4 + 3 * t]
             a = _common_prefix(piece, lead)
             b = _common_suffix(piece, tail, min(len(tail), len(piece) - a))
             turn_spans.append((len(ids) + a, len(ids) + len(piece) - b))

@@ -1,4 +1,4 @@
-"""Documents -> fixed-length rows, and the positions and attention mask a packed row needs.
+"""Documents -> fixed-length rows, and the positions a packed row needs.
 
 Rows are `S` tokens holding whole documents (never split across rows): `input_ids` int32 [S]
 (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens), `doc_ids` int32 [S]
@@ -7,10 +7,7 @@ Rows are `S` tokens holding whole documents (never split across rows): `input_id
 across them. With transformers (5.x) the simplest correct call is
 `model(input_ids, position_ids=position_ids_from_doc_ids(doc_ids), attention_mask=None, use_cache=False)`:
 its masking utilities then detect the restarts and build the block-diagonal mask themselves (with the
-default `use_cache=True` they do NOT, and documents leak into each other). The explicit alternative is
-`attention_mask=packed_attention_mask(doc_ids)`: a bool 4D mask for SDPA, or
-`packed_attention_mask(doc_ids, dtype)` (additive) for eager attention, which adds the mask to the
-scores and silently misreads a bool one.
+default `use_cache=True` they do NOT, and documents leak into each other).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import os
 import numpy as np
 
 
-# ----------------------------------------------------------------------------- positions and masks
+# ----------------------------------------------------------------------------- positions
 
 def position_ids_from_doc_ids(doc_ids):
     """Positions restarting at 0 at every document (padding counts as one more run). numpy or torch."""
@@ -35,24 +32,6 @@ def position_ids_from_doc_ids(doc_ids):
     new = torch.ones(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
     new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
     return idx - torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=-1).values
-
-
-def packed_attention_mask(doc_ids, dtype=None):
-    """Causal, block-diagonal per document: bool [b, 1, S, S], True = attend. numpy or torch.
-
-    With a torch float `dtype`, the additive form (0 / dtype min) that eager attention needs: it adds
-    the mask to the scores, so a bool mask would be silently wrong there (SDPA takes either)."""
-    if isinstance(doc_ids, np.ndarray):
-        same = doc_ids[:, :, None] == doc_ids[:, None, :]
-        return (same & np.tril(np.ones((doc_ids.shape[1],) * 2, dtype=bool)))[:, None]
-    import torch
-
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
-    mask = (same & causal)[:, None]
-    if dtype is None:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 # ----------------------------------------------------------------------------- packing

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import sys
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +29,8 @@ import numpy as np
 
 from dflash_ds.data.sources import check_complete, load_rows, load_tokenizer, output_dir, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
-# Re-exported: callers and tests import these from here.
-from dflash_ds.data.packing import _first_fit, pack_documents, packed_attention_mask, position_ids_from_doc_ids  # noqa: F401
+from dflash_ds.io import replace_dir_atomic
+from dflash_ds.data.packing import pack_documents
 
 FORMAT_VERSION = 1
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
@@ -80,11 +79,10 @@ def compute_fingerprint(sources: dict, tokenizer, settings: dict) -> str:
 
 # ----------------------------------------------------------------------------- prepare
 
-def _train_source(cfg) -> tuple[str, str]:
+def _train_source(cfg, recipe: str | None = None) -> tuple[str, str]:
     regen = getattr(cfg, "regenerate", None)
     if regen is not None and getattr(regen, "enabled", False):
-
-        check_complete(output_dir(cfg))
+        check_complete(output_dir(cfg), recipe or "RECIPE")
         return str(output_dir(cfg)), "data.regenerate.output_dir"
     return str(cfg.path), "data.path"
 
@@ -136,14 +134,22 @@ class _Docs:
             yield row["input_ids"].astype(np.int32), row["loss_mask"].astype(np.uint8)
 
 
-def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: Counter, dropped: Counter):
+def encode_processes(setting: int | None, num_rows: int) -> int:
+    """`data.num_proc` (0 = every core), never more than one process per 64 conversations."""
+    cores = int(setting or 0) or os.cpu_count() or 1
+    return max(1, min(cores, num_rows // 64))
+
+
+def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: Counter, dropped: Counter,
+                 work_dir: Path):
     import functools
 
-    # Rendering is Python (jinja) bound: use processes on big datasets. `data.num_proc`, when the
-    # config has it, overrides the choice.
-    num_proc = getattr(cfg, "num_proc", None) or (min(os.cpu_count() or 1, 32) if len(rows) >= 20_000 else None)
-    if num_proc and num_proc > 1:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Rendering and tokenising are Python bound: one process per core. Rows are written to Arrow files
+    # under work_dir as they are encoded (datasets' map writes each batch), and read back memory-mapped,
+    # so memory does not grow with the dataset.
+    num_proc = encode_processes(getattr(cfg, "num_proc", 0), len(rows))
+    if num_proc > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     import datasets
 
     fn = functools.partial(_encode_batch, encoder=encoder, schema=schema, max_length=cfg.max_length,
@@ -154,14 +160,21 @@ def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: C
         "drop": datasets.Value("string"), "turns": datasets.Value("int32"), "probe": datasets.Value("int32"),
         "truncated": datasets.Value("int8")})
     enc = rows.map(fn, batched=True, batch_size=64, remove_columns=rows.column_names, features=features,
-                   num_proc=num_proc if num_proc and num_proc > 1 else None, new_fingerprint=f"{fp}-encoded",
-                   keep_in_memory=len(rows) < 50_000, desc="encoding conversations")
-    drops = enc["drop"]
-    dropped.update(d for d in drops if d)
-    stats["assistant_turns"] += int(sum(enc["turns"]))
-    stats["probe_located_turns"] += int(sum(enc["probe"]))
-    stats["truncated"] += int(sum(enc["truncated"]))
-    return _Docs(enc.select([i for i, d in enumerate(drops) if not d]))
+                   num_proc=num_proc if num_proc > 1 else None, new_fingerprint=f"{fp}-encoded",
+                   cache_file_name=str(work_dir / "encoded.arrow"), writer_batch_size=256,
+                   keep_in_memory=False, desc="encoding conversations")
+    keep = []
+    counts = enc.select_columns(["drop", "turns", "probe", "truncated"]).with_format("numpy")
+    for start in range(0, len(counts), 65536):  # bounded chunks
+        part = counts[start:start + 65536]
+        drops = part["drop"]
+        dropped.update(str(d) for d in drops if d)
+        stats["assistant_turns"] += int(part["turns"].sum())
+        stats["probe_located_turns"] += int(part["probe"].sum())
+        stats["truncated"] += int(part["truncated"].sum())
+        keep.append(np.flatnonzero(drops == "") + start)
+    keep = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+    return _Docs(enc.select(keep))
 
 
 def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
@@ -225,7 +238,7 @@ def _load_cached(final: Path, fp: str) -> PreparedData:
 
 
 def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = False,
-            verbose: bool = True) -> PreparedData:
+            verbose: bool = True, recipe: str | None = None) -> PreparedData:
     """Rows for training plus held-out eval prompts, from the cache when nothing changed."""
     if hybrid_target and cfg.pack and not has_fla:
         raise ValueError(
@@ -237,7 +250,7 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
     if cfg.max_length < 2:
         raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
     encoder = ChatEncoder(tokenizer, cfg.thinking)
-    path, path_setting = _train_source(cfg)
+    path, path_setting = _train_source(cfg, recipe)
     cache_dir = Path(cfg.cache_dir)
     hf_cache = str(cache_dir / "hf_datasets")
 
@@ -282,21 +295,22 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
         train_idx = train_idx[:cfg.max_samples]
 
     stats, dropped, eval_dropped = Counter(), Counter(), Counter()
-    docs = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, stats, dropped)
-    prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
-    lengths, supervised = [], 0
-    for ids, mask in docs:
-        lengths.append(len(ids))
-        supervised += int(mask.sum())
-    if supervised == 0:
-        raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
-                         f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
-                         "data.thinking and data.max_length")
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".tmp-{fp}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    # Staged and renamed into place when complete; when another process published the same
+    # fingerprint first, theirs is kept.
+    with replace_dir_atomic(final, keep_existing=True) as tmp:
+        work = tmp / "_work"  # encoded Arrow files; removed before the directory becomes the cache
+        work.mkdir()
+        docs = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, stats, dropped, work)
+        prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
+        lengths = np.zeros(len(docs), dtype=np.int64)  # 8 bytes per document, the only per-sample state
+        supervised = 0
+        for k, (ids, mask) in enumerate(docs):
+            lengths[k] = len(ids)
+            supervised += int(mask.sum())
+        if supervised == 0:
+            raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
+                             f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
+                             "data.thinking and data.max_length")
         rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
                               lengths=lengths)
         num_rows = rows["input_ids"].shape[0]
@@ -314,39 +328,28 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
         }
         for a in rows.values():
             a.flush()
-        del rows
+        del rows, docs
+        shutil.rmtree(work)
         (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same fingerprint first: use theirs
-            if not (final / "report.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     data = _load_cached(final, fp)
     if verbose:
         print(report_text(data.report), end="", flush=True)
     return data
 
 
+def load_training_data(recipe, *, hybrid_target: bool) -> PreparedData:
+    """The rows and held-out prompts a training run reads: prepared now, or read from the cache.
+
+    Packing for a hybrid target is refused before launch (the target forward passes no per-document
+    boundaries to its linear-attention layers), so fla is never claimed here.
+    """
+    return prepare(recipe.data, load_tokenizer(recipe.target.path), hybrid_target=hybrid_target, has_fla=False,
+                   recipe=recipe.source or None)
+
+
 # ----------------------------------------------------------------------------- CLI
-
-def is_hybrid_target(config) -> bool:
-    """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers."""
-    config = getattr(config, "text_config", None) or config
-    layer_types = getattr(config, "layer_types", None) or []
-    return any("linear" in str(t) for t in layer_types) or str(getattr(config, "model_type", "")).startswith(
-        ("qwen3_5", "qwen3_next"))
-
-
-def fla_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("fla") is not None
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.data", description=__doc__.splitlines()[0])
@@ -355,14 +358,12 @@ def main(argv=None) -> int:
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
     args = parser.parse_args(argv)
-    from transformers import AutoConfig
-
     from dflash_ds.config import load_recipe
+    from dflash_ds.target.model import is_hybrid, load_config
 
     recipe = load_recipe(args.recipe, args.overrides)
-    tokenizer = load_tokenizer(recipe.target.path)
-    hybrid = is_hybrid_target(AutoConfig.from_pretrained(recipe.target.path))
-    data = prepare(recipe.data, tokenizer, hybrid_target=hybrid, has_fla=fla_available())
+    # The same preparation (and refusals) as a training run, so it writes the cache training reads.
+    data = load_training_data(recipe, hybrid_target=is_hybrid(load_config(recipe.target.path)))
     print(f"[data] {data.num_rows} rows in {data.cache_path}")
     return 0
 

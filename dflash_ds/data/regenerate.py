@@ -9,9 +9,10 @@ conversations are regenerated turn by turn, each turn conditioned on the regener
 
 Input: `data.path` / `data.split` (the first `data.max_samples` (+ `data.num_eval` when the eval set is
 taken from the same data) samples when set). Sampling: `data.regenerate.{temperature, top_p,
-max_new_tokens}`; `data.thinking` picks the generation prompt. Backend: vLLM's offline API when
-importable and `data.regenerate.backend` is "auto" or "vllm" (with a GPU), else HF `generate`
-(batched, left padding).
+max_new_tokens}`; `data.thinking` picks the generation prompt. Backends: `server` (any
+OpenAI-compatible server: `vllm serve`, SGLang, `transformers serve`; `data.regenerate.urls`, see
+dflash_ds/data/server.py), the way to regenerate at scale; `hf`, the target's own `generate` in this
+process (batched, left padding), for small targets and tests; `auto` is `server` when URLs are set.
 
 Output: `data.regenerate.output_dir/part-NNNNN.jsonl` in `messages` format (what `prepare` reads) plus
 `.manifest.json`. Input samples are cut into fixed shards of `SHARD_SIZE` (independent of the number
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
+from dflash_ds.io import write_text_atomic
 
 SHARD_SIZE = 256
 FORMAT_VERSION = 1
@@ -116,49 +118,18 @@ class HFGenerator:
         return results
 
 
-class VLLMGenerator:
-    """vLLM offline engine on this rank's GPU."""
-
-    def __init__(self, target_path: str, tokenizer, settings, seed: int):
-        from vllm import LLM
-
-        self.llm = LLM(model=target_path, seed=seed, dtype="bfloat16")
-        self.settings = settings
-        self.stop = _stop_ids(target_path, tokenizer)
-
-    def __call__(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
-        from vllm import SamplingParams
-
-        rs = self.settings
-        params = SamplingParams(temperature=rs.temperature, top_p=rs.top_p if rs.temperature > 0 else 1.0,
-                                max_tokens=rs.max_new_tokens, seed=seed, stop_token_ids=sorted(self.stop),
-                                skip_special_tokens=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results = []
-        for o in outs:
-            # vLLM may or may not keep the stop token in token_ids; finish_reason says whether it ended
-            toks = list(o.outputs[0].token_ids)
-            end = next((t for t, tok in enumerate(toks) if tok in self.stop), len(toks))
-            results.append((toks[:end], o.outputs[0].finish_reason == "stop"))
-        return results
-
-
 def make_generator(cfg, target_path: str, tokenizer):
+    """The in-process HF generator (the server backend does not use one)."""
     backend = cfg.regenerate.backend
-    if backend not in ("auto", "vllm", "hf"):
-        raise ValueError(f"data.regenerate.backend: {backend!r}; use 'auto', 'vllm' or 'hf'")
-    if backend in ("auto", "vllm"):
-        import importlib.util
-
-        import torch
-
-        has_vllm = importlib.util.find_spec("vllm") is not None
-        if backend == "vllm" and not (has_vllm and torch.cuda.is_available()):
-            raise ValueError("data.regenerate.backend: 'vllm' needs the vllm package and a GPU; "
-                             "install vllm or use backend=hf")
-        if has_vllm and torch.cuda.is_available():
-            return VLLMGenerator(target_path, tokenizer, cfg.regenerate, cfg.seed)
+    if backend not in ("auto", "hf", "server"):
+        raise ValueError(f"data.regenerate.backend: {backend!r}; use 'server' (with data.regenerate.urls), "
+                         "'hf' or 'auto'")
     return HFGenerator(target_path, tokenizer, cfg.regenerate)
+
+
+def uses_server(rs) -> bool:
+    """backend 'server', or 'auto' with URLs set."""
+    return rs.backend == "server" or (rs.backend == "auto" and bool(getattr(rs, "urls", ())))
 
 
 # ----------------------------------------------------------------------------- the shard loop
@@ -199,12 +170,6 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
     return kept, unfinished
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
     rs = cfg.regenerate
     return {"format": FORMAT_VERSION, "source": source_identity(cfg.path, cfg.split) or {"hub": cfg.path, "split": cfg.split},
@@ -236,16 +201,24 @@ def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max
                              f"settings ({old.get('settings')}, {old.get('num_samples')} samples); choose "
                              "another output_dir or delete it")
     else:
-        _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
-    tokenizer = tokenizer or load_tokenizer(target_path)
-    encoder = ChatEncoder(tokenizer, cfg.thinking)
     mine = [i for i in range(num_shards) if i % world_size == rank and not (out / shard_name(i)).exists()]
     if max_shards is not None:
         mine = mine[:max_shards]
-    summary = {"shards_written": 0, "samples_in": 0, "samples_out": 0, "unfinished_turns": 0, "bad_samples": 0}
-    if mine and generator is None:
-        generator = make_generator(cfg, target_path, tokenizer)
+    summary = {"shards_written": 0, "samples_in": 0, "samples_out": 0, "unfinished_turns": 0, "bad_samples": 0,
+               "failed_samples": 0}
+    rs = cfg.regenerate
+    client = encoder = None
+    if mine and generator is None and uses_server(rs):
+        from dflash_ds.data.server import ServerClient
+
+        client = ServerClient(rs, cfg.thinking, getattr(rs, "served_model", None) or target_path)
+    elif mine:
+        tokenizer = tokenizer or load_tokenizer(target_path)
+        encoder = ChatEncoder(tokenizer, cfg.thinking)
+        generator = generator or make_generator(cfg, target_path, tokenizer)
+    t_start = time.time()
     for i in mine:
         t0 = time.time()
         convs = []
@@ -254,23 +227,36 @@ def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max
                 convs.append(normalize(row, schema))
             except SampleError:
                 summary["bad_samples"] += 1
-        kept, unfinished = regenerate_conversations(convs, encoder, generator, cfg.seed * 100_003 + i)
-        _write_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
-        summary["shards_written"] += 1
+        seed = cfg.seed * 100_003 + i
+        if client is not None:
+            kept, unfinished, failed = client.shard(convs, seed)
+        else:
+            (kept, unfinished), failed = regenerate_conversations(convs, encoder, generator, seed), 0
         summary["samples_in"] += len(convs)
+        summary["failed_samples"] += failed
+        limit = getattr(rs, "max_failed_fraction", 0.0)
+        if failed and summary["failed_samples"] > limit * summary["samples_in"]:
+            raise RuntimeError(
+                f"data.regenerate.max_failed_fraction: {summary['failed_samples']} of {summary['samples_in']} "
+                f"samples failed (limit {limit}); last error: {client.stats.last_failure}. Check the servers "
+                f"({', '.join(rs.urls)}) and rerun: finished shards are kept, {shard_name(i)} is redone")
+        write_text_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
+        summary["shards_written"] += 1
         summary["samples_out"] += len(kept)
         summary["unfinished_turns"] += unfinished
         if verbose:
-            print(f"[regenerate] rank {rank}: {shard_name(i)} {len(kept)}/{len(convs)} samples, "
-                  f"{unfinished} unfinished turns, {time.time() - t0:.1f} s", flush=True)
+            line = (f"[regenerate] rank {rank}: {shard_name(i)} ({summary['shards_written']}/{len(mine)}) "
+                    f"{len(kept)}/{len(convs)} samples, {unfinished} unfinished turns, {time.time() - t0:.1f} s")
+            if client is not None:
+                st, dt = client.stats, max(time.time() - t_start, 1e-9)
+                line += (f" | {st.completion_tokens / dt:,.0f} generated tok/s, {st.prompt_tokens:,} prompt + "
+                         f"{st.completion_tokens:,} generated tokens, {st.requests} requests, {st.retries} retries, "
+                         f"{summary['failed_samples']} failed samples")
+            print(line, flush=True)
+    if client is not None:
+        summary.update(requests=client.stats.requests, retries=client.stats.retries,
+                       prompt_tokens=client.stats.prompt_tokens, completion_tokens=client.stats.completion_tokens)
     return summary
-
-
-def _pin_local_gpu(local_rank: int) -> None:
-    """Make this process see only its own GPU (vLLM takes the first visible one). Must run before CUDA
-    is initialised, hence from main() before any model is built."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[local_rank] if local_rank < len(visible) else str(local_rank)
 
 
 def main(argv=None) -> int:
@@ -284,12 +270,18 @@ def main(argv=None) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and "LOCAL_RANK" in os.environ:
-        _pin_local_gpu(int(os.environ["LOCAL_RANK"]))
-    summary = regenerate(recipe.data, recipe.target.path, rank=rank, world_size=world)
+    try:
+        summary = regenerate(recipe.data, recipe.target.path, rank=rank, world_size=world)
+    except (ValueError, RuntimeError) as e:  # settings, data, or too many failed requests: one line
+        print(f"[regenerate] error: {e}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ValueError) else 1
     print(f"[regenerate] rank {rank} done: {summary}")
-    if rank == 0 and not recipe.data.regenerate.enabled:
-        print("[regenerate] note: data.regenerate.enabled is false, so training will not read this output")
+    if rank == 0:
+        out = output_dir(recipe.data)
+        if recipe.data.regenerate.enabled:
+            print(f"[regenerate] wrote {out}; training reads it: deepspeed launch.sh {args.recipe}")
+        else:
+            print(f"[regenerate] wrote {out}; note: data.regenerate.enabled is false, so training will not read it")
     return 0
 
 

@@ -83,6 +83,11 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in files):
+        # transformers would otherwise build some tokenizer from the config and fail later, on the data.
+        raise ValueError(f"target.path: no tokenizer in {path!r} (none of {', '.join(files)}); the target directory "
+                         "must hold its tokenizer")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
@@ -98,16 +103,17 @@ def shard_name(i: int) -> str:
     return f"part-{i:05d}.jsonl"
 
 
-def check_complete(path) -> dict:
-    """The manifest of a finished regeneration; ValueError naming the setting otherwise."""
+def check_complete(path, recipe: str = "RECIPE") -> dict:
+    """The manifest of a finished regeneration; ValueError naming the setting and the command otherwise."""
     out = Path(path)
     if not (out / MANIFEST).exists():
         raise ValueError(f"data.regenerate.output_dir: {out} holds no regenerated data; run "
-                         "`python -m dflash_ds.regenerate RECIPE` first (or set data.regenerate.enabled=false)")
+                         f"`python -m dflash_ds.regenerate {recipe}` first (with the same overrides; it needs the "
+                         "servers in data.regenerate.urls), or set data.regenerate.enabled=false")
     manifest = json.loads((out / MANIFEST).read_text())
     missing = [i for i in range(manifest["num_shards"]) if not (out / shard_name(i)).exists()]
     if missing:
         raise ValueError(f"data.regenerate.output_dir: {out} is incomplete ({len(missing)} of "
                          f"{manifest['num_shards']} shards missing, first {shard_name(missing[0])}); rerun "
-                         "`python -m dflash_ds.regenerate RECIPE`, it resumes where it stopped")
+                         f"`python -m dflash_ds.regenerate {recipe}`, it resumes where it stopped")
     return manifest

@@ -12,6 +12,7 @@ import torch
 
 from dflash_ds.eval.generate import offline_tau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.target.model import load_config, text_config
 
 
@@ -110,21 +111,19 @@ def _run(args) -> int:
         raise ValueError(f"--drafter: {e}") from None
     target, tokenizer = _load_target(args.target, device)
     drafter = drafter.to(next(target.parameters()).dtype)
-    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    _check_pair(drafter, target, embed, args.drafter)
+    model = DraftModel.from_target(drafter, target)
+    _check_pair(model, target, args.drafter)
     prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
-    layer_ids = list(drafter.config.target_layer_ids)
     sequences: list = []
-    report = offline_tau(target, drafter, embed, head, prompts, max_new_tokens=args.max_new_tokens,
-                         layer_ids=layer_ids, batch_anchors=args.batch_anchors, sequences=sequences)
+    report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
+                         batch_anchors=args.batch_anchors, sequences=sequences)
     result = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, **report.as_dict()}
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     if args.online:
-        result["online"] = online = _online(target, drafter, embed, head, prompts, sequences, report,
-                                            args.max_new_tokens)
+        result["online"] = online = _online(target, model, prompts, sequences, report, args.max_new_tokens)
         print(f"online: tau_mean {_fmt(online['tau_mean'])} tau_pooled {_fmt(online['tau_pooled'])}, "
               f"{online['responses_matching_offline']}/{len(prompts)} responses identical to the offline walk "
               "(in bf16, recomputing the target over other lengths can flip near-ties)")
@@ -134,8 +133,8 @@ def _run(args) -> int:
     return 0
 
 
-def _check_pair(drafter, target, embed: torch.Tensor, drafter_path: str) -> None:
-    cfg, tc = drafter.config, text_config(target.config)
+def _check_pair(model: DraftModel, target, drafter_path: str) -> None:
+    cfg, tc, embed = model.config, text_config(target.config), model.embed
     if cfg.hidden_size != tc.hidden_size or cfg.vocab_size != embed.shape[0]:
         raise ValueError(f"--drafter {drafter_path} was built for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
                          f"--target has {tc.hidden_size} / {embed.shape[0]}: pass the target the drafter was trained against")
@@ -144,16 +143,13 @@ def _check_pair(drafter, target, embed: torch.Tensor, drafter_path: str) -> None
                          "layers: pass the target the drafter was trained against")
 
 
-def _online(target, drafter, embed, head, prompts, sequences, report: TauReport, max_new_tokens: int) -> dict:
+def _online(target, model: DraftModel, prompts, sequences, report: TauReport, max_new_tokens: int) -> dict:
     """The reference loop on every prompt, compared response by response with the offline walk."""
     from dflash_ds.eval.specdec import speculative_generate
 
-    cfg = drafter.config
-    online, agree = TauReport(block_size=cfg.block_size), 0
+    online, agree = TauReport(block_size=model.block_size), 0
     for prompt, x, offline_cycles in zip(prompts, sequences, report.cycles):
-        ids, counts = speculative_generate(target, drafter, embed, head, torch.tensor(prompt),
-                                           max_new_tokens=max_new_tokens, layer_ids=list(cfg.target_layer_ids),
-                                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
+        ids, counts = speculative_generate(target, model, torch.tensor(prompt), max_new_tokens=max_new_tokens)
         online.cycles.append(counts)
         agree += int(ids.tolist() == x[len(prompt):].tolist() and counts == offline_cycles)
     d = online.as_dict()

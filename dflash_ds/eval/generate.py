@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
 from dflash_ds.target.model import TapCapture, forward_taps, text_config
 
@@ -55,29 +56,18 @@ def target_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> to
     return out[0]
 
 
-def check_layer_ids(drafter, layer_ids: Sequence[int]) -> list[int]:
-    if list(layer_ids) != list(drafter.config.target_layer_ids):
-        raise ValueError(f"layer_ids {list(layer_ids)} differ from the drafter's target_layer_ids "
-                         f"{list(drafter.config.target_layer_ids)}; tau is only meaningful with the taps it was trained on")
-    return list(layer_ids)
-
-
 @torch.no_grad()
-def offline_tau(target, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                prompts: Sequence[torch.Tensor | Sequence[int]], *, max_new_tokens: int, layer_ids: Sequence[int],
-                eos_token_id=None, batch_anchors: int = DEFAULT_BATCH_ANCHORS,
-                sequences: list | None = None) -> TauReport:
-    """Exact greedy tau of `drafter` on `prompts` (token ids): greedy response, one teacher-forced
-    tap pass, a(t) for every response position, the walk. `sequences`, when a list, receives each
-    prompt + response."""
-    layer_ids = check_layer_ids(drafter, layer_ids)
-    report = TauReport(block_size=drafter.config.block_size)
+def offline_tau(target, model: DraftModel, prompts: Sequence[torch.Tensor | Sequence[int]], *, max_new_tokens: int,
+                eos_token_id=None, batch_anchors: int = DEFAULT_BATCH_ANCHORS, sequences: list | None = None) -> TauReport:
+    """Exact greedy tau of `model` on `prompts` (token ids): greedy response, one teacher-forced
+    tap pass over the drafter's tap layers, a(t) for every response position, the walk.
+    `sequences`, when a list, receives each prompt + response."""
+    report = TauReport(block_size=model.block_size)
     for prompt in prompts:
         prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         x = greedy_continuation(target, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         if sequences is not None:
             sequences.append(x)
-        taps = target_taps(target, x, layer_ids)
-        report.cycles.append(tau_from_taps(drafter, embed_weight, lm_head_weight, taps, x, prompt.numel(), x.numel(),
-                                           batch_anchors=batch_anchors))
+        taps = target_taps(target, x, model.layer_ids)
+        report.cycles.append(tau_from_taps(model, taps, x, prompt.numel(), x.numel(), batch_anchors=batch_anchors))
     return report

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from dflash_ds.model.attention import DFlashMask
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.generate import eos_ids
 from dflash_ds.eval.tau import draft_tokens
 from dflash_ds.target.model import TapCapture, text_config
@@ -46,39 +47,40 @@ def target_logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[
 
 
 @torch.no_grad()
-def draft_block(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, context_taps: torch.Tensor,
-                anchor_token: int, *, block_size: int, mask_token_id: int) -> torch.Tensor:
+def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int) -> torch.Tensor:
     """The B-1 drafted tokens of one block anchored right after `context_taps` [t, T*D].
 
     The block sees the whole context and itself, so the mask is all True: deliberately not
     `build_mask`, which the offline path uses, so the two paths check each other.
     """
+    drafter, block_size = model.drafter, model.block_size
     p = next(drafter.parameters())
     t = context_taps.shape[0]
     ctx = drafter.fuse(context_taps[None].to(device=p.device, dtype=p.dtype))
-    block = torch.full((block_size,), mask_token_id, dtype=torch.long, device=embed_weight.device)
+    block = torch.full((block_size,), model.mask_token_id, dtype=torch.long)
     block[0] = anchor_token
-    embeds = embed_weight[block][None].to(device=p.device, dtype=p.dtype)
+    embeds = model.embed_tokens(block[None], p)
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
     dense = torch.ones(1, 1, block_size, t + block_size, dtype=torch.bool, device=p.device)
     mask = DFlashMask(query_len=block_size, kv_len=t + block_size, dense=dense)
     hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask)
-    return draft_tokens(hidden[0, 1:], lm_head_weight).cpu()
+    return draft_tokens(hidden[0, 1:], model.lm_head).cpu()
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                         prompt_ids: torch.Tensor | Sequence[int], *, max_new_tokens: int, layer_ids: Sequence[int],
-                         block_size: int, mask_token_id: int, eos_token_id=None) -> tuple[torch.Tensor, list[int]]:
+def speculative_generate(target, model: DraftModel, prompt_ids: torch.Tensor | Sequence[int], *, max_new_tokens: int,
+                         eos_token_id=None) -> tuple[torch.Tensor, list[int]]:
     """Greedy speculative decoding of one prompt.
 
     Returns (generated token ids [n] without the prompt, tokens emitted per cycle). The prefill
     token is not a cycle, so sum(counts) == n - 1. Stops after max_new_tokens tokens or after an
     EOS (kept, as HF generate keeps it); eos_token_id defaults to the target's generation config.
+    The target is tapped at the drafter's layers (`model.layer_ids`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    block_size, layer_ids = model.block_size, model.layer_ids
     stop = set(eos_ids(target, eos_token_id))
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).cpu()
     greedy, taps = target_logits_and_taps(target, prompt, layer_ids)
@@ -86,8 +88,7 @@ def speculative_generate(target, drafter, embed_weight: torch.Tensor, lm_head_we
     counts: list[int] = []
     while len(generated) < max_new_tokens and generated[-1] not in stop:
         t = prompt.numel() + len(generated) - 1  # position of the bonus token, the anchor
-        drafts = draft_block(drafter, embed_weight, lm_head_weight, taps[:t], generated[-1],
-                             block_size=block_size, mask_token_id=mask_token_id)
+        drafts = draft_block(model, taps[:t], generated[-1])
         seq = torch.cat([prompt, torch.tensor(generated, dtype=torch.long), drafts])
         greedy, taps = target_logits_and_taps(target, seq, layer_ids)
         verified = greedy[t:t + block_size].cpu()  # verified[k - 1] = target's token at t + k

@@ -1,6 +1,6 @@
-"""Acceptance length tau (spec section 4), computed exactly offline.
+"""Acceptance length tau (docs/algorithm.md section 7), computed exactly offline.
 
-Convention (the one `dflash_ds.specdec.speculative_generate` runs online, cycle for cycle):
+Convention (the one `dflash_ds.eval.specdec.speculative_generate` runs online, cycle for cycle):
 
 - Sequence `x` = prompt (`P` tokens) + the target's greedy response `y`, so `x[P]` is the first
   generated token and `end = len(x)`. The response ends at EOS (included) or at the token budget.
@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from dflash_ds.model.attention import build_mask
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.objective import block_inputs
 
 DEFAULT_BATCH_ANCHORS = 64
@@ -47,14 +48,8 @@ def draft_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, chunk: i
     return out.view(hidden.shape[:-1])
 
 
-def _drafter_param(drafter) -> torch.Tensor:
-    return next(drafter.parameters())
-
-
 @torch.no_grad()
-def accept_lengths(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, taps: torch.Tensor,
-                   input_ids: torch.Tensor, start: int, end: int, *, block_size: int | None = None,
-                   mask_token_id: int | None = None,
+def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
                    batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
     """a(t) for every anchor t in [start, end) of one sequence (see the module docstring).
 
@@ -63,15 +58,13 @@ def accept_lengths(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Te
     mask (context strictly before the anchor, own block bidirectional), so this exercises the
     same drafter path as training. Returns a LongTensor [end - start] on the CPU.
     """
-    cfg = drafter.config
-    B = block_size or cfg.block_size
-    mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    drafter, B, mask_id = model.drafter, model.block_size, model.mask_token_id
     ids = input_ids.reshape(-1)
     if not 1 <= start <= end <= ids.numel():
         raise ValueError(f"need 1 <= start <= end <= sequence length, got start={start} end={end} S={ids.numel()}")
     if taps.dim() != 2 or taps.shape[0] < end - 1:
         raise ValueError(f"taps must be [S, T*D] covering positions < {end - 1}, got {tuple(taps.shape)}")
-    p = _drafter_param(drafter)
+    p = next(drafter.parameters())
     device, dtype = p.device, p.dtype
     out = torch.zeros(end - start, dtype=torch.long)
     if end - start == 0:
@@ -91,9 +84,9 @@ def accept_lengths(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Te
         block_ids, block_pos = block_inputs(y[None], positions, anchors[None], B, mask_id)
         mask = build_mask(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device),
                           doc_ids[:, :s_ctx], B, kind="dense")
-        embeds = embed_weight[block_ids.to(embed_weight.device)].to(device=device, dtype=dtype)
+        embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
-        drafts = draft_tokens(hidden.view(n, B, -1)[:, 1:], lm_head_weight)  # [n, B-1]
+        drafts = draft_tokens(hidden.view(n, B, -1)[:, 1:], model.lm_head)  # [n, B-1]
         where = anchors[:, None] + slots[None]
         inside = where < end
         match = (drafts == y[where.clamp(max=end - 1)]) & inside
@@ -121,12 +114,10 @@ def walk(a: Sequence[int] | torch.Tensor, first: int, end: int) -> list[int]:
     return cycles
 
 
-def tau_from_taps(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, taps: torch.Tensor,
-                  input_ids: torch.Tensor, first: int, end: int, *, block_size: int | None = None,
-                  mask_token_id: int | None = None, batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> list[int]:
+def tau_from_taps(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, first: int, end: int, *,
+                  batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> list[int]:
     """Per-cycle emitted tokens of one response: `first` = prompt length, `end` = sequence length."""
-    a = accept_lengths(drafter, embed_weight, lm_head_weight, taps, input_ids, first, end,
-                       block_size=block_size, mask_token_id=mask_token_id, batch_anchors=batch_anchors)
+    a = accept_lengths(model, taps, input_ids, first, end, batch_anchors=batch_anchors)
     return walk(a, first, end)
 
 

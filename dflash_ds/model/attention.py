@@ -1,4 +1,4 @@
-"""The DFlash attention mask (spec 1), dense for CPU/tests and as a flex BlockMask for GPUs.
+"""The DFlash attention mask (docs/algorithm.md section 3), dense for CPU/tests, a flex BlockMask for GPUs.
 
 Queries are the `Q = N*B` block tokens (block n = queries n*B .. n*B+B-1); keys are the `S`
 context features followed by the same `Q` block tokens. Query of block n (anchor a_n) sees:
@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_ds.model.compile import compile_once
+
 FLEX_BLOCK = 128
-
-_compiled_flex = None
-
 
 @dataclass
 class DFlashMask:
@@ -161,12 +160,9 @@ def _flex_fn(device: torch.device):
     # real sizes is ruinous; so GPUs always use one compiled instance per process (shapes are
     # static, new mask_mod closures of the same code do not recompile). CPU flex is only used by
     # tests at tiny sizes, where compiling costs more than it saves (and CPU flex has no backward).
-    global _compiled_flex
     if device.type == "cpu":
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return compile_once(flex_attention, dynamic=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DFlashMask, scale: float) -> torch.Tensor:

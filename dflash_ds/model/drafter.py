@@ -1,8 +1,8 @@
 """The DFlash drafter: a small stack of Qwen3-style layers conditioned on target hidden states.
 
-Spec section 1. The drafter owns no embedding and no lm_head: the caller embeds the block tokens
+docs/algorithm.md sections 1-3. The drafter owns no embedding and no lm_head: the caller embeds the block tokens
 with the target's frozen `embed_tokens` and applies the target's frozen `lm_head` to the output.
-Parameter names equal the export names of spec section 3, so `state_dict()` is the checkpoint.
+Parameter names equal the export names (docs/algorithm.md section 6), so `state_dict()` is the checkpoint.
 
 Model code: no torch.distributed, no deepspeed. Parallelism and activation checkpointing are
 applied from outside (`checkpoint_fn`).
@@ -23,17 +23,17 @@ from torch import nn
 from dflash_ds.model.attention import DFlashMask, attend
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
-_ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
 _INIT_STD = 0.02
 
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
 # own full-attention layers (head_dim 256, partial rotary) are not what the published drafters
-# use; spec 1 gives the 27B geometry. Sizes not listed fall back to the target's values.
+# use; docs/algorithm.md section 1 gives the 27B geometry. Sizes not listed fall back to the target's values.
 _QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}}
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (spec 1).
+    """Target layers whose outputs feed the drafter (docs/algorithm.md section 2).
 
     Id k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]`. Python's
     `round` (half to even) is deliberate: the serving engines compute the same list with it.
@@ -77,7 +77,7 @@ def _is_default_rope(rope_scaling: dict | None) -> bool:
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Geometry of the drafter plus what the serving engines need to run it (spec 1 and 3)."""
+    """Geometry of the drafter plus what the serving engines need to run it (docs/algorithm.md sections 1 and 6)."""
 
     hidden_size: int
     intermediate_size: int
@@ -210,9 +210,9 @@ class DrafterConfig:
         )
 
     def to_hf_config(self) -> dict:
-        """The exported config.json (spec 3): a qwen3 model with a `dflash_config` section."""
+        """The exported config.json (docs/algorithm.md section 6): a qwen3 model with a `dflash_config` section."""
         return {
-            "architectures": [_ARCHITECTURE],
+            "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
@@ -371,7 +371,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """The DFlash drafter (spec 1). Output is after the drafter's final norm, before the lm_head."""
+    """The DFlash drafter (docs/algorithm.md section 1). Output is after its final norm, before the lm_head."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

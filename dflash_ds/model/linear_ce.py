@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_ds.model.compile import compile_once
+
 __all__ = ["linear_cross_entropy"]
 
 
@@ -47,17 +49,12 @@ def _ce_forward_and_grad(logits, labels, weights, scale):
     return ce_sum, hit, grad
 
 
-_compiled: dict = {}
-
-
 def _elementwise(fn, device: torch.device):
     """`fn` compiled (once per process) on CUDA, where fusing it saves several passes over the
     logits; plain on CPU and meta (tests, no compiler needed)."""
     if device.type != "cuda":
         return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _compiled[fn]
+    return compile_once(fn, dynamic=False, fullgraph=True)
 
 
 def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: bool, grad_weight: bool):

@@ -10,9 +10,9 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dflash_ds.model.attention import build_mask
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.objective import block_inputs, block_targets, chunked_loss, default_gamma, sample_anchors
 from dflash_ds.data.packing import position_ids_from_doc_ids
 
@@ -86,11 +86,10 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
                   labels.reshape(r, -1), weights.reshape(r, -1).float(), mask)
 
 
-def drafter_loss(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mb: MicroBatch, blocks: Blocks,
-                 normaliser, settings: StepSettings):
+def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings):
     """sum(w * CE) / normaliser for one micro-batch (the caller supplies the whole step's weight)."""
-    ctx = drafter.fuse(mb.taps)
-    block_embeds = F.embedding(blocks.block_ids, embed_weight).to(ctx.dtype)
-    hidden = drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
-    return chunked_loss(hidden, lm_head_weight, blocks.labels, blocks.weights, normaliser, settings.loss_chunks,
+    ctx = model.drafter.fuse(mb.taps)
+    block_embeds = model.embed_tokens(blocks.block_ids, ctx)
+    hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
+    return chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, settings.loss_chunks,
                         checkpoint=True, block_size=settings.block_size, fused=settings.fused_loss)

@@ -1,4 +1,4 @@
-"""The DFlash training objective (spec 2): anchors, blocks, labels, weights, chunked lm_head loss.
+"""The DFlash training objective (docs/algorithm.md sections 4-5): anchors, blocks, labels, weights, chunked loss.
 
 Conventions: a row has S tokens; N anchors per row; B = block size; Q = N*B block slots, slot k
 of the block for anchor a sits at position a + k and is trained to predict the token AT a + k
@@ -298,7 +298,7 @@ def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool 
     The run stops at the first slot that is wrong or unsupervised. `correct` may be `[b, Q]` or
     `[b, N, B]`; `weights` is `[b, N, B]`. With `reduce=False` returns (sum, count) so callers can
     aggregate across micro-batches and ranks; the mean of no blocks is NaN.
-    This is a cheap training signal, not the acceptance length tau (spec 4).
+    This is a cheap training signal, not the acceptance length tau (docs/algorithm.md section 7).
     """
     correct = correct.reshape(weights.shape)
     ok = (correct.bool() & (weights > 0))[..., 1:]
@@ -310,18 +310,3 @@ def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool 
         return total, count
     # torch.where, not a Python `if count > 0`: that would wait for the device.
     return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
-
-
-def slot_accuracy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):
-    """Per-slot accuracy `[B]` over supervised slots (NaN for slots never supervised, e.g. slot 0).
-
-    `correct` may be `[b, Q]` or `[b, N, B]`. With `reduce=False` returns (hits[B], counts[B]).
-    """
-    correct = correct.reshape(weights.shape)
-    sup = weights > 0
-    dims = tuple(range(weights.dim() - 1))
-    hits = (correct.bool() & sup).sum(dims).float()
-    counts = sup.sum(dims).float()
-    if not reduce:
-        return hits, counts
-    return torch.where(counts > 0, hits / counts.clamp(min=1), torch.full_like(hits, math.nan))

@@ -18,14 +18,13 @@ A directory with checkpoints but no latest.json never restarts silently under au
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dflash_ds.io import write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 from dflash_ds.runtime.watchdog import waiting_on
 
@@ -42,19 +41,6 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; others may read the run directory
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def tag_of(step: int) -> str:
@@ -202,8 +188,8 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
         try:
             files = {str(p.relative_to(ck / tag)): p.stat().st_size for p in (ck / tag).rglob("*") if p.is_file()
                      and p.name != MANIFEST}
-            write_json_atomic(ck / tag / MANIFEST, {"step": step, "files": files})
-            write_json_atomic(ck / LATEST, {"tag": tag, "step": step})
+            write_json_atomic(ck / tag / MANIFEST, {"step": step, "files": files}, indent=1)
+            write_json_atomic(ck / LATEST, {"tag": tag, "step": step}, indent=1)
         except OSError as exc:
             error = exc
     failed = _any(error is not None, group, engine.device)

@@ -106,4 +106,24 @@ def target_ds_config(recipe: Recipe, num_targets: int) -> tuple[str, dict]:
                 "a ZeRO-3 target runs its forwards in lock-step across target ranks, so every target must produce "
                 "the same number of micro-batches per step: make topology.drafters_per_node x optim.grad_accum a "
                 "multiple of topology.targets_per_node")
+    else:
+        replica_dtype(cfg, path)
+        if cfg.get("replace_with_kernel_inject") or int((cfg.get("tensor_parallel") or {}).get("tp_size", 1)) != 1:
+            raise RecipeError(f"{setting} ({path}): kernel injection and tensor parallelism are not supported for the "
+                              "target (a full replica per GPU runs the transformers model as is); set "
+                              "replace_with_kernel_inject false and tensor_parallel.tp_size 1")
     return kind, cfg
+
+
+REPLICA_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                  "fp32": "float32", "float32": "float32"}
+
+
+def replica_dtype(cfg: dict, path: str) -> str | None:
+    """The replica JSON's `dtype` as a torch dtype name; None keeps the loaded dtype (target.dtype)."""
+    if "dtype" not in cfg:
+        return None
+    name = REPLICA_DTYPES.get(str(cfg["dtype"]))
+    if name is None:
+        raise RecipeError(f"target.ds_config ({path}): dtype {cfg['dtype']!r} is not one of {sorted(REPLICA_DTYPES)}")
+    return name

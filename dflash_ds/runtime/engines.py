@@ -11,32 +11,17 @@ import torch.distributed as dist
 
 from dflash_ds.runtime import deepspeed_patches as patches
 from dflash_ds.config import Recipe
-from dflash_ds.runtime.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
+from dflash_ds.runtime.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
 from dflash_ds.runtime.plan import Plan, lr_factor
 from dflash_ds.runtime.topology import Layout
 
 
-@dataclass
+@dataclass(frozen=True)
 class Groups:
-    drafter: object
-    target: object
+    """This rank's two process groups (the same group twice in colocated mode)."""
 
-
-def pick_device(recipe: Recipe) -> torch.device:
-    return device_named(recipe.run.device, "run.device")
-
-
-def device_named(name: str, setting: str) -> torch.device:
-    """auto / cuda / cpu -> this rank's device (cuda:LOCAL_RANK); errors name `setting`."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{setting} is cuda but no GPU is visible; set {setting} to cpu or auto")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if name != "cpu":
-        raise ValueError(f"{setting} must be auto, cuda or cpu, got {name!r}")
-    return torch.device("cpu")
+    drafter: dist.ProcessGroup
+    target: dist.ProcessGroup
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
@@ -101,25 +86,33 @@ def speed_up_target_kernels() -> None:
         fuse_target_elementwise()
 
 
-def build_target_engine(recipe: Recipe, model, plan: Plan, group):
-    """An already loaded frozen target under the replica engine (the bench's random-weight path)."""
-    import deepspeed
+def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn.Module:
+    """A full target replica on `device` in the replica JSON's dtype.
 
+    Not `deepspeed.init_inference`: with tensor parallelism 1 and no kernel injection (the only
+    settings target_ds_config accepts) it only casts and moves the model, and its engine was
+    discarded anyway, since the forward runs the transformers module itself. The JSON
+    (ds_configs/target_replica.json) still selects this path and its dtype.
+    """
+    name = replica_dtype(cfg, "target.ds_config")
+    return model.to(device=device, dtype=getattr(torch, name) if name else None)
+
+
+def build_target_engine(recipe: Recipe, model, plan: Plan):
+    """An already loaded frozen target as a replica (the bench's random-weight path)."""
     speed_up_target_kernels()
     kind, cfg = target_ds_config(recipe, plan.layout.num_targets)
     if kind == "zero3":
         raise ValueError("a ZeRO-3 target must be loaded partitioned: use load_target_engine")
-    return deepspeed.init_inference(model, config=cfg).module, kind
+    return replica(model, cfg, next(model.parameters()).device), kind
 
 
 def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     """The frozen target from target.path under the engine target.ds_config asks for.
 
-    A full replica per rank when it fits (DeepSpeed's inference engine), else ZeRO-Inference:
-    weights partitioned over the target group at load time, gathered layer by layer each forward.
+    A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the
+    target group at load time, gathered layer by layer each forward.
     """
-    import deepspeed
-
     from dflash_ds.target.model import load_target
     from dflash_ds.target.zero_inference import load_target_zero3
 
@@ -130,4 +123,4 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
         return load_target_zero3(t.path, cfg, group, dtype=t.dtype, attn_implementation=t.attn_implementation,
                                  adapter=t.adapter), kind
     model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation)
-    return deepspeed.init_inference(model, config=cfg).module, kind
+    return replica(model, cfg, device), kind

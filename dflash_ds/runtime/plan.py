@@ -98,7 +98,7 @@ def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hi
     return {"drafter": drafter / gib, "target": target / gib}
 
 
-def describe(recipe: Recipe, plan: Plan, memory: dict[str, float] | None = None) -> str:
+def describe(plan: Plan, memory: dict[str, float] | None = None) -> str:
     lay = plan.layout
     lines = [f"world {lay.world_size} = {lay.nodes} node(s) x {lay.per_node} ranks "
              f"({'colocated' if lay.colocated else f'{lay.drafters_per_node} drafters + {lay.targets_per_node} targets'} per node)"]

@@ -53,7 +53,8 @@ def prelaunch(recipe: Recipe) -> None:
     check_wandb(recipe)
     if Path(recipe.run.output_dir).exists():
         check_resume(recipe)
-    from dflash_ds.run import load_data, preflight
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.run import check_recipe
 
-    ctx = preflight(recipe, ranks_per_node(recipe))
-    load_data(ctx)
+    spec = check_recipe(recipe, ranks_per_node(recipe))
+    load_training_data(recipe, hybrid_target=spec.geometry.hybrid)

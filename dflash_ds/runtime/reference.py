@@ -8,38 +8,37 @@ compare the distributed runs' losses against it; it is also the simplest reading
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from dflash_ds.config import Recipe
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.runtime.plan import Plan, lr_factor
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
-from dflash_ds.runtime.transport import PayloadSpec
-from dflash_ds.runtime.workers import TargetWorker, unpack
+from dflash_ds.run import RunSpec
+from dflash_ds.runtime.plan import lr_factor
+from dflash_ds.runtime.target_worker import TargetWorker
+from dflash_ds.runtime.transport import unpack
 
 
-def reference_losses(recipe: Recipe, plan: Plan, target, drafter: DFlashDrafter, embed: torch.Tensor,
-                     head: torch.Tensor, rows: dict, steps: int) -> list[float]:
-    """Per-step losses sum(w * CE) / sum(w) over every micro-batch of every drafter rank."""
-    o = recipe.optim
-    settings = StepSettings.from_recipe(recipe, torch.device("cpu"))
-    layer_ids = drafter.config.target_layer_ids
-    spec = PayloadSpec(plan.rows_per_micro, plan.seq_len, len(layer_ids), embed.shape[1], torch.float32)
+def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, np.ndarray], steps: int) -> list[float]:
+    """Per-step losses sum(w * CE) / sum(w) over every micro-batch of every drafter rank (on CPU)."""
+    assert spec.device.type == "cpu" and spec.dtype == torch.float32, "the reference runs in float32 on the CPU"
+    o, plan, drafter = spec.recipe.optim, spec.plan, model.drafter
+    settings = StepSettings.from_recipe(spec.recipe, spec.device)
     # The same row selection and tap capture as a target rank, minus the sending.
-    worker = TargetWorker(target, layer_ids, rows, plan, spec, recipe.run.seed, "cpu")
+    worker = TargetWorker(spec, target, rows)
     opt = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, plan, o.min_lr_ratio))
     lay = plan.layout
     losses = []
     for step in range(steps):
         ids = [lay.micro_index(step, g, plan.grad_accum, d) for d in lay.drafter_ranks for g in range(plan.grad_accum)]
-        mbs = [unpack(worker.fill(spec.empty("cpu"), m), spec, torch.float32) for m in ids]
+        mbs = [unpack(worker.fill(spec.payload.empty("cpu"), m), spec.payload, spec.dtype) for m in ids]
         blocks = [make_blocks(mb, settings, m) for mb, m in zip(mbs, ids)]
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
         opt.zero_grad()
         total = 0.0
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(drafter, embed, head, mb, bl, weight, settings)
+            out = drafter_loss(model, mb, bl, weight, settings)
             out.loss.backward()
             total += float(out.ce_sum)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)

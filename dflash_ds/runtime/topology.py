@@ -1,9 +1,13 @@
 """Roles, groups and the deterministic send/receive schedule.
 
 Ranks are numbered node by node (the DeepSpeed launcher's order). On every node the first
-`drafters_per_node` local ranks are drafters and the rest are targets, so global rank 0 is a
-drafter (DeepSpeed writes the checkpoint `latest` file from global rank 0) and every hidden-state
-send stays inside a node.
+`drafters_per_node` local ranks are drafters and the rest are targets, so every hidden-state send
+stays inside a node and global rank 0 is a drafter. The latter matters because the drafter engine's
+`save_checkpoint` does some work only on global rank 0: it creates the checkpoint directory and
+copies DeepSpeed's zero_to_fp32.py recovery script into every checkpoint (and the engine's log lines
+come from rank 0). DeepSpeed's own `latest` file plays no part: checkpoints are saved with
+`save_latest=False`, and runtime/checkpoint.py writes `latest.json` itself from the lead drafter
+once every drafter rank has finished writing.
 
 Micro-batch numbering: step s, accumulation index g, global drafter index j (node-major) own the
 global micro-batch m = (s * grad_accum + g) * num_drafters + j. Inside a node the k-th micro-batch

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dflash_ds.model.loss import MicroBatch
 from dflash_ds.runtime.watchdog import waiting_on
 
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
@@ -63,6 +64,12 @@ def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, t
     # A last-dim slice cannot be reinterpreted in place, so the (tiny) metadata is copied out.
     meta = payload[..., spec.tap_cols:].contiguous().view(torch.int32)
     return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2]
+
+
+def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
+    """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
+    ids, loss_mask, doc_ids = read_meta(payload, spec)
+    return MicroBatch(taps_view(payload, spec).to(dtype), ids, loss_mask, doc_ids)
 
 
 class Sender:

@@ -4,7 +4,7 @@ transformers runs the Gated DeltaNet short convolution of Qwen3.5/3.6 through th
 package when it is installed and a PyTorch depthwise conv1d otherwise. flash-linear-attention,
 which such targets need anyway, ships a Triton kernel for the same operation; using it spares the
 causal-conv1d CUDA build. Forward only (the target is frozen); numerics are checked against the
-fallback by scripts/gpu_checks.py.
+fallback by tests/test_gpu.py (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -44,15 +44,10 @@ def use_fla_short_conv() -> bool:
 # each into one kernel; compiling whole decoder layers instead was slower (graph breaks around
 # the linear-attention kernels). The math is exactly transformers', so only rounding order moves.
 
-_compiled: dict = {}
-
-
 def _compile(fn):
-    import torch
+    from dflash_ds.model.compile import compile_once
 
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False)
-    return _compiled[fn]
+    return compile_once(fn, dynamic=False)
 
 
 def _rms_zero_centered(x, weight, eps: float):

@@ -36,15 +36,26 @@ class Geometry:
     hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packing needs fla varlen
 
 
-def target_geometry(config) -> Geometry:
+def is_hybrid(config) -> bool:
+    """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers.
+
+    Their recurrent state would leak across documents packed into one row unless per-document
+    boundaries reach the linear-attention kernels, so such targets train on unpacked rows.
+    """
     tc = text_config(config)
     layer_types = getattr(tc, "layer_types", None) or []
+    return any("linear" in str(t) for t in layer_types) or str(getattr(tc, "model_type", "")).startswith(
+        ("qwen3_5", "qwen3_next"))
+
+
+def target_geometry(config) -> Geometry:
+    tc = text_config(config)
     return Geometry(
         num_layers=tc.num_hidden_layers,
         hidden_size=tc.hidden_size,
         vocab_size=tc.vocab_size,
         model_type=getattr(tc, "model_type", ""),
-        hybrid=any(t == "linear_attention" for t in layer_types),
+        hybrid=is_hybrid(tc),
     )
 
 

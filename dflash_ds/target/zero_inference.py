@@ -3,7 +3,7 @@
 ZeRO-3 with no optimizer (optionally `offload_param`) gathers each layer's weights just before the
 layer runs and frees them after, so every target rank holds 1/t of the weights between forwards.
 All target ranks must run their forwards in lock-step (the gathers are collectives over the target
-group). A target that fits one GPU is faster as a full replica per rank (runtime.build_target_engine).
+group). A target that fits one GPU is faster as a full replica per rank (runtime.engines.load_target_engine).
 
 Loading goes through HF `from_pretrained` under `HfDeepSpeedConfig`, which builds the model inside
 `deepspeed.zero.Init` so no rank ever holds the full model on the accelerator; the group-scoped

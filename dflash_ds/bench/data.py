@@ -1,0 +1,139 @@
+"""Data preparation speed: `python -m dflash_ds.bench --role data [--chats 1000] [--tokenizer PATH]`.
+
+On generated chats (seeded; words of 2-9 letters with punctuation):
+- ordinary mix: 1-4 exchanges, an optional system prompt, 50-400 characters per user message and
+  600-3,000 per answer. Conversations/s and tokens/s of `ChatEncoder.encode` (ids + loss mask) on one
+  core, against plain `tokenizer.apply_chat_template(..., tokenize=True)` on the same conversations.
+- long threads: 200 exchanges of 20-200 / 50-400 characters against 2 exchanges of the same kind:
+  microseconds per token of each (cost linear in the length: the ratio stays near 1).
+- end to end: `prepare()` with the default `data.num_proc` (every core) on `--prepare-sizes` chats of
+  the ordinary mix, each in a fresh process: conversations/s and the peak resident memory of the
+  largest process (ru_maxrss of the children), which must not grow with the number of chats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _text(rng, lo: int, hi: int) -> str:
+    n, out, size = int(rng.integers(lo, hi + 1)), [], 0
+    while size < n:
+        w = "".join(chr(97 + c) for c in rng.integers(0, 26, int(rng.integers(2, 10))))
+        w += "" if rng.random() < 0.85 else str(rng.choice([",", ".", "?", ".\n"]))
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": _text(rng, 30, 120)}] if rng.random() < 0.5 else []
+        for _ in range(int(rng.integers(turns[0], turns[1] + 1))):
+            msgs += [{"role": "user", "content": _text(rng, *user)},
+                     {"role": "assistant", "content": _text(rng, *answer)}]
+        out.append(msgs)
+    return out
+
+
+def _time(fn, convs) -> tuple[float, int]:
+    t0, tokens = time.perf_counter(), 0
+    for c in convs:
+        tokens += fn(c)
+    return time.perf_counter() - t0, tokens
+
+
+def serial(tok, convs, thinking: bool) -> dict:
+    from dflash_ds.data.chat import ChatEncoder
+
+    enc = ChatEncoder(tok, thinking)
+    plain_s, plain_tok = _time(lambda c: len(tok.apply_chat_template(c, tokenize=True, enable_thinking=thinking,
+                                                                    return_dict=False)), convs)
+    ours_s, ours_tok = _time(lambda c: len(enc.encode(c).input_ids), convs)
+    return {"conversations": len(convs), "tokens": ours_tok, "plain_tokens": plain_tok,
+            "plain_conv_s": len(convs) / plain_s, "encode_conv_s": len(convs) / ours_s,
+            "plain_tok_s": plain_tok / plain_s, "encode_tok_s": ours_tok / ours_s, "ratio": plain_s / ours_s}
+
+
+def prepare_run(tokenizer: str, n: int, work: Path, num_proc: int) -> dict:
+    """prepare() on n ordinary chats in a fresh process; wall time and its peak RSS."""
+    src = work / f"chats-{n}.jsonl"
+    with src.open("w") as f:
+        for c in chats(n, (1, 4), (50, 400), (600, 3000), seed=1):
+            f.write(json.dumps({"messages": c}) + "\n")
+    code = (
+        "import sys, time, types; from transformers import AutoTokenizer; from dflash_ds.data.prepare import prepare\n"
+        f"cfg = types.SimpleNamespace(path={str(src)!r}, split='train', max_samples=None, max_length=8192, pack=True,"
+        f" truncation='truncate', thinking=False, cache_dir={str(work / f'cache-{n}')!r}, seed=0, eval_path=None,"
+        f" eval_split='train', num_eval=8, num_proc={num_proc},"
+        " regenerate=types.SimpleNamespace(enabled=False))\n"
+        f"tok = AutoTokenizer.from_pretrained({tokenizer!r}); t = time.perf_counter()\n"
+        "d = prepare(cfg, tok, verbose=False); import resource as r\n"
+        "rss = max(r.getrusage(r.RUSAGE_SELF).ru_maxrss, r.getrusage(r.RUSAGE_CHILDREN).ru_maxrss)\n"
+        "print('RESULT', time.perf_counter() - t, d.report['tokens'], rss)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    secs, tokens, rss = next(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    return {"chats": n, "seconds": float(secs), "conv_s": n / float(secs), "tok_s": int(tokens) / float(secs),
+            "peak_rss_mib": int(rss) / 1024, "processes": num_proc}
+
+
+def run(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser(prog="python -m dflash_ds.bench --role data", description=__doc__.splitlines()[0])
+    p.add_argument("--role", default="data")
+    p.add_argument("--tokenizer", default=str(REPO / "assets" / "tiny-target"), help="a tokenizer with a chat template")
+    p.add_argument("--chats", type=int, default=1000, help="ordinary-mix conversations for the one-core comparison")
+    p.add_argument("--long", type=int, default=10, help="200-exchange conversations (and 100x as many 2-exchange)")
+    p.add_argument("--thinking", action="store_true")
+    p.add_argument("--prepare-sizes", default="2000,8000", help="comma list of dataset sizes for prepare(); empty = skip")
+    p.add_argument("--num-proc", type=int, default=0, help="prepare processes (0 = every core)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    tok.model_max_length = 1 << 30  # no length warnings: these are not model inputs
+    report = {"role": "data", "args": vars(args), "cores": os.cpu_count()}
+    report["ordinary"] = serial(tok, chats(args.chats, (1, 4), (50, 400), (600, 3000)), args.thinking)
+    long = serial(tok, chats(args.long, (200, 200), (20, 200), (50, 400), seed=2), args.thinking)
+    short = serial(tok, chats(args.long * 100, (2, 2), (20, 200), (50, 400), seed=3), args.thinking)
+    report["per_token_us"] = {"turns_200": 1e6 / long["encode_tok_s"], "turns_2": 1e6 / short["encode_tok_s"],
+                              "ratio": short["encode_tok_s"] / long["encode_tok_s"]}  # 200-turn cost / 2-turn cost
+    sizes = [int(s) for s in args.prepare_sizes.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory() as d:
+        report["prepare"] = [prepare_run(args.tokenizer, n, Path(d), args.num_proc) for n in sizes]
+    return report
+
+
+def main(argv: list[str]) -> int:
+    r = run(argv)
+    o = r["ordinary"]
+    print(f"data preparation | tokenizer {r['args']['tokenizer']} | {r['cores']} cores")
+    print(f"  ordinary mix, 1 core: encode {o['encode_conv_s']:,.1f} conv/s ({o['encode_tok_s']:,.0f} tok/s); plain "
+          f"apply_chat_template {o['plain_conv_s']:,.1f} conv/s ({o['plain_tok_s']:,.0f} tok/s); ratio {o['ratio']:.2f}x")
+    t = r["per_token_us"]
+    print(f"  per token: 200 exchanges {t['turns_200']:.2f} us, 2 exchanges {t['turns_2']:.2f} us "
+          f"(200-turn cost {t['ratio']:.2f}x the 2-turn cost)")
+    for q in r["prepare"]:
+        print(f"  prepare {q['chats']:,} chats on {q['processes'] or r['cores']} processes: {q['seconds']:.1f} s, "
+              f"{q['conv_s']:,.1f} conv/s ({q['conv_s'] / r['cores']:,.1f} per core), {q['tok_s']:,.0f} tok/s, "
+              f"peak RSS {q['peak_rss_mib']:,.0f} MiB")
+    if r["args"]["out"]:
+        Path(r["args"]["out"]).write_text(json.dumps(r, indent=1) + "\n")
+    return 0

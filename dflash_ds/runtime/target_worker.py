@@ -1,0 +1,159 @@
+"""The target rank's role: run the frozen target over scheduled rows and send the tapped states.
+
+A `TargetWorker` owns the target model (under its DeepSpeed engine), the tap capture that writes
+the tapped layers straight into payload buffers, this rank's view of the prepared rows, and the
+sender. `run()` walks the schedule: for every micro-batch this rank produces, fill a payload
+and send it to the drafter rank that consumes it. The single-process reference trainer, the
+colocated mode and the bench use `fill()` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from dflash_ds.data.packing import position_ids_from_doc_ids
+from dflash_ds.data.prepare import PreparedData
+from dflash_ds.io import write_json_atomic
+from dflash_ds.metrics import write_status
+from dflash_ds.run import RunSpec
+from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.transport import Sender, taps_view, write_meta
+from dflash_ds.target.model import TapCapture, forward_taps, truncate_after
+
+
+def wants_eval(spec: RunSpec, data: PreparedData) -> bool:
+    e = spec.recipe.eval
+    return bool(data.eval_prompts) and (e.at_start or e.at_end or e.every_steps > 0)
+
+
+def eval_payload_count(spec: RunSpec, data: PreparedData) -> int:
+    return math.ceil(len(data.eval_prompts) / spec.payload.rows)
+
+
+class TargetWorker:
+    """The frozen target and the rows; fills payloads by micro-batch id."""
+
+    def __init__(self, spec: RunSpec, model, rows: dict[str, np.ndarray], rank: int = 0,
+                 eval_sequences: list[dict] | None = None):
+        self.spec, self.model, self.rows, self.rank = spec, model, rows, rank
+        # Greedy continuations of the held-out prompts (prompt + response ids), made before truncation.
+        self.eval_sequences = eval_sequences
+        self.capture = TapCapture(model, spec.drafter.target_layer_ids)
+        self.tokens = 0
+
+    @classmethod
+    def load(cls, spec: RunSpec, data: PreparedData, rank: int, group, eval_lead: bool) -> "TargetWorker":
+        """The target from target.path under its engine; the held-out continuations when this rank
+        produces the evaluation payloads (`eval_lead`), or must join their forwards (ZeRO-3)."""
+        from dflash_ds.runtime.engines import load_target_engine
+
+        model, kind = load_target_engine(spec.recipe, spec.plan, group, spec.device)
+        seqs = None
+        # Under ZeRO-3 every forward gathers weights from all target ranks, so they all generate the
+        # (identical, greedy) continuations in lock-step; only the lead keeps and writes them.
+        if wants_eval(spec, data) and (eval_lead or kind == "zero3"):
+            cache = Path(spec.recipe.run.output_dir) / "eval_sequences.json"
+            seqs = greedy_sequences(model, data.eval_prompts, spec.recipe.eval.max_new_tokens, spec.device, cache,
+                                    write=eval_lead)
+        truncate_after(model, max(spec.drafter.target_layer_ids))  # after generating, which needs every layer
+        return cls(spec, model, data.rows, rank, seqs)
+
+    def fill(self, buf: torch.Tensor, micro_index: int) -> torch.Tensor:
+        idx = self.spec.plan.rows_of(micro_index, self.spec.recipe.run.seed)
+        device = self.spec.device
+        ids = torch.from_numpy(self.rows["input_ids"][idx].astype(np.int64)).to(device, non_blocking=True)
+        loss_mask = torch.from_numpy(self.rows["loss_mask"][idx].astype(np.int32)).to(device, non_blocking=True)
+        doc_ids = torch.from_numpy(self.rows["doc_ids"][idx].astype(np.int32)).to(device, non_blocking=True)
+        self._forward(buf, ids, loss_mask, doc_ids)
+        self.tokens += ids.numel()
+        return buf
+
+    def _forward(self, buf, ids, loss_mask, doc_ids) -> None:
+        write_meta(buf, self.spec.payload, ids, loss_mask, doc_ids)
+        positions = position_ids_from_doc_ids(doc_ids)
+        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec.payload))
+
+    def eval_payloads(self, new_buffer: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Yield the held-out (prompt + greedy continuation) sequences, R per payload, padded to S.
+
+        A generator, so a caller that sends each payload frees its buffer before the next is filled.
+        """
+        sequences = self.eval_sequences or []
+        r, s = self.spec.payload.rows, self.spec.payload.seq_len
+        device = self.spec.device
+        for i in range(0, len(sequences), r):
+            ids = torch.zeros(r, s, dtype=torch.long)
+            loss_mask = torch.zeros(r, s, dtype=torch.int32)
+            doc_ids = torch.full((r, s), -1, dtype=torch.int32)
+            for j, seq in enumerate(sequences[i:i + r]):
+                toks = seq["ids"][:s]
+                ids[j, :len(toks)] = torch.tensor(toks)
+                loss_mask[j, seq["prompt_len"]:len(toks)] = 1
+                doc_ids[j, :len(toks)] = 0
+            buf = new_buffer()
+            self._forward(buf, ids.to(device), loss_mask.to(device), doc_ids.to(device))
+            yield buf
+
+    def run(self, start: int | None = None) -> None:
+        """The target rank's loop: evaluation payloads first, then every scheduled micro-batch from
+        `start` (the step the lead decided, shared through the process group; None: read it here)."""
+        spec, rank = self.spec, self.rank
+        r, plan, lay = spec.recipe, spec.plan, spec.layout
+        sender = Sender(spec.payload, spec.device, r.topology.max_in_flight)
+        if self.eval_sequences is not None:
+            if rank == lay.eval_target():
+                for buf in self.eval_payloads(sender.buffer):
+                    sender.send(buf, dst=lay.drafter_ranks[0])
+            else:
+                for _ in self.eval_payloads(lambda: spec.payload.empty(spec.device)):
+                    pass  # the same forwards, keeping ZeRO-3 ranks in step
+        t0 = time.perf_counter()
+        for step in range(resume_step(spec) if start is None else start, plan.total_steps):
+            for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
+                sender.send(self.fill(sender.buffer(), m), dst=dst)
+            if (step + 1) % r.log.every_steps == 0:
+                now = time.perf_counter()
+                write_status(r.run.output_dir, rank, {"rank": rank, "step": step + 1,
+                                                      "tok_per_s": self.tokens / (now - t0),
+                                                      "send_wait_share": sender.wait_seconds / (now - t0),
+                                                      "in_flight": sender.in_flight})
+        sender.flush()
+
+
+def resume_step(spec: RunSpec) -> int:
+    """The step a resumed run continues from: the drafters' newest complete checkpoint."""
+    if spec.recipe.checkpoint.resume == "restart":
+        return 0
+    info = checkpoint.latest(spec.recipe.run.output_dir)
+    return int(info["step"]) if info else 0
+
+
+def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, cache: Path,
+                     write: bool = True) -> list[dict]:
+    """The target's greedy continuations of the held-out prompts, cached in the run directory."""
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    from dflash_ds.eval.generate import greedy_continuation
+
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        full = greedy_continuation(model, ids, max_new_tokens=max_new_tokens)
+        out.append({"prompt_len": len(p), "ids": full.reshape(-1).tolist()})
+    if not write:
+        return out
+    write_json_atomic(cache, out)
+    return out
+
+
+def run_target(spec: RunSpec, data: PreparedData, rank: int, group, start: int | None = None) -> None:
+    """A target rank from start to end."""
+    is_eval_rank = rank == spec.layout.eval_target()
+    TargetWorker.load(spec, data, rank, group, eval_lead=is_eval_rank).run(start)

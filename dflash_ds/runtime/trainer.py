@@ -1,0 +1,270 @@
+"""The drafter rank's role: receive micro-batches, train the drafter, log, evaluate, checkpoint, export.
+
+A `DrafterTrainer` owns the drafter's DeepSpeed engine, the draft model (drafter + the target's
+frozen embedding and lm_head), the payload source (a `Receiver` from target ranks, or a
+`LocalSource` in colocated mode), the metrics sink and the step settings. `train_step` is one
+optimizer step; `train` is the loop around it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_ds.config import to_dict
+from dflash_ds.data.prepare import PreparedData
+from dflash_ds.eval.tau import TauReport, tau_from_taps
+from dflash_ds.metrics import Metrics, print_progress, read_status
+from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
+from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.run import RunSpec
+from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
+from dflash_ds.runtime.transport import PayloadSpec, Receiver, unpack
+from dflash_ds.runtime.watchdog import waiting_on
+
+# Tests set this to kill every drafter rank right after the given step (a simulated crash).
+CRASH_AFTER_STEP = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", "0")) or None
+
+
+@dataclass
+class StepStats:
+    ce_sum: torch.Tensor
+    weight: torch.Tensor
+    accept: torch.Tensor
+    anchors: torch.Tensor
+
+
+class LocalSource:
+    """Colocated mode: payloads produced in this process by the target, in schedule order."""
+
+    def __init__(self, worker: TargetWorker, rank: int, start: int):
+        spec = worker.spec
+        self.worker, self.rank, self.plan = worker, rank, spec.plan
+        self.items = ((s, g) for s in range(start, spec.plan.total_steps) for g in range(spec.plan.grad_accum))
+        # A step holds all grad_accum payloads at once (the loss is normalised over the whole step).
+        self.free = [spec.payload.empty(spec.device) for _ in range(spec.plan.grad_accum)]
+        self.wait_seconds = 0.0
+
+    def get(self) -> torch.Tensor:
+        s, g = next(self.items)
+        m = self.plan.layout.micro_index(s, g, self.plan.grad_accum, self.rank)
+        t0 = time.perf_counter()
+        buf = self.worker.fill(self.free.pop(), m)
+        self.wait_seconds += time.perf_counter() - t0
+        return buf
+
+    def release(self, buf) -> None:
+        self.free.append(buf)
+
+    def close(self) -> None:
+        pass
+
+
+class DrafterTrainer:
+    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int, control=None,
+                 start: int = 0):
+        self.spec, self.engine, self.model, self.source, self.group, self.rank = spec, engine, model, source, group, rank
+        # runtime.control.RunControl (stop votes); None where nothing stops the loop early (the bench).
+        self.control, self.start = control, start
+        self.lead = rank == spec.layout.drafter_ranks[0]
+        self.settings = StepSettings.from_recipe(spec.recipe, spec.device)
+        self._metrics: Metrics | None = None
+
+    @property
+    def metrics(self) -> Metrics:
+        # Opened on first use: a trainer that only steps (the bench) writes nothing.
+        if self._metrics is None:
+            r = self.spec.recipe
+            self._metrics = Metrics(r.run.output_dir, to_dict(r), r.log.wandb, r.run.name, enabled=self.lead,
+                                    start_step=self.start)
+        return self._metrics
+
+    def train_step(self, step: int) -> StepStats:
+        """One optimizer step over this rank's grad_accum payloads. No host synchronisation."""
+        spec, s = self.spec, self.settings
+        plan, lay = spec.plan, spec.layout
+        payloads = [self.source.get() for _ in range(plan.grad_accum)]
+        mbs = [unpack(p, spec.payload, spec.dtype) for p in payloads]
+        blocks = [make_blocks(mb, s, lay.micro_index(step, g, plan.grad_accum, self.rank)) for g, mb in enumerate(mbs)]
+        # Normalise by the whole step's weight (all micro-batches, all drafter ranks): the engine
+        # divides by grad_accum and averages over ranks, so scale the loss back up by both.
+        weight = torch.stack([b.weights.sum() for b in blocks]).sum()
+        with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
+            dist.all_reduce(weight, group=self.group)
+        scale = plan.grad_accum * lay.num_drafters
+        ce_sum, accept, anchors = 0.0, 0.0, 0.0
+        for mb, bl in zip(mbs, blocks):
+            out = drafter_loss(self.model, mb, bl, weight / scale, s)
+            self.engine.backward(out.loss)
+            self.engine.step()
+            w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
+            run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
+            accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
+        for p in payloads:
+            self.source.release(p)
+        return StepStats(ce_sum, weight, accept, anchors)
+
+    def train(self, start: int, eval_set: list[torch.Tensor]) -> None:
+        r, plan = self.spec.recipe, self.spec.plan
+        if self.lead and eval_set and r.eval.at_start and start == 0:
+            self.log_tau(0, eval_set, "before training")
+        t0 = time.perf_counter()
+        window_t, window_steps = t0, 0
+        for step in range(start, plan.total_steps):
+            stats = self.train_step(step)
+            window_steps += 1
+            done = step + 1
+            if done % r.log.every_steps == 0 or done == plan.total_steps:
+                self.log_step(done, stats, time.perf_counter() - window_t, window_steps, t0, start)
+                window_t, window_steps = time.perf_counter(), 0
+            if r.eval.every_steps and done % r.eval.every_steps == 0 and self.lead and done != plan.total_steps:
+                self.log_tau(done, eval_set, "")
+            saved = done % r.checkpoint.every_steps == 0 or done == plan.total_steps
+            if saved:
+                self.save(done)
+            if self.control is not None and done < plan.total_steps and self.control.should_stop():
+                self.stop(done, saved)
+            if done == CRASH_AFTER_STEP:
+                # Fault injection for the resume tests: die the way a preempted job does.
+                os._exit(17)
+        if self.lead and eval_set and r.eval.at_end:
+            self.log_tau(plan.total_steps, eval_set, "after training")
+        self.metrics.close()
+
+    def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
+        # The only host synchronisation of the loop: at log steps.
+        vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
+                           for x in (stats.ce_sum, stats.accept, stats.anchors)])
+        with waiting_on("the metrics all-reduce", self.spec.layout.drafter_ranks):
+            dist.all_reduce(vec, group=self.group)
+        if not self.lead:
+            return
+        plan = self.spec.plan
+        ce, acc, anchors = vec.tolist()
+        tokens = steps * plan.tokens_per_step
+        elapsed = time.perf_counter() - t0
+        rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
+               "lr": self.engine.get_lr()[0], "tok_per_s": tokens / seconds,
+               "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
+               "drafter_wait_share": self.source.wait_seconds / max(elapsed, 1e-9),
+               "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
+        status = read_status(self.spec.recipe.run.output_dir)
+        if status:
+            rec["target_tok_per_s"] = sum(s["tok_per_s"] for s in status) / len(status)
+            rec["target_send_wait_share"] = sum(s["send_wait_share"] for s in status) / len(status)
+            rec["in_flight"] = sum(s["in_flight"] for s in status)
+        self.metrics.log(rec)
+        if self.spec.recipe.log.progress:
+            print_progress(rec, plan.total_steps)
+
+    def log_tau(self, step: int, eval_set: list[torch.Tensor], label: str) -> None:
+        report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
+        self.metrics.log({"step": step, "tau": report.tau_mean, "tau_pooled": report.tau_pooled,
+                          "tau_histogram": report.histogram, "eval": label or "periodic"})
+        print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
+              f"{len(report.cycles)} responses)", flush=True)
+
+    def save(self, step: int) -> None:
+        from dflash_ds.export import save_drafter
+
+        r = self.spec.recipe
+        checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
+        if self.lead:
+            try:
+                out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export")
+            except OSError as exc:  # the export is swapped in only when complete: the old one stays
+                raise checkpoint.CheckpointError(
+                    f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
+                    f"the previous export is untouched and checkpoint step {step} is complete") from None
+            print(f"[dflash] step {step}: checkpoint written; drafter exported to {out}", flush=True)
+
+
+    def stop(self, done: int, saved: bool) -> None:
+        """Every drafter rank voted at the same step boundary, so all of them save this step."""
+        from dflash_ds.runtime.control import Stopped
+
+        if not saved:
+            self.save(done)
+        self.metrics.close()
+        r = self.spec.recipe
+        raise Stopped(done, str(checkpoint.checkpoint_dir(r.run.output_dir) / checkpoint.tag_of(done)))
+
+
+@torch.no_grad()
+def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], spec: PayloadSpec, dtype: torch.dtype) -> TauReport:
+    """Exact offline tau of the held-out payloads (loss_mask marks each response)."""
+    drafter = model.drafter
+    was_training = drafter.training
+    drafter.eval()
+    cycles = []
+    # Held-out sequences have many lengths: compiled layers would recompile for each, so run eager.
+    with torch.compiler.set_stance("force_eager"):
+        device = next(drafter.parameters()).device
+        for p in payloads:
+            mb = unpack(p.to(device), spec, dtype)
+            for j in range(mb.input_ids.shape[0]):
+                real = int((mb.doc_ids[j] >= 0).sum())
+                resp = torch.nonzero(mb.loss_mask[j]).flatten()
+                if real == 0 or resp.numel() == 0:
+                    continue
+                cycles.append(tau_from_taps(model, mb.taps[j, :real], mb.input_ids[j, :real], int(resp[0]), real))
+    drafter.train(was_training)
+    return TauReport(block_size=model.block_size, cycles=cycles)
+
+
+def build_drafter(spec: RunSpec):
+    """A fresh drafter (seeded by run.seed) or the export named by drafter.init_from, in float32."""
+    from dflash_ds.export import load_drafter
+    from dflash_ds.model.drafter import DFlashDrafter
+
+    r = spec.recipe
+    if r.drafter.init_from:
+        return load_drafter(r.drafter.init_from, dtype=torch.float32, device=spec.device)
+    torch.manual_seed(r.run.seed)
+    return DFlashDrafter(spec.drafter).to(spec.device)
+
+
+def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=None) -> None:
+    """A drafter (or colocated) rank from start to end: engine, resume, source, evaluation set, loop."""
+    from dflash_ds.runtime.engines import build_drafter_engine
+    from dflash_ds.target.model import embed_and_head
+
+    r, plan, lay = spec.recipe, spec.plan, spec.layout
+    lead = rank == lay.drafter_ranks[0]
+    embed, head = embed_and_head(r.target.path, spec.dtype, spec.device)
+    drafter = build_drafter(spec)
+    engine, _ = build_drafter_engine(r, drafter, plan, groups.drafter, rank, spec.device)
+    # The checkpoint the lead chose (shared through the process group); without a RunControl, latest.json.
+    info = control.start if control is not None else (
+        None if r.checkpoint.resume == "restart" else checkpoint.latest(r.run.output_dir))
+    start = checkpoint.load(engine, r.run.output_dir, groups.drafter, info, r.checkpoint.universal, lead)
+    # Evaluation payloads are held on the host: 64 held-out rows of a 27B target are ~10 GB.
+    eval_set: list[torch.Tensor] = []
+    if lay.colocated:
+        worker = TargetWorker.load(spec, data, rank, groups.target, eval_lead=lead)
+        if worker.eval_sequences is not None:
+            eval_set = [p.cpu() for p in worker.eval_payloads(lambda: spec.payload.empty(spec.device))]
+            eval_set = eval_set if lead else []  # ZeRO-3 ranks only joined the forwards
+        source = LocalSource(worker, rank, start)
+    else:
+        if wants_eval(spec, data) and lead:
+            n = eval_payload_count(spec, data)
+            rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n)
+            for _ in range(n):
+                buf = rx.get()
+                eval_set.append(buf.cpu())
+                rx.release(buf)
+        sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
+                   for g in range(plan.grad_accum))
+        source = Receiver(spec.payload, spec.device, plan.grad_accum + 1, sources)
+    trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank, control,
+                             start)
+    trainer.train(start, eval_set)
+    source.close()
