@@ -18,6 +18,7 @@ A directory with checkpoints but no latest.json never restarts silently under au
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
