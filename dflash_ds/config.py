@@ -174,10 +174,12 @@ class TopologyConfig:
     """One rank holds both models and passes hidden states in memory (single GPU)."""
     max_in_flight: int = 4
     """Payload sends a target may have outstanding (bounded run-ahead)."""
-    peer_timeout_s: float = 300.0
+    peer_timeout_s: float = 1200.0
     """A rank waiting this long on a peer (a payload, a send, a collective) names the peer and ends
-    the job; a dead peer ends it at once."""
-    peer_report_s: float = 60.0
+    the job; a dead peer ends it at once. Must exceed the longest legitimate pause of a peer: a
+    checkpoint write (minutes for a 27B-width drafter), the first step's compilation, the target's
+    held-out generation before the first step."""
+    peer_report_s: float = 120.0
     """While a wait on a peer lasts longer than this, a line every this many seconds says who waits
     on whom."""
 

@@ -112,3 +112,44 @@ def read_status(run_dir: str | Path) -> list[dict]:
         except (OSError, json.JSONDecodeError):
             pass
     return out
+
+
+def target_counters(rank: int, step: int, start: float, tokens: int, send_wait_s: float, in_flight: int,
+                    now: float | None = None) -> dict:
+    """What a target rank publishes: counters since `start` (its loop start), so the reader can take any window."""
+    return {"rank": rank, "step": step, "start": start, "time": time.perf_counter() if now is None else now,
+            "tokens": tokens,
+            "send_wait_s": send_wait_s, "in_flight": in_flight}
+
+
+class TargetWindow:
+    """Target rates over the lead drafter's log window, from the targets' cumulative counters.
+
+    A since-start average hides a target that became the bottleneck (it keeps climbing from the slow
+    start for a long time), so each log step differences the counters against the previous read:
+    the target figure then covers the same log.every_steps steps as the drafter figure. Target ranks
+    share the host clock with the lead only on one node, so only differences of a rank's own
+    timestamps are used.
+    """
+
+    def __init__(self):
+        self.prev: dict[int, dict] = {}
+        self.rates: dict[int, tuple[float, float]] = {}
+
+    def update(self, status: list[dict]) -> dict:
+        if not status:
+            return {}
+        for s in status:
+            p = self.prev.get(s["rank"])
+            if p is None or p["start"] != s["start"]:  # first report of this rank's (new) run
+                p = {"start": s["start"], "time": s["start"], "tokens": 0, "send_wait_s": 0.0}
+            dt = s["time"] - p["time"]
+            if dt > 0:  # otherwise no new report since the last read: keep that window's figures
+                self.rates[s["rank"]] = ((s["tokens"] - p["tokens"]) / dt, (s["send_wait_s"] - p["send_wait_s"]) / dt)
+                self.prev[s["rank"]] = s
+        rates = [self.rates[s["rank"]] for s in status if s["rank"] in self.rates]
+        if not rates:
+            return {}
+        return {"target_tok_per_s": sum(r for r, _ in rates) / len(rates),
+                "target_send_wait_share": sum(w for _, w in rates) / len(rates),
+                "in_flight": sum(s["in_flight"] for s in status)}

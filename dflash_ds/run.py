@@ -20,6 +20,7 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.drafter import DrafterConfig
 from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.runtime.dtypes import payload_dtype
 from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.runtime.topology import Layout, TopologyError
 from dflash_ds.runtime.transport import PayloadSpec
@@ -63,8 +64,8 @@ def resolve_device(name: str, setting: str) -> torch.device:
 
 
 def compute_dtype(target_dtype: str, device: torch.device) -> torch.dtype:
-    """target.dtype on a GPU; float32 on CPU whatever the recipe says (bf16 matmuls on CPU are slow
-    and inexact, and CPU runs are for tests, which compare against float references)."""
+    """The bench's dtype: target.dtype on a GPU, float32 on CPU (its drafter JSON agrees with it).
+    Training runs take the payload dtype from runtime.dtypes.payload_dtype (check_recipe)."""
     return DTYPES[target_dtype] if device.type == "cuda" else torch.float32
 
 
@@ -81,9 +82,12 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     after the process group starts) the plan assumes one step per epoch: `RunSpec.with_rows` then
     gives the exact one."""
     layout = check_world(recipe, world_size)
-    drafter_ds_config(recipe, layout.num_drafters)
-    target_ds_config(recipe, layout.num_targets)
+    drafter_json = drafter_ds_config(recipe, layout.num_drafters)
+    target_kind, target_json = target_ds_config(recipe, layout.num_targets)
     device = resolve_device(recipe.run.device, "run.device")
+    # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
+    # as they are written into the payload (the sender), so the drafter side never converts.
+    dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
     if recipe.drafter.init_from and not Path(recipe.drafter.init_from).is_dir():
         raise RecipeError(f"drafter.init_from {recipe.drafter.init_from!r} is not a directory; point it at an exported drafter")
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
@@ -104,7 +108,6 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
-    dtype = compute_dtype(recipe.target.dtype, device)
     payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, geo.hidden_size, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()

@@ -235,3 +235,32 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
     assert main(["--target", str(missing), "--drafter", str(drafter_dir), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
     assert "--target" in err and str(missing) in err
+
+
+def test_greedy_generation_leaves_compiled_target_kernels_alone():
+    """Generation's many shapes must not use up the recompile budget of the target's fixed-shape
+    compiled kernels (past it they stay eager for the training shape too)."""
+    from dflash_ds.target.model import TapCapture, forward_taps
+
+    from .test_target import tiny_qwen3
+
+    torch._dynamo.reset()
+    model = tiny_qwen3()
+    calls = {"n": 0}
+
+    def mlp(x, gate, up, down):
+        calls["n"] += 1
+        return down(torch.nn.functional.silu(gate(x)) * up(x))
+
+    compiled = torch.compile(mlp, backend="eager", dynamic=False)
+    for layer in model.model.layers:
+        layer.mlp.forward = lambda x, m=layer.mlp: compiled(x, m.gate_proj, m.up_proj, m.down_proj)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    plain = [greedy_continuation(model, torch.tensor([3, 4, 5][:n]), max_new_tokens=4, eos_token_id=[]) for n in (1, 2, 3)]
+    assert calls["n"] > 0 and torch._dynamo.utils.counters["frames"]["ok"] == frames  # ran, never compiled
+    # The training shape still compiles.
+    out = torch.empty(1, 7, 32)
+    forward_taps(model, TapCapture(model, [1]), torch.arange(7)[None], None, out)
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames
+    assert all(p.numel() == n + 4 for p, n in zip(plain, (1, 2, 3)))
+    torch._dynamo.reset()

@@ -69,6 +69,21 @@ def test_colocated_matches_single_process(tmp_path, reference):
     assert losses(run_dir) == pytest.approx(reference, rel=2e-4)
 
 
+def test_colocated_zero3_target_ends_cleanly(tmp_path, reference):
+    """Two colocated ranks with the target partitioned by ZeRO-3 over both: the same losses as the
+    single process, then the whole end of training (final checkpoint, export, tau after training)
+    and a clean exit, within a timeout (a rank left alone in a ZeRO-3 gather would hang here)."""
+    run_dir = tmp_path / "run"
+    out = ok(launch(TINY, FAST + ["topology.colocated=true", "topology.targets_per_node=0", "topology.drafters_per_node=2",
+                                  "optim.grad_accum=2", "target.ds_config=ds_configs/target_zero3_cpu.json",
+                                  "eval.at_end=true", "data.num_eval=4", "eval.max_new_tokens=16",
+                                  f"run.output_dir={run_dir}"], procs=2, timeout=240))
+    assert losses(run_dir) == pytest.approx(reference, rel=2e-4)
+    assert "step 4: checkpoint written" in out and "tau after training" in out, out[-3000:]
+    assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == 4
+    assert (run_dir / "export" / "model.safetensors").is_file()
+
+
 def test_two_targets_one_drafter(tmp_path):
     run_dir = tmp_path / "run"
     ok(launch(TINY, FAST + ["topology.targets_per_node=2", f"run.output_dir={run_dir}"], procs=3))

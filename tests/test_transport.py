@@ -65,3 +65,62 @@ def test_sender_receiver_order_and_content():
         p.join(timeout=60)
         assert p.exitcode == 0
     assert got == [(float(i), 1000 + i) for i in range(n)]
+
+
+def test_wait_timer_reads_the_stream_stall_on_cuda_without_syncing(monkeypatch):
+    """On NCCL work.wait() returns at once; the stall comes from timing events read lazily."""
+    from dflash_ds.runtime import transport
+
+    stalls = iter([0.5, 0.25])
+
+    class FakeEvent:
+        log: list = []
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.done = False
+            FakeEvent.log.append(self)
+
+        def record(self):
+            pass
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            assert other.done  # never read before the stream got there
+            return 1000.0 * next(stalls)
+
+    class Work:
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = transport.WaitTimer("cuda")
+    timer.wait(Work())
+    timer.wait(Work())
+    assert timer.seconds == 0.0  # nothing complete yet: no blocking read
+    FakeEvent.log[1].done = True
+    assert timer.seconds == 0.5
+    FakeEvent.log[3].done = True
+    assert timer.seconds == 0.75
+    cpu = transport.WaitTimer("cpu")
+    cpu.wait(Work())
+    assert 0.0 <= cpu.seconds < 0.1 and not cpu.events
+
+
+def test_in_flight_counts_sends_not_completed():
+    """Under NCCL the host never blocks on a send, so the ring is always full on the host; the
+    progress line's 'in flight' counts the transfers that have not completed."""
+    class Work:
+        def __init__(self, done):
+            self.done = done
+
+        def is_completed(self):
+            return self.done
+
+    tx = Sender(PayloadSpec(1, 4, 1, 8, torch.float32), "cpu", max_in_flight=3)
+    tx.pending.extend([(Work(True), None), (Work(False), None), (Work(False), None)])
+    assert tx.in_flight == 2
+    tx.pending[1][0].done = True
+    assert tx.in_flight == 1

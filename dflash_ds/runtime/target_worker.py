@@ -21,7 +21,7 @@ import torch
 from dflash_ds.data.packing import position_ids_from_doc_ids
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.io import write_json_atomic
-from dflash_ds.metrics import write_status
+from dflash_ds.metrics import target_counters, write_status
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.transport import Sender, taps_view, write_meta
@@ -114,16 +114,17 @@ class TargetWorker:
             else:
                 for _ in self.eval_payloads(lambda: spec.payload.empty(spec.device)):
                     pass  # the same forwards, keeping ZeRO-3 ranks in step
-        t0 = time.perf_counter()
-        for step in range(resume_step(spec) if start is None else start, plan.total_steps):
+        start = resume_step(spec) if start is None else start
+        t0, tokens0, wait0 = time.perf_counter(), self.tokens, sender.wait_seconds
+        # Cumulative counters (the lead drafter differences them over its log window); this first
+        # report replaces any left by an earlier run in the directory before the drafter reads one.
+        write_status(r.run.output_dir, rank, target_counters(rank, start, t0, 0, 0.0, 0, now=t0))
+        for step in range(start, plan.total_steps):
             for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
                 sender.send(self.fill(sender.buffer(), m), dst=dst)
-            if (step + 1) % r.log.every_steps == 0:
-                now = time.perf_counter()
-                write_status(r.run.output_dir, rank, {"rank": rank, "step": step + 1,
-                                                      "tok_per_s": self.tokens / (now - t0),
-                                                      "send_wait_share": sender.wait_seconds / (now - t0),
-                                                      "in_flight": sender.in_flight})
+            if (step + 1) % r.log.every_steps == 0 or step + 1 == plan.total_steps:
+                write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, self.tokens - tokens0,
+                                                                     sender.wait_seconds - wait0, sender.in_flight))
         sender.flush()
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dflash_ds.config import to_dict
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
-from dflash_ds.metrics import Metrics, print_progress, read_status
+from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
 from dflash_ds.model.objective import acceptance_proxy
@@ -76,6 +76,7 @@ class DrafterTrainer:
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = StepSettings.from_recipe(spec.recipe, spec.device)
         self._metrics: Metrics | None = None
+        self.target_window, self.wait_before = TargetWindow(), 0.0
 
     @property
     def metrics(self) -> Metrics:
@@ -153,13 +154,11 @@ class DrafterTrainer:
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
                "lr": self.engine.get_lr()[0], "tok_per_s": tokens / seconds,
                "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
-               "drafter_wait_share": self.source.wait_seconds / max(elapsed, 1e-9),
+               "drafter_wait_share": (self.source.wait_seconds - self.wait_before) / max(seconds, 1e-9),
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
-        status = read_status(self.spec.recipe.run.output_dir)
-        if status:
-            rec["target_tok_per_s"] = sum(s["tok_per_s"] for s in status) / len(status)
-            rec["target_send_wait_share"] = sum(s["send_wait_share"] for s in status) / len(status)
-            rec["in_flight"] = sum(s["in_flight"] for s in status)
+        # Rates over each log window (the drafter's own and the targets'), not since the start.
+        self.wait_before = self.source.wait_seconds
+        rec.update(self.target_window.update(read_status(self.spec.recipe.run.output_dir)))
         self.metrics.log(rec)
         if self.spec.recipe.log.progress:
             print_progress(rec, plan.total_steps)
@@ -175,16 +174,21 @@ class DrafterTrainer:
         from dflash_ds.export import save_drafter
 
         r = self.spec.recipe
+        t0 = time.perf_counter()
+        if self.lead and step == self.spec.plan.total_steps:
+            print(f"[dflash] step {step}: writing the final checkpoint and export", flush=True)
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
         if self.lead:
+            t1 = time.perf_counter()
             try:
                 out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export")
             except OSError as exc:  # the export is swapped in only when complete: the old one stays
                 raise checkpoint.CheckpointError(
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
-            print(f"[dflash] step {step}: checkpoint written; drafter exported to {out}", flush=True)
-
+            # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
+            print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
+                  f"({time.perf_counter() - t1:.0f} s)", flush=True)
 
     def stop(self, done: int, saved: bool) -> None:
         """Every drafter rank voted at the same step boundary, so all of them save this step."""

@@ -66,6 +66,41 @@ def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, t
     return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2]
 
 
+class WaitTimer:
+    """Time a role spent waiting on its transfers, as the device saw it.
+
+    On CPU (gloo) `work.wait()` blocks the host, so host time is the wait. On CUDA (NCCL) it only
+    makes the current stream wait and returns at once: the host never sees the stall. There, two
+    timing events around the wait measure how long the stream sat idle between the work queued
+    before it and the transfer's completion; they are read lazily (no host synchronisation).
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.host = 0.0
+        self.stream = 0.0
+        self.events: deque = deque()
+
+    def wait(self, work) -> None:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            work.wait()
+            self.host += time.perf_counter() - t0
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        work.wait()
+        after.record()
+        self.events.append((before, after))
+
+    @property
+    def seconds(self) -> float:
+        while self.events and self.events[0][1].query():
+            before, after = self.events.popleft()
+            self.stream += before.elapsed_time(after) / 1000.0
+        return self.host + self.stream
+
+
 def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
     """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
     ids, loss_mask, doc_ids = read_meta(payload, spec)
@@ -81,12 +116,18 @@ class Sender:
         self.max_in_flight = max_in_flight
         self.pending: deque[tuple[object, torch.Tensor, int]] = deque()
         self.free: list[torch.Tensor] = [spec.empty(device) for _ in range(max_in_flight + 1)]
-        self.wait_seconds = 0.0
+        self.timer = WaitTimer(device)
         self.sent = 0
 
     @property
+    def wait_seconds(self) -> float:
+        return self.timer.seconds
+
+    @property
     def in_flight(self) -> int:
-        return len(self.pending)
+        # Sends not yet completed. Not len(pending): under NCCL the host never blocks on a send, so
+        # pending stays at max_in_flight whether or not the transfers are done.
+        return sum(not work.is_completed() for work, _, _ in self.pending)
 
     def buffer(self) -> torch.Tensor:
         """A payload buffer that no send is still reading."""
@@ -106,10 +147,8 @@ class Sender:
 
     def _retire_oldest(self) -> None:
         work, buf, dst = self.pending.popleft()
-        t0 = time.perf_counter()
         with waiting_on("a payload send", dst):
-            work.wait()
-        self.wait_seconds += time.perf_counter() - t0
+            self.timer.wait(work)
         self.free.append(buf)
 
     def flush(self) -> None:
@@ -130,9 +169,13 @@ class Receiver:
         self.group = group
         self.posted: deque[tuple[object, torch.Tensor, int]] = deque()
         self.free = [spec.empty(device) for _ in range(depth)]
-        self.wait_seconds = 0.0
+        self.timer = WaitTimer(device)
         self.received = 0
         self._fill()
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.timer.seconds
 
     def _fill(self) -> None:
         while self.free:
@@ -146,10 +189,8 @@ class Receiver:
     def get(self) -> torch.Tensor:
         """The next payload; hand it back with release() once it is no longer read."""
         work, buf, src = self.posted.popleft()
-        t0 = time.perf_counter()
         with waiting_on("a payload receive", src):
-            work.wait()
-        self.wait_seconds += time.perf_counter() - t0
+            self.timer.wait(work)
         self.received += 1
         return buf
 
