@@ -127,7 +127,7 @@ class Sender:
     def in_flight(self) -> int:
         # Sends not yet completed. Not len(pending): under NCCL the host never blocks on a send, so
         # pending stays at max_in_flight whether or not the transfers are done.
-        return sum(not work.is_completed() for work, _, _ in self.pending)
+        return sum(not entry[0].is_completed() for entry in self.pending)
 
     def buffer(self) -> torch.Tensor:
         """A payload buffer that no send is still reading."""
