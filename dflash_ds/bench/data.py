@@ -7,8 +7,10 @@ On generated chats (seeded; words of 2-9 letters with punctuation):
 - long threads: 200 exchanges of 20-200 / 50-400 characters against 2 exchanges of the same kind:
   microseconds per token of each (cost linear in the length: the ratio stays near 1).
 - end to end: `prepare()` with the default `data.num_proc` (every core) on `--prepare-sizes` chats of
-  the ordinary mix, each in a fresh process: conversations/s and the peak resident memory of the
-  largest process (ru_maxrss of the children), which must not grow with the number of chats.
+  the ordinary mix, each in a fresh process: conversations/s, the peak anonymous resident memory
+  (RssAnon of the process plus its live workers, sampled every 50 ms) and, for comparison, ru_maxrss
+  (largest single process, file-backed pages of memory maps included). Anonymous memory is what must
+  not grow with the number of chats: mapped Arrow and .npy pages are file-backed and reclaimable.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,8 +71,55 @@ def serial(tok, convs, thinking: bool) -> dict:
             "plain_tok_s": plain_tok / plain_s, "encode_tok_s": ours_tok / ours_s, "ratio": plain_s / ours_s}
 
 
+def _rss_anon_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass  # the process ended between listing and reading
+    return 0
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its live descendants (the encode workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass  # ended meanwhile
+    return out
+
+
+class AnonPeak:
+    """Peak of the summed RssAnon over a process tree, sampled every `interval` s in a thread."""
+
+    def __init__(self, pid: int, interval: float = 0.05):
+        self.pid, self.interval, self.peak_kib, self.peak_procs = pid, interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            pids = _tree(self.pid)
+            total = sum(_rss_anon_kib(p) for p in pids)
+            if total > self.peak_kib:
+                self.peak_kib, self.peak_procs = total, len(pids)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib
+
+
 def prepare_run(tokenizer: str, n: int, work: Path, num_proc: int) -> dict:
-    """prepare() on n ordinary chats in a fresh process; wall time and its peak RSS."""
+    """prepare() on n ordinary chats in a fresh process; wall time, peak anonymous memory and ru_maxrss."""
     src = work / f"chats-{n}.jsonl"
     with src.open("w") as f:
         for c in chats(n, (1, 4), (50, 400), (600, 3000), seed=1):
@@ -85,12 +135,17 @@ def prepare_run(tokenizer: str, n: int, work: Path, num_proc: int) -> dict:
         "rss = max(r.getrusage(r.RUSAGE_SELF).ru_maxrss, r.getrusage(r.RUSAGE_CHILDREN).ru_maxrss)\n"
         "print('RESULT', time.perf_counter() - t, d.report['tokens'], rss)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    sampler = AnonPeak(proc.pid)
+    out, err = proc.communicate()
+    anon = sampler.stop()
     if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    secs, tokens, rss = next(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+        raise RuntimeError(err[-3000:])
+    secs, tokens, rss = next(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
     return {"chats": n, "seconds": float(secs), "conv_s": n / float(secs), "tok_s": int(tokens) / float(secs),
-            "peak_rss_mib": int(rss) / 1024, "processes": num_proc}
+            "peak_rss_mib": int(rss) / 1024, "peak_anon_mib": anon / 1024, "peak_anon_processes": sampler.peak_procs,
+            "processes": num_proc}
 
 
 def run(argv: list[str]) -> dict:
@@ -133,7 +188,8 @@ def main(argv: list[str]) -> int:
     for q in r["prepare"]:
         print(f"  prepare {q['chats']:,} chats on {q['processes'] or r['cores']} processes: {q['seconds']:.1f} s, "
               f"{q['conv_s']:,.1f} conv/s ({q['conv_s'] / r['cores']:,.1f} per core), {q['tok_s']:,.0f} tok/s, "
-              f"peak RSS {q['peak_rss_mib']:,.0f} MiB")
+              f"peak anonymous {q['peak_anon_mib']:,.0f} MiB ({q['peak_anon_processes']} processes), "
+              f"ru_maxrss {q['peak_rss_mib']:,.0f} MiB")
     if r["args"]["out"]:
         Path(r["args"]["out"]).write_text(json.dumps(r, indent=1) + "\n")
     return 0

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ds.data.sources import check_complete, load_rows, load_tokenizer, output_dir, source_identity  # noqa: F401
+from dflash_ds.data.sources import (check_complete, load_rows, load_tokenizer, output_dir,  # noqa: F401
+                                    release_freed_memory, source_identity)
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
@@ -204,6 +205,16 @@ def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
     return prompts, refs
 
 
+def _write_lengths(path: Path, cfg, lengths: np.ndarray) -> None:
+    """lengths.json, written in chunks: no Python list or string the size of the dataset."""
+    head = json.dumps({"max_length": cfg.max_length, "pack": bool(cfg.pack), "lengths": []})
+    with path.open("w") as f:
+        f.write(head[:-2])  # up to and including "lengths": [
+        for start in range(0, len(lengths), 65536):
+            f.write((", " if start else "") + ", ".join(map(str, lengths[start:start + 65536].tolist())))
+        f.write("]}")
+
+
 def render_example(tokenizer, ids, mask, limit: int = 3000) -> str:
     """Decoded document with supervised spans wrapped in [[ ]]."""
     out, start = [], 0
@@ -230,10 +241,9 @@ def report_text(report: dict) -> str:
 
 
 def _load_cached(final: Path, fp: str) -> PreparedData:
-    # Large datasets stay on disk (read-only memory maps); small ones are read into writable arrays.
-    size = sum((final / f"{k}.npy").stat().st_size for k in ROW_FIELDS)
-    mmap = "r" if size > (1 << 30) else None
-    rows = {k: np.load(final / f"{k}.npy", mmap_mode=mmap) for k in ROW_FIELDS}
+    # Copy-on-write memory maps: the rows stay file-backed pages the kernel can drop (resident memory
+    # does not grow with the dataset), yet the arrays are writable; writes never reach the cache.
+    rows = {k: np.load(final / f"{k}.npy", mmap_mode="c") for k in ROW_FIELDS}
     ev = json.loads((final / "eval.json").read_text())
     report = json.loads((final / "report.json").read_text())
     return PreparedData(rows, ev["prompts"], ev["references"], report, fp, str(final))
@@ -291,6 +301,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         ev, ev_schema = ds.select(list(range(n - cfg.num_eval, n))), schema  # a list: empty is fine
         train_idx = np.arange(n - cfg.num_eval)
     train_idx = np.random.default_rng(cfg.seed).permutation(train_idx)
+    release_freed_memory()  # before the encode workers fork
     if cfg.max_samples:
         train_idx = train_idx[:cfg.max_samples]
 
@@ -314,7 +325,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
                               lengths=lengths)
         num_rows = rows["input_ids"].shape[0]
-        tokens = int(sum(lengths))
+        tokens = int(lengths.sum())
         report = {
             "fingerprint": fp, "source": path, "split": cfg.split, "settings": _settings(cfg),
             "samples": int(len(train_idx)), "documents": len(docs), "rows": int(num_rows),
@@ -331,8 +342,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         del rows, docs
         shutil.rmtree(work)
         (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
-        (tmp / LENGTHS_FILE).write_text(json.dumps({"max_length": cfg.max_length, "pack": bool(cfg.pack),
-                                                    "lengths": [int(n) for n in lengths]}))
+        _write_lengths(tmp / LENGTHS_FILE, cfg, lengths)
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
     data = _load_cached(final, fp)

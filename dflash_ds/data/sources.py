@@ -80,6 +80,21 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
     return ds
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed after loading back to the system: Arrow's pool and glibc's heap keep freed
+    parse buffers (about the size of a JSON file) mapped, and encode workers forked afterwards would
+    each inherit them, so the resident memory would grow with the dataset."""
+    import ctypes
+
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
