@@ -679,3 +679,41 @@ def test_encoding_work_is_linear_in_turns(template, thinking):
         ratios[turns] = sum(rendered) / len(real(conv, False))
         assert got == encode_reference(enc, conv)
     assert ratios[120] < 8 and ratios[120] < 2 * ratios[4], ratios
+
+
+def test_prepared_rows_are_writable_copy_on_write_maps(tmp_path, tok):
+    """Rows are file-backed (resident memory independent of the dataset) but writable; a write
+    changes the caller's array only, never the cache a later run reads."""
+    cfg = make_cfg(tmp_path, max_samples=40)
+    first = D.prepare(cfg, tok, verbose=False)
+    ids = first.rows["input_ids"]
+    assert isinstance(ids, np.memmap) and ids.flags.writeable
+    before = np.array(ids[0, :4])
+    ids[0, :4] = before + 1
+    again = D.prepare(cfg, tok, verbose=False)
+    assert np.array_equal(np.asarray(again.rows["input_ids"][0, :4]), before)
+    assert np.array_equal(np.asarray(ids[0, :4]), before + 1)
+
+
+def test_first_fit_lengths_from_int64_array():
+    lengths = np.random.default_rng(3).integers(1, 33, 500)
+    assert list(P._first_fit(lengths, 32)) == list(P._first_fit([int(n) for n in lengths], 32))
+
+
+@pytest.mark.launcher
+def test_anon_memory_sampler_sums_the_process_tree():
+    """The data bench's RssAnon sampler sees anonymous memory held by a grandchild process."""
+    import subprocess
+    import sys
+
+    from dflash_ds.bench.data import AnonPeak
+
+    hold = ("import sys, time; b = bytearray(256 << 20); b[::4096] = b'x' * len(b[::4096]); "
+            "sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(1.0)")
+    parent = f"import subprocess, sys; p = subprocess.run([sys.executable, '-c', {hold!r}]); sys.exit(p.returncode)"
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    sampler = AnonPeak(proc.pid, interval=0.02)
+    out, _ = proc.communicate(timeout=60)
+    peak_mib = sampler.stop() / 1024
+    assert proc.returncode == 0 and "ready" in out
+    assert sampler.peak_procs >= 2 and 256 <= peak_mib < 256 + 200, (peak_mib, sampler.peak_procs)
