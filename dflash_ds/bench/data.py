@@ -40,16 +40,18 @@ def _text(rng, lo: int, hi: int) -> str:
     return " ".join(out)
 
 
-def chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], seed: int = 0):
+def iter_chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], seed: int = 0):
     rng = np.random.default_rng(seed)
-    out = []
     for _ in range(n):
         msgs = [{"role": "system", "content": _text(rng, 30, 120)}] if rng.random() < 0.5 else []
         for _ in range(int(rng.integers(turns[0], turns[1] + 1))):
             msgs += [{"role": "user", "content": _text(rng, *user)},
                      {"role": "assistant", "content": _text(rng, *answer)}]
-        out.append(msgs)
-    return out
+        yield msgs
+
+
+def chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], seed: int = 0):
+    return list(iter_chats(n, turns, user, answer, seed))
 
 
 def _time(fn, convs) -> tuple[float, int]:
@@ -122,7 +124,7 @@ def prepare_run(tokenizer: str, n: int, work: Path, num_proc: int) -> dict:
     """prepare() on n ordinary chats in a fresh process; wall time, peak anonymous memory and ru_maxrss."""
     src = work / f"chats-{n}.jsonl"
     with src.open("w") as f:
-        for c in chats(n, (1, 4), (50, 400), (600, 3000), seed=1):
+        for c in iter_chats(n, (1, 4), (50, 400), (600, 3000), seed=1):  # streamed to the file
             f.write(json.dumps({"messages": c}) + "\n")
     code = (
         "import sys, time, types; from transformers import AutoTokenizer; from dflash_ds.data.prepare import prepare\n"
