@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
@@ -63,8 +63,8 @@ def tiny_target():
 
 def train_drafter(target, sequences, steps, seed=0):
     """Plain single-process training with the objective's functions (dense mask, AdamW)."""
-    cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=B, mask_token_id=MASK,
-                                    target_layer_ids=LAYER_IDS)
+    cfg = DrafterConfig.from_target(target.config, DrafterShape(num_layers=2, block_size=B, mask_token_id=MASK,
+                                                                target_layer_ids=LAYER_IDS))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
