@@ -142,7 +142,11 @@ class ObjectiveConfig:
     """lm_head + CE with the input gradient computed in the forward pass (2 lm_head matmuls per chunk
     instead of 3, no fp32 logits round trips); false = the checkpointed autograd path."""
     kl_weight: float = 0.0
-    """Optional KL term against the target's distribution (0 = plain hard-label CE)."""
+    """Weight of a distillation term KL(target || drafter) added to the hard-label CE at every slot
+    (0 = plain CE, the paper's recipe). Target ranks then also send their final-norm hidden state
+    and run all their layers; drafter ranks compute the target's logits chunk by chunk."""
+    kl_temperature: float = 1.0
+    """Softens both distributions in the KL term (the term is scaled by T^2)."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,15 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     warmup_ratio: float = 0.04
+    """Linear warmup from lr/warmup_steps to lr over this fraction of the steps."""
+    schedule: str = "cosine"
+    """After warmup: "cosine" (decay to min_lr_ratio x lr at the last step) or "wsd"
+    (warmup-stable-decay: hold lr, then decay linearly to min_lr_ratio x lr over the last
+    decay_ratio of the steps; a run can be extended from a stable-phase checkpoint)."""
     min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of lr."""
+    """Floor of the decay as a fraction of lr (both schedules)."""
+    decay_ratio: float = 0.2
+    """wsd only: fraction of all steps spent in the final linear decay."""
     grad_clip: float = 1.0
     epochs: float = 6.0
     max_steps: int | None = None
@@ -351,9 +362,16 @@ def validate(r: Recipe) -> None:
     need(r.objective.num_anchors <= r.data.max_length,
          f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")
     need(r.objective.loss_chunks >= 1, "objective.loss_chunks must be >= 1")
-    need(r.objective.kl_weight == 0.0, "objective.kl_weight > 0 needs the target's logits on drafter ranks, which this runtime does not send; set it to 0")
+    need(r.objective.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {r.objective.kl_weight}")
+    need(r.objective.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {r.objective.kl_temperature}")
     need(r.optim.lr > 0, "optim.lr must be > 0")
     need(0 <= r.optim.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
+    need(r.optim.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {r.optim.schedule!r}")
+    need(0 <= r.optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {r.optim.min_lr_ratio}")
+    need(0 < r.optim.decay_ratio <= 1, f"optim.decay_ratio must be in (0, 1], got {r.optim.decay_ratio}")
+    need(r.optim.schedule != "wsd" or r.optim.warmup_ratio + r.optim.decay_ratio <= 1,
+         f"optim.warmup_ratio ({r.optim.warmup_ratio}) + optim.decay_ratio ({r.optim.decay_ratio}) exceed 1; "
+         "lower one of them so the wsd phases fit in the run")
     need(r.optim.rows_per_micro_batch >= 1, "optim.rows_per_micro_batch must be >= 1")
     need(r.optim.grad_accum >= 1, "optim.grad_accum must be >= 1")
     need(r.optim.epochs > 0 or r.optim.max_steps, "set optim.epochs > 0 or optim.max_steps")

@@ -4,23 +4,36 @@ An export is a directory with `config.json` and `model.safetensors` that SGLang
 (`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) load as is. The tensor names
 carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter borrows both from
 the target at serving time.
+
+It also holds `modeling_dflash.py` (self-contained, copied from dflash_ds/export_modeling) with an
+`auto_map` in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it,
+and a README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
+transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the
+directory 0755 whatever the umask or the staging directory's mode: exports are shared.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_ds.io import replace_dir_atomic
+from dflash_ds.io import replace_dir_atomic, write_text_atomic
 from dflash_ds.model.drafter import ARCHITECTURE, DFlashDrafter, DrafterConfig
+from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODELING_NAME = "modeling_dflash.py"
+CARD_NAME = "README.md"
+MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
+AUTO_MAP = {"AutoConfig": "modeling_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
+FILE_MODE, DIR_MODE = 0o644, 0o755
 
 _LAYER_TENSORS = (
     "self_attn.q_proj.weight",
@@ -104,8 +117,11 @@ def _is_export(path: Path) -> bool:
     return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                 card: dict | None = None) -> Path:
     """Write `drafter` as a serving export into `out_dir`, atomically.
+
+    `card`: keyword arguments of `model_card.model_card` (target, data, steps, tau, ...).
 
     An existing export at `out_dir` is replaced only once the new one is complete (see
     `dflash_ds.io.replace_dir_atomic`). Returns the export path.
@@ -127,6 +143,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    config["auto_map"] = dict(AUTO_MAP)
 
     # Staged next to out_dir and moved into place only when complete: a crash mid-save never
     # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
@@ -135,7 +152,20 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
         # each one own its bytes.
         save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        shutil.copyfile(MODELING_SOURCE, tmp / MODELING_NAME)
+        (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
+        for name in (WEIGHTS_NAME, CONFIG_NAME, MODELING_NAME, CARD_NAME):
+            os.chmod(tmp / name, FILE_MODE)
+        os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700
     return out_dir
+
+
+def write_card(out_dir: str | os.PathLike, **card) -> None:
+    """Rewrite the model card of an existing export (e.g. once the final tau is known), atomically."""
+    out_dir = Path(out_dir)
+    cfg = DrafterConfig.from_hf_config(read_export_config(out_dir))
+    write_text_atomic(out_dir / CARD_NAME, model_card(cfg, **card))
+    os.chmod(out_dir / CARD_NAME, FILE_MODE)
 
 
 def read_export_config(path: str | os.PathLike) -> dict:

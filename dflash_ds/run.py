@@ -104,7 +104,9 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
-    payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, geo.hidden_size, dtype)
+    # With the KL term on, targets also send their final-norm states (one more tap).
+    payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, geo.hidden_size, dtype,
+                          final_norm=recipe.objective.kl_weight > 0)
     rows = num_rows
     notes: tuple[str, ...] = ()
     if rows is None:
@@ -122,6 +124,8 @@ def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterConfig, g: Geomet
     plan = resolve(recipe, world_size, num_rows)
     dp = drafter_params(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
                         c.num_key_value_heads, c.head_dim, c.num_taps)
-    last = max(c.target_layer_ids) + 1
+    # The KL term keeps every target layer and sends one more tap (the final-norm state).
+    kl = recipe.objective.kl_weight > 0
+    last = g.num_layers if kl else max(c.target_layer_ids) + 1
     tp = int(12 * g.hidden_size * g.hidden_size * last + g.vocab_size * g.hidden_size)  # dense estimate
-    return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps)
+    return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 
@@ -106,6 +107,28 @@ def test_lr_schedule_warmup_then_cosine():
     f = [lr_factor(s, plan, 0.1) for s in range(plan.total_steps)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_lr_schedules_match_hand_computed_values():
+    # 10 steps, warmup 2: cosine over the 8 remaining steps to 0; wsd holds 1.0, then decays over
+    # the last 3 steps (30%) linearly to 0.1 (the last step runs at exactly min_lr_ratio).
+    base = ["optim.max_steps=10", "optim.warmup_ratio=0.2"]
+    cos = resolve(load_recipe(TINY, base + ["optim.schedule=cosine"]), 2, 10_000)
+    assert (cos.total_steps, cos.warmup_steps, cos.decay_steps) == (10, 2, 0)
+    want_cos = [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
+    assert [lr_factor(s, cos, 0.0) for s in range(10)] == pytest.approx(want_cos)
+    assert lr_factor(9, cos, 0.0) == pytest.approx(0.0380602, abs=1e-6)
+    wsd = resolve(load_recipe(TINY, base + ["optim.schedule=wsd", "optim.decay_ratio=0.3", "optim.min_lr_ratio=0.1"]),
+                  2, 10_000)
+    assert (wsd.schedule, wsd.decay_steps) == ("wsd", 3)
+    assert [lr_factor(s, wsd, 0.1) for s in range(10)] == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.7, 0.4, 0.1])
+    assert lr_factor(10, wsd, 0.1) == pytest.approx(0.1)  # LambdaLR's call after the last step
+    for bad, match in (("optim.schedule=linear", "optim.schedule"), ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio"),
+                       ("optim.decay_ratio=0", "optim.decay_ratio")):
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(TINY, [bad])
+    with pytest.raises(RecipeError, match="exceed 1"):
+        load_recipe(TINY, ["optim.schedule=wsd", "optim.warmup_ratio=0.5", "optim.decay_ratio=0.6"])
 
 
 def test_dry_run_prints_the_plan_without_distributed(capsys):

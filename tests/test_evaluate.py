@@ -52,6 +52,27 @@ def test_tau_report_aggregates_like_zlab():
     assert TauReport(block_size=4, cycles=[[]]).as_dict()["tau_mean"] is None
 
 
+def test_position_acceptance_hand_worked():
+    # B = 4 (draft slots 1..3). Response 1 emits 3, 1, 2 tokens per cycle: cycle 1 accepts slots 1, 2
+    # and rejects 3; cycle 2 rejects slot 1; cycle 3 is its response's last (cut by the end): accepts
+    # slot 1, slot 2 unobserved. Response 2 emits 4, 1: cycle 1 accepts slots 1-3 (no rejection
+    # possible); its last cycle accepts nothing and observes nothing.
+    report = TauReport(block_size=4, cycles=[[3, 1, 2], [4, 1]])
+    reached, accepted = report.position_counts()
+    assert reached == [4, 2, 2] and accepted == [3, 2, 1]
+    assert report.position_acceptance == pytest.approx([0.75, 1.0, 0.5])
+    assert report.histogram == [2, 1, 1, 1]
+    assert report.position_line().endswith("1:0.75 2:1.00 3:0.50")
+    # A slot no cycle reached has no rate (not 0); a response's only cycle is censored.
+    sparse = TauReport(block_size=4, cycles=[[1, 1], [2]])
+    assert sparse.position_acceptance == [pytest.approx(0.5), None, None]
+    assert sparse.position_line().endswith("1:0.50 2:- 3:-")
+    rec = json.loads(json.dumps(report.metrics_record()))
+    assert rec["tau_position_acceptance"] == pytest.approx([0.75, 1.0, 0.5])
+    assert rec["tau_accept_pos_3"] == pytest.approx(0.5) and rec["tau_histogram"] == [2, 1, 1, 1]
+    assert report.as_dict()["position_reached"] == [4, 2, 2]
+
+
 def tiny_target():
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -226,6 +247,9 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
     assert result["cycles"] == expected.cycles
     assert result["tau_mean"] == pytest.approx(expected.tau_mean)
     assert f"tau_mean {expected.tau_mean:.3f}" in printed
+    assert expected.position_line() in printed
+    assert result["position_acceptance"] == [pytest.approx(p) if p is not None else None
+                                             for p in expected.position_acceptance]
 
     # A target directory passed as the drafter, and an unreachable target.
     assert main(["--target", str(target_dir), "--drafter", str(target_dir), "--prompts", str(prompts)]) == 2

@@ -1,6 +1,8 @@
 """The serving export (docs/algorithm.md section 6): names, shapes, dtypes, config.json, bit-exact round trip, atomicity."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -61,7 +63,8 @@ def read_file(path):
 def test_export_layout_matches_spec(tmp_path):
     drafter = make_drafter()
     out = save_drafter(drafter, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                     "modeling_dflash.py"]
     tensors = read_file(out)
     assert sorted(tensors) == spec_tensor_names(2)
     assert not any("embed" in n or "lm_head" in n for n in tensors)
@@ -208,3 +211,75 @@ def test_load_rejects_non_dflash_directories(tmp_path):
     msg = str(err.value)
     assert "missing tensors norm.weight" in msg and "unexpected tensors lm_head.weight" in msg
     assert "fc.weight (64, 128) (expected (64, 192))" in msg
+
+
+def test_automodel_loads_the_export_and_computes_the_drafter(tmp_path):
+    """AutoModel with trust_remote_code gives the project's drafter outputs (float32, dense mask)."""
+    from transformers import AutoConfig, AutoModel
+
+    from dflash_ds.model.attention import DFlashMask, build_mask
+    from dflash_ds.model.drafter import DFlashDrafter
+
+    out = save_drafter(make_drafter(seed=3), tmp_path / "export")
+    source = (out / "modeling_dflash.py").read_text()
+    assert "dflash_ds" not in source.replace("dflash-ds", "")  # self-contained
+    assert json.loads((out / "config.json").read_text())["auto_map"] == export.AUTO_MAP
+    # Serving engines (no trust_remote_code) still get the plain qwen3 config.
+    plain = AutoConfig.from_pretrained(out)
+    assert type(plain) is Qwen3Config and plain.hidden_size == D
+    model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DFlashDraftModel" and model.config.model_type == "qwen3"
+    assert model.config.block_size == 8 and model.config.target_layer_ids == [1, 3, 5]
+    ours = load_drafter(out, dtype=torch.float32)
+    got_state = model.state_dict()
+    assert sorted(got_state) == sorted(ours.state_dict())
+    assert all(torch.equal(got_state[n], t) for n, t in ours.state_dict().items())
+
+    # Two rows, two documents in the second, three blocks each (one invalid): the training mask.
+    torch.manual_seed(0)
+    b, S, B, N = 2, 24, 8, 3
+    taps = torch.randn(b, S, 3 * D)
+    anchors = torch.tensor([[3, 9, 15], [2, 14, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    doc_ids = torch.zeros(b, S, dtype=torch.int32)
+    doc_ids[1, 12:] = 1
+    ctx_pos = torch.arange(S)[None].expand(b, -1)
+    ctx_pos = torch.where(doc_ids == 1, ctx_pos - 12, ctx_pos)
+    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(b, N * B)
+    embeds = torch.randn(b, N * B, D)
+    mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
+    with torch.no_grad():
+        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, mask)
+        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1), attention_mask=mask.dense)
+    assert got.shape == want.shape == (b, N * B, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()  # not a trivially small output
+
+    # The serving call: one block after the whole context, no mask (everything visible).
+    with torch.no_grad():
+        one = DFlashMask(query_len=B, kv_len=S + B, dense=torch.ones(1, 1, B, S + B, dtype=torch.bool))
+        bp = torch.arange(S, S + B)[None]
+        want1 = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], one)
+        got1 = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
+    torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+
+
+def test_export_card_and_permissions(tmp_path):
+    old = os.umask(0o077)
+    try:
+        out = save_drafter(make_drafter(), tmp_path / "export",
+                           card={"target": "Qwen/Qwen3-8B", "data": "chat.jsonl", "steps": 120})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        n: 0o644 for n in ("README.md", "config.json", "model.safetensors", "modeling_dflash.py")}
+    card = (out / "README.md").read_text()
+    assert "Qwen/Qwen3-8B" in card and "chat.jsonl" in card and "| optimizer steps | 120 |" in card
+    assert "--speculative-num-draft-tokens 8" in card and '"num_speculative_tokens": 7' in card
+    assert "not measured" in card
+    export.write_card(out, target="Qwen/Qwen3-8B", steps=120, tau=3.25, tau_prompts="eval.jsonl",
+                      position_acceptance=[0.9, 0.5, None, None, None, None, None])
+    card = (out / "README.md").read_text()
+    assert "3.250 (exact offline" in card and "1:0.90 2:0.50 3:-" in card
+    assert stat.S_IMODE((out / "README.md").stat().st_mode) == 0o644

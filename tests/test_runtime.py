@@ -69,6 +69,49 @@ def test_colocated_matches_single_process(tmp_path, reference):
     assert losses(run_dir) == pytest.approx(reference, rel=2e-4)
 
 
+KL = ["objective.kl_weight=0.5", "objective.kl_temperature=2.0"]
+
+
+def test_kl_term_end_to_end_split_and_colocated(tmp_path):
+    """With the KL term on, targets send their final-norm states as an extra tap: the split and the
+    colocated runtime train exactly like the single-process reference, and differently from CE alone."""
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.run import check_recipe
+    from dflash_ds.runtime.reference import reference_losses
+    from dflash_ds.runtime.trainer import build_drafter
+    from dflash_ds.target.model import embed_and_head, load_target
+
+    base = FAST + KL + ["topology.drafters_per_node=2", "optim.grad_accum=2"]
+    recipe = load_recipe(TINY, base + [f"run.output_dir={tmp_path / 'ref'}"])
+    spec = check_recipe(recipe, world_size=3)
+    data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+    spec = spec.with_rows(data.num_rows)
+    p = spec.payload
+    assert p.final_norm and p.tap_cols == (len(spec.drafter.target_layer_ids) + 1) * p.hidden
+    target = load_target(recipe.target.path, dtype="float32")
+    embed, head = embed_and_head(recipe.target.path, torch.float32)
+    ref = reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4)
+    ce_recipe = load_recipe(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2",
+                                          f"run.output_dir={tmp_path / 'ref_ce'}"])
+    ce_spec = check_recipe(ce_recipe, world_size=3).with_rows(data.num_rows)
+    ce_only = reference_losses(ce_spec, target, DraftModel(build_drafter(ce_spec), embed, head), data.rows, steps=4)
+    assert ref[0] == pytest.approx(ce_only[0], rel=1e-6)  # the first loss is before any update
+    assert abs(ref[-1] - ce_only[-1]) > 1e-4  # the KL gradient changed the training
+
+    split = tmp_path / "split"
+    ok(launch(TINY, base + ["eval.at_end=true", f"run.output_dir={split}"], procs=3))
+    assert losses(split) == pytest.approx(ref, rel=2e-4)
+    recs = read_metrics(split)
+    assert all(r["kl"] > 0 for r in recs if "loss" in r)
+    tau = [r for r in recs if "tau" in r]
+    assert tau and len(tau[-1]["tau_position_acceptance"]) == recipe.drafter.block_size - 1
+    colocated = tmp_path / "colocated"
+    ok(launch(TINY, base + ["topology.colocated=true", "topology.targets_per_node=0", f"run.output_dir={colocated}"],
+              procs=2))
+    assert losses(colocated) == pytest.approx(ref, rel=2e-4)
+
+
 def test_colocated_zero3_target_ends_cleanly(tmp_path, reference):
     """Two colocated ranks with the target partitioned by ZeRO-3 over both: the same losses as the
     single process, then the whole end of training (final checkpoint, export, tau after training)

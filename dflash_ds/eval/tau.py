@@ -20,6 +20,12 @@ online loop (and no cache, which hybrid Gated DeltaNet targets cannot crop).
 
 tau per response = mean of its cycles' emitted tokens; `tau_mean` averages the per-response
 means (z-lab's way), `tau_pooled` = total tokens / total cycles.
+
+Per-position acceptance: the conditional rate at draft slot k = P(slot k accepted | slots
+1..k-1 accepted), counted over the cycles. A cycle that emitted `e` tokens accepted slots
+1..e-1 and, when e < B, rejected slot e. The last cycle of every response is cut by the end of
+the response (its a(t) is capped), so its first non-accepted slot is unobserved, not rejected:
+that cycle contributes its accepted slots only. Rates are None at slots no cycle reached.
 """
 
 from __future__ import annotations
@@ -159,6 +165,37 @@ class TauReport:
                 h[emitted - 1] += 1
         return h
 
+    def position_counts(self) -> tuple[list[int], list[int]]:
+        """(reached[k-1], accepted[k-1]) for slots k = 1 .. B-1 (module docstring)."""
+        reached, accepted = [0] * (self.block_size - 1), [0] * (self.block_size - 1)
+        for c in self.cycles:
+            for i, emitted in enumerate(c):
+                for k in range(emitted - 1):  # slots 1 .. e-1 were accepted
+                    reached[k] += 1
+                    accepted[k] += 1
+                if i < len(c) - 1 and emitted < self.block_size:  # slot e rejected (not the censored last cycle)
+                    reached[emitted - 1] += 1
+        return reached, accepted
+
+    @property
+    def position_acceptance(self) -> list[float | None]:
+        """Conditional acceptance rate at draft slots 1 .. B-1."""
+        reached, accepted = self.position_counts()
+        return [a / r if r else None for r, a in zip(reached, accepted)]
+
+    def position_line(self) -> str:
+        """One line: the conditional acceptance rate at each draft position."""
+        rates = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(self.position_acceptance, 1))
+        return f"acceptance by position (P(slot k | slots < k accepted)): {rates}"
+
+    def metrics_record(self) -> dict:
+        """What the in-training eval logs: lists for metrics.jsonl, flat numbers for wandb."""
+        pos = self.position_acceptance
+        rec = {"tau": self.tau_mean, "tau_pooled": self.tau_pooled, "tau_histogram": self.histogram,
+               "tau_position_acceptance": pos}
+        rec.update({f"tau_accept_pos_{k}": p for k, p in enumerate(pos, 1) if p is not None})
+        return rec
+
     def as_dict(self) -> dict:
         def num(x):
             return None if x is None or math.isnan(x) else x
@@ -171,6 +208,8 @@ class TauReport:
             "num_cycles": self.num_cycles,
             "num_tokens": self.num_tokens,
             "accepted_histogram": self.histogram,
+            "position_acceptance": self.position_acceptance,
+            "position_reached": self.position_counts()[0],
             "tau_per_response": [num(t) for t in self.per_response],
             "cycles": self.cycles,
         }

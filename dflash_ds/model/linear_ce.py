@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dflash_ds.model.compile import compile_once
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_kl"]
 
 
 def _ce_stats(logits, labels, weights):
@@ -49,6 +49,33 @@ def _ce_forward_and_grad(logits, labels, weights, scale):
     return ce_sum, hit, grad
 
 
+def _ce_kl_stats(logits, t_logits, labels, weights, temperature):
+    # KL(p || q) of the temperature-softened target (p) and drafter (q) distributions, per row.
+    ce_sum, hit, e, s = _ce_stats(logits, labels, weights)
+    x = logits.to(weights.dtype) / temperature
+    log_q = x - x.amax(-1, keepdim=True)
+    log_q = log_q - log_q.exp().sum(-1, keepdim=True).log()
+    log_p = torch.log_softmax(t_logits.to(weights.dtype) / temperature, dim=-1)
+    p = log_p.exp()
+    kl = (p * (log_p - log_q)).sum(-1)
+    return ce_sum, hit, e, s, (kl * weights).sum(), log_q, p
+
+
+def _ce_kl_forward(logits, t_logits, labels, weights, temperature):
+    ce_sum, hit, _, _, kl_sum, _, _ = _ce_kl_stats(logits, t_logits, labels, weights, temperature)
+    return ce_sum, hit, kl_sum
+
+
+def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl_coef, temperature):
+    # loss = sum(scale * (CE + kl_coef * T^2 * KL)): d/d(logits) = scale * ((softmax - onehot)
+    # + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL gradient's size independent of T.
+    ce_sum, hit, e, s, kl_sum, log_q, p = _ce_kl_stats(logits, t_logits, labels, weights, temperature)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = vocab == labels.unsqueeze(1)
+    g = e / s - onehot.to(e.dtype) + (kl_coef * temperature) * (log_q.exp() - p)
+    return ce_sum, hit, kl_sum, (g * scale.unsqueeze(1)).to(logits.dtype)
+
+
 def _elementwise(fn, device: torch.device):
     """`fn` compiled (once per process) on CUDA, where fusing it saves several passes over the
     logits; plain on CPU and meta (tests, no compiler needed)."""
@@ -57,8 +84,10 @@ def _elementwise(fn, device: torch.device):
     return compile_once(fn, dynamic=False, fullgraph=True)
 
 
-def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: bool, grad_weight: bool):
-    """The whole computation; the gradients are those of loss = sum(w * CE) / normaliser."""
+def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: bool, grad_weight: bool,
+         target=None, kl_weight: float = 0.0, temperature: float = 1.0):
+    """The whole computation; the gradients are those of loss = sum(w * (CE + kl_weight * T^2 *
+    KL)) / normaliser. `target` [n, D]: the target's final-norm states of the same rows, or None."""
     n, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = weights.to(acc_dtype)
@@ -74,19 +103,36 @@ def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: b
     # Sized for whole chunks, so every input-gradient matmul writes `size` rows in place.
     g_hidden = hidden.new_empty(chunks * size, d) if grad_hidden else None
     g_weight = torch.zeros_like(weight) if grad_weight else None
-    fn = _elementwise(_ce_forward_and_grad if want_grad else _ce_forward, hidden.device)
+    kl = target is not None
+    kl_total = hidden.new_zeros((), dtype=acc_dtype)
+    if kl:
+        fn = _elementwise(_ce_kl_forward_and_grad if want_grad else _ce_kl_forward, hidden.device)
+    else:
+        fn = _elementwise(_ce_forward_and_grad if want_grad else _ce_forward, hidden.device)
     for i in range(chunks):
         lo, hi = i * size, min(n, (i + 1) * size)
         hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
         sc = scale[lo:hi] if want_grad else None
+        tc = target[lo:hi] if kl else None
         pad = size - (hi - lo)
         if pad:
             # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
             hc = F.pad(hc, (0, 0, 0, pad))
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
             sc = F.pad(sc, (0, pad)) if want_grad else None
+            tc = F.pad(tc, (0, 0, 0, pad)) if kl else None
         logits = torch.mm(hc, weight.t())
-        if want_grad:
+        if kl:
+            # The target's logits of the same rows: one more lm_head matmul per chunk, and only
+            # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
+            t_logits = torch.mm(tc, weight.t())
+            if want_grad:
+                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, kl_weight, temperature)
+            else:
+                ce, hit, kl_c = fn(logits, t_logits, lc, wc, temperature)
+            del t_logits
+            kl_total = kl_total + kl_c
+        elif want_grad:
             ce, hit, g_logits = fn(logits, lc, wc, sc)
         else:
             ce, hit = fn(logits, lc, wc)
@@ -101,21 +147,23 @@ def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: b
         if want_grad:
             del g_logits
     correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight
+    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight):
-        ce_total, correct, g_hidden, g_weight = _run(hidden, weight, labels, weights, normaliser, num_chunks,
-                                                     grad_hidden, grad_weight)
+    def forward(ctx, hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight,
+                target, kl_weight, temperature):
+        ce_total, correct, g_hidden, g_weight, kl_total = _run(hidden, weight, labels, weights, normaliser, num_chunks,
+                                                               grad_hidden, grad_weight, target, kl_weight, temperature)
         ctx.save_for_backward(g_hidden, g_weight)
-        loss = ce_total / normaliser
-        ctx.mark_non_differentiable(ce_total, correct)
-        return loss, ce_total, correct
+        total = ce_total + (kl_weight * temperature ** 2) * kl_total if target is not None else ce_total
+        loss = total / normaliser
+        ctx.mark_non_differentiable(ce_total, correct, kl_total)
+        return loss, ce_total, correct, kl_total
 
     @staticmethod
-    def backward(ctx, g_loss, _g_ce, _g_correct):
+    def backward(ctx, g_loss, _g_ce, _g_correct, _g_kl):
         if torch.is_grad_enabled():
             # create_graph=True: the saved gradients are constants here, so a second derivative
             # would silently come out as zero.
@@ -124,7 +172,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         g_hidden, g_weight = ctx.saved_tensors
         gh = g_hidden * g_loss if g_hidden is not None else None
         gw = g_weight * g_loss if g_weight is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -149,19 +197,51 @@ def linear_cross_entropy(
     (saved until backward, which only scales them); under no_grad it computes the loss only.
     Static shapes and no host synchronisation. Differentiable once only.
     """
+    return linear_cross_entropy_kl(hidden, weight, labels, weights, normaliser, num_chunks)[:3]
+
+
+def linear_cross_entropy_kl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normaliser: float | torch.Tensor,
+    num_chunks: int,
+    target_hidden: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_cross_entropy` plus an optional distillation term; returns (loss, ce_sum, correct, kl_sum).
+
+    With `target_hidden` [n, D] (the target's final-norm hidden states predicting the same tokens)
+    and `kl_weight` > 0: loss = sum(w * (CE + kl_weight * T^2 * KL(p_T || q_T))) / normaliser,
+    p_T = softmax(target_hidden @ weight.T / T), q_T = softmax(hidden @ weight.T / T),
+    T = `temperature`. The target's logits are computed chunk by chunk with the same `weight`
+    (three lm_head matmuls per chunk instead of two), never for more than one chunk at a time.
+    `kl_sum` = sum(w * KL), detached (0 without the term).
+    """
     if num_chunks < 1:
         raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
         raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{hidden.shape[0]}]")
+    if not kl_weight >= 0 or not temperature > 0:
+        raise ValueError(f"objective.kl_weight must be >= 0 and objective.kl_temperature > 0, got {kl_weight}, {temperature}")
+    target = None
+    if target_hidden is not None and kl_weight > 0:
+        if target_hidden.shape != hidden.shape:
+            raise ValueError(f"target_hidden {tuple(target_hidden.shape)} must match hidden {tuple(hidden.shape)}")
+        target = target_hidden.detach().to(hidden.dtype)
     if isinstance(normaliser, torch.Tensor):
         normaliser = normaliser.detach()
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
     if not (grad_hidden or grad_weight):
-        ce_total, correct, _, _ = _run(hidden.detach(), weight.detach(), labels, weights, normaliser, num_chunks,
-                                       False, False)
-        return ce_total / normaliser, ce_total, correct
-    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight)
+        ce_total, correct, _, _, kl_total = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
+                                                 num_chunks, False, False, target, kl_weight, temperature)
+        total = ce_total + (kl_weight * temperature ** 2) * kl_total if target is not None else ce_total
+        return total / normaliser, ce_total, correct, kl_total
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight,
+                                     target, kl_weight, temperature)

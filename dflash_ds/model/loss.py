@@ -27,6 +27,8 @@ class StepSettings:
     mask_kind: str  # "dense" (CPU, SDPA) or "flex" (GPU, compiled flex_attention)
     seed: int
     fused_loss: bool = True
+    kl_weight: float = 0.0
+    kl_temperature: float = 1.0
 
     @classmethod
     def from_recipe(cls, recipe, device: torch.device) -> "StepSettings":
@@ -40,6 +42,8 @@ class StepSettings:
             mask_kind="flex" if device.type == "cuda" else "dense",
             seed=recipe.run.seed,
             fused_loss=recipe.objective.fused_loss,
+            kl_weight=recipe.objective.kl_weight,
+            kl_temperature=recipe.objective.kl_temperature,
         )
 
 
@@ -49,6 +53,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [R, S] int64
     loss_mask: torch.Tensor  # [R, S] bool
     doc_ids: torch.Tensor  # [R, S] int32, -1 = padding
+    final_hidden: torch.Tensor | None = None  # [R, S, D] target final-norm states (KL term on)
 
 
 @dataclass
@@ -87,9 +92,25 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
 
 
 def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings):
-    """sum(w * CE) / normaliser for one micro-batch (the caller supplies the whole step's weight)."""
+    """sum(w * (CE [+ KL])) / normaliser for one micro-batch (the caller supplies the whole step's weight)."""
     ctx = model.drafter.fuse(mb.taps)
     block_embeds = model.embed_tokens(blocks.block_ids, ctx)
     hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
+    kl = {}
+    if settings.kl_weight > 0:
+        if mb.final_hidden is None:
+            raise ValueError("objective.kl_weight > 0 but the payload carries no target final-norm states")
+        kl = dict(kl_weight=settings.kl_weight, kl_temperature=settings.kl_temperature,
+                  target_hidden=slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
     return chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, settings.loss_chunks,
-                        checkpoint=True, block_size=settings.block_size, fused=settings.fused_loss)
+                        checkpoint=True, block_size=settings.block_size, fused=settings.fused_loss, **kl)
+
+
+def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R, S, D] -> [R, N*B, D]: for slot k of the block at anchor a, the target's state at a+k-1,
+    whose next-token distribution is the one for the token at a+k (the slot's label). Positions
+    past the row are clamped; their slots have weight 0."""
+    s = final_hidden.shape[1]
+    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1).clamp(0, s - 1)
+    pos = pos.reshape(anchors.shape[0], -1)
+    return torch.gather(final_hidden, 1, pos[..., None].expand(-1, -1, final_hidden.shape[-1]))

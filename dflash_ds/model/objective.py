@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dflash_ds.model.linear_ce import linear_cross_entropy
+from dflash_ds.model.linear_ce import linear_cross_entropy_kl
 
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -149,13 +149,13 @@ def block_targets(
 
 
 class LossOutput(NamedTuple):
-    loss: torch.Tensor  # (sum(w * CE) + kl_weight * sum(w * KL)) / normaliser, differentiable
+    loss: torch.Tensor  # (sum(w * CE) + kl_weight * T^2 * sum(w * KL)) / normaliser, differentiable
     ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
     correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
     kl_sum: torch.Tensor | None = None  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
 
 
-def _chunk_loss(hidden, weight, labels, slot_weights, index, target_logits_fn, kl_weight):
+def _chunk_loss(hidden, weight, labels, slot_weights, index, target_logits_fn, kl_weight, temperature=1.0):
     # One chunk of `c` units of `u` slots: hidden [c, u, D] (a strided view), the rest [c, u].
     # The only lm_head matmul of the chunk; argmax and the KL reuse its logits.
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -166,9 +166,10 @@ def _chunk_loss(hidden, weight, labels, slot_weights, index, target_logits_fn, k
     if kl_weight > 0:
         logp = F.log_softmax(logits, dim=-1)
         ce = -logp.gather(1, lab.unsqueeze(1)).squeeze(1)
+        logp_t = logp if temperature == 1.0 else F.log_softmax(logits / temperature, dim=-1)
         # The target is frozen: its distribution is a constant of the drafter's loss.
-        target = F.log_softmax(target_logits_fn(index.reshape(-1)).detach().to(w.dtype), dim=-1)
-        kl = F.kl_div(logp, target, reduction="none", log_target=True).sum(-1)
+        target = F.log_softmax(target_logits_fn(index.reshape(-1)).detach().to(w.dtype) / temperature, dim=-1)
+        kl = F.kl_div(logp_t, target, reduction="none", log_target=True).sum(-1)
         kl_part = (kl * w).sum()
     else:
         ce = F.cross_entropy(logits, lab, reduction="none")
@@ -198,6 +199,8 @@ def chunked_loss(
     kl_weight: float = 0.0,
     target_logits_fn=None,
     fused: bool = False,
+    target_hidden: torch.Tensor | None = None,
+    kl_temperature: float = 1.0,
 ) -> LossOutput:
     """Weighted CE of `hidden[b, Q, D] @ lm_head_weight[V, D].T` without materialising all logits.
 
@@ -219,22 +222,37 @@ def chunked_loss(
     It is called inside the checkpointed chunk (again in the recompute), so the target's logits
     never exist for more than one chunk; padding rows ask for index 0 and have weight 0.
 
-    `fused=True` (CE only, kl_weight must be 0) computes the same slots, loss and metrics with
-    linear_ce.linear_cross_entropy: two lm_head matmuls per chunk (forward + input gradient, the
-    gradient computed in the forward) instead of three, and one fused pass over each chunk's
-    logits. `checkpoint` does not apply there; chunks are cut by slots, not by units.
+    `target_hidden` [b, Q, D] (instead of `target_logits_fn`): the target's final-norm hidden
+    state that predicts each slot's token; the target's logits are then computed chunk by chunk
+    with the same `lm_head_weight`. `kl_temperature` T softens both distributions and the term is
+    scaled by T^2: loss = sum(w * (CE + kl_weight * T^2 * KL(p_T || q_T))) / normaliser.
+
+    `fused=True` computes the same slots, loss and metrics with linear_ce: two lm_head matmuls
+    per chunk (forward + input gradient, the gradient computed in the forward) instead of three,
+    plus one for the target's logits with the KL term (which needs `target_hidden` there), and
+    one fused pass over each chunk's logits. `checkpoint` does not apply there; chunks are cut by
+    slots, not by units.
     """
     if num_chunks < 1:
         raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
     if not kl_weight >= 0:
         raise ValueError(f"objective.kl_weight must be >= 0, got {kl_weight}")
-    if kl_weight > 0 and target_logits_fn is None:
-        raise ValueError("objective.kl_weight > 0 needs the target's logits (target_logits_fn); set objective.kl_weight to 0")
+    if not kl_temperature > 0:
+        raise ValueError(f"objective.kl_temperature must be > 0, got {kl_temperature}")
+    if kl_weight > 0 and target_logits_fn is None and target_hidden is None:
+        raise ValueError("objective.kl_weight > 0 needs the target's distribution (target_hidden or target_logits_fn); "
+                         "set objective.kl_weight to 0")
     b, q, d = hidden.shape
     if block_size is not None and (block_size < 2 or q % block_size):
         raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
     if fused:
-        return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight)
+        return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight,
+                           target_hidden, kl_temperature)
+    if kl_weight > 0 and target_logits_fn is None:
+        flat_target = target_hidden.detach().reshape(b * q, d)
+
+        def target_logits_fn(index):
+            return F.linear(flat_target.index_select(0, index).to(lm_head_weight.dtype), lm_head_weight.detach())
     # CE in fp32 (float64 stays float64, for reference checks).
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = _units(weights.to(acc_dtype), b, q, block_size)
@@ -256,7 +274,7 @@ def chunked_loss(
             chunk = (F.pad(chunk[0], (0, 0, 0, 0, 0, pad)),) + tuple(F.pad(t, (0, 0, 0, pad)) for t in chunk[1:])
         hc, lc, wc = chunk[:3]
         ic = chunk[3] if kl_weight > 0 else None
-        args = (hc, lm_head_weight, lc, wc, ic, target_logits_fn, kl_weight)
+        args = (hc, lm_head_weight, lc, wc, ic, target_logits_fn, kl_weight, kl_temperature)
         if use_ckpt:
             # The chunk draws no random numbers, so no RNG state needs saving (and none is read
             # from the device, which CUDA graph capture would not allow).
@@ -269,14 +287,15 @@ def chunked_loss(
     correct = torch.cat(hits)[:units]
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
-    total = ce_total + kl_weight * kl_total if kl_weight > 0 else ce_total
+    total = ce_total + (kl_weight * kl_temperature ** 2) * kl_total if kl_weight > 0 else ce_total
     return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach())
 
 
-def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight) -> LossOutput:
-    if kl_weight > 0:
-        raise ValueError(f"objective.kl_weight={kl_weight}: the fused lm_head loss has no KL term; "
-                         "set objective.kl_weight to 0 or use the unfused loss")
+def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight,
+                target_hidden, temperature) -> LossOutput:
+    if kl_weight > 0 and target_hidden is None:
+        raise ValueError(f"objective.kl_weight={kl_weight}: the fused lm_head loss takes the target's final-norm "
+                         "states (target_hidden), not logits; pass them or use the unfused loss")
     b, q, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = _units(weights.to(acc_dtype), b, q, block_size)
@@ -285,11 +304,13 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks,
     # (cheap next to the lm_head); without it the reshape is a view.
     h = _units(hidden, b, q, block_size).reshape(units * per_unit, d)
     lab = _units(labels, b, q, block_size).reshape(-1)
-    loss, ce_sum, hit = linear_cross_entropy(h, lm_head_weight, lab, w.reshape(-1), normaliser, num_chunks)
+    t = _units(target_hidden, b, q, block_size).reshape(units * per_unit, d) if kl_weight > 0 else None
+    loss, ce_sum, hit, kl_sum = linear_cross_entropy_kl(h, lm_head_weight, lab, w.reshape(-1), normaliser, num_chunks,
+                                                        t, kl_weight, temperature)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
-    return LossOutput(loss, ce_sum, correct.view(b, q), hidden.new_zeros((), dtype=acc_dtype))
+    return LossOutput(loss, ce_sum, correct.view(b, q), kl_sum.to(acc_dtype))
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):

@@ -26,6 +26,9 @@ class Plan:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
+    schedule: str = "cosine"
+    decay_steps: int = 0
+    """wsd: steps of the final linear decay (the stable phase lies between warmup and decay)."""
 
     @property
     def micro_per_step(self) -> int:
@@ -63,14 +66,24 @@ def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:
     if o.max_steps is not None:
         total = min(total, o.max_steps) if o.epochs > 0 else o.max_steps
     total = max(int(total), 1)
+    warmup = int(round(o.warmup_ratio * total))
+    decay = min(max(int(round(o.decay_ratio * total)), 1), total - warmup) if o.schedule == "wsd" else 0
     return Plan(layout, o.rows_per_micro_batch, o.grad_accum, recipe.data.max_length, num_rows, steps_per_epoch,
-                total, int(round(o.warmup_ratio * total)))
+                total, warmup, o.schedule, decay)
 
 
 def lr_factor(step: int, plan: Plan, min_ratio: float) -> float:
-    """Linear warmup, then cosine decay to min_ratio at the last step."""
+    """Multiplier of optim.lr at optimizer step `step` (0-based): linear warmup, then either cosine
+    decay to min_ratio at the last step, or (wsd) 1.0 until the last decay_steps steps, which fall
+    linearly so that the last step runs at exactly min_ratio."""
     if step < plan.warmup_steps:
         return (step + 1) / plan.warmup_steps
+    if plan.schedule == "wsd":
+        start = plan.total_steps - plan.decay_steps
+        if step < start:
+            return 1.0
+        progress = min((step - start + 1) / max(plan.decay_steps, 1), 1.0)
+        return 1.0 - (1.0 - min_ratio) * progress
     span = max(plan.total_steps - plan.warmup_steps, 1)
     progress = min((step - plan.warmup_steps) / span, 1.0)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -106,7 +119,9 @@ def describe(plan: Plan, memory: dict[str, float] | None = None) -> str:
     lines.append(f"drafter group {lay.drafter_ranks}; target group {lay.target_ranks}")
     lines.append(f"rows {plan.num_rows} of {plan.seq_len} tokens; micro-batch {plan.rows_per_micro} rows; "
                  f"grad_accum {plan.grad_accum}; tokens per step {plan.tokens_per_step:,}")
-    lines.append(f"steps per epoch {plan.steps_per_epoch}; total steps {plan.total_steps}; warmup {plan.warmup_steps}")
+    sched = f"wsd, decay {plan.decay_steps}" if plan.schedule == "wsd" else "cosine"
+    lines.append(f"steps per epoch {plan.steps_per_epoch}; total steps {plan.total_steps}; warmup {plan.warmup_steps}; "
+                 f"lr schedule {sched}")
     lines.append("send schedule of step 0 (target -> drafter: micro-batch):")
     for tr in lay.target_ranks:
         work = lay.target_work(tr, 0, plan.grad_accum)

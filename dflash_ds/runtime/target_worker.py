@@ -45,7 +45,7 @@ class TargetWorker:
         self.spec, self.model, self.rows, self.rank = spec, model, rows, rank
         # Greedy continuations of the held-out prompts (prompt + response ids), made before truncation.
         self.eval_sequences = eval_sequences
-        self.capture = TapCapture(model, spec.drafter.target_layer_ids)
+        self.capture = TapCapture(model, spec.drafter.target_layer_ids, final_norm=spec.payload.final_norm)
         self.tokens = 0
 
     @classmethod
@@ -62,7 +62,8 @@ class TargetWorker:
             cache = Path(spec.recipe.run.output_dir) / "eval_sequences.json"
             seqs = greedy_sequences(model, data.eval_prompts, spec.recipe.eval.max_new_tokens, spec.device, cache,
                                     write=eval_lead)
-        truncate_after(model, max(spec.drafter.target_layer_ids))  # after generating, which needs every layer
+        if not spec.payload.final_norm:  # the KL term's final-norm tap needs every layer
+            truncate_after(model, max(spec.drafter.target_layer_ids))  # after generating, which needs every layer
         return cls(spec, model, data.rows, rank, seqs)
 
     def fill(self, buf: torch.Tensor, micro_index: int) -> torch.Tensor:

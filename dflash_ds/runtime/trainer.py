@@ -23,6 +23,8 @@ from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
 from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.model_card import card_info
+from dflash_ds.report import finish_run
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
@@ -38,6 +40,7 @@ class StepStats:
     weight: torch.Tensor
     accept: torch.Tensor
     anchors: torch.Tensor
+    kl_sum: torch.Tensor | float = 0.0  # sum(w * KL) of the step (0 with the KL term off)
 
 
 class LocalSource:
@@ -72,6 +75,7 @@ class DrafterTrainer:
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = StepSettings.from_recipe(spec.recipe, spec.device)
         self._metrics: Metrics | None = None
+        self.last_tau: TauReport | None = None  # the latest evaluation, for the export's model card
         self.target_window, self.wait_before = TargetWindow(), 0.0
 
     @property
@@ -94,7 +98,7 @@ class DrafterTrainer:
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
         dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors = 0.0, 0.0, 0.0
+        ce_sum, accept, anchors, kl_sum = 0.0, 0.0, 0.0, 0.0
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(self.model, mb, bl, weight / scale, s)
             self.engine.backward(out.loss)
@@ -102,9 +106,10 @@ class DrafterTrainer:
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
+            kl_sum = kl_sum + out.kl_sum
         for p in payloads:
             self.source.release(p)
-        return StepStats(ce_sum, weight, accept, anchors)
+        return StepStats(ce_sum, weight, accept, anchors, kl_sum)
 
     def train(self, start: int, eval_set: list[torch.Tensor]) -> None:
         r, plan = self.spec.recipe, self.spec.plan
@@ -129,16 +134,18 @@ class DrafterTrainer:
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
         self.metrics.close()
+        if self.lead:
+            finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
 
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
-                           for x in (stats.ce_sum, stats.accept, stats.anchors)])
+                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum)])
         dist.all_reduce(vec, group=self.group)
         if not self.lead:
             return
         plan = self.spec.plan
-        ce, acc, anchors = vec.tolist()
+        ce, acc, anchors, kl = vec.tolist()
         tokens = steps * plan.tokens_per_step
         elapsed = time.perf_counter() - t0
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
@@ -146,6 +153,8 @@ class DrafterTrainer:
                "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
                "drafter_wait_share": (self.source.wait_seconds - self.wait_before) / max(seconds, 1e-9),
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
+        if self.settings.kl_weight > 0:
+            rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
         # Rates over each log window (the drafter's own and the targets'), not since the start.
         self.wait_before = self.source.wait_seconds
         rec.update(self.target_window.update(read_status(self.spec.recipe.run.output_dir)))
@@ -155,10 +164,10 @@ class DrafterTrainer:
 
     def log_tau(self, step: int, eval_set: list[torch.Tensor], label: str) -> None:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
-        self.metrics.log({"step": step, "tau": report.tau_mean, "tau_pooled": report.tau_pooled,
-                          "tau_histogram": report.histogram, "eval": label or "periodic"})
+        self.last_tau = report
+        self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
         print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
-              f"{len(report.cycles)} responses)", flush=True)
+              f"{len(report.cycles)} responses)\n[dflash] {report.position_line()}", flush=True)
 
     def save(self, step: int) -> None:
         from dflash_ds.export import save_drafter
@@ -170,7 +179,7 @@ class DrafterTrainer:
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
         if self.lead:
             t1 = time.perf_counter()
-            out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export")
+            out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export", card=card_info(r, step, self.last_tau))
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
             print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
                   f"({time.perf_counter() - t1:.0f} s)", flush=True)

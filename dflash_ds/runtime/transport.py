@@ -27,6 +27,8 @@ class PayloadSpec:
     num_taps: int
     hidden: int
     dtype: torch.dtype
+    final_norm: bool = False
+    """One more tap after the layer taps: the target's final-norm hidden state (KL term on)."""
 
     @property
     def meta_cols(self) -> int:
@@ -35,7 +37,7 @@ class PayloadSpec:
 
     @property
     def tap_cols(self) -> int:
-        return self.num_taps * self.hidden
+        return (self.num_taps + int(self.final_norm)) * self.hidden
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -52,6 +54,16 @@ class PayloadSpec:
 
 def taps_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
     return payload[..., : spec.tap_cols]
+
+
+def layer_taps(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+    """The tapped layers' states [..., T*D] (what the drafter fuses)."""
+    return payload[..., : spec.num_taps * spec.hidden]
+
+
+def final_hidden(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor | None:
+    """The target's final-norm states [..., D] when the payload carries them, else None."""
+    return payload[..., spec.num_taps * spec.hidden: spec.tap_cols] if spec.final_norm else None
 
 
 def write_meta(payload: torch.Tensor, spec: PayloadSpec, input_ids, loss_mask, doc_ids) -> None:
@@ -103,7 +115,9 @@ class WaitTimer:
 def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
     """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
     ids, loss_mask, doc_ids = read_meta(payload, spec)
-    return MicroBatch(taps_view(payload, spec).to(dtype), ids, loss_mask, doc_ids)
+    final = final_hidden(payload, spec)
+    return MicroBatch(layer_taps(payload, spec).to(dtype), ids, loss_mask, doc_ids,
+                      None if final is None else final.to(dtype))
 
 
 class Sender:

@@ -134,7 +134,7 @@ class TapCapture:
     The buffer is the transport payload, so the taps land where they are sent from.
     """
 
-    def __init__(self, model: nn.Module, layer_ids):
+    def __init__(self, model: nn.Module, layer_ids, final_norm: bool = False):
         self.layer_ids = list(layer_ids)
         layers = decoder_layers(model)
         bad = [k for k in self.layer_ids if not 0 <= k < len(layers)]
@@ -142,6 +142,18 @@ class TapCapture:
             raise TargetError(f"drafter.target_layer_ids {bad} are outside the target's {len(layers)} layers")
         self.out: torch.Tensor | None = None
         self.handles = [layers[k].register_forward_hook(self._hook(i)) for i, k in enumerate(self.layer_ids)]
+        if final_norm:
+            # The KL term's extra tap: the output of the final norm, the state the lm_head reads
+            # (the model must then keep all its layers: see truncate_after).
+            full = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", len(layers))
+            if len(layers) != full:
+                raise TargetError(f"the KL term needs the target's final norm after all {full} layers, but the "
+                                  f"model was cut after {len(layers)}; do not truncate it when objective.kl_weight > 0")
+            norm = getattr(base_model(model), "norm", None)
+            if not isinstance(norm, nn.Module):
+                raise TargetError(f"cannot find the final norm (model.norm) of {type(model).__name__}; "
+                                  "set objective.kl_weight to 0 for this target")
+            self.handles.append(norm.register_forward_hook(self._hook(len(self.layer_ids))))
 
     def _hook(self, slot: int):
         def hook(module, args, output):

@@ -1,0 +1,180 @@
+"""DFlash drafter for `AutoModel.from_pretrained(export_dir, trust_remote_code=True)`.
+
+Written by dflash-ds into every export and self-contained (torch and transformers only), so the
+export loads without the training package. Module names equal the exported tensor names
+(`layers.{i}.*`, `fc`, `hidden_norm`, `norm`), the same names SGLang and vLLM read.
+
+The drafter has no embedding and no lm_head: the caller embeds the block tokens with the target's
+`embed_tokens` and applies the target's `lm_head` to the output (the target's final norm is not
+applied). One forward drafts one or more blocks:
+
+    hidden = model(noise_embedding, target_hidden, position_ids, attention_mask=None)
+
+- noise_embedding [b, Q, D]: target embeddings of the block tokens, [anchor token, MASK x (B-1)]
+  per block (Q = number of blocks x block_size);
+- target_hidden [b, S, T*D]: the target's hidden states at the taps `dflash_config.target_layer_ids`
+  (the output of decoder layer k, i.e. transformers' hidden_states[k + 1]), concatenated in
+  that order, for the S context tokens;
+- position_ids [b, S + Q]: absolute positions of the context tokens, then of the block tokens;
+- attention_mask: bool [b, 1, Q, S + Q], True = attend. None means one block that sees every
+  context token and itself bidirectionally (the serving case: the context is the verified prefix
+  before the anchor).
+Returns the drafter's final-norm hidden states [b, Q, D]; logits = hidden @ lm_head.T.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel, Qwen3Config
+
+
+class DFlashConfig(Qwen3Config):
+    """Qwen3 fields plus the DFlash ones. config.json keeps model_type "qwen3" because SGLang and
+    vLLM read the drafter as a qwen3 model (and, without trust_remote_code, still get a plain
+    Qwen3Config); with trust_remote_code the auto_map's AutoConfig entry routes here."""
+
+    model_type = "qwen3"
+
+    def __init__(self, block_size=16, num_target_layers=36, dflash_config=None, **kwargs):
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.dflash_config = dflash_config or {"mask_token_id": 0, "target_layer_ids": [1]}
+        super().__init__(**kwargs)
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config["target_layer_ids"])
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(self.dflash_config["mask_token_id"])
+
+    @property
+    def rope_base(self) -> float:
+        # transformers 5 keeps rope_theta inside rope_parameters; older releases at the top level.
+        params = getattr(self, "rope_parameters", None) or {}
+        return float(params.get("rope_theta", getattr(self, "rope_theta", 1e6)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in (at least) fp32, cast back, then scale: the order the drafter was trained with.
+        dtype = x.dtype
+        x32 = x.to(torch.promote_types(dtype, torch.float32))
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    work = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim))
+    angles = positions.to(work).unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block tokens; keys/values from [context features ; block tokens] with the
+    same k/v projections and k_norm (KV injection)."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        d, h, hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hk, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, hk * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, hk * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask):
+        b, q_len, _ = x.shape
+        d = self.head_dim
+        kv_in = torch.cat([ctx, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.num_kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, -1, self.num_kv_heads, d).transpose(1, 2)
+        q, k = _rotate(q, *rope_q), _rotate(k, *rope_k)
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * d))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = "dflash"
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        n_taps = len(config.target_layer_ids)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(n_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def _init_weights(self, module):
+        # Only used for tensors missing from the checkpoint (none in a complete export).
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, 0.02)
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+
+    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.config
+        dtype = noise_embedding.dtype
+        q_len, s_len = noise_embedding.shape[1], target_hidden.shape[1]
+        if position_ids.shape[-1] != s_len + q_len:
+            raise ValueError(f"position_ids must cover the {s_len} context and {q_len} block tokens, "
+                             f"got length {position_ids.shape[-1]}")
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(noise_embedding.shape[0], -1)
+        ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
+        rope_k = _rope(position_ids, cfg.head_dim, cfg.rope_base, dtype)
+        rope_q = tuple(t[:, :, s_len:] for t in rope_k)
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, attention_mask)
+        return self.norm(x)

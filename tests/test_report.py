@@ -1,0 +1,73 @@
+"""python -m dflash_ds.report: PNGs and one HTML page from a run's metrics.jsonl."""
+
+import json
+import struct
+
+from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.report import finish_run, main, split_records, write_report
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+def write_metrics(run_dir, resumed=True):
+    recs = [{"step": 0, "tau": 1.0, "tau_pooled": 1.0, "tau_histogram": [4, 0, 0, 0],
+             "tau_position_acceptance": [0.0, None, None], "eval": "before training"}]
+    for s in range(1, 21):
+        recs.append({"step": s, "loss": 3.0 / s, "accept_proxy": 1 + s / 10, "lr": 1e-3 * (1 - s / 21),
+                     "tok_per_s": 1000 + s, "drafter_tok_per_s": 1000 + s, "target_tok_per_s": 900,
+                     "drafter_wait_share": 0.1, "target_send_wait_share": 0.7, "kl": 0.5 / s})
+    if resumed:  # a resume re-logs step 20 after its checkpoint: the later record wins
+        recs.append(dict(recs[-1], loss=0.123))
+    recs.append({"step": 20, "tau": 2.5, "tau_pooled": 2.25, "tau_histogram": [1, 1, 1, 1],
+                 "tau_position_acceptance": [0.75, 0.5, 1.0], "eval": "after training"})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_report_pages_and_pictures(tmp_path, capsys):
+    write_metrics(tmp_path)
+    steps, taus = split_records([json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()])
+    assert len(steps) == 20 and steps[-1]["loss"] == 0.123 and [t["step"] for t in taus] == [0, 20]
+    assert main([str(tmp_path)]) == 0
+    out = tmp_path / "report"
+    assert capsys.readouterr().out.strip() == str(out / "index.html")
+    stems = ["loss", "accept_proxy", "tau", "position_acceptance", "throughput", "wait", "lr", "accepted_histogram"]
+    for stem in stems:
+        w, h = png_size(out / f"{stem}.png")
+        assert (w, h) == (640, 400), stem
+    w, h = png_size(out / "overview.png")
+    assert w > 1000 and h > 500
+    page = (out / "index.html").read_text()
+    assert all(f'src="{s}.png"' in page for s in stems)
+    assert "<td>0.1230</td>" in page and "3.157" not in page
+    assert "tau, step 20 (after training)</th><td>2.500 (pooled 2.250)" in page
+    assert "1:0.75 2:0.50 3:1.00" in page
+
+
+def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
+    assert main([str(tmp_path / "nothing")]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
+    # The end-of-run hook rewrites the export's card and draws the report; a broken export
+    # does not fail the finished run, it is reported.
+    write_metrics(tmp_path, resumed=False)
+    (tmp_path / "export").mkdir()
+    finish_run(tmp_path, {"steps": 20})
+    printed = capsys.readouterr().out
+    assert "report failed" in printed and "python -m dflash_ds.report" in printed
+    from dflash_ds.export import save_drafter
+    from dflash_ds.model.drafter import DFlashDrafter
+
+    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
+                        max_position_embeddings=64, vocab_size=32, num_target_layers=4, target_layer_ids=(1,),
+                        block_size=4, mask_token_id=3, tie_word_embeddings=False)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "export2")
+    (tmp_path / "export").rmdir()
+    (tmp_path / "export2").rename(tmp_path / "export")
+    finish_run(tmp_path, {"steps": 20, "tau": 2.5, "tau_prompts": "8 prompts"})
+    assert "report:" in capsys.readouterr().out
+    assert "2.500 (exact offline" in (tmp_path / "export" / "README.md").read_text()
+    assert (tmp_path / "report" / "overview.png").is_file()
