@@ -77,10 +77,7 @@ def _is_default_rope(rope_scaling: dict | None) -> bool:
 
 @dataclass(frozen=True)
 class DrafterShape:
-    """What a recipe chooses about the drafter (its `drafter` section); None = derived from the target.
-
-    `DrafterConfig.from_target` completes it with the target's geometry.
-    """
+    """A recipe's `drafter` choices; None = from the target (`DrafterConfig.from_target` completes it)."""
 
     num_layers: int
     block_size: int
@@ -91,14 +88,9 @@ class DrafterShape:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
 
-    def __post_init__(self) -> None:
-        if self.target_layer_ids is not None:
-            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-
     @classmethod
     def of(cls, section: Any) -> "DrafterShape":
-        """The fields of the same name from a recipe's drafter section (model code does not import the
-        recipe classes, so any object with these attributes does)."""
+        """The same-named fields of a recipe's drafter section (model code does not import the recipe)."""
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -180,10 +172,9 @@ class DrafterConfig:
         rope scaling does not carry over.
         """
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        num_layers, target_layer_ids, intermediate_size = shape.num_layers, shape.target_layer_ids, \
-            shape.intermediate_size
-        hidden = int(text.hidden_size)
-        heads = int(text.num_attention_heads)
+        num_layers, target_layer_ids = shape.num_layers, shape.target_layer_ids
+        intermediate_size = shape.intermediate_size
+        hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
         defaults = {
             "num_attention_heads": heads,
             "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or heads),
@@ -331,9 +322,8 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class LayerInputs(NamedTuple):
-    """What every layer of one forward shares: the context features, the RoPE tables of the block
-    queries (`*_q`, `[b, Q, head_dim]`) and of the keys (`*_k`, context then block,
-    `[b, S + Q, head_dim]`), and the mask."""
+    """What every layer of one forward shares: context features, RoPE tables of the block queries
+    (`*_q`, `[b, Q, head_dim]`) and of the keys (`*_k`, context then block, `[b, S+Q, head_dim]`), mask."""
 
     ctx: torch.Tensor
     cos_q: torch.Tensor
@@ -341,10 +331,6 @@ class LayerInputs(NamedTuple):
     cos_k: torch.Tensor
     sin_k: torch.Tensor
     mask: DFlashMask
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Everything but the mask, in field order (what a checkpoint function may be handed)."""
-        return tuple(self[:-1])
 
 
 def _run_layer(layer: "DFlashLayer", mask: DFlashMask, x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
@@ -458,7 +444,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for i, layer in enumerate(self.layers):
             if self.checkpoint_fn is not None and i < self.checkpoint_layers and torch.is_grad_enabled():
-                x = self.checkpoint_fn(functools.partial(_run_layer, layer, mask), x, *inputs.tensors())
+                x = self.checkpoint_fn(functools.partial(_run_layer, layer, mask), x, *inputs[:-1])
             else:
                 x = layer(x, inputs)
         return self.norm(x)
