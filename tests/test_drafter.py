@@ -13,7 +13,7 @@ from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.drafter import (DFlashDrafter, DrafterConfig, DrafterShape, RMSNorm, build_target_layer_ids,
                                      rope_cos_sin)
-from dflash_ds.model.objective import chunked_loss
+from dflash_ds.model.objective import LossOptions, chunked_loss
 
 D, VOCAB = 64, 300
 
@@ -341,7 +341,7 @@ def _loss_and_grads(model, x, lm_head):
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, VOCAB, hidden.shape[:2], generator=g)
     weights = torch.rand(hidden.shape[:2], generator=g, dtype=torch.float64)
-    out = chunked_loss(hidden, lm_head, labels, weights, normaliser=weights.sum(), num_chunks=3)
+    out = chunked_loss(hidden, lm_head, labels, weights, normaliser=weights.sum(), options=LossOptions(num_chunks=3))
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
