@@ -266,6 +266,7 @@ def linear_cross_entropy_kl(
     grad_weight = grad_on and weight.requires_grad
     settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on)
     if not (grad_hidden or grad_weight):
-        ce_total, correct, _, _, kl_total = _run(hidden.detach(), weight.detach(), labels, weights, normaliser, settings)
+        ce_total, correct, _, _, kl_total = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
+                                                 settings)
         return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total
     return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, settings)
