@@ -39,7 +39,8 @@ class KLTerm(NamedTuple):
 
 class _Settings(NamedTuple):
     # Everything but the rows: one argument for the autograd Function. `kl` is None when the term
-    # is off, else it holds the target's states (detached, in the drafter's dtype).
+    # is off, else it holds the target's states, detached and in the drafter's dtype: a constant of
+    # the loss, so autograd need not see that tensor.
     num_chunks: int
     grad_hidden: bool
     grad_weight: bool
