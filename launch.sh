@@ -1,8 +1,8 @@
 #!/bin/sh
 ''':'
 # This file is both a POSIX shell script and a Python program.
-#   bash launch.sh RECIPE [key=value ...]       sets up the environment, then starts the DeepSpeed
-#                                                launcher with the process count the recipe needs
+#   bash launch.sh RECIPE [key=value ...]       checks the recipe, data and run directory, then starts
+#                                                the DeepSpeed launcher with the process count the recipe needs
 #   deepspeed [--hostfile H] launch.sh RECIPE    the launcher runs this file with python on every rank
 cd "$(dirname "$0")" || exit 1
 . ./scripts/setup_env.sh
@@ -11,7 +11,10 @@ for a in "$@"; do
   if [ "$a" = "--dry-run" ]; then exec "$PYTHON" -m dflash_ds.train "$@"; fi
 done
 eval "$("$PYTHON" -m dflash_ds.runtime.launch_env "$@")" || exit 1
-exec deepspeed --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
+# The launcher and the ranks run in their own process group under a small supervisor (this PID):
+# a signal to it stops the whole job (a checkpoint first, see README "Operating a long run").
+exec "$PYTHON" -m dflash_ds.runtime.supervise --grace "$DFLASH_STOP_GRACE" -- \
+  deepspeed --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
 '''
 import os
 import sys

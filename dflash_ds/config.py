@@ -31,6 +31,9 @@ class RunConfig:
     """Seeds anchor sampling, data order and drafter initialisation."""
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cuda" or "cpu"."""
+    stop_grace_s: float = 300.0
+    """After SIGTERM/SIGINT/SIGHUP: seconds the ranks get to finish the current step and write a
+    checkpoint before `bash launch.sh` kills the job (a second signal kills at once)."""
 
 
 @dataclass(frozen=True)
@@ -182,14 +185,24 @@ class TopologyConfig:
     """One rank holds both models and passes hidden states in memory (single GPU)."""
     max_in_flight: int = 4
     """Payload sends a target may have outstanding (bounded run-ahead)."""
+    peer_timeout_s: float = 1200.0
+    """A rank waiting this long on a peer (a payload, a send, a collective) names the peer and ends
+    the job; a dead peer ends it at once. Must exceed the longest legitimate pause of a peer: a
+    checkpoint write (minutes for a 27B-width drafter), the first step's compilation, the target's
+    held-out generation before the first step."""
+    peer_report_s: float = 120.0
+    """While a wait on a peer lasts longer than this, a line every this many seconds says who waits
+    on whom."""
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 1000
     keep_last: int = 2
-    resume: bool = True
-    """Resume from the newest complete checkpoint in run.output_dir when one exists."""
+    resume: str = "auto"
+    """auto: continue from latest.json's checkpoint, stop if it is missing or damaged; fallback: the
+    same, but fall back to the newest complete earlier checkpoint with a warning; restart: start
+    from step 0 over an existing run directory. (true = auto, false = restart.)"""
     universal: bool = False
     """Load a universal checkpoint (after ds_to_universal) to change the number of drafter ranks."""
 
@@ -337,6 +350,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         _set_dotted(raw, key, value)
     recipe = _build(Recipe, raw)
     recipe = dataclasses.replace(recipe, source=str(p))
+    # Recipes written when resume was a boolean keep working.
+    legacy = {"true": "auto", "false": "restart"}.get(recipe.checkpoint.resume.lower())
+    if legacy:
+        recipe = dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, resume=legacy))
     validate(recipe)
     return recipe
 
@@ -386,6 +403,11 @@ def validate(r: Recipe) -> None:
     need(t.max_in_flight >= 1, "topology.max_in_flight must be >= 1")
     need(r.checkpoint.every_steps >= 1, "checkpoint.every_steps must be >= 1")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+    need(r.checkpoint.resume in ("auto", "fallback", "restart"),
+         f"checkpoint.resume must be auto, fallback or restart, got {r.checkpoint.resume!r}")
+    need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
+    need(t.peer_timeout_s > 0, "topology.peer_timeout_s must be > 0")
+    need(t.peer_report_s > 0, "topology.peer_report_s must be > 0")
     need(r.log.every_steps >= 1, "log.every_steps must be >= 1")
     need(r.log.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")
 

@@ -31,6 +31,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; the run directory is read by other users too
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -12,13 +12,15 @@ from dflash_ds.io import write_json_atomic
 
 
 class Metrics:
-    def __init__(self, run_dir: str | Path, recipe_dict: dict, wandb_cfg, run_name: str, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, recipe_dict: dict, wandb_cfg, run_name: str, enabled: bool = True,
+                 start_step: int = 0):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_after(self.path, start_step)
         if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
             import wandb
 
@@ -38,6 +40,27 @@ class Metrics:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the records a resumed run will write again (step > `step`; all of them for a fresh
+    start), atomically, so metrics.jsonl never holds a step twice."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            rec_step = json.loads(line).get("step", 0)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if step > 0 and rec_step <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -46,11 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.runtime.control import RunControl, run_guarded
     from dflash_ds.runtime.engines import init_distributed, make_groups
     from dflash_ds.runtime.target_worker import run_target
     from dflash_ds.runtime.trainer import run_drafter
 
     rank, _ = init_distributed(spec.device)
+    # The run lock and the start point are settled before any data or model is loaded.
+    control = RunControl.setup(recipe, spec.layout, rank)
+    if control.error:
+        return 2
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
         data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
     spec = spec.with_rows(data.num_rows)
     groups = make_groups(spec.layout)
+    control.bound(groups.drafter, groups.target)
     if rank == 0:
         run_dir = Path(recipe.run.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -67,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.
     if spec.layout.role(rank) == "target":
-        run_target(spec, data, rank, groups.target)
+        code = run_guarded(lambda: run_target(spec, data, rank, groups.target, control.start_step), control)
     else:
-        run_drafter(spec, data, rank, groups)
+        code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control), control)
     dist.barrier()
+    control.release()
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
             f"drafter.block_size={args.block_size}", f"optim.rows_per_micro_batch={args.rows}",
             f"optim.grad_accum={args.grad_accum}", "optim.epochs=1", f"optim.max_steps={total_steps}",
             "topology.colocated=true", "topology.drafters_per_node=1", "topology.targets_per_node=0",
-            "checkpoint.resume=false", f"target.dtype={'bfloat16' if cuda else 'float32'}"]
+            "checkpoint.resume=restart", f"target.dtype={'bfloat16' if cuda else 'float32'}"]
     if not cuda:
         # The GPU JSONs enable bf16, which the CPU engine cannot run.
         over += [f"drafter.ds_config={cfgs / 'drafter_zero2_cpu.json'}",

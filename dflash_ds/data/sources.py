@@ -38,6 +38,10 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
     if not p.exists() and (p.is_absolute() or path.startswith(".") or p.suffix.lower() in DATA_SUFFIXES):
         raise ValueError(f"{path_setting}: {path} does not exist (local paths must exist; hub ids look like "
                          "'org/name')")
+    if p.is_file() or (p.is_dir() and not (p / "state.json").exists() and not (p / "dataset_dict.json").exists()):
+        from dflash_ds.data.validate import check_local
+
+        check_local(_local_files(p), path_setting)
     try:
         if p.is_file():
             builder = DATA_SUFFIXES.get(p.suffix.lower())
@@ -79,6 +83,11 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in files):
+        # transformers would otherwise build some tokenizer from the config and fail later, on the data.
+        raise ValueError(f"target.path: no tokenizer in {path!r} (none of {', '.join(files)}); the target directory "
+                         "must hold its tokenizer")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:

@@ -1,14 +1,24 @@
 """Checkpoints: the drafter engine + run position, written so that a crash never loses one.
 
-DeepSpeed writes each checkpoint into its own tag directory; `latest.json` (ours, not DeepSpeed's
-`latest`) is replaced atomically only after every drafter rank finished writing, so resume always
-finds a complete checkpoint. The run position is the step number: the data order and the anchors
-are functions of (seed, micro-batch id), so nothing else needs saving for an identical stream.
+DeepSpeed writes each checkpoint into its own tag directory. Once every drafter rank finished,
+the lead writes `<tag>/complete.json` (every file with its size) and then replaces `latest.json`
+(ours, not DeepSpeed's `latest`) atomically, so `latest.json` only ever names a complete
+checkpoint and a truncated file is found by its size before torch reads it. The run position is
+the step number: the data order and the anchors are functions of (seed, micro-batch id), so
+nothing else needs saving for an identical stream.
+
+Where to start is decided once, on the lead (global rank 0), by `checkpoint.resume`:
+  auto      latest.json's checkpoint; a missing, unreadable or incomplete one stops the run
+  fallback  the same, but falls back to the newest complete earlier checkpoint with a warning
+  restart   step 0, even over a directory that holds checkpoints (they are replaced as the run
+            reaches their steps)
+A directory with checkpoints but no latest.json never restarts silently under auto.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,28 +27,149 @@ import torch.distributed as dist
 
 from dflash_ds.io import write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
+from dflash_ds.runtime.watchdog import waiting_on
 
 LATEST = "latest.json"
+MANIFEST = "complete.json"
+MODES = ("auto", "fallback", "restart")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written; the message names the file and the way out."""
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def latest(run_dir: str | Path) -> dict | None:
-    p = checkpoint_dir(run_dir) / LATEST
-    if not p.is_file():
-        return None
-    info = json.loads(p.read_text())
-    return info if (checkpoint_dir(run_dir) / info["tag"]).is_dir() else None
 
 
 def tag_of(step: int) -> str:
     return f"step{step:08d}"
 
 
+def step_of(tag: str) -> int:
+    return int(tag[len("step"):])
+
+
+def tags(ck: Path) -> list[str]:
+    """Checkpoint tags present, oldest first (universal conversions are not separate checkpoints)."""
+    if not ck.is_dir():
+        return []
+    return sorted(p.name for p in ck.iterdir() if p.is_dir() and p.name.startswith("step")
+                  and p.name[4:].isdigit())
+
+
+def verify(tag_dir: Path) -> str | None:
+    """None when `tag_dir` is a complete checkpoint, else what is wrong with it (naming the file)."""
+    if not tag_dir.is_dir():
+        return f"checkpoint directory {tag_dir} does not exist"
+    manifest = tag_dir / MANIFEST
+    if not manifest.is_file():
+        # Written before manifests existed: DeepSpeed's model states are the minimum.
+        if not (tag_dir / "mp_rank_00_model_states.pt").is_file():
+            return f"{tag_dir} is incomplete (no {MANIFEST} and no mp_rank_00_model_states.pt)"
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{manifest} is unreadable ({type(exc).__name__}: {exc})"
+    for name, size in sorted(files.items()):
+        p = tag_dir / name
+        if not p.is_file():
+            return f"{p} is missing"
+        if p.stat().st_size != size:
+            return f"{p} is truncated or damaged ({p.stat().st_size} bytes, {size} written)"
+    return None
+
+
+def latest(run_dir: str | Path) -> dict | None:
+    """latest.json's content when it names a complete checkpoint, else None (no error raised)."""
+    try:
+        info = json.loads((checkpoint_dir(run_dir) / LATEST).read_text())
+        return info if verify(checkpoint_dir(run_dir) / info["tag"]) is None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve(run_dir: str | Path, mode: str) -> dict | None:
+    """Where this run starts: {"tag", "step"} (plus "warning" after a fallback) or None for step 0.
+
+    Runs on the lead only; raises CheckpointError with one line naming the file at fault.
+    """
+    if mode not in MODES:
+        raise CheckpointError(f"checkpoint.resume must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "restart":
+        return None
+    ck = checkpoint_dir(run_dir)
+    path = ck / LATEST
+    present = tags(ck)
+    bad = None
+    if path.is_file():
+        try:
+            info = json.loads(path.read_text())
+            tag, step = str(info["tag"]), int(info["step"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problem = f"{path} is unreadable ({type(exc).__name__}: {exc})"
+        else:
+            problem = verify(ck / tag)
+            if problem is None:
+                return {"tag": tag, "step": step}
+            problem, bad = f"{path} names {tag}, but {problem}", tag
+    elif present:
+        problem = f"{ck} holds checkpoints ({', '.join(present[-3:])}) but no {LATEST}"
+    else:
+        return None
+    if mode == "fallback":
+        for tag in reversed(present):
+            if tag != bad and verify(ck / tag) is None:
+                return {"tag": tag, "step": step_of(tag),
+                        "warning": f"{problem}; falling back to the newest complete checkpoint {ck / tag}"}
+        raise CheckpointError(f"{problem}, and no complete earlier checkpoint exists; set checkpoint.resume=restart "
+                              "to start over from step 0")
+    raise CheckpointError(f"{problem}; set checkpoint.resume=fallback to continue from the newest complete earlier "
+                          "checkpoint, or checkpoint.resume=restart to start over from step 0")
+
+
+def describe_error(exc: BaseException) -> str:
+    """The cause of a failed write in words: errno text and file when known (disk full, read-only...)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{os.strerror(exc.errno)}{where}"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(k in text for k in ("inline_container", "iostream", "file write failed", "PytorchStreamWriter")):
+        # torch's writer reports a short write without errno; name the likely causes instead.
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why = (f"the file-size limit (ulimit -f) is {soft} bytes" if soft != resource.RLIM_INFINITY
+               else "disk full, quota or I/O error")
+        return f"a write was cut short ({why}; torch: {text})"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _space_note(path: Path) -> str:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; {free / 2**20:.0f} MiB free there" if free < 2**30 else ""
+
+
+def _any(flag: bool, group, device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    with waiting_on("the checkpoint vote", dist.get_process_group_ranks(group)):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last: int, extra: dict | None = None) -> str:
-    """Collective over the drafter group. Returns the tag written."""
+    """Collective over the drafter group. Returns the tag written.
+
+    A failed write on any drafter rank (disk full, permissions, I/O error) removes the partial tag
+    directory and raises CheckpointError on every drafter rank; latest.json, the older checkpoints
+    and the export are untouched, because they are only replaced after a complete write.
+    """
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     ck = checkpoint_dir(run_dir)
@@ -47,40 +178,70 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state()
     state.update(extra or {})
-    with barriers_on(group):
-        engine.save_checkpoint(str(ck), tag=tag, client_state=state, save_latest=False)
-    dist.barrier(group=group)
+    error = None
+    try:
+        with barriers_on(group):
+            engine.save_checkpoint(str(ck), tag=tag, client_state=state, save_latest=False)
+    except (OSError, RuntimeError) as exc:  # torch reports a full disk as RuntimeError
+        error = exc
+    failed = _any(error is not None, group, engine.device)
+    if not failed and is_lead:
+        try:
+            files = {str(p.relative_to(ck / tag)): p.stat().st_size for p in (ck / tag).rglob("*") if p.is_file()
+                     and p.name != MANIFEST}
+            write_json_atomic(ck / tag / MANIFEST, {"step": step, "files": files}, indent=1)
+            write_json_atomic(ck / LATEST, {"tag": tag, "step": step}, indent=1)
+        except OSError as exc:
+            error = exc
+    failed = _any(error is not None, group, engine.device)
+    if failed:
+        if is_lead:
+            shutil.rmtree(ck / tag, ignore_errors=True)
+        cause = describe_error(error) + _space_note(ck) if error is not None else "it failed on another drafter rank"
+        prev = next((t for t in reversed(tags(ck)) if t != tag and verify(ck / t) is None), None)
+        kept = f"the previous checkpoint {ck / prev} is untouched" if prev else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write checkpoint {ck / tag}: {cause}; the partial directory was removed and "
+                              f"{kept}")
     if is_lead:
-        write_json_atomic(ck / LATEST, {"tag": tag, "step": step}, indent=1)
         prune(ck, keep_last)
-    dist.barrier(group=group)
+    with waiting_on("the checkpoint barrier", dist.get_process_group_ranks(group)):
+        dist.barrier(group=group)
     return tag
 
 
 def prune(ck: Path, keep_last: int) -> None:
-    tags = sorted(p for p in ck.iterdir() if p.is_dir() and p.name.startswith("step") and not p.name.endswith("_universal"))
-    for old in tags[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in tags(ck)[:-keep_last]:
+        shutil.rmtree(ck / old, ignore_errors=True)
 
 
-def load(engine, run_dir: str | Path, group, universal: bool = False) -> int:
-    """Restore the newest complete checkpoint; returns the step to continue from (0 if none)."""
-    info = latest(run_dir)
+def load(engine, run_dir: str | Path, group, info: dict | None, universal: bool = False, is_lead: bool = False) -> int:
+    """Restore the checkpoint `info` chose (resolve() on the lead, shared with every rank).
+
+    Returns the step to continue from (0 when `info` is None).
+    """
     if info is None:
         return 0
     ck = checkpoint_dir(run_dir)
     tag = info["tag"]
     if universal:
         if not (ck / f"{tag}_universal").is_dir():
-            raise ValueError(f"checkpoint.universal is true but {ck / (tag + '_universal')} does not exist; run "
-                             f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ck / tag} "
-                             f"--output_folder {ck / (tag + '_universal')}")
+            raise CheckpointError(f"checkpoint.universal is true but {ck / (tag + '_universal')} does not exist; run "
+                                  f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ck / tag} "
+                                  f"--output_folder {ck / (tag + '_universal')}")
         tag = f"{tag}_universal"
-    with barriers_on(group):
-        _, state = engine.load_checkpoint(str(ck), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    try:
+        with barriers_on(group):
+            _, state = engine.load_checkpoint(str(ck), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+    except Exception as exc:  # noqa: BLE001  torch/pickle errors from a damaged file name no path
+        raise CheckpointError(f"could not load checkpoint {ck / tag}: {describe_error(exc)}; set "
+                              "checkpoint.resume=fallback to use an earlier checkpoint") from None
     if state is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {ck / tag}")
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {ck / tag}; set checkpoint.resume=fallback to use an "
+                              "earlier checkpoint")
     torch.set_rng_state(state["rng_cpu"])
     if "rng_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng_cuda"])
+    if is_lead:
+        print(f"[dflash] resumed from step {int(state['step'])} (checkpoint {ck / tag})", flush=True)
     return int(state["step"])

@@ -1,10 +1,14 @@
 """Shell variables for launch.sh: how many processes the recipe needs here, and a free port.
 
-Printed as `NAME=value` lines for `eval`; a bad recipe fails here, before the launcher starts.
+Printed as `NAME=value` lines for `eval`. Before that, every check that needs no GPU runs here
+(runtime/prelaunch.py): a bad recipe, a taken run directory, bad data or a missing tokenizer stop
+with one line and exit 2 before the launcher starts a single rank.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import socket
 import sys
 
@@ -17,14 +21,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fail(msg: str) -> int:
+    print(f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit 2")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if not a.startswith("--")]
     try:
         recipe = load_recipe(args[0], args[1:])
     except RecipeError as exc:
-        print(f"echo 'recipe error: {str(exc).replace(chr(39), chr(34))}' >&2; exit 2")
-        return 0
-    lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={free_port()}"]
+        return _fail(str(exc))
+    # Whatever the checks print (data preparation reports, library warnings) must not reach the
+    # shell's eval: fd 1 points at stderr until the variables are printed.
+    saved = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    try:
+        from dflash_ds.runtime.prelaunch import prelaunch
+
+        prelaunch(recipe)
+        error = None
+    except ValueError as exc:  # RecipeError, data and tokenizer errors: the user's to fix
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    if error is not None:
+        return _fail(error)
+    lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={free_port()}",
+             f"DFLASH_STOP_GRACE={recipe.run.stop_grace_s:g}"]
     import torch
 
     if recipe.run.device == "cpu" or not torch.cuda.is_available():

@@ -102,8 +102,9 @@ class TargetWorker:
             self._forward(buf, ids.to(device), loss_mask.to(device), doc_ids.to(device))
             yield buf
 
-    def run(self) -> None:
-        """The target rank's loop: evaluation payloads first, then every scheduled micro-batch."""
+    def run(self, start: int | None = None) -> None:
+        """The target rank's loop: evaluation payloads first, then every scheduled micro-batch from
+        `start` (the step the lead decided, shared through the process group; None: read it here)."""
         spec, rank = self.spec, self.rank
         r, plan, lay = spec.recipe, spec.plan, spec.layout
         sender = Sender(spec.payload, spec.device, r.topology.max_in_flight)
@@ -114,7 +115,7 @@ class TargetWorker:
             else:
                 for _ in self.eval_payloads(lambda: spec.payload.empty(spec.device)):
                     pass  # the same forwards, keeping ZeRO-3 ranks in step
-        start = resume_step(spec)
+        start = resume_step(spec) if start is None else start
         t0, tokens0, wait0 = time.perf_counter(), self.tokens, sender.wait_seconds
         # Cumulative counters (the lead drafter differences them over its log window); this first
         # report replaces any left by an earlier run in the directory before the drafter reads one.
@@ -130,7 +131,7 @@ class TargetWorker:
 
 def resume_step(spec: RunSpec) -> int:
     """The step a resumed run continues from: the drafters' newest complete checkpoint."""
-    if not spec.recipe.checkpoint.resume:
+    if spec.recipe.checkpoint.resume == "restart":
         return 0
     info = checkpoint.latest(spec.recipe.run.output_dir)
     return int(info["step"]) if info else 0
@@ -154,7 +155,7 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
     return out
 
 
-def run_target(spec: RunSpec, data: PreparedData, rank: int, group) -> None:
+def run_target(spec: RunSpec, data: PreparedData, rank: int, group, start: int | None = None) -> None:
     """A target rank from start to end."""
     is_eval_rank = rank == spec.layout.eval_target()
-    TargetWorker.load(spec, data, rank, group, eval_lead=is_eval_rank).run()
+    TargetWorker.load(spec, data, rank, group, eval_lead=is_eval_rank).run(start)

@@ -29,6 +29,7 @@ from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.transport import PayloadSpec, Receiver, unpack
+from dflash_ds.runtime.watchdog import waiting_on
 
 # Tests set this to kill every drafter rank right after the given step (a simulated crash).
 CRASH_AFTER_STEP = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", "0")) or None
@@ -70,8 +71,11 @@ class LocalSource:
 
 
 class DrafterTrainer:
-    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int):
+    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int, control=None,
+                 start: int = 0):
         self.spec, self.engine, self.model, self.source, self.group, self.rank = spec, engine, model, source, group, rank
+        # runtime.control.RunControl (stop votes); None where nothing stops the loop early (the bench).
+        self.control, self.start = control, start
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = StepSettings.from_recipe(spec.recipe, spec.device)
         self._metrics: Metrics | None = None
@@ -83,7 +87,8 @@ class DrafterTrainer:
         # Opened on first use: a trainer that only steps (the bench) writes nothing.
         if self._metrics is None:
             r = self.spec.recipe
-            self._metrics = Metrics(r.run.output_dir, to_dict(r), r.log.wandb, r.run.name, enabled=self.lead)
+            self._metrics = Metrics(r.run.output_dir, to_dict(r), r.log.wandb, r.run.name, enabled=self.lead,
+                                    start_step=self.start)
         return self._metrics
 
     def train_step(self, step: int) -> StepStats:
@@ -96,7 +101,8 @@ class DrafterTrainer:
         # Normalise by the whole step's weight (all micro-batches, all drafter ranks): the engine
         # divides by grad_accum and averages over ranks, so scale the loss back up by both.
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
-        dist.all_reduce(weight, group=self.group)
+        with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
+            dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
         ce_sum, accept, anchors, kl_sum = 0.0, 0.0, 0.0, 0.0
         for mb, bl in zip(mbs, blocks):
@@ -126,8 +132,11 @@ class DrafterTrainer:
                 window_t, window_steps = time.perf_counter(), 0
             if r.eval.every_steps and done % r.eval.every_steps == 0 and self.lead and done != plan.total_steps:
                 self.log_tau(done, eval_set, "")
-            if done % r.checkpoint.every_steps == 0 or done == plan.total_steps:
+            saved = done % r.checkpoint.every_steps == 0 or done == plan.total_steps
+            if saved:
                 self.save(done)
+            if self.control is not None and done < plan.total_steps and self.control.should_stop():
+                self.stop(done, saved)
             if done == CRASH_AFTER_STEP:
                 # Fault injection for the resume tests: die the way a preempted job does.
                 os._exit(17)
@@ -141,7 +150,8 @@ class DrafterTrainer:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
                            for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum)])
-        dist.all_reduce(vec, group=self.group)
+        with waiting_on("the metrics all-reduce", self.spec.layout.drafter_ranks):
+            dist.all_reduce(vec, group=self.group)
         if not self.lead:
             return
         plan = self.spec.plan
@@ -179,10 +189,26 @@ class DrafterTrainer:
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
         if self.lead:
             t1 = time.perf_counter()
-            out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export", card=card_info(r, step, self.last_tau))
+            try:
+                out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export",
+                                   card=card_info(r, step, self.last_tau))
+            except OSError as exc:  # the export is swapped in only when complete: the old one stays
+                raise checkpoint.CheckpointError(
+                    f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
+                    f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
             print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
                   f"({time.perf_counter() - t1:.0f} s)", flush=True)
+
+    def stop(self, done: int, saved: bool) -> None:
+        """Every drafter rank voted at the same step boundary, so all of them save this step."""
+        from dflash_ds.runtime.control import Stopped
+
+        if not saved:
+            self.save(done)
+        self.metrics.close()
+        r = self.spec.recipe
+        raise Stopped(done, str(checkpoint.checkpoint_dir(r.run.output_dir) / checkpoint.tag_of(done)))
 
 
 @torch.no_grad()
@@ -219,7 +245,7 @@ def build_drafter(spec: RunSpec):
     return DFlashDrafter(spec.drafter).to(spec.device)
 
 
-def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups) -> None:
+def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=None) -> None:
     """A drafter (or colocated) rank from start to end: engine, resume, source, evaluation set, loop."""
     from dflash_ds.runtime.engines import build_drafter_engine
     from dflash_ds.target.model import embed_and_head
@@ -229,7 +255,10 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups) -> None:
     embed, head = embed_and_head(r.target.path, spec.dtype, spec.device)
     drafter = build_drafter(spec)
     engine, _ = build_drafter_engine(r, drafter, plan, groups.drafter, rank, spec.device)
-    start = checkpoint.load(engine, r.run.output_dir, groups.drafter, r.checkpoint.universal) if r.checkpoint.resume else 0
+    # The checkpoint the lead chose (shared through the process group); without a RunControl, latest.json.
+    info = control.start if control is not None else (
+        None if r.checkpoint.resume == "restart" else checkpoint.latest(r.run.output_dir))
+    start = checkpoint.load(engine, r.run.output_dir, groups.drafter, info, r.checkpoint.universal, lead)
     # Evaluation payloads are held on the host: 64 held-out rows of a 27B target are ~10 GB.
     eval_set: list[torch.Tensor] = []
     if lay.colocated:
@@ -249,6 +278,7 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups) -> None:
         sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                    for g in range(plan.grad_accum))
         source = Receiver(spec.payload, spec.device, plan.grad_accum + 1, sources)
-    trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank)
+    trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank, control,
+                             start)
     trainer.train(start, eval_set)
     source.close()

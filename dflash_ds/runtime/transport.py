@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.model.loss import MicroBatch
+from dflash_ds.runtime.watchdog import waiting_on
 
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 
@@ -127,7 +128,7 @@ class Sender:
         self.spec = spec
         self.device = device
         self.max_in_flight = max_in_flight
-        self.pending: deque[tuple[object, torch.Tensor]] = deque()
+        self.pending: deque[tuple[object, torch.Tensor, int]] = deque()
         self.free: list[torch.Tensor] = [spec.empty(device) for _ in range(max_in_flight + 1)]
         self.timer = WaitTimer(device)
         self.sent = 0
@@ -140,7 +141,7 @@ class Sender:
     def in_flight(self) -> int:
         # Sends not yet completed. Not len(pending): under NCCL the host never blocks on a send, so
         # pending stays at max_in_flight whether or not the transfers are done.
-        return sum(not work.is_completed() for work, _ in self.pending)
+        return sum(not entry[0].is_completed() for entry in self.pending)
 
     def buffer(self) -> torch.Tensor:
         """A payload buffer that no send is still reading."""
@@ -151,15 +152,17 @@ class Sender:
     def send(self, payload: torch.Tensor, dst: int, group=None) -> None:
         # NCCL orders the send after the work already queued on the current stream (the forward
         # that filled the buffer), so no host synchronisation is needed here.
-        work = dist.isend(payload, dst=dst, group=group)
-        self.pending.append((work, payload))
+        with waiting_on("a payload send", dst):  # a peer already gone fails right here
+            work = dist.isend(payload, dst=dst, group=group)
+        self.pending.append((work, payload, dst))
         self.sent += 1
         while len(self.pending) > self.max_in_flight:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        work, buf = self.pending.popleft()
-        self.timer.wait(work)
+        work, buf, dst = self.pending.popleft()
+        with waiting_on("a payload send", dst):
+            self.timer.wait(work)
         self.free.append(buf)
 
     def flush(self) -> None:
@@ -178,7 +181,7 @@ class Receiver:
         self.spec = spec
         self.sources = iter(sources)
         self.group = group
-        self.posted: deque[tuple[object, torch.Tensor]] = deque()
+        self.posted: deque[tuple[object, torch.Tensor, int]] = deque()
         self.free = [spec.empty(device) for _ in range(depth)]
         self.timer = WaitTimer(device)
         self.received = 0
@@ -194,12 +197,14 @@ class Receiver:
             if src is None:
                 return
             buf = self.free.pop()
-            self.posted.append((dist.irecv(buf, src=src, group=self.group), buf))
+            with waiting_on("a payload receive", src):
+                self.posted.append((dist.irecv(buf, src=src, group=self.group), buf, src))
 
     def get(self) -> torch.Tensor:
         """The next payload; hand it back with release() once it is no longer read."""
-        work, buf = self.posted.popleft()
-        self.timer.wait(work)
+        work, buf, src = self.posted.popleft()
+        with waiting_on("a payload receive", src):
+            self.timer.wait(work)
         self.received += 1
         return buf
 
@@ -208,6 +213,7 @@ class Receiver:
         self._fill()
 
     def close(self) -> None:
-        for work, _ in self.posted:
-            work.wait()
+        for work, _, src in self.posted:
+            with waiting_on("a payload receive", src):
+                work.wait()
         self.posted.clear()

@@ -63,7 +63,7 @@ def run_drafter(ctx) -> None:
     assert not torch.equal(after_first["master.0"], saved["master.0"]), "training after the save changed nothing"
 
     assert json.loads((checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST).read_text())["tag"] == tag
-    assert checkpoint.load(engine, run_dir, ctx.drafter_group) == 2
+    assert checkpoint.load(engine, run_dir, ctx.drafter_group, checkpoint.resolve(run_dir, "auto")) == 2
     assert_same(snapshot(engine), saved, "reloaded state")
     again = [common.train_step(engine, step, dp_rank, ROWS) for step in (2, 3)]
     assert again == first, (again, first)

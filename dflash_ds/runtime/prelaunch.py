@@ -1,0 +1,60 @@
+"""Checks `bash launch.sh` runs on the launching host before the DeepSpeed launcher starts.
+
+Everything a user can get wrong that would otherwise surface 30-50 s into the distributed job, in
+a traceback per rank: the recipe, the run lock, wandb credentials, the tokenizer and chat
+template, and the data (prepared here once, so the ranks then read the cache). Each problem is one
+line naming the setting, file or line, and launch.sh exits 2.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+
+from dflash_ds.config import Recipe, RecipeError, ranks_per_node
+
+
+def check_wandb(recipe: Recipe) -> None:
+    w = recipe.log.wandb
+    mode = os.environ.get("WANDB_MODE", w.mode)
+    if not w.enabled or mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        auth = None
+    if not auth:
+        raise RecipeError("log.wandb.enabled is true with log.wandb.mode online but WANDB_API_KEY is not set; export "
+                          "WANDB_API_KEY, or set log.wandb.mode=offline (sync later) or log.wandb.enabled=false")
+
+
+def check_lock(recipe: Recipe) -> None:
+    from dflash_ds.runtime.lock import LockError, check
+
+    try:
+        check(recipe.run.output_dir)
+    except LockError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def check_resume(recipe: Recipe) -> None:
+    from dflash_ds.runtime.checkpoint import CheckpointError, resolve
+
+    try:
+        resolve(recipe.run.output_dir, recipe.checkpoint.resume)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def prelaunch(recipe: Recipe) -> None:
+    """Raise ValueError (one line) for the first problem; prepares and caches the data on success."""
+    check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
+    check_wandb(recipe)
+    if Path(recipe.run.output_dir).exists():
+        check_resume(recipe)
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.run import check_recipe
+
+    spec = check_recipe(recipe, ranks_per_node(recipe))
+    load_training_data(recipe, hybrid_target=spec.geometry.hybrid)

@@ -1,0 +1,76 @@
+"""Stop requests on a rank: the first SIGTERM/SIGINT/SIGHUP asks for a checkpoint, a second exits.
+
+CPython runs Python-level signal handlers only on the main thread between bytecodes, so a rank
+blocked inside a collective or a receive would not see a signal until that call returns. The C
+handler does write the signal number to the wakeup fd at once, though: a thread reading that fd
+sees every signal immediately, records the request for the training loop (which acts on it at the
+next step boundary) and, on the second signal, exits the process on the spot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command to resume
+
+
+class StopRequest:
+    def __init__(self, who: str, saves: bool = True):
+        self.who = who
+        self.saves = saves  # drafter ranks write the checkpoint; target ranks only wait for them
+        self.signum: int | None = None
+        self.count = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def install(self) -> "StopRequest":
+        """Main thread only (a CPython rule for signal handlers and the wakeup fd)."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        for s in STOP_SIGNALS:
+            # A Python handler must exist, or the default action (terminate) would run; the work
+            # happens in the reader thread, which sees the signal even while the main thread waits.
+            signal.signal(s, lambda *_: None)
+        self._thread = threading.Thread(target=self._read, args=(r,), name="dflash-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum in STOP_SIGNALS:
+                    self.on_signal(signum)
+
+    def say(self, msg: str) -> None:
+        try:
+            print(f"[dflash] {self.who}: {msg}", file=sys.stderr, flush=True)
+        except OSError:
+            pass  # a closed terminal must not kill the thread that handles the stop
+
+    def on_signal(self, signum: int) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            self.signum = signum
+            what = "stopping after the current step" if self.saves else "serving the drafters until they have stopped"
+            self.say(f"{name} received; {what} (send it again to stop at once)")
+            return
+        what = "exiting now without a checkpoint" if self.saves else "exiting now"
+        self.say(f"{name} received again; {what}")
+        os._exit(128 + signum)

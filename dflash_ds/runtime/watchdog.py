@@ -1,0 +1,118 @@
+"""Bounded waits on peers: every blocking wait names whom it waits on, and never waits forever.
+
+`waiting_on(what, ranks)` wraps a wait (a payload receive, a send completion, a collective). A
+thread checks the innermost wait twice a second: past `topology.peer_report_s` it prints who waits
+on whom every that many seconds; past `topology.peer_timeout_s` it prints one line naming this
+rank and the peer (role, rank, host) and ends the process, so the launcher ends the job. A peer
+that died shows up as an error from the wait (gloo: "Connection closed by peer"), turned into the
+same one line. Without an installed watchdog (unit tests, tools) waits run unguarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+EXIT_PEER = 3
+
+
+@dataclass(frozen=True)
+class Peer:
+    role: str
+    rank: int
+    host: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} ({self.role} on {self.host})"
+
+
+class PeerLost(RuntimeError):
+    """A peer died or stopped answering; the message is the one line to print."""
+
+
+class Watchdog:
+    def __init__(self, me: Peer, peers: dict[int, Peer], timeout_s: float, report_s: float, stop=None):
+        self.me, self.peers = me, peers
+        self.timeout_s, self.report_s = timeout_s, report_s
+        self.stop = stop
+        self.stack: list[tuple[str, tuple[int, ...], float]] = []
+        self.lock = threading.Lock()
+        self.last_report = 0.0
+        self.thread = threading.Thread(target=self._watch, name="dflash-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.thread.start()
+        return self
+
+    def names(self, ranks: tuple[int, ...]) -> str:
+        return ", ".join(str(self.peers.get(r, Peer("?", r, "?", 0))) for r in ranks)
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, ranks):
+        ranks = tuple(r for r in ([ranks] if isinstance(ranks, int) else ranks) if r != self.me.rank)
+        with self.lock:
+            self.stack.append((what, ranks, time.monotonic()))
+        try:
+            yield
+        except (RuntimeError, ConnectionError) as exc:
+            if isinstance(exc, PeerLost):
+                raise
+            cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise PeerLost(f"{self.me}: lost {self.names(ranks)} during {what} ({cause}); stopping the job") from None
+        finally:
+            with self.lock:
+                self.stack.pop()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self.lock:
+                top = self.stack[-1] if self.stack else None
+            if top is None:
+                continue
+            what, ranks, since = top
+            waited = time.monotonic() - since
+            now = time.monotonic()
+            if waited >= self.timeout_s:
+                self.expire(what, ranks, waited)
+            if waited >= self.report_s and now - self.last_report >= self.report_s:
+                self.last_report = now
+                print(f"[dflash] {self.me} has waited {waited:.0f}s on {self.names(ranks)} for {what} (gives up after "
+                      f"topology.peer_timeout_s={self.timeout_s:g})", file=sys.stderr, flush=True)
+
+    def expire(self, what: str, ranks: tuple[int, ...], waited: float) -> None:
+        if self.stop is not None and self.stop.requested:
+            print(f"[dflash] {self.me}: stopped ({self.stop.name})", file=sys.stderr, flush=True)
+            os._exit(75)
+        print(f"[dflash] {self.me}: no progress from {self.names(ranks)} for {waited:.0f}s during {what} "
+              f"(topology.peer_timeout_s={self.timeout_s:g}); the peer is stalled or gone; stopping the job",
+              file=sys.stderr, flush=True)
+        here = socket.gethostname()
+        for r in ranks:
+            p = self.peers.get(r)
+            # A stopped (SIGSTOP) process ignores the launcher's SIGTERM until it is killed 30 s later;
+            # on this host it can be ended now, so the whole job ends within the bound.
+            if p is not None and p.host == here and p.pid > 0:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGKILL)
+        os._exit(EXIT_PEER)
+
+
+_ACTIVE: Watchdog | None = None
+
+
+def install(dog: Watchdog | None) -> None:
+    global _ACTIVE
+    _ACTIVE = dog
+
+
+def waiting_on(what: str, ranks):
+    """Guard a blocking wait on `ranks`; a no-op when no watchdog is installed."""
+    return _ACTIVE.waiting(what, ranks) if _ACTIVE is not None else contextlib.nullcontext()
