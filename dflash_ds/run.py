@@ -96,11 +96,11 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     tcfg = load_config(recipe.target.path)
     geo = target_geometry(tcfg)
     dcfg = DrafterConfig.from_target(tcfg, DrafterShape.of(recipe.drafter))
-    if geo.hybrid and recipe.data.pack:
+    if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
-            "data.pack: true with a hybrid (Gated DeltaNet) target would let recurrent state leak across the "
-            "packed documents of a row: the target forward here does not pass per-document boundaries "
-            "(cu_seqlens) to the linear-attention layers. Set data.pack: false (one conversation per row)")
+            "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
+            "kernel to keep the packed documents of a row apart (without it the exact per-document fallback is "
+            "far too slow); pip install 'dflash-ds[gpu]' (flash-linear-attention), or set data.pack=false")
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)

@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
-        data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+        data = load_training_data(recipe)
     dist.barrier()
     if rank != 0:
-        data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+        data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
     groups = make_groups(spec.layout)
     control.bound(groups.drafter, groups.target)

@@ -29,7 +29,7 @@ def main(repeats: int = 20) -> None:
     for k, extra in (("ce", []), ("kl", ["objective.kl_weight=0.5"])):
         recipe = load_recipe("recipes/tiny.yaml", extra + ["run.output_dir=/tmp/kl_cost"])
         spec = check_recipe(recipe, world_size=2)
-        data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+        data = load_training_data(recipe)
         specs[k] = spec.with_rows(data.num_rows)
     ids = specs["ce"].drafter.target_layer_ids
     full = load_target(recipe.target.path, dtype="float32")

@@ -532,18 +532,18 @@ def test_no_supervised_tokens(tmp_path, tok):
         D.prepare(make_cfg(tmp_path, max_length=8), tok)  # every sample too long, dropped
 
 
-def test_hybrid_targets_train_on_one_conversation_per_row(tmp_path, tok, capsys):
-    """What training does with a hybrid (Gated DeltaNet) target today: never packs its rows.
+def test_lengths_file_lists_every_conversation(tmp_path, tok):
+    data = D.prepare(make_cfg(tmp_path, max_samples=10), tok, verbose=False)
+    saved = json.loads((Path(data.cache_path) / D.LENGTHS_FILE).read_text())
+    doc_ids = np.asarray(data.rows["doc_ids"])
+    from_rows = sorted(int((row == d).sum()) for row in doc_ids for d in range(int(row.max()) + 1))
+    assert sorted(saved["lengths"]) == from_rows and len(from_rows) == data.report["documents"]
+    assert saved["max_length"] == data.report["row_length"] and data.num_rows < 10  # packed
 
-    Training asks prepare() for rows with has_fla=False whatever is installed (the target forward
-    passes no per-document boundaries to the linear-attention layers), and its pre-launch check
-    refuses data.pack=true for such a target, so a packed row can never reach it."""
-    with pytest.raises(ValueError, match="data.pack"):
-        D.prepare(make_cfg(tmp_path), tok, hybrid_target=True, has_fla=False)
-    data = D.prepare(make_cfg(tmp_path, pack=False, max_samples=10), tok, hybrid_target=True, has_fla=False,
-                     verbose=False)
-    assert data.num_rows == 10 and (data.rows["doc_ids"] <= 0).all()
 
+def test_hybrid_targets_pack_like_any_other(tmp_path, capsys):
+    """A hybrid (Gated DeltaNet) target takes packed rows: its forward keeps the documents apart
+    (target.packed); the pre-launch check refuses packing only on a GPU without fla."""
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     from dflash_ds.train import main
@@ -553,8 +553,7 @@ def test_hybrid_targets_train_on_one_conversation_per_row(tmp_path, tok, capsys)
                       num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                       linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=256).save_pretrained(target)
     args = ["recipes/tiny.yaml", "--dry-run", "--world-size", "2", f"target.path={target}"]
-    assert main(args + ["data.pack=true"]) == 2
-    assert "data.pack" in capsys.readouterr().err
+    assert main(args + ["data.pack=true"]) == 0
     assert main(args + ["data.pack=false"]) == 0
 
 

@@ -69,8 +69,8 @@ def test_block_targets_hand_worked():
     labels, weights = block_targets(INPUT_IDS, LOSS_MASK, DOC_IDS, anchors, valid, 5, gamma=2.0)
     # same-position labels: slot k is the token at a + k
     assert labels[0, 0].tolist() == [102, 103, 104, 105, 106]
-    assert labels[0, 1].tolist() == [103, 104, 105, 106, 107]
-    assert labels[0, 2, :2].tolist() == [108, 109]  # the rest is past the row (weight 0)
+    assert labels[0, 1].tolist() == [103, 104, 105, 106, 0]  # pos 7 is another document: label 0
+    assert labels[0, 2].tolist() == [108, 109, 0, 0, 0]  # the rest is past the row (label and weight 0)
     expected = torch.tensor([[
         [0, 1, E(-0.5), 0, E(-1.5)],  # a=2: slot 3 (pos 5) unsupervised
         [0, 1, 0, E(-1.0), 0],        # a=3: pos 5 unsupervised, pos 7 is another document

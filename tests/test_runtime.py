@@ -44,7 +44,7 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     recipe = load_recipe(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2", f"run.output_dir={out}"])
     spec = check_recipe(recipe, world_size=3)
-    data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+    data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
     target = load_target(recipe.target.path, dtype="float32")
     embed, head = embed_and_head(recipe.target.path, torch.float32)
@@ -85,7 +85,7 @@ def test_kl_term_end_to_end_split_and_colocated(tmp_path):
     base = FAST + KL + ["topology.drafters_per_node=2", "optim.grad_accum=2"]
     recipe = load_recipe(TINY, base + [f"run.output_dir={tmp_path / 'ref'}"])
     spec = check_recipe(recipe, world_size=3)
-    data = load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+    data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
     p = spec.payload
     assert p.final_norm and p.tap_cols == (len(spec.drafter.target_layer_ids) + 1) * p.hidden

@@ -3,6 +3,7 @@
 Run it as `python -m dflash_ds.bench` (flags: cli.py). One concern a module:
 
 - setup.py: the resolved recipe, target/drafter configs and single-rank world every role runs on;
+- lengths.py: rows from a conversation-length mix (--lengths chat|FILE) and the useful-token figures;
 - roles.py: the measured roles (target fill, drafter step alone or colocated, transport);
 - timing.py: step clock, memory peaks, matmul ceiling, compile counters, the timed loop;
 - flops.py: FLOP, parameter and attention-pair counts (the anchor figures' rules);

@@ -3,13 +3,16 @@
     python -m dflash_ds.bench --role target    [--geometry qwen3.6-27b] [--layers N] [--no-engine]
     python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
     python -m dflash_ds.bench --role colocated
+    python -m dflash_ds.bench --role target --lengths chat [--set data.pack=false]
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
     python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
 
 Rates are context tokens per second (rows x seq_len), the unit both sides share, so they can be
-balanced. MFU uses the project's FLOP counting rules (flops.py: the same counts as the published
-anchor figures) against a bf16 (CPU: fp32) matmul ceiling measured in the same run.
+balanced; every role also reports the useful (non-padding) rate and the padding share of its rows
+(`--lengths` fills rows from a conversation-length mix instead of one full-length document). MFU
+uses the project's FLOP counting rules (flops.py: the same counts as the published anchor figures)
+against a bf16 (CPU: fp32) matmul ceiling measured in the same run.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
+    p.add_argument("--lengths", default=None, metavar="FILE|chat",
+                   help="fill rows with conversations of these lengths ('chat': built-in mix, see docs/performance.md; "
+                        "FILE: the lengths.json `python -m dflash_ds.data prepare` writes), packed per data.pack")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before, the first one timed alone")
     p.add_argument("--seed", type=int, default=0)
@@ -147,7 +153,8 @@ def summary_lines(report: dict) -> list[str]:
     c = report.get("ceiling") or {}
     if c:
         lines.append(f"matmul ceiling {c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['size']}^3)")
-    keys = [("tok/s", "tok_s"), ("MFU", "mfu"), ("TFLOP/s", "tflops"), ("GB/s", "gb_s"), ("payloads/s", "payloads_per_s"),
+    keys = [("tok/s", "tok_s"), ("useful tok/s (non-padding)", "useful_tok_s"), ("padding share", "padding_share"),
+            ("documents per row", "docs_per_row"), ("MFU", "mfu"), ("TFLOP/s", "tflops"), ("GB/s", "gb_s"), ("payloads/s", "payloads_per_s"),
             ("build s", "build_s"), ("first step s", "first_step_s"), ("first step since build s", "first_step_since_build_s"),
             ("first step since process start s", "first_step_since_process_start_s")]
     for label, key in keys:

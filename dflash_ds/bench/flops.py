@@ -83,7 +83,8 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     """FLOPs of the given steps, with the attention pairs counted from each micro-batch's anchors.
 
     Anchors depend only on (seed, micro-batch id) and the loss mask / documents, which every
-    synthetic row shares, so they are recomputed here exactly as make_blocks draws them.
+    synthetic row shares, so they are recomputed here exactly as make_blocks draws them. With
+    --lengths the rows differ: the pairs are counted on the first rows only, so MFU is approximate.
     """
     from dflash_ds.model.objective import sample_anchors
     from dflash_ds.model.loss import anchor_generator

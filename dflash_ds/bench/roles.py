@@ -15,6 +15,7 @@ import time
 import torch
 
 from .flops import drafter_flops_of_steps, target_flops_per_micro
+from .lengths import add_useful
 from .setup import Setup, free_port, init_single_process, setup_rows
 from .timing import drive, record_rates, synchronize
 
@@ -77,11 +78,16 @@ class SyntheticSource:
         pass
 
 
-def synthetic_payloads(setup: Setup, count: int = 2) -> list[torch.Tensor]:
+def payload_count(setup: Setup) -> int:
+    # Full rows are all alike: 2 payloads suffice. From a length mix, 8 give a steadier padding share.
+    return 8 if getattr(setup.args, "lengths", None) else 2
+
+
+def synthetic_payloads(setup: Setup, count: int = 2, rows: dict | None = None) -> list[torch.Tensor]:
     from dflash_ds.runtime.transport import taps_view, write_meta
 
     a, spec = setup.args, setup.spec
-    rows = setup_rows(setup, count * spec.rows)
+    rows = setup_rows(setup, count * spec.rows) if rows is None else rows
     g = torch.Generator(device=setup.device).manual_seed(a.seed)
     out = []
     for k in range(count):
@@ -182,6 +188,7 @@ def run_target(setup: Setup, ceiling: dict) -> dict:
     result.update(build_s=build_s, engine=kind, taps=setup.tap_ids, flops_per_micro=flops,
                   payload_bytes=setup.spec.nbytes)
     record_rates(result, plan.grad_accum * setup.spec.rows * a.seq_len, plan.grad_accum * flops["total"], ceiling)
+    add_useful(result, worker.rows["doc_ids"])
     return result
 
 
@@ -196,11 +203,15 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
         from dflash_ds.runtime.trainer import LocalSource
 
         model, kind = build_target_model(setup, not a.no_engine)
-        source = LocalSource(target_worker(setup, model), 0, 0)
+        worker = target_worker(setup, model)
+        source = LocalSource(worker, 0, 0)
         extra.update(engine_target=kind, target_flops_per_micro=target_flops_per_micro(setup, model))
         probe = synthetic_payloads(setup, 1)[0]
+        row_doc_ids = worker.rows["doc_ids"]
     else:
-        payloads = synthetic_payloads(setup)
+        rows = setup_rows(setup, payload_count(setup) * setup.spec.rows)
+        payloads = synthetic_payloads(setup, payload_count(setup), rows)
+        row_doc_ids = rows["doc_ids"]
         source = SyntheticSource(payloads)
         probe = payloads[0]
     step_fn = drafter_step(setup, engine, draft_model, source, group)
@@ -219,6 +230,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
                   compiled_layers=bool(a.compile_layers), zero_stage=ds_cfg.get("zero_optimization", {}).get("stage"),
                   loss_chunks=setup.recipe.objective.loss_chunks, **extra)
     record_rates(result, setup.plan.grad_accum * setup.spec.rows * a.seq_len, flops, ceiling)
+    add_useful(result, row_doc_ids)
     return result
 
 

@@ -173,6 +173,12 @@ def prompt_tokens(args) -> int:
 
 
 def setup_rows(setup: Setup, num_rows: int) -> dict[str, np.ndarray]:
-    """`num_rows` synthetic rows of the setup's shape, vocabulary, prompt length and seed."""
+    """`num_rows` synthetic rows of the setup's shape, vocabulary and seed: one full-length document per row,
+    or, with --lengths, documents from a length distribution packed as the recipe's data.pack says."""
     a = setup.args
+    if getattr(a, "lengths", None):
+        from .lengths import length_rows
+
+        return length_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, a.lengths, setup.recipe.data.pack,
+                           a.seed)
     return synthetic_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, prompt_tokens(a), a.seed)

@@ -8,7 +8,8 @@ Rows are `S = data.max_length` tokens holding whole documents (never split acros
 position ids and the attention mask a packed row needs are in `dflash_ds.packing` (re-exported here).
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
-`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`). The fingerprint covers the dataset's
+`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, and `lengths.json`: every conversation's
+token count, which `python -m dflash_ds.bench --lengths FILE` reads). The fingerprint covers the dataset's
 identity (local files' sizes and mtimes, or the hub dataset's fingerprint), the tokenizer, the chat
 template and every setting that changes the rows; anything else reuses the cache.
 """
@@ -32,8 +33,9 @@ from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normali
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: lengths.json beside the audit
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
+LENGTHS_FILE = "lengths.json"
 
 
 @dataclass
@@ -239,14 +241,12 @@ def _load_cached(final: Path, fp: str) -> PreparedData:
     return PreparedData(rows, ev["prompts"], ev["references"], report, fp, str(final))
 
 
-def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = False,
-            verbose: bool = True, recipe: str | None = None) -> PreparedData:
-    """Rows for training plus held-out eval prompts, from the cache when nothing changed."""
-    if hybrid_target and cfg.pack and not has_fla:
-        raise ValueError(
-            "data.pack: packing several documents per row with a hybrid (Gated DeltaNet) target such as "
-            "Qwen3.5/3.6 needs flash-linear-attention's varlen kernels (pip install flash-linear-attention); "
-            "without them recurrent state leaks across documents. Install it or set data.pack=false")
+def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) -> PreparedData:
+    """Rows for training plus held-out eval prompts, from the cache when nothing changed.
+
+    Packing (data.pack) suits every target: the target forward keeps packed documents apart in
+    every layer, Gated DeltaNet layers included (target.packed). Beside the audit, lengths.json
+    lists every conversation's token count (the bench's --lengths FILE)."""
     if cfg.truncation not in ("drop", "truncate"):
         raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
     if cfg.max_length < 2:
@@ -333,6 +333,8 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
         del rows, docs
         shutil.rmtree(work)
         (tmp / "eval.json").write_text(json.dumps({"prompts": prompts, "references": refs}))
+        (tmp / LENGTHS_FILE).write_text(json.dumps({"max_length": cfg.max_length, "pack": bool(cfg.pack),
+                                                    "lengths": [int(n) for n in lengths]}))
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
     data = _load_cached(final, fp)
@@ -341,14 +343,9 @@ def prepare(cfg, tokenizer, *, hybrid_target: bool = False, has_fla: bool = Fals
     return data
 
 
-def load_training_data(recipe, *, hybrid_target: bool) -> PreparedData:
-    """The rows and held-out prompts a training run reads: prepared now, or read from the cache.
-
-    Packing for a hybrid target is refused before launch (the target forward passes no per-document
-    boundaries to its linear-attention layers), so fla is never claimed here.
-    """
-    return prepare(recipe.data, load_tokenizer(recipe.target.path), hybrid_target=hybrid_target, has_fla=False,
-                   recipe=recipe.source or None)
+def load_training_data(recipe) -> PreparedData:
+    """The rows and held-out prompts a training run reads: prepared now, or read from the cache."""
+    return prepare(recipe.data, load_tokenizer(recipe.target.path), recipe=recipe.source or None)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -361,12 +358,14 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
     args = parser.parse_args(argv)
     from dflash_ds.config import load_recipe
-    from dflash_ds.target.model import is_hybrid, load_config
-
     recipe = load_recipe(args.recipe, args.overrides)
-    # The same preparation (and refusals) as a training run, so it writes the cache training reads.
-    data = load_training_data(recipe, hybrid_target=is_hybrid(load_config(recipe.target.path)))
+    # The same preparation as a training run, so it writes the cache training reads.
+    data = load_training_data(recipe)
     print(f"[data] {data.num_rows} rows in {data.cache_path}")
+    lengths = Path(data.cache_path) / LENGTHS_FILE
+    if lengths.is_file():
+        print(f"[data] conversation lengths: {lengths} (measure on them: python -m dflash_ds.bench --role target "
+              f"--lengths {lengths})")
     return 0
 
 

@@ -65,18 +65,48 @@ def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.T
     return valid
 
 
+def anchor_quota(valid: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int) -> torch.Tensor:
+    """int64 `[b, S]`: anchors given to document d of each row (index d; doc ids are 0 .. S-1).
+
+    A row's min(N, #valid) anchors are shared out in proportion to each document's valid anchor
+    positions c_d (its supervised tokens), by largest remainder: document d first gets
+    floor(n * c_d / C) (n = min(N, C), C = sum of c_d), then the n - sum(floor) anchors left go one
+    each to the documents with the largest remainders n * c_d mod C, the earlier document first on
+    ties. Integer arithmetic, so the total is exactly n and no document gets more than c_d.
+    """
+    b, s = valid.shape
+    slot = torch.where(valid, doc_ids.long() + 1, torch.zeros_like(doc_ids, dtype=torch.long))
+    counts = torch.zeros(b, s + 1, dtype=torch.long, device=valid.device)
+    counts.scatter_add_(1, slot, torch.ones_like(slot))
+    c = counts[:, 1:]
+    total_valid = c.sum(1, keepdim=True)
+    n = total_valid.clamp(max=num_anchors)
+    denom = total_valid.clamp(min=1)
+    share = n * c
+    floor, rem = share // denom, share % denom
+    left = n - floor.sum(1, keepdim=True)
+    # Stable descending sort: equal remainders keep document order, so the earlier one wins ties.
+    order = rem.sort(dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(s, device=valid.device).expand(b, s))
+    return floor + (rank < left).long()
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     doc_ids: torch.Tensor,
     num_anchors: int,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, min(N, #valid) distinct valid anchors uniformly without replacement, sorted.
+    """Per row, min(N, #valid) distinct valid anchors, shared out per document, sorted.
 
-    Returns `anchors[b, N]` (int64) and `valid[b, N]` (bool); the tail is padded with invalid
-    anchors at position 0 so shapes are static. Random numbers come from `generator` only (drawn
-    on the generator's device), so a seeded generator gives the same anchors on any rank. Give it
-    a generator on the data's device: otherwise the keys are copied host -> device, a blocking copy.
+    Each document of a packed row gets its anchor_quota (proportional to its valid anchor
+    positions) and draws that many of its valid positions uniformly without replacement; a row of
+    one document is plain uniform sampling of min(N, #valid) positions. Returns `anchors[b, N]`
+    (int64) and `valid[b, N]` (bool); the tail is padded with invalid anchors at position 0 so shapes
+    are static. Vectorised (sorts, scatters, no host round trip). Random numbers come from
+    `generator` only (drawn on the generator's device), so a seeded generator gives the same anchors
+    on any rank. Give it a generator on the data's device: otherwise the keys are copied host ->
+    device, a blocking copy.
     """
     valid = valid_anchor_mask(loss_mask, doc_ids)
     b, s = valid.shape
@@ -87,12 +117,22 @@ def sample_anchors(
             f"objective.num_anchors={num_anchors} exceeds the row length {s} (data.max_length); "
             "a row has fewer possible anchors than that: lower objective.num_anchors"
         )
-    # The N largest of iid uniform keys over the valid positions are a uniform N-subset.
     keys = torch.rand(b, s, generator=generator, device=generator.device).to(valid.device)
-    keys = keys.masked_fill(~valid, -1.0)
-    top = keys.topk(num_anchors, dim=1)
-    picked = top.values >= 0
-    pos = torch.where(picked, top.indices, torch.full_like(top.indices, s)).sort(dim=1).values
+    quota = anchor_quota(valid, doc_ids, num_anchors)
+    # Sort positions by (document, key descending); invalid positions go last. The `quota[d]`
+    # largest keys of document d are a uniform quota[d]-subset of its valid positions.
+    doc = torch.where(valid, doc_ids.long(), torch.full_like(doc_ids, s, dtype=torch.long))
+    order = (doc.double() * 2 + (1 - keys.double())).sort(dim=1).indices
+    doc_sorted = torch.gather(doc, 1, order)
+    counts = torch.cat([quota.new_zeros(b, 1), torch.zeros_like(quota)], dim=1)
+    counts[:, 1:].scatter_add_(1, doc_sorted.clamp(max=s - 1), (doc_sorted < s).long())
+    group_start = counts.cumsum(1)[:, :-1]  # first sorted index of each document's valid positions
+    d = doc_sorted.clamp(max=s - 1)
+    rank_in_doc = torch.arange(s, device=valid.device) - torch.gather(group_start, 1, d)
+    take_sorted = (doc_sorted < s) & (rank_in_doc < torch.gather(quota, 1, d))
+    take = torch.zeros_like(valid).scatter_(1, order, take_sorted)
+    pos = torch.where(take, torch.arange(s, device=valid.device).expand(b, s), torch.full_like(doc, s))
+    pos = pos.topk(num_anchors, dim=1, largest=False, sorted=True).values
     anchor_valid = pos < s
     anchors = torch.where(anchor_valid, pos, torch.zeros_like(pos))
     return anchors, anchor_valid
@@ -131,7 +171,9 @@ def block_targets(
     """Same-position labels `[b, N, B]` (token at a + k) and float32 weights `[b, N, B]`.
 
     weight = decay_weights[k] * loss_mask[a+k] * (a+k < S) * (doc[a+k] == doc[a]) * valid.
-    Labels where the weight is 0 are arbitrary in-vocabulary ids. `gamma=None` uses default_gamma.
+    No block runs past its document's end: slots beyond it (the next packed document, padding or
+    the row's end) get weight 0 and label 0. Other labels where the weight is 0 are arbitrary
+    in-vocabulary ids. `gamma=None` uses default_gamma.
     """
     if gamma is None:
         gamma = default_gamma(block_size)
@@ -144,9 +186,10 @@ def block_targets(
     supervised = torch.gather(loss_mask.bool(), 1, flat).view(b, n, block_size)
     doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size)
     same_doc = doc == doc[:, :, :1]
-    keep = supervised & in_row & same_doc & valid.bool().unsqueeze(-1)
+    inside = in_row & same_doc
+    keep = supervised & inside & valid.bool().unsqueeze(-1)
     weights = decay_weights(block_size, gamma, device=anchors.device) * keep
-    return labels, weights
+    return torch.where(inside, labels, torch.zeros_like(labels)), weights
 
 
 class LossOutput(NamedTuple):

@@ -56,5 +56,5 @@ def prelaunch(recipe: Recipe) -> None:
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.run import check_recipe
 
-    spec = check_recipe(recipe, ranks_per_node(recipe))
-    load_training_data(recipe, hybrid_target=spec.geometry.hybrid)
+    check_recipe(recipe, ranks_per_node(recipe))
+    load_training_data(recipe)

@@ -79,7 +79,7 @@ class TargetWorker:
     def _forward(self, buf, ids, loss_mask, doc_ids) -> None:
         write_meta(buf, self.spec.payload, ids, loss_mask, doc_ids)
         positions = position_ids_from_doc_ids(doc_ids)
-        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec.payload))
+        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec.payload), doc_ids=doc_ids)
 
     def eval_payloads(self, new_buffer: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
         """Yield the held-out (prompt + greedy continuation) sequences, R per payload, padded to S.

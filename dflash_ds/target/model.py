@@ -33,14 +33,15 @@ class Geometry:
     hidden_size: int
     vocab_size: int
     model_type: str
-    hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packing needs fla varlen
+    hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packed rows go through target.packed
 
 
 def is_hybrid(config) -> bool:
     """Qwen3.5/3.6-style targets mixing linear-attention (Gated DeltaNet) and full-attention layers.
 
     Their recurrent state would leak across documents packed into one row unless per-document
-    boundaries reach the linear-attention kernels, so such targets train on unpacked rows.
+    boundaries reach the linear-attention layers: forward_taps(doc_ids=) routes them through
+    target.packed.
     """
     tc = text_config(config)
     layer_types = getattr(tc, "layer_types", None) or []
@@ -171,14 +172,22 @@ class TapCapture:
 
 @torch.no_grad()
 def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                 out: torch.Tensor) -> torch.Tensor:
+                 out: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run the base model over input_ids and write the tapped states into out [b, S, T*D].
 
     position_ids restarting per document make transformers mask attention across packed documents.
+    With doc_ids ([b, S], -1 = padding) and a hybrid target, the Gated DeltaNet layers also keep
+    the documents apart (target.packed): their recurrent state and convolution restart per document.
     """
+    from dflash_ds.target.packed import has_linear_attention, packed_documents
+
     capture.out = out
     try:
-        base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if doc_ids is not None and has_linear_attention(model):
+            with packed_documents(model, doc_ids):
+                base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        else:
+            base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
         capture.out = None
     return out

@@ -1,0 +1,194 @@
+"""Packed rows for hybrid (Gated DeltaNet) targets: no document sees another in any layer.
+
+A packed row [R, S] holds several documents (doc ids 0, 1, ..., -1 on padding). Full-attention
+layers already stay inside their document: position ids restarting per document make transformers
+build a block-diagonal causal mask (see data.packing). The Gated DeltaNet layers are the problem:
+their short causal convolution and their recurrent state run straight across document boundaries.
+`packed_documents(model, doc_ids)` swaps, for the duration of one forward, every Gated DeltaNet
+module's forward for one that
+  - runs the short convolution per segment (on CUDA with flash-linear-attention, its varlen
+    kernel; elsewhere the taps that reach into another document masked out: exact, plain tensor
+    ops), and
+  - runs the gated delta rule per segment: on CUDA with flash-linear-attention, one varlen kernel
+    call over the flattened rows with `cu_seqlens`; elsewhere (CPU, or no fla), the reference
+    PyTorch rule once per segment, which is exact but slow and meant for tests and CPU runs.
+A segment is a run of one doc id inside one row; padding runs are segments too, so padding never
+feeds a document (the drafter ignores the padding's own taps).
+
+Everything else (projections, gates, norms, MLPs, decoder-layer outputs and so the tap hooks) is
+the model's own code, so the taps of a packed row equal the taps of each document run alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu}
+
+
+def segment_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool [R, S]: True where a segment starts (column 0 of every row, or a change of doc id)."""
+    new = torch.ones(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return new
+
+
+def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """int64 [n + 1]: segment boundaries over the flattened rows (the FlashAttention varlen convention)."""
+    starts = segment_starts(doc_ids).flatten().nonzero().squeeze(1)
+    end = torch.full((1,), doc_ids.numel(), dtype=starts.dtype, device=starts.device)
+    return torch.cat([starts, end])
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    from dflash_ds.target.model import decoder_layers
+
+    return any(hasattr(layer, "linear_attn") for layer in decoder_layers(model))
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+class Packing:
+    """Per-forward facts about the packed rows, computed once and shared by every layer."""
+
+    def __init__(self, doc_ids: torch.Tensor, conv_kernel: int):
+        self.doc_ids = doc_ids
+        self.shape = tuple(doc_ids.shape)
+        # same[j-1][r, t] = position t - j is in the same row and document as t (j = 1 .. K-1).
+        self.same = []
+        for j in range(1, conv_kernel):
+            m = torch.zeros(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
+            m[:, j:] = doc_ids[:, j:] == doc_ids[:, :-j]
+            # A run of equal ids that is interrupted in between is two documents: require every
+            # step from t - j to t to stay in the document, not just equal ids at both ends.
+            if self.same:
+                m &= self.same[-1]
+            self.same.append(m)
+        self._cu = None
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        if self._cu is None:
+            self._cu = cu_seqlens_from_doc_ids(self.doc_ids)
+        return self._cu
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, pack: Packing) -> torch.Tensor:
+    """The Gated DeltaNet short convolution per segment: fla's varlen kernel on CUDA, else masked_causal_conv."""
+    if x.is_cuda and fla_available():
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        r, s = pack.shape
+        out = causal_conv1d(x.reshape(1, r * s, -1), weight=weight, bias=bias, activation=activation,
+                            cu_seqlens=pack.cu_seqlens)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(r, s, -1)
+    return masked_causal_conv(x, weight, bias, activation, pack)
+
+
+def masked_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None,
+                       pack: Packing) -> torch.Tensor:
+    """Depthwise causal convolution of x [R, S, C] with weight [C, K] that never reads another document.
+
+    Equals F.conv1d(x, weight, padding=K-1)[..., :S] run on each document alone: output t sums
+    weight[:, K-1-j] * x[t-j] over the j whose position t - j lies in t's document. Plain tensor
+    ops (about a dozen passes over x), so any device runs it."""
+    k = weight.shape[-1]
+    w = weight.to(torch.float32)
+    xf = x.to(weight.dtype).to(torch.float32)
+    out = xf * w[:, k - 1]
+    for j in range(1, k):
+        shifted = F.pad(xf[:, :-j], (0, 0, j, 0))
+        out = out + shifted * pack.same[j - 1].unsqueeze(-1) * w[:, k - 1 - j]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    if activation is not None:
+        out = _ACTIVATIONS[activation](out)
+    return out.to(weight.dtype).to(x.dtype)
+
+
+def _reference_rule():
+    """The PyTorch gated delta rule transformers ships (also when fla replaced the module-level name)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+
+def gated_delta_rule(q, k, v, g, beta, pack: Packing) -> torch.Tensor:
+    """Chunked gated delta rule, state reset at every segment start. [R, S, H, *] in and out."""
+    r, s = pack.shape
+    if q.is_cuda and fla_available():
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        flat = [t.reshape(1, r * s, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        out, _ = chunk_gated_delta_rule(*flat, initial_state=None, output_final_state=False,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=pack.cu_seqlens)
+        return out.reshape(r, s, *out.shape[2:])
+    rule = _reference_rule()
+    bounds = pack.cu_seqlens.tolist()
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        row, lo, hi = a // s, a % s, a % s + (b - a)
+        part = [t[row:row + 1, lo:hi] for t in (q, k, v, g, beta)]
+        o, _ = rule(*part, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+    return torch.cat(outs, dim=1).reshape(r, s, *outs[0].shape[2:])
+
+
+def packed_gdn_forward(self, pack: Packing, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+                       **kwargs) -> torch.Tensor:
+    """Qwen3.5/3.6 Gated DeltaNet (transformers' Qwen3_5GatedDeltaNet, no cache) over packed rows."""
+    if cache_params is not None:
+        raise RuntimeError("packed target forwards run without a cache (use_cache=False)")
+    if attention_mask is not None:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, seq_len, _ = hidden_states.shape
+    mixed_qkv = self.in_proj_qkv(hidden_states)
+    z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
+    b = self.in_proj_b(hidden_states)
+    a = self.in_proj_a(hidden_states)
+    mixed_qkv = short_conv(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, pack)
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(batch, seq_len, -1, self.head_k_dim)
+    key = key.reshape(batch, seq_len, -1, self.head_k_dim)
+    value = value.reshape(batch, seq_len, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    if self.num_v_heads // self.num_k_heads > 1:
+        query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+        key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+    core = gated_delta_rule(query, key, value, g, beta, pack)
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(batch, seq_len, -1))
+
+
+@contextmanager
+def packed_documents(model: nn.Module, doc_ids: torch.Tensor):
+    """Within the block, the model's Gated DeltaNet layers keep every segment of doc_ids [R, S] apart.
+
+    The caller still passes position ids restarting per document (and use_cache=False), which keeps
+    the full-attention layers inside each document."""
+    from dflash_ds.target.model import decoder_layers
+
+    mods = [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
+    if not mods:
+        yield
+        return
+    pack = Packing(doc_ids, mods[0].conv_kernel_size)
+    for m in mods:
+        # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks.
+        m.forward = functools.partial(packed_gdn_forward, m, pack)
+    try:
+        yield pack
+    finally:
+        for m in mods:
+            del m.forward

@@ -1,0 +1,118 @@
+"""Packed rows on a hybrid target: the taps of a packed row equal the taps of each document run alone."""
+
+import pytest
+import torch
+
+from dflash_ds.data.packing import position_ids_from_doc_ids
+from dflash_ds.target.model import TapCapture, decoder_layers, forward_taps
+from dflash_ds.target.packed import Packing, cu_seqlens_from_doc_ids, masked_causal_conv
+
+
+def tiny_hybrid(dtype=torch.float32, layers=None):
+    from transformers import Qwen3_5ForCausalLM
+
+    from dflash_ds.target.presets import target_config
+
+    torch.manual_seed(0)
+    cfg = target_config("tiny", layers=layers)
+    cfg._attn_implementation = "sdpa"
+    return Qwen3_5ForCausalLM(cfg).to(dtype).eval()
+
+
+def packed_rows(lengths_per_row, seq_len, vocab, seed=0):
+    """input_ids and doc_ids [R, S] for rows holding documents of the given lengths, padding after."""
+    g = torch.Generator().manual_seed(seed)
+    r = len(lengths_per_row)
+    ids = torch.randint(1, vocab, (r, seq_len), generator=g)
+    doc_ids = torch.full((r, seq_len), -1, dtype=torch.int32)
+    for row, lengths in enumerate(lengths_per_row):
+        at = 0
+        for d, n in enumerate(lengths):
+            doc_ids[row, at:at + n] = d
+            at += n
+        ids[row, at:] = 0
+    return ids, doc_ids
+
+
+def taps_packed(model, taps, ids, doc_ids, width):
+    out = torch.full((*ids.shape, len(taps) * width), float("nan"), dtype=next(model.parameters()).dtype,
+                     device=ids.device)
+    cap = TapCapture(model, taps)
+    try:
+        forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), out, doc_ids=doc_ids)
+    finally:
+        cap.remove()
+    return out
+
+
+def taps_alone(model, taps, ids, doc_ids, width):
+    """Reference: every document through the unmodified model on its own (no doc_ids given)."""
+    out = torch.zeros((*ids.shape, len(taps) * width), dtype=next(model.parameters()).dtype, device=ids.device)
+    cap = TapCapture(model, taps)
+    try:
+        for r in range(ids.shape[0]):
+            for d in doc_ids[r].unique().tolist():
+                if d < 0:
+                    continue
+                where = (doc_ids[r] == d).nonzero().squeeze(1)
+                a, b = int(where[0]), int(where[-1]) + 1
+                view = out[r:r + 1, a:b]
+                forward_taps(model, cap, ids[r:r + 1, a:b], None, view)
+    finally:
+        cap.remove()
+    return out
+
+
+def test_cu_seqlens_split_rows_documents_and_padding():
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 0, 0, 0, 0, 0]])
+    assert cu_seqlens_from_doc_ids(doc_ids).tolist() == [0, 2, 5, 6, 12]
+
+
+def test_masked_conv_equals_conv_per_document():
+    torch.manual_seed(0)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 2 + [2] * 6 + [-1] * 3])
+    x = torch.randn(1, 16, 6, dtype=torch.float64)
+    w = torch.randn(6, 4, dtype=torch.float64)
+    got = masked_causal_conv(x, w, None, "silu", Packing(doc_ids, 4))
+    for d in range(-1, 3):
+        idx = (doc_ids[0] == d).nonzero().squeeze(1)
+        seg = x[:, idx].transpose(1, 2)
+        want = torch.nn.functional.silu(torch.nn.functional.conv1d(seg, w.unsqueeze(1), padding=3, groups=6)[..., :len(idx)])
+        assert torch.allclose(got[:, idx], want.transpose(1, 2), atol=1e-12), d
+
+
+@pytest.mark.parametrize("lengths", [[[13, 1, 20, 6], [40]], [[7, 25], [3, 3, 30]]])
+def test_packed_taps_equal_each_document_alone(lengths):
+    model = tiny_hybrid()
+    n = len(decoder_layers(model))
+    taps = list(range(n))  # every layer: Gated DeltaNet and full attention alike
+    ids, doc_ids = packed_rows(lengths, 48, model.config.vocab_size)
+    got = taps_packed(model, taps, ids, doc_ids, model.config.hidden_size)
+    want = taps_alone(model, taps, ids, doc_ids, model.config.hidden_size)
+    real = (doc_ids >= 0).unsqueeze(-1)
+    assert torch.isfinite(got).all()
+    err = ((got - want).abs() * real).max().item()
+    assert err < 1e-5, err
+
+
+def test_without_document_boundaries_the_recurrent_state_leaks():
+    # The reason for target.packed: the stock forward on the same packed row differs from each
+    # document alone after the first document, even with restarting positions.
+    model = tiny_hybrid()
+    taps = [len(decoder_layers(model)) - 1]
+    ids, doc_ids = packed_rows([[10, 30]], 48, model.config.vocab_size)
+    width = model.config.hidden_size
+    stock = torch.zeros(1, 48, width)
+    cap = TapCapture(model, taps)
+    forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), stock)
+    cap.remove()
+    want = taps_alone(model, taps, ids, doc_ids, width)
+    assert torch.allclose(stock[:, :10], want[:, :10], atol=1e-5)
+    assert (stock[:, 10:40] - want[:, 10:40]).abs().max() > 1e-3
+
+
+def test_forward_is_restored_after_a_packed_call():
+    model = tiny_hybrid(layers=4)
+    ids, doc_ids = packed_rows([[5, 11]], 16, model.config.vocab_size)
+    taps_packed(model, [0], ids, doc_ids, model.config.hidden_size)
+    assert all("forward" not in vars(layer.linear_attn) for layer in decoder_layers(model) if hasattr(layer, "linear_attn"))
