@@ -1,9 +1,7 @@
 """Typed recipe: frozen dataclasses mirroring the YAML sections.
 
-Unknown keys are errors naming their dotted path; `key.sub=value` overrides from the command line
-go through the same validation; `resolve()` derives the batch arithmetic once, and nothing mutates
-the config afterwards.
-"""
+Unknown keys are errors naming their dotted path; `key.sub=value` overrides go through the same
+validation; nothing mutates a recipe afterwards (run.check_recipe resolves it into a RunSpec)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.model.drafter import DrafterConfig, DrafterShape
 from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.runtime.dtypes import payload_dtype
 from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
@@ -95,11 +95,7 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
     tcfg = load_config(recipe.target.path)
     geo = target_geometry(tcfg)
-    d = recipe.drafter
-    dcfg = DrafterConfig.from_target(tcfg, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=d.mask_token_id,
-                                     target_layer_ids=d.target_layer_ids, intermediate_size=d.intermediate_size,
-                                     num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads,
-                                     head_dim=d.head_dim)
+    dcfg = DrafterConfig.from_target(tcfg, DrafterShape.of(recipe.drafter))
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "

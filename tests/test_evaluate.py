@@ -13,12 +13,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
 from dflash_ds.export import save_drafter
-from dflash_ds.model.objective import block_inputs, block_targets, chunked_loss, sample_anchors
+from dflash_ds.model.objective import LossOptions, block_inputs, block_targets, chunked_loss, sample_anchors
 from dflash_ds.eval.specdec import draft_block, speculative_generate
 
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
@@ -84,8 +84,8 @@ def tiny_target():
 
 def train_drafter(target, sequences, steps, seed=0):
     """Plain single-process training with the objective's functions (dense mask, AdamW)."""
-    cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=B, mask_token_id=MASK,
-                                    target_layer_ids=LAYER_IDS)
+    cfg = DrafterConfig.from_target(target.config, DrafterShape(num_layers=2, block_size=B, mask_token_id=MASK,
+                                                                target_layer_ids=LAYER_IDS))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
@@ -103,7 +103,8 @@ def train_drafter(target, sequences, steps, seed=0):
         labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid, B, None)
         mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
         hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
-        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(), 2, checkpoint=False)
+        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(),
+                           LossOptions(2, checkpoint=False))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

@@ -19,7 +19,7 @@ import torch
 from dflash_ds.data.packing import position_ids_from_doc_ids
 from dflash_ds.model.attention import attend, build_mask
 from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
-from dflash_ds.model.objective import block_inputs, chunked_loss, sample_anchors
+from dflash_ds.model.objective import LossOptions, block_inputs, chunked_loss, sample_anchors
 
 pytestmark = pytest.mark.gpu
 
@@ -139,12 +139,12 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
         h = hidden.clone().requires_grad_(True)
         for _ in range(2):  # warm-up (compile)
             h.grad = None
-            chunked_loss(h, weight, labels, weights, weights.sum(), 16, block_size=bs, fused=fused).loss.backward()
+            chunked_loss(h, weight, labels, weights, weights.sum(), LossOptions(16, bs, fused=fused)).loss.backward()
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(3):
             h.grad = None
-            out = chunked_loss(h, weight, labels, weights, weights.sum(), 16, block_size=bs, fused=fused)
+            out = chunked_loss(h, weight, labels, weights, weights.sum(), LossOptions(16, bs, fused=fused))
             out.loss.backward()
         torch.cuda.synchronize()
         res[fused] = ((time.perf_counter() - t) / 3 * 1e3, float(out.loss.detach()), h.grad.float(), out.correct)

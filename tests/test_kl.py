@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.model.linear_ce import linear_cross_entropy_kl
+from dflash_ds.model.linear_ce import KLTerm, linear_cross_entropy_kl
 from dflash_ds.model.loss import slot_target_states
-from dflash_ds.model.objective import chunked_loss
+from dflash_ds.model.objective import LossOptions, chunked_loss
 from tests.test_linear_ce import CHUNKS, D, N, V, HeadMatmuls, case
 from tests.test_objective import B, Q, ROWS, loss_case
 
@@ -45,7 +45,7 @@ def test_fused_kl_matches_dense_reference(dtype, tol, temperature):
     for num_chunks in (1, 3, 7, N + 2):
         h = hidden.clone().requires_grad_()
         loss, ce_sum, correct, kl_sum = linear_cross_entropy_kl(h, weight, labels, weights, norm, num_chunks,
-                                                                target, 0.7, temperature)
+                                                                KLTerm(0.7, temperature, target))
         (2.0 * loss).backward()
         torch.testing.assert_close(loss.double(), loss_ref.detach(), rtol=tol, atol=tol)
         torch.testing.assert_close(ce_sum.double(), ce_ref.detach(), rtol=tol, atol=tol)
@@ -56,7 +56,7 @@ def test_fused_kl_matches_dense_reference(dtype, tol, temperature):
     linear_cross_entropy_kl(h, weight, labels, weights, norm, 3)[0].backward()
     assert (h.grad.double() - h_ref.grad).abs().max() > 100 * tol
     # Against itself the KL is 0 and the gradient is that of CE alone.
-    same = linear_cross_entropy_kl(hidden, weight, labels, weights, norm, 3, hidden, 0.7, temperature)
+    same = linear_cross_entropy_kl(hidden, weight, labels, weights, norm, 3, KLTerm(0.7, temperature, hidden))
     assert abs(float(same[3])) < 1e-5
 
 
@@ -76,8 +76,8 @@ def test_chunked_loss_with_target_states_matches_reference(fused, temperature):
     loss_ref.backward()
     for num_chunks in (1, 3, 100):
         h = hidden.clone().requires_grad_()
-        out = chunked_loss(h, lm_head, labels, weights, norm, num_chunks, block_size=B, fused=fused,
-                           kl_weight=0.4, kl_temperature=temperature, target_hidden=target)
+        out = chunked_loss(h, lm_head, labels, weights, norm, LossOptions(num_chunks, B, fused=fused),
+                           KLTerm(0.4, temperature, target))
         out.loss.backward()
         for got, want in ((out.loss, loss_ref), (out.ce_sum, ce_ref), (out.kl_sum, kl_ref), (h.grad, h_ref.grad)):
             torch.testing.assert_close(got.double(), want.detach().double(), rtol=1e-9, atol=1e-11)
@@ -106,7 +106,7 @@ def test_kl_adds_one_lm_head_matmul_per_chunk_and_memory_stays_flat():
     for num_chunks, (chunks, rows) in CHUNKS.items():
         h = hidden.clone().requires_grad_()
         with HeadMatmuls(weight) as counter, PeakOutput() as peak:
-            loss = linear_cross_entropy_kl(h, weight, labels, weights, 2.0, num_chunks, target, 0.5, 2.0)[0]
+            loss = linear_cross_entropy_kl(h, weight, labels, weights, 2.0, num_chunks, KLTerm(0.5, 2.0, target))[0]
             forward = counter.count
             loss.backward()
         # Forward: drafter logits, target logits and the input gradient of every chunk; backward: none.

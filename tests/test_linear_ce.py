@@ -1,7 +1,7 @@
 """linear_cross_entropy against a float64 dense reference (loss, sums, hits, both gradients) for
 even and uneven chunkings, its lm_head matmul count (forward + input gradient, nothing in
 backward), no_grad, the absence of host syncs and data-dependent shapes, and
-chunked_loss(fused=True) against the unfused chunked_loss."""
+chunked_loss with LossOptions(fused=True) against the unfused chunked_loss."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.linear_ce import _ce_forward, _ce_forward_and_grad, linear_cross_entropy
-from dflash_ds.model.objective import chunked_loss
+from dflash_ds.model.objective import KLTerm, LossOptions, chunked_loss
 from tests.test_objective import B, NoHostSync, Q, ROWS, loss_case
 
 N, D, V = 23, 16, 50  # 23 rows: most chunk counts are uneven
@@ -161,7 +161,7 @@ def test_fused_chunked_loss_matches_unfused(weight_grad):
             for fused in (False, True):
                 h = hidden.clone().requires_grad_()
                 w = lm_head.clone().requires_grad_(weight_grad)
-                out = chunked_loss(h, w, labels, weights, norm, num_chunks, block_size=block_size, fused=fused)
+                out = chunked_loss(h, w, labels, weights, norm, LossOptions(num_chunks, block_size, fused=fused))
                 (3.0 * out.loss).backward()
                 outs.append((out, h.grad, w.grad))
             (ref, h_ref, w_ref), (got, h_got, w_got) = outs
@@ -172,8 +172,8 @@ def test_fused_chunked_loss_matches_unfused(weight_grad):
             if weight_grad:
                 torch.testing.assert_close(w_got, w_ref, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match=r"objective\.kl_weight"):
-        chunked_loss(hidden, lm_head, labels, weights, 1.0, 2, block_size=B, fused=True,
-                     kl_weight=0.5, target_logits_fn=lambda idx: torch.zeros(idx.shape[0], lm_head.shape[0]))
+        chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(2, B, fused=True),
+                     KLTerm(0.5, target_logits_fn=lambda idx: torch.zeros(idx.shape[0], lm_head.shape[0])))
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -184,7 +184,7 @@ def test_no_host_sync(device):
     h = hidden.requires_grad_()
     w = lm_head.requires_grad_()
     with NoHostSync() as mode:
-        out = chunked_loss(h, w, labels, weights, weights.sum(), 3, block_size=B, fused=True)
+        out = chunked_loss(h, w, labels, weights, weights.sum(), LossOptions(3, B, fused=True))
         forward_ops = len(mode.seen)
         out.loss.backward()
         flat = linear_cross_entropy(h.detach().flatten(0, 1), w, labels.flatten(), weights.flatten(),

@@ -10,6 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.objective import (
+    KLTerm,
+    LossOptions,
     acceptance_proxy,
     block_inputs,
     block_targets,
@@ -188,12 +190,13 @@ def check_against_reference(dtype, tol, block_size, kl_weight=0.0, chunk_counts=
     if kl_weight:
         assert kl_ref > 0.1 * ce_ref  # the KL term is large enough for a mistake in it to show
         target_param = target.to(dtype).requires_grad_()  # must receive no gradient
-        kwargs = dict(kl_weight=kl_weight, target_logits_fn=lambda idx: target_param.view(-1, V).index_select(0, idx))
+        kwargs = dict(kl=KLTerm(kl_weight, target_logits_fn=lambda idx: target_param.view(-1, V).index_select(0, idx)))
     for num_chunks in chunk_counts:
         for ckpt in (True, False):
             h = hidden.detach().clone().requires_grad_()
             w = lm_head.detach().clone().requires_grad_()
-            out = chunked_loss(h, w, labels, weights, norm, num_chunks, checkpoint=ckpt, block_size=block_size, **kwargs)
+            options = LossOptions(num_chunks, block_size, checkpoint=ckpt)
+            out = chunked_loss(h, w, labels, weights, norm, options, **kwargs)
             out.loss.backward()
             assert out.ce_sum.requires_grad is False and out.kl_sum.requires_grad is False
             assert out.correct.dtype == torch.bool and out.correct.shape == (ROWS, Q)
@@ -228,9 +231,9 @@ def test_kl_term_asks_for_the_selected_slots_and_vanishes_against_itself():
         asked.append(idx.clone())
         return own.view(-1, V).index_select(0, idx)
 
-    out = chunked_loss(hidden, lm_head, labels, weights, 1.0, 3, block_size=B, kl_weight=2.0,
-                       target_logits_fn=target_fn)
-    plain = chunked_loss(hidden, lm_head, labels, weights, 1.0, 3, block_size=B)
+    out = chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(3, B),
+                       KLTerm(2.0, target_logits_fn=target_fn))
+    plain = chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(3, B))
     assert abs(out.kl_sum.item()) < 1e-12
     torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-12)
     # 14 blocks in chunks of 5: 15 rows each, the last one padded with index 0.
@@ -242,7 +245,7 @@ def test_kl_term_asks_for_the_selected_slots_and_vanishes_against_itself():
 @pytest.mark.parametrize("block_size", [None, B])
 def test_chunked_loss_bf16_close_to_reference(block_size):
     hidden, lm_head, labels, weights = loss_case(torch.bfloat16)
-    out = chunked_loss(hidden, lm_head, labels, weights, 1.0, 4, block_size=block_size)
+    out = chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(4, block_size))
     loss_ref, _, _, _ = reference_loss(hidden, lm_head, labels, weights, 1.0)
     assert out.loss.dtype == torch.float32
     assert abs(out.loss.item() - loss_ref.item()) < 0.02 * abs(loss_ref.item())
@@ -256,8 +259,8 @@ def test_block_size_skips_slot_zero_by_shape():
     labels[:, ::B] = (hidden @ lm_head.T).argmax(-1)[:, ::B]  # slot 0 would count as correct
     heavy = weights.clone()
     heavy[:, ::B] = 1.0
-    skipped = chunked_loss(hidden, lm_head, labels, heavy, 1.0, 2, block_size=B)
-    generic = chunked_loss(hidden, lm_head, labels, heavy, 1.0, 2)
+    skipped = chunked_loss(hidden, lm_head, labels, heavy, 1.0, LossOptions(2, B))
+    generic = chunked_loss(hidden, lm_head, labels, heavy, 1.0, LossOptions(2))
     ref, _, _, _ = reference_loss(hidden, lm_head, labels, weights, 1.0)
     torch.testing.assert_close(skipped.loss, ref, rtol=1e-12, atol=1e-12)
     assert generic.loss > skipped.loss + 1.0
@@ -293,14 +296,14 @@ def test_lm_head_runs_at_most_twice_per_chunk(lm_head_grad, kl):
     lm_head.requires_grad_(lm_head_grad)
     # The target's logits come from a table, so every counted matmul is the drafter's lm_head.
     table = torch.randn(ROWS * Q, V)
-    kwargs = dict(kl_weight=0.5, target_logits_fn=lambda idx: table.index_select(0, idx)) if kl else {}
+    kwargs = dict(kl=KLTerm(0.5, target_logits_fn=lambda idx: table.index_select(0, idx))) if kl else {}
     for (block_size, num_chunks), (chunks, rows) in CHUNKING.items():
         for ckpt, expected in ((True, 2), (False, 1)):
             h = hidden.clone().requires_grad_()
             counter = LogitMatmuls()
             with counter:
-                out = chunked_loss(h, lm_head, labels, weights, 1.0, num_chunks, checkpoint=ckpt,
-                                   block_size=block_size, **kwargs)
+                options = LossOptions(num_chunks, block_size, checkpoint=ckpt)
+                out = chunked_loss(h, lm_head, labels, weights, 1.0, options, **kwargs)
                 forward_count = counter.count
                 out.loss.backward()
             assert forward_count == chunks
@@ -313,18 +316,19 @@ def test_chunked_loss_all_padding_and_errors():
     hidden, lm_head, labels, _ = loss_case(torch.float32)
     for block_size in (None, B):
         h = hidden.clone().requires_grad_()
-        out = chunked_loss(h, lm_head, labels, torch.zeros(ROWS, Q), 1.0, 4, block_size=block_size)
+        out = chunked_loss(h, lm_head, labels, torch.zeros(ROWS, Q), 1.0, LossOptions(4, block_size))
         out.loss.backward()
         assert out.loss.item() == 0.0 and not out.correct.any() and (h.grad == 0).all()
     labels = labels % V
     with pytest.raises(ValueError, match=r"objective\.loss_chunks"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, 0)
+        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(0))
     with pytest.raises(ValueError, match=r"drafter\.block_size"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, 2, block_size=5)
+        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(2, 5))
     with pytest.raises(ValueError, match=r"objective\.kl_weight"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, 2, kl_weight=0.1)
+        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(2), KLTerm(0.1))
     with pytest.raises(ValueError, match=r"objective\.kl_weight"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, 2, kl_weight=-1.0, target_logits_fn=lambda i: i)
+        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(2),
+                     KLTerm(-1.0, target_logits_fn=lambda i: i))
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -429,9 +433,9 @@ def pipeline(device, generator=None, kl=False):
             valid = torch.ones(b, n, dtype=torch.bool, device=device)
         block_inputs(input_ids, positions, anchors, B, mask_token_id=1)
         labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, valid, B, None)
-        kw = dict(kl_weight=0.5, target_logits_fn=lambda idx: table.index_select(0, idx)) if kl else {}
-        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(), 3,
-                           checkpoint=True, block_size=B, **kw)
+        kw = dict(kl=KLTerm(0.5, target_logits_fn=lambda idx: table.index_select(0, idx))) if kl else {}
+        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(),
+                           LossOptions(3, B, checkpoint=True), **kw)
         forward_ops = len(mode.seen)
         out.loss.backward()
         acceptance_proxy(out.correct, weights)

@@ -135,7 +135,8 @@ def test_regenerate_end_to_end_interrupted_and_resumed(tmp_path, tok, monkeypatc
     gen = R.HFGenerator(str(TINY), tok, cfg.regenerate)
     cfg2 = make_cfg(tmp_path, src, "resumed")
     out = tmp_path / "resumed"
-    assert R.regenerate(cfg2, str(TINY), max_shards=1, generator=gen, tokenizer=tok, verbose=False)["shards_written"] == 1
+    one = R.Shards(max_shards=1)
+    assert R.regenerate(cfg2, str(TINY), shards=one, generator=gen, tokenizer=tok, verbose=False)["shards_written"] == 1
     with pytest.raises(ValueError, match="incomplete"):
         R.check_complete(out)
     calls = []
@@ -148,7 +149,8 @@ def test_regenerate_end_to_end_interrupted_and_resumed(tmp_path, tok, monkeypatc
     with pytest.raises(RuntimeError, match="node lost"):
         R.regenerate(cfg2, str(TINY), generator=crashing, tokenizer=tok, verbose=False)
     assert sorted(p.name for p in out.glob("part-*")) == ["part-00000.jsonl"]  # nothing half-written
-    done = [R.regenerate(cfg2, str(TINY), rank=r, world_size=2, generator=gen, tokenizer=tok, verbose=False)
+    done = [R.regenerate(cfg2, str(TINY), shards=R.Shards(rank=r, world_size=2), generator=gen, tokenizer=tok,
+                         verbose=False)
             for r in (1, 0)]
     assert [d["shards_written"] for d in done] == [2, 1]  # rank 1: shards 1, 3; rank 0: shard 2
     assert read_shards(out) == full
@@ -172,7 +174,7 @@ def test_changed_settings_refuse_to_mix(tmp_path, tok, monkeypatch):
     def fake(prompts, seed):
         return [(tok("ok", add_special_tokens=False)["input_ids"], True) for _ in prompts]
     cfg = make_cfg(tmp_path, src)
-    R.regenerate(cfg, str(TINY), max_shards=1, generator=fake, tokenizer=tok, verbose=False)
+    R.regenerate(cfg, str(TINY), shards=R.Shards(max_shards=1), generator=fake, tokenizer=tok, verbose=False)
     with pytest.raises(ValueError, match="data.regenerate.output_dir.*other inputs or settings"):
         R.regenerate(make_cfg(tmp_path, src, temperature=0.7), str(TINY), generator=fake, tokenizer=tok)
     with pytest.raises(ValueError, match="data.regenerate.backend"):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dflash_ds.config import Recipe
-from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.model.drafter import DrafterConfig, DrafterShape
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
 from dflash_ds.runtime.plan import Plan
@@ -127,11 +127,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))
-    d = recipe.drafter
-    dcfg = DrafterConfig.from_target(tcfg, num_layers=d.num_layers, block_size=d.block_size,
-                                     mask_token_id=d.mask_token_id, target_layer_ids=d.target_layer_ids,
-                                     intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-                                     num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim)
+    dcfg = DrafterConfig.from_target(tcfg, DrafterShape.of(recipe.drafter))
     o = recipe.optim
     geo = target_geometry(tcfg)
     plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)

@@ -143,8 +143,10 @@ def encode_processes(setting: int | None, num_rows: int) -> int:
     return max(1, min(cores, num_rows // 64))
 
 
-def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: Counter, dropped: Counter,
-                 work_dir: Path):
+def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str,
+                 work_dir: Path) -> tuple[_Docs, Counter, Counter]:
+    """The kept documents, the encoding counts (assistant turns, probe-located turns, truncated) and
+    the dropped samples by reason."""
     import functools
 
     # Rendering and tokenising are Python bound: one process per core. Rows are written to Arrow files
@@ -166,7 +168,7 @@ def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: C
                    num_proc=num_proc if num_proc > 1 else None, new_fingerprint=f"{fp}-encoded",
                    cache_file_name=str(work_dir / "encoded.arrow"), writer_batch_size=256,
                    keep_in_memory=False, desc="encoding conversations")
-    keep = []
+    keep, stats, dropped = [], Counter(), Counter()
     counts = enc.select_columns(["drop", "turns", "probe", "truncated"]).with_format("numpy")
     for start in range(0, len(counts), 65536):  # bounded chunks
         part = counts[start:start + 65536]
@@ -177,7 +179,7 @@ def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str, stats: C
         stats["truncated"] += int(part["truncated"].sum())
         keep.append(np.flatnonzero(drops == "") + start)
     keep = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
-    return _Docs(enc.select(keep))
+    return _Docs(enc.select(keep)), stats, dropped
 
 
 def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
@@ -305,13 +307,13 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
     if cfg.max_samples:
         train_idx = train_idx[:cfg.max_samples]
 
-    stats, dropped, eval_dropped = Counter(), Counter(), Counter()
+    eval_dropped = Counter()
     # Staged and renamed into place when complete; when another process published the same
     # fingerprint first, theirs is kept.
     with replace_dir_atomic(final, keep_existing=True) as tmp:
         work = tmp / "_work"  # encoded Arrow files; removed before the directory becomes the cache
         work.mkdir()
-        docs = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, stats, dropped, work)
+        docs, stats, dropped = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, work)
         prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
         lengths = np.zeros(len(docs), dtype=np.int64)  # 8 bytes per document, the only per-sample state
         supervised = 0

@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
@@ -178,11 +179,27 @@ def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
                          "top_p": rs.top_p, "thinking": bool(cfg.thinking), "seed": cfg.seed}}
 
 
-def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max_shards: int | None = None,
-               generator=None, tokenizer=None, verbose: bool = True) -> dict:
-    """Regenerate this rank's shards; `max_shards` stops after that many new shards (a partial run).
+@dataclass(frozen=True)
+class Shards:
+    """Which shards this process writes: those with index % world_size == rank that are not written yet,
+    at most `max_shards` of them (None = all; a number makes a partial run)."""
+
+    rank: int = 0
+    world_size: int = 1
+    max_shards: int | None = None
+
+    @classmethod
+    def from_env(cls) -> "Shards":
+        """This process's share under a launcher (RANK / WORLD_SIZE; one process without them)."""
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def regenerate(cfg, target_path: str, *, shards: Shards = Shards(), generator=None, tokenizer=None,
+               verbose: bool = True) -> dict:
+    """Regenerate this process's `shards`.
 
     `generator(prompts, seed) -> [(ids, finished)]` and `tokenizer` may be passed in (tests, reuse)."""
+    rank, world_size = shards.rank, shards.world_size
     out = output_dir(cfg)
     ds = load_rows(cfg.path, cfg.split, str(Path(cfg.cache_dir) / "hf_datasets"))
     if len(ds) == 0:
@@ -204,8 +221,8 @@ def regenerate(cfg, target_path: str, *, rank: int = 0, world_size: int = 1, max
         write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
     mine = [i for i in range(num_shards) if i % world_size == rank and not (out / shard_name(i)).exists()]
-    if max_shards is not None:
-        mine = mine[:max_shards]
+    if shards.max_shards is not None:
+        mine = mine[:shards.max_shards]
     summary = {"shards_written": 0, "samples_in": 0, "samples_out": 0, "unfinished_turns": 0, "bad_samples": 0,
                "failed_samples": 0}
     rs = cfg.regenerate
@@ -269,9 +286,10 @@ def main(argv=None) -> int:
     from dflash_ds.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    shards = Shards.from_env()
+    rank = shards.rank
     try:
-        summary = regenerate(recipe.data, recipe.target.path, rank=rank, world_size=world)
+        summary = regenerate(recipe.data, recipe.target.path, shards=shards)
     except (ValueError, RuntimeError) as e:  # settings, data, or too many failed requests: one line
         print(f"[regenerate] error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ValueError) else 1

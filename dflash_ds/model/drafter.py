@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,25 @@ def _is_default_rope(rope_scaling: dict | None) -> bool:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     extra = set(rope_scaling) - {"rope_type", "type", "rope_theta"}
     return kind == "default" and not extra
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """A recipe's `drafter` choices; None = from the target (`DrafterConfig.from_target` completes it)."""
+
+    num_layers: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...] | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+
+    @classmethod
+    def of(cls, section: Any) -> "DrafterShape":
+        """The same-named fields of a recipe's drafter section (model code does not import the recipe)."""
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -143,30 +162,19 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_target(
-        cls,
-        target_config: Any,
-        *,
-        num_layers: int,
-        block_size: int,
-        mask_token_id: int,
-        target_layer_ids: list[int] | tuple[int, ...] | None = None,
-        intermediate_size: int | None = None,
-        num_attention_heads: int | None = None,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-    ) -> "DrafterConfig":
+    def from_target(cls, target_config: Any, shape: DrafterShape) -> "DrafterConfig":
         """Drafter config for a transformers target config (Qwen3, Qwen3.5/3.6, Llama-style).
 
         A multimodal Qwen3.5 config is reduced to its `text_config`. Head geometry defaults to the
         target's, except for Qwen3.5/3.6 targets of a listed size (see `_QWEN35_DRAFTER_HEADS`);
-        explicit arguments always win. The drafter always uses plain full-width RoPE with the
+        the values `shape` sets always win. The drafter always uses plain full-width RoPE with the
         target's theta: it is its own model to the engines, so the target's partial rotary or
         rope scaling does not carry over.
         """
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        hidden = int(text.hidden_size)
-        heads = int(text.num_attention_heads)
+        num_layers, target_layer_ids = shape.num_layers, shape.target_layer_ids
+        intermediate_size = shape.intermediate_size
+        hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
         defaults = {
             "num_attention_heads": heads,
             "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or heads),
@@ -194,9 +202,9 @@ class DrafterConfig:
             hidden_size=hidden,
             intermediate_size=int(intermediate_size),
             num_hidden_layers=int(num_layers),
-            num_attention_heads=int(num_attention_heads or defaults["num_attention_heads"]),
-            num_key_value_heads=int(num_key_value_heads or defaults["num_key_value_heads"]),
-            head_dim=int(head_dim or defaults["head_dim"]),
+            num_attention_heads=int(shape.num_attention_heads or defaults["num_attention_heads"]),
+            num_key_value_heads=int(shape.num_key_value_heads or defaults["num_key_value_heads"]),
+            head_dim=int(shape.head_dim or defaults["head_dim"]),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(text),
             rope_scaling=None,
@@ -204,8 +212,8 @@ class DrafterConfig:
             vocab_size=int(text.vocab_size),
             num_target_layers=num_target_layers,
             target_layer_ids=tuple(target_layer_ids),
-            block_size=int(block_size),
-            mask_token_id=int(mask_token_id),
+            block_size=int(shape.block_size),
+            mask_token_id=int(shape.mask_token_id),
             tie_word_embeddings=bool(tie),
         )
 
@@ -313,6 +321,24 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
+class LayerInputs(NamedTuple):
+    """What every layer of one forward shares: context features, RoPE tables of the block queries
+    (`*_q`, `[b, Q, head_dim]`) and of the keys (`*_k`, context then block, `[b, S+Q, head_dim]`), mask."""
+
+    ctx: torch.Tensor
+    cos_q: torch.Tensor
+    sin_q: torch.Tensor
+    cos_k: torch.Tensor
+    sin_k: torch.Tensor
+    mask: DFlashMask
+
+
+def _run_layer(layer: "DFlashLayer", mask: DFlashMask, x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    # The checkpointed form of `layer(x, inputs)`: the mask may be a BlockMask (not a tensor), so it
+    # is bound beforehand and the checkpoint function only ever sees tensors.
+    return layer(x, LayerInputs(*tensors, mask))
+
+
 class DFlashAttention(nn.Module):
     """Attention whose keys/values are the context features followed by the block tokens."""
 
@@ -327,7 +353,8 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, xn, ctx, cos_q, sin_q, cos_k, sin_k, mask: DFlashMask) -> torch.Tensor:
+    def forward(self, xn: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        ctx = inputs.ctx
         b, q_len, _ = xn.shape
         d = self.head_dim
         q = self.q_norm(self.q_proj(xn).view(b, q_len, self.num_heads, d)).transpose(1, 2)
@@ -338,9 +365,9 @@ class DFlashAttention(nn.Module):
         kv_len = k.shape[1]
         k = self.k_norm(k.view(b, kv_len, self.num_kv_heads, d)).transpose(1, 2)
         v = v.view(b, kv_len, self.num_kv_heads, d).transpose(1, 2)
-        q = _apply_rope(q, cos_q, sin_q)
-        k = _apply_rope(k, cos_k, sin_k)
-        out = attend(q, k, v, mask, scale=1.0 / math.sqrt(d))
+        q = _apply_rope(q, inputs.cos_q, inputs.sin_q)
+        k = _apply_rope(k, inputs.cos_k, inputs.sin_k)
+        out = attend(q, k, v, inputs.mask, scale=1.0 / math.sqrt(d))
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * d))
 
 
@@ -365,8 +392,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, cos_q, sin_q, cos_k, sin_k, mask: DFlashMask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos_q, sin_q, cos_k, sin_k, mask)
+    def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -413,12 +440,11 @@ class DFlashDrafter(nn.Module):
         cos_q, sin_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_c, sin_c = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_k, sin_k = torch.cat([cos_c, cos_q], dim=1), torch.cat([sin_c, sin_q], dim=1)
+        inputs = LayerInputs(ctx, cos_q, sin_q, cos_k, sin_k, mask)
         x = block_embeds
         for i, layer in enumerate(self.layers):
             if self.checkpoint_fn is not None and i < self.checkpoint_layers and torch.is_grad_enabled():
-                # The mask may be a BlockMask (not a tensor): bind it so the checkpoint
-                # function only ever sees tensors.
-                x = self.checkpoint_fn(functools.partial(layer, mask=mask), x, ctx, cos_q, sin_q, cos_k, sin_k)
+                x = self.checkpoint_fn(functools.partial(_run_layer, layer, mask), x, *inputs[:-1])
             else:
-                x = layer(x, ctx, cos_q, sin_q, cos_k, sin_k, mask)
+                x = layer(x, inputs)
         return self.norm(x)

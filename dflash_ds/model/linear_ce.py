@@ -14,12 +14,37 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.compile import compile_once
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_kl"]
+__all__ = ["KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl"]
+
+
+class KLTerm(NamedTuple):
+    """The optional distillation term: every row adds weight * T^2 * KL(p_T || q_T), p_T the target's
+    and q_T the drafter's distribution softened by the temperature T (T^2 keeps the gradient's size
+    independent of T). The target's distribution comes from `target_hidden` (its final-norm states
+    for the same rows, projected with the same lm_head weight) or, in objective.chunked_loss's
+    unfused path only, from `target_logits_fn(index) -> logits`. Off when `weight` is 0."""
+
+    weight: float
+    temperature: float = 1.0
+    target_hidden: torch.Tensor | None = None
+    target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+class _Settings(NamedTuple):
+    # Everything but the rows: one argument for the autograd Function. `kl` is None when the term
+    # is off, else it holds the target's states, detached and in the drafter's dtype: a constant of
+    # the loss, so autograd need not see that tensor.
+    num_chunks: int
+    grad_hidden: bool
+    grad_weight: bool
+    kl: KLTerm | None
 
 
 def _ce_stats(logits, labels, weights):
@@ -84,10 +109,12 @@ def _elementwise(fn, device: torch.device):
     return compile_once(fn, dynamic=False, fullgraph=True)
 
 
-def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: bool, grad_weight: bool,
-         target=None, kl_weight: float = 0.0, temperature: float = 1.0):
+def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     """The whole computation; the gradients are those of loss = sum(w * (CE + kl_weight * T^2 *
-    KL)) / normaliser. `target` [n, D]: the target's final-norm states of the same rows, or None."""
+    KL)) / normaliser, the KL term's target states [n, D] being those of the same rows."""
+    num_chunks, grad_hidden, grad_weight, kl_term = settings
+    target = kl_term.target_hidden if kl_term is not None else None
+    kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
     n, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = weights.to(acc_dtype)
@@ -152,13 +179,10 @@ def _run(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden: b
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight,
-                target, kl_weight, temperature):
-        ce_total, correct, g_hidden, g_weight, kl_total = _run(hidden, weight, labels, weights, normaliser, num_chunks,
-                                                               grad_hidden, grad_weight, target, kl_weight, temperature)
+    def forward(ctx, hidden, weight, labels, weights, normaliser, settings: _Settings):
+        ce_total, correct, g_hidden, g_weight, kl_total = _run(hidden, weight, labels, weights, normaliser, settings)
         ctx.save_for_backward(g_hidden, g_weight)
-        total = ce_total + (kl_weight * temperature ** 2) * kl_total if target is not None else ce_total
-        loss = total / normaliser
+        loss = _total(ce_total, kl_total, settings.kl) / normaliser
         ctx.mark_non_differentiable(ce_total, correct, kl_total)
         return loss, ce_total, correct, kl_total
 
@@ -172,7 +196,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         g_hidden, g_weight = ctx.saved_tensors
         gh = g_hidden * g_loss if g_hidden is not None else None
         gw = g_weight * g_loss if g_weight is not None else None
-        return gh, gw, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None
+
+
+def _total(ce_total, kl_total, kl: KLTerm | None):
+    return ce_total + (kl.weight * kl.temperature ** 2) * kl_total if kl is not None else ce_total
 
 
 def linear_cross_entropy(
@@ -207,16 +235,14 @@ def linear_cross_entropy_kl(
     weights: torch.Tensor,
     normaliser: float | torch.Tensor,
     num_chunks: int,
-    target_hidden: torch.Tensor | None = None,
-    kl_weight: float = 0.0,
-    temperature: float = 1.0,
+    kl: KLTerm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear_cross_entropy` plus an optional distillation term; returns (loss, ce_sum, correct, kl_sum).
 
-    With `target_hidden` [n, D] (the target's final-norm hidden states predicting the same tokens)
-    and `kl_weight` > 0: loss = sum(w * (CE + kl_weight * T^2 * KL(p_T || q_T))) / normaliser,
+    With `kl.target_hidden` [n, D] (the target's final-norm hidden states predicting the same tokens)
+    and `kl.weight` > 0: loss = sum(w * (CE + kl.weight * T^2 * KL(p_T || q_T))) / normaliser,
     p_T = softmax(target_hidden @ weight.T / T), q_T = softmax(hidden @ weight.T / T),
-    T = `temperature`. The target's logits are computed chunk by chunk with the same `weight`
+    T = `kl.temperature`. The target's logits are computed chunk by chunk with the same `weight`
     (three lm_head matmuls per chunk instead of two), never for more than one chunk at a time.
     `kl_sum` = sum(w * KL), detached (0 without the term).
     """
@@ -226,22 +252,22 @@ def linear_cross_entropy_kl(
         raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
         raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{hidden.shape[0]}]")
+    kl_weight, temperature = (kl.weight, kl.temperature) if kl is not None else (0.0, 1.0)
     if not kl_weight >= 0 or not temperature > 0:
         raise ValueError(f"objective.kl_weight must be >= 0 and objective.kl_temperature > 0, got {kl_weight}, {temperature}")
-    target = None
-    if target_hidden is not None and kl_weight > 0:
-        if target_hidden.shape != hidden.shape:
-            raise ValueError(f"target_hidden {tuple(target_hidden.shape)} must match hidden {tuple(hidden.shape)}")
-        target = target_hidden.detach().to(hidden.dtype)
+    kl_on = None
+    if kl is not None and kl.target_hidden is not None and kl_weight > 0:
+        if kl.target_hidden.shape != hidden.shape:
+            raise ValueError(f"target_hidden {tuple(kl.target_hidden.shape)} must match hidden {tuple(hidden.shape)}")
+        kl_on = KLTerm(kl_weight, temperature, kl.target_hidden.detach().to(hidden.dtype))
     if isinstance(normaliser, torch.Tensor):
         normaliser = normaliser.detach()
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on)
     if not (grad_hidden or grad_weight):
         ce_total, correct, _, _, kl_total = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
-                                                 num_chunks, False, False, target, kl_weight, temperature)
-        total = ce_total + (kl_weight * temperature ** 2) * kl_total if target is not None else ce_total
-        return total / normaliser, ce_total, correct, kl_total
-    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, num_chunks, grad_hidden, grad_weight,
-                                     target, kl_weight, temperature)
+                                                 settings)
+        return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, settings)

@@ -13,7 +13,8 @@ import torch
 
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.objective import block_inputs, block_targets, chunked_loss, default_gamma, sample_anchors
+from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
+                                       sample_anchors)
 from dflash_ds.data.packing import position_ids_from_doc_ids
 
 
@@ -96,14 +97,14 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     ctx = model.drafter.fuse(mb.taps)
     block_embeds = model.embed_tokens(blocks.block_ids, ctx)
     hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
-    kl = {}
+    kl = None
     if settings.kl_weight > 0:
         if mb.final_hidden is None:
             raise ValueError("objective.kl_weight > 0 but the payload carries no target final-norm states")
-        kl = dict(kl_weight=settings.kl_weight, kl_temperature=settings.kl_temperature,
-                  target_hidden=slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
-    return chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, settings.loss_chunks,
-                        checkpoint=True, block_size=settings.block_size, fused=settings.fused_loss, **kl)
+        kl = KLTerm(settings.kl_weight, settings.kl_temperature,
+                    slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
+    options = LossOptions(settings.loss_chunks, settings.block_size, checkpoint=True, fused=settings.fused_loss)
+    return chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, options, kl)
 
 
 def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

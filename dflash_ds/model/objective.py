@@ -10,13 +10,14 @@ Model code: no torch.distributed, no deepspeed.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dflash_ds.model.linear_ce import linear_cross_entropy_kl
+from dflash_ds.model.linear_ce import KLTerm, linear_cross_entropy_kl
 
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -198,22 +199,38 @@ class LossOutput(NamedTuple):
     kl_sum: torch.Tensor | None = None  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
 
 
-def _chunk_loss(hidden, weight, labels, slot_weights, index, target_logits_fn, kl_weight, temperature=1.0):
+@dataclass(frozen=True)
+class LossOptions:
+    """How `chunked_loss` walks the slots (the result does not depend on it, up to rounding)."""
+
+    num_chunks: int
+    """At most this many chunks of slots (objective.loss_chunks); only one chunk's logits exist at a time."""
+    block_size: int | None = None
+    """Q = N * block_size: slot 0 of every block is skipped by shape. None: every slot is projected."""
+    checkpoint: bool = True
+    """Each chunk under non-reentrant activation checkpointing (the unfused path)."""
+    fused: bool = False
+    """linear_ce: the lm_head's input gradient computed in the forward (objective.fused_loss)."""
+
+
+def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None):
     # One chunk of `c` units of `u` slots: hidden [c, u, D] (a strided view), the rest [c, u].
-    # The only lm_head matmul of the chunk; argmax and the KL reuse its logits.
+    # The only lm_head matmul of the chunk; argmax and the KL reuse its logits. `kl`, when on,
+    # holds `target_logits_fn`.
     h = hidden.reshape(-1, hidden.shape[-1])
     lab = labels.reshape(-1)
     w = slot_weights.reshape(-1)
     logits = F.linear(h, weight).to(w.dtype)
     hit = (logits.argmax(-1) == lab) & (w > 0)
-    if kl_weight > 0:
+    if kl is not None:
+        temperature = kl.temperature
         logp = F.log_softmax(logits, dim=-1)
         ce = -logp.gather(1, lab.unsqueeze(1)).squeeze(1)
         logp_t = logp if temperature == 1.0 else F.log_softmax(logits / temperature, dim=-1)
         # The target is frozen: its distribution is a constant of the drafter's loss.
-        target = F.log_softmax(target_logits_fn(index.reshape(-1)).detach().to(w.dtype) / temperature, dim=-1)
-        kl = F.kl_div(logp_t, target, reduction="none", log_target=True).sum(-1)
-        kl_part = (kl * w).sum()
+        target = F.log_softmax(kl.target_logits_fn(index.reshape(-1)).detach().to(w.dtype) / temperature, dim=-1)
+        kl_rows = F.kl_div(logp_t, target, reduction="none", log_target=True).sum(-1)
+        kl_part = (kl_rows * w).sum()
     else:
         ce = F.cross_entropy(logits, lab, reduction="none")
         kl_part = w.new_zeros(())
@@ -235,21 +252,15 @@ def chunked_loss(
     labels: torch.Tensor,
     weights: torch.Tensor,
     normaliser: float | torch.Tensor,
-    num_chunks: int,
-    checkpoint: bool = True,
-    *,
-    block_size: int | None = None,
-    kl_weight: float = 0.0,
-    target_logits_fn=None,
-    fused: bool = False,
-    target_hidden: torch.Tensor | None = None,
-    kl_temperature: float = 1.0,
+    options: LossOptions,
+    kl: KLTerm | None = None,
 ) -> LossOutput:
     """Weighted CE of `hidden[b, Q, D] @ lm_head_weight[V, D].T` without materialising all logits.
 
-    Static shapes and no host synchronisation: every slot is projected whatever its weight
-    (zero-weight slots add exactly 0), except that with `block_size` (Q = N*B) slot 0 of every
-    block is skipped by shape, so its weight is ignored (block_targets always makes it 0). The
+    `options`: num_chunks, block_size, checkpoint, fused (LossOptions). Static shapes and no host
+    synchronisation: every slot is projected whatever its weight (zero-weight slots add exactly 0),
+    except that with `block_size` (Q = N*B) slot 0 of every block is skipped by shape, so its
+    weight is ignored (block_targets always makes it 0). The
     selected units (blocks of B-1 slots, or single slots when `block_size` is None) are cut into
     at most `num_chunks` chunks of ceil(units / num_chunks) units each; the last chunk is padded
     with zero-weight rows so every chunk has the same shape. With `checkpoint`, each chunk runs
@@ -258,17 +269,17 @@ def chunked_loss(
     produced in the weight's dtype (bf16 GEMMs accumulate in fp32) and the CE is computed in fp32.
     `labels` at zero-weight slots may be anything.
 
-    Optional KL term (off by default): with `kl_weight > 0`, each slot also adds
-    kl_weight * w * KL(p_target || p_drafter). `target_logits_fn(index[n]) -> [n, V]` returns the
+    Optional KL term (`kl`, off by default): with `kl.weight > 0`, each slot also adds
+    kl.weight * w * KL(p_target || p_drafter). `kl.target_logits_fn(index[n]) -> [n, V]` returns the
     target's logits for flat slot indices into `[b * Q]` (index i = row * Q + slot), i.e. the
     target's next-token distribution at position a+k-1, the one that predicts the token at a+k.
     It is called inside the checkpointed chunk (again in the recompute), so the target's logits
     never exist for more than one chunk; padding rows ask for index 0 and have weight 0.
 
-    `target_hidden` [b, Q, D] (instead of `target_logits_fn`): the target's final-norm hidden
+    `kl.target_hidden` [b, Q, D] (instead of `target_logits_fn`): the target's final-norm hidden
     state that predicts each slot's token; the target's logits are then computed chunk by chunk
-    with the same `lm_head_weight`. `kl_temperature` T softens both distributions and the term is
-    scaled by T^2: loss = sum(w * (CE + kl_weight * T^2 * KL(p_T || q_T))) / normaliser.
+    with the same `lm_head_weight`. `kl.temperature` T softens both distributions and the term is
+    scaled by T^2: loss = sum(w * (CE + kl.weight * T^2 * KL(p_T || q_T))) / normaliser.
 
     `fused=True` computes the same slots, loss and metrics with linear_ce: two lm_head matmuls
     per chunk (forward + input gradient, the gradient computed in the forward) instead of three,
@@ -276,6 +287,9 @@ def chunked_loss(
     one fused pass over each chunk's logits. `checkpoint` does not apply there; chunks are cut by
     slots, not by units.
     """
+    num_chunks, block_size, checkpoint = options.num_chunks, options.block_size, options.checkpoint
+    kl_weight, kl_temperature = (kl.weight, kl.temperature) if kl is not None else (0.0, 1.0)
+    target_logits_fn, target_hidden = (kl.target_logits_fn, kl.target_hidden) if kl is not None else (None, None)
     if num_chunks < 1:
         raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
     if not kl_weight >= 0:
@@ -288,9 +302,8 @@ def chunked_loss(
     b, q, d = hidden.shape
     if block_size is not None and (block_size < 2 or q % block_size):
         raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
-    if fused:
-        return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight,
-                           target_hidden, kl_temperature)
+    if options.fused:
+        return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options, kl)
     if kl_weight > 0 and target_logits_fn is None:
         flat_target = target_hidden.detach().reshape(b * q, d)
 
@@ -310,6 +323,8 @@ def chunked_loss(
     ce_total = hidden.new_zeros((), dtype=acc_dtype)
     kl_total = hidden.new_zeros((), dtype=acc_dtype)
     hits = []
+    # What a chunk needs of the KL term: the (possibly just built) target_logits_fn.
+    chunk_kl = KLTerm(kl_weight, kl_temperature, target_logits_fn=target_logits_fn) if kl_weight > 0 else None
     for chunk in zip(*(t.split(size) for t in parts)):
         pad = size - chunk[0].shape[0]
         if pad:
@@ -317,7 +332,7 @@ def chunked_loss(
             chunk = (F.pad(chunk[0], (0, 0, 0, 0, 0, pad)),) + tuple(F.pad(t, (0, 0, 0, pad)) for t in chunk[1:])
         hc, lc, wc = chunk[:3]
         ic = chunk[3] if kl_weight > 0 else None
-        args = (hc, lm_head_weight, lc, wc, ic, target_logits_fn, kl_weight, kl_temperature)
+        args = (hc, lm_head_weight, lc, wc, ic, chunk_kl)
         if use_ckpt:
             # The chunk draws no random numbers, so no RNG state needs saving (and none is read
             # from the device, which CUDA graph capture would not allow).
@@ -334,9 +349,11 @@ def chunked_loss(
     return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach())
 
 
-def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks, block_size, kl_weight,
-                target_hidden, temperature) -> LossOutput:
-    if kl_weight > 0 and target_hidden is None:
+def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: LossOptions,
+                kl: KLTerm | None) -> LossOutput:
+    block_size = options.block_size
+    kl_weight = kl.weight if kl is not None else 0.0
+    if kl_weight > 0 and kl.target_hidden is None:
         raise ValueError(f"objective.kl_weight={kl_weight}: the fused lm_head loss takes the target's final-norm "
                          "states (target_hidden), not logits; pass them or use the unfused loss")
     b, q, d = hidden.shape
@@ -347,9 +364,12 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, num_chunks,
     # (cheap next to the lm_head); without it the reshape is a view.
     h = _units(hidden, b, q, block_size).reshape(units * per_unit, d)
     lab = _units(labels, b, q, block_size).reshape(-1)
-    t = _units(target_hidden, b, q, block_size).reshape(units * per_unit, d) if kl_weight > 0 else None
-    loss, ce_sum, hit, kl_sum = linear_cross_entropy_kl(h, lm_head_weight, lab, w.reshape(-1), normaliser, num_chunks,
-                                                        t, kl_weight, temperature)
+    rows_kl = None
+    if kl_weight > 0:
+        t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
+        rows_kl = KLTerm(kl_weight, kl.temperature, t)
+    loss, ce_sum, hit, kl_sum = linear_cross_entropy_kl(h, lm_head_weight, lab, w.reshape(-1), normaliser,
+                                                        options.num_chunks, rows_kl)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)

@@ -71,11 +71,11 @@ class LocalSource:
 
 
 class DrafterTrainer:
-    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int, control=None,
-                 start: int = 0):
+    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int):
         self.spec, self.engine, self.model, self.source, self.group, self.rank = spec, engine, model, source, group, rank
-        # runtime.control.RunControl (stop votes); None where nothing stops the loop early (the bench).
-        self.control, self.start = control, start
+        # Set by train(): runtime.control.RunControl (stop votes), None where nothing stops the loop
+        # early (the bench, which only steps); the first step (the metrics continue from it).
+        self.control, self.start = None, 0
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = StepSettings.from_recipe(spec.recipe, spec.device)
         self._metrics: Metrics | None = None
@@ -117,7 +117,8 @@ class DrafterTrainer:
             self.source.release(p)
         return StepStats(ce_sum, weight, accept, anchors, kl_sum)
 
-    def train(self, start: int, eval_set: list[torch.Tensor]) -> None:
+    def train(self, start: int, eval_set: list[torch.Tensor], control=None) -> None:
+        self.start, self.control = start, control
         r, plan = self.spec.recipe, self.spec.plan
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
@@ -278,7 +279,6 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=No
         sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                    for g in range(plan.grad_accum))
         source = Receiver(spec.payload, spec.device, plan.grad_accum + 1, sources)
-    trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank, control,
-                             start)
-    trainer.train(start, eval_set)
+    trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank)
+    trainer.train(start, eval_set, control)
     source.close()

@@ -183,8 +183,8 @@ def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor,
 
     capture.out = out
     try:
-        if doc_ids is not None and has_linear_attention(model):
-            with packed_documents(model, doc_ids):
+        if doc_ids is not None and has_linear_attention(decoder_layers(model)):
+            with packed_documents(decoder_layers(model), doc_ids):
                 base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         else:
             base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)

@@ -4,7 +4,7 @@ A packed row [R, S] holds several documents (doc ids 0, 1, ..., -1 on padding). 
 layers already stay inside their document: position ids restarting per document make transformers
 build a block-diagonal causal mask (see data.packing). The Gated DeltaNet layers are the problem:
 their short causal convolution and their recurrent state run straight across document boundaries.
-`packed_documents(model, doc_ids)` swaps, for the duration of one forward, every Gated DeltaNet
+`packed_documents(layers, doc_ids)` swaps, for the duration of one forward, every Gated DeltaNet
 module's forward for one that
   - runs the short convolution per segment (on CUDA with flash-linear-attention, its varlen
     kernel; elsewhere the taps that reach into another document masked out: exact, plain tensor
@@ -47,10 +47,10 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end])
 
 
-def has_linear_attention(model: nn.Module) -> bool:
-    from dflash_ds.target.model import decoder_layers
-
-    return any(hasattr(layer, "linear_attn") for layer in decoder_layers(model))
+# Both take the decoder layers (target.model.decoder_layers), not the model: target.model imports
+# this module, so this one must not import it back.
+def has_linear_attention(layers: nn.ModuleList) -> bool:
+    return any(hasattr(layer, "linear_attn") for layer in layers)
 
 
 def fla_available() -> bool:
@@ -172,14 +172,13 @@ def packed_gdn_forward(self, pack: Packing, hidden_states: torch.Tensor, cache_p
 
 
 @contextmanager
-def packed_documents(model: nn.Module, doc_ids: torch.Tensor):
-    """Within the block, the model's Gated DeltaNet layers keep every segment of doc_ids [R, S] apart.
+def packed_documents(layers: nn.ModuleList, doc_ids: torch.Tensor):
+    """Within the block, the Gated DeltaNet layers among the decoder `layers` keep every segment of
+    doc_ids [R, S] apart.
 
     The caller still passes position ids restarting per document (and use_cache=False), which keeps
     the full-attention layers inside each document."""
-    from dflash_ds.target.model import decoder_layers
-
-    mods = [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
+    mods = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
     if not mods:
         yield
         return

@@ -1,0 +1,181 @@
+"""Package structure rules, checked on the source with `ast` (nothing is imported):
+
+- no function or method takes more than 7 parameters (self, *args, **kwargs and keyword-only ones
+  count), except command-line entry points: `main` functions and the CLI modules (`cli.py`,
+  `__main__.py`); related settings travel as one small dataclass / NamedTuple instead;
+- no import cycle among dflash_ds modules, counting module-level and function-level imports.
+
+Each rule is first run on a small made-up package that breaks it, so a checker that finds
+nothing cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "dflash_ds"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+MAX_PARAMS = 7
+CLI_MODULES = {"cli.py", "__main__.py"}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(root: Path) -> dict[str, tuple[Path, ast.Module]]:
+    """Module name -> (path, parsed tree) for every .py file of the package under `root`."""
+    return {module_name(p, root): (p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(root.rglob("*.py"))}
+
+
+def parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def long_signatures(root: Path) -> list[str]:
+    """`module:line name (n parameters)` for every function over the limit outside the CLIs."""
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.name in CLI_MODULES:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "main":
+                n = parameter_count(node)
+                if n > MAX_PARAMS:
+                    found.append(f"{name}:{node.lineno} {node.name} ({n} parameters)")
+    return found
+
+
+def _is_package(name: str, modules: dict) -> bool:
+    return modules[name][0].name == "__init__.py"
+
+
+def _imported(name: str, node: ast.Import | ast.ImportFrom, modules: dict) -> set[str]:
+    """The package's modules an import statement of module `name` loads (itself excluded)."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            # Relative: from the module's package (a package's own __init__ is its package).
+            pkg = name.split(".") if _is_package(name, modules) else name.split(".")[:-1]
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join(pkg + ([base] if base else []))
+        # `from pkg import sub` loads the submodule when there is one, else names from pkg itself.
+        targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+    out = set()
+    for target in targets:
+        # `import a.b.c` of a name that is not a module (an attribute): the longest module prefix.
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    modules = sources(root)
+    graph = {}
+    for name, (_, tree) in modules.items():
+        graph[name] = set()
+        for node in ast.walk(tree):  # function-level imports included
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[name] |= _imported(name, node, modules)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path a -> ... -> a) per strongly connected component with more than one module."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(_cycle_in(sorted(component), graph))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    # Shortest way back to the first module, by breadth-first search inside the component.
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start} in {component}")
+
+
+# ---------------------------------------------------------------------------------- the rules on a made-up package
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkg"
+
+
+def test_checkers_find_what_they_look_for(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.b import g\n\ndef f(a, b, c, d, e, f, *, g=1, **kw):\n    pass\n",
+        "pkg/b.py": "def g(self, a, b, c, d, e, f):\n    from . import c\n",
+        "pkg/c.py": "import pkg.a\n\nclass K:\n    def m(self, a, b, c, d, e, f, *rest):\n        pass\n",
+        "pkg/sub/__init__.py": "from .d import x\n",
+        "pkg/sub/d.py": "from pkg.sub import e\nx = 1\n",
+        "pkg/sub/e.py": "import os\nimport pkg.sub.d.x\n",  # an attribute path: the module is pkg.sub.d
+        "pkg/cli.py": "def parse(a, b, c, d, e, f, g, h):\n    pass\n",
+        "pkg/tool.py": "def main(a, b, c, d, e, f, g, h):\n    pass\n",
+    })
+    assert long_signatures(root) == ["pkg.a:3 f (8 parameters)", "pkg.c:4 m (8 parameters)"]
+    graph = import_graph(root)
+    assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub"] == {"pkg.sub.d"} and graph["pkg.sub.e"] == {"pkg.sub.d"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
+
+
+# ---------------------------------------------------------------------------------- the rules on dflash_ds
+
+def test_no_function_takes_more_than_seven_parameters():
+    found = long_signatures(ROOT)
+    assert not found, ("functions with more than 7 parameters (group related ones into a small frozen dataclass "
+                       "or NamedTuple):\n  " + "\n  ".join(found))
+
+
+def test_no_import_cycles():
+    graph = import_graph(ROOT)
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the walk really saw the package
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles among dflash_ds modules:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
