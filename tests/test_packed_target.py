@@ -116,3 +116,67 @@ def test_forward_is_restored_after_a_packed_call():
     ids, doc_ids = packed_rows([[5, 11]], 16, model.config.vocab_size)
     taps_packed(model, [0], ids, doc_ids, model.config.hidden_size)
     assert all("forward" not in vars(layer.linear_attn) for layer in decoder_layers(model) if hasattr(layer, "linear_attn"))
+
+
+def segment_attention(q, k, v, cu_seqlens, longest, scale):
+    """Stand-in for FlashAttention varlen on CPU: causal SDPA over each segment, grouped heads repeated."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    assert cu_seqlens.dtype == torch.int32 and longest == max(b - a for a, b in zip(bounds, bounds[1:]))
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def tiny_dense(layers=3):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_hybrid, tiny_dense], ids=["hybrid", "dense"])
+def test_varlen_attention_route_equals_each_document_alone(monkeypatch, make):
+    """The CUDA route for full-attention layers (the varlen kernel, no mask), with the kernel replaced by
+    per-segment SDPA: the model switches to it for the packed forward only, gets no mask, and its taps
+    equal each document alone; afterwards the config is back on SDPA."""
+    from dflash_ds.target import packed
+
+    calls, masks = [], []
+    real = packed.varlen_attention
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        masks.append(attention_mask)
+        return real(module, query, key, value, attention_mask, **kw)
+
+    monkeypatch.setattr(packed, "varlen_usable", lambda config, dtype, device: True)
+    monkeypatch.setattr(packed, "varlen_attention", spy)
+    monkeypatch.setattr(packed, "flash_varlen", lambda *a: calls.append(1) or segment_attention(*a))
+    model = make()
+    taps = list(range(len(decoder_layers(model))))
+    ids, doc_ids = packed_rows([[13, 1, 20, 6], [7, 25]], 48, model.config.vocab_size)
+    got = taps_packed(model, taps, ids, doc_ids, model.config.hidden_size)
+    full_layers = sum(not hasattr(layer, "linear_attn") for layer in decoder_layers(model))
+    assert len(calls) == full_layers > 0 and all(m is None for m in masks)
+    assert model.config._attn_implementation == "sdpa"
+    want = taps_alone(model, taps, ids, doc_ids, model.config.hidden_size)
+    assert len(calls) == full_layers  # the documents alone ran the stock SDPA path
+    err = ((got - want).abs() * (doc_ids >= 0).unsqueeze(-1)).max().item()
+    assert err < 1e-5, err
+
+
+def test_varlen_applies_only_to_half_precision_sdpa_on_cuda():
+    from dflash_ds.target.packed import varlen_usable
+
+    cfg = tiny_dense().config
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert varlen_usable(cfg, torch.bfloat16, cuda)
+    assert not varlen_usable(cfg, torch.float32, cuda)
+    assert not varlen_usable(cfg, torch.bfloat16, cpu)
+    cfg._attn_implementation = "eager"
+    assert not varlen_usable(cfg, torch.bfloat16, cuda)

@@ -110,6 +110,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
     p.add_argument("--no-fla-conv", action="store_true", help="target: keep transformers' PyTorch short conv")
+    p.add_argument("--masked-attention", action="store_true",
+                   help="target, packed rows: full-attention layers through transformers' masked SDPA instead of "
+                        "the FlashAttention varlen kernel (for comparison)")
     p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
@@ -186,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.no_fla_conv:
             os.environ["DFLASH_FLA_SHORT_CONV"] = "0"
+        if args.masked_attention:
+            from dflash_ds.target import packed
+
+            packed.varlen_usable = lambda config, dtype, device: False  # bench-only A/B switch
         report = run(args)
     except ValueError as exc:
         print(f"bench error: {exc}", file=sys.stderr)

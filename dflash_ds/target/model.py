@@ -176,18 +176,21 @@ def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor,
     """Run the base model over input_ids and write the tapped states into out [b, S, T*D].
 
     position_ids restarting per document make transformers mask attention across packed documents.
-    With doc_ids ([b, S], -1 = padding) and a hybrid target, the Gated DeltaNet layers also keep
-    the documents apart (target.packed): their recurrent state and convolution restart per document.
+    With doc_ids ([b, S], -1 = padding) every layer keeps the documents apart (target.packed):
+    Gated DeltaNet state and convolution restart per document, and on CUDA the full-attention
+    layers run FlashAttention's varlen kernel per document instead of a masked SDPA.
     """
-    from dflash_ds.target.packed import has_linear_attention, packed_documents
+    from dflash_ds.target.packed import packed_documents
 
     capture.out = out
+    base = base_model(model)
     try:
-        if doc_ids is not None and has_linear_attention(decoder_layers(model)):
-            with packed_documents(decoder_layers(model), doc_ids):
-                base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if doc_ids is not None:
+            dtype = base.get_input_embeddings().weight.dtype
+            with packed_documents(decoder_layers(model), text_config(base.config), doc_ids, dtype):
+                base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         else:
-            base_model(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
         capture.out = None
     return out

@@ -1,11 +1,11 @@
-"""Packed rows for hybrid (Gated DeltaNet) targets: no document sees another in any layer.
+"""Packed rows: no document sees another in any layer of the target.
 
-A packed row [R, S] holds several documents (doc ids 0, 1, ..., -1 on padding). Full-attention
-layers already stay inside their document: position ids restarting per document make transformers
-build a block-diagonal causal mask (see data.packing). The Gated DeltaNet layers are the problem:
-their short causal convolution and their recurrent state run straight across document boundaries.
-`packed_documents(layers, doc_ids)` swaps, for the duration of one forward, every Gated DeltaNet
-module's forward for one that
+A packed row [R, S] holds several documents (doc ids 0, 1, ..., -1 on padding).
+`packed_documents(layers, config, doc_ids, dtype)` arranges, for the duration of one forward:
+
+Gated DeltaNet layers (Qwen3.5/3.6 hybrids): their short causal convolution and their recurrent
+state would run straight across document boundaries, so every such module's forward is swapped for
+one that
   - runs the short convolution per segment (on CUDA with flash-linear-attention, its varlen
     kernel; elsewhere the taps that reach into another document masked out: exact, plain tensor
     ops), and
@@ -14,6 +14,13 @@ module's forward for one that
     PyTorch rule once per segment, which is exact but slow and meant for tests and CPU runs.
 A segment is a run of one doc id inside one row; padding runs are segments too, so padding never
 feeds a document (the drafter ignores the padding's own taps).
+
+Full-attention layers: position ids restarting per document (see data.packing) make transformers
+build a block-diagonal causal mask, which is exact everywhere but costs a dense [R, 1, S, S] mask
+and keeps SDPA off its flash kernel (the masked kernels ran the 27B-geometry target 5% slower on
+packed rows than on full rows). On CUDA in bf16/fp16 the block switches those layers to
+FlashAttention's variable-length kernel over the same segments (`varlen_attention`): no mask is
+built and no attention is computed across a document boundary.
 
 Everything else (projections, gates, norms, MLPs, decoder-layer outputs and so the tap hooks) is
 the model's own code, so the taps of a packed row equal the taps of each document run alone.
@@ -47,12 +54,6 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end])
 
 
-# Both take the decoder layers (target.model.decoder_layers), not the model: target.model imports
-# this module, so this one must not import it back.
-def has_linear_attention(layers: nn.ModuleList) -> bool:
-    return any(hasattr(layer, "linear_attn") for layer in layers)
-
-
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
@@ -74,12 +75,21 @@ class Packing:
                 m &= self.same[-1]
             self.same.append(m)
         self._cu = None
+        self._varlen = None
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
         if self._cu is None:
             self._cu = cu_seqlens_from_doc_ids(self.doc_ids)
         return self._cu
+
+    @property
+    def varlen_bounds(self) -> tuple[torch.Tensor, int]:
+        """(int32 cu_seqlens, longest segment) as FlashAttention's varlen kernel takes them."""
+        if self._varlen is None:
+            cu = self.cu_seqlens
+            self._varlen = (cu.to(torch.int32), int((cu[1:] - cu[:-1]).max()))
+        return self._varlen
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, pack: Packing) -> torch.Tensor:
@@ -171,23 +181,78 @@ def packed_gdn_forward(self, pack: Packing, hidden_states: torch.Tensor, cache_p
     return self.out_proj(core.reshape(batch, seq_len, -1))
 
 
-@contextmanager
-def packed_documents(layers: nn.ModuleList, doc_ids: torch.Tensor):
-    """Within the block, the Gated DeltaNet layers among the decoder `layers` keep every segment of
-    doc_ids [R, S] apart.
+# The name under which the varlen attention (and its "no mask" mask builder) is registered with
+# transformers; a config carries it only inside `packed_documents`.
+VARLEN = "dflash_packed_varlen"
+_active: list[Packing] = []  # the Packing of the forward in progress (one at a time per process)
 
-    The caller still passes position ids restarting per document (and use_cache=False), which keeps
-    the full-attention layers inside each document."""
+
+def varlen_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function: causal FlashAttention per segment of the active Packing.
+
+    query [B, H, S, d], key/value [B, Hkv, S, d] (grouped heads are handled by the kernel) ->
+    ([B, S, H, d], None). The rows are flattened into one sequence cut at the segment starts.
+    kwargs carry transformers' `scaling` (and `dropout`, zero for a frozen target)."""
+    pack = _active[-1]
+    b, h, s, d = query.shape
+    q = query.transpose(1, 2).reshape(b * s, h, d)
+    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    cu, longest = pack.varlen_bounds
+    return flash_varlen(q, k, v, cu, longest, kwargs.get("scaling")).view(b, s, h, d), None
+
+
+def flash_varlen(q, k, v, cu_seqlens, longest: int, scale) -> torch.Tensor:
+    """Causal attention within each segment of packed q [T, H, d], k/v [T, Hkv, d] -> [T, H, d].
+
+    The aten op behind torch.nn.attention.varlen, whose Python signature changed across releases."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True,
+                                                   False, scale=scale)[0]
+
+
+def _no_mask(*args, **kwargs):
+    return None  # varlen_attention takes the documents from the segments, not from a mask
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(VARLEN, _no_mask)
+
+
+def varlen_usable(config, dtype: torch.dtype, device: torch.device) -> bool:
+    """FlashAttention varlen applies: CUDA, half precision, SDPA chosen, head dim the kernel takes."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and getattr(config, "_attn_implementation", None) == "sdpa" and head_dim <= 256 and head_dim % 8 == 0)
+
+
+@contextmanager
+def packed_documents(layers: nn.ModuleList, config, doc_ids: torch.Tensor, dtype: torch.dtype):
+    """Within the block, the decoder `layers` (of text config `config`, run in `dtype`) keep every
+    segment of doc_ids [R, S] apart.
+
+    The caller still passes position ids restarting per document (and use_cache=False): they give
+    every document its own rotary positions, and they are what keeps the full-attention layers
+    inside each document where the varlen kernel does not apply. (Layers and config rather than
+    the model: target.model imports this module, so this one must not import it back.)"""
     mods = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
-    if not mods:
-        yield
-        return
-    pack = Packing(doc_ids, mods[0].conv_kernel_size)
+    varlen = varlen_usable(config, dtype, doc_ids.device)
+    pack = Packing(doc_ids, mods[0].conv_kernel_size if mods else 1)
     for m in mods:
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks.
         m.forward = functools.partial(packed_gdn_forward, m, pack)
+    if varlen:
+        _register_varlen()
+        config._attn_implementation = VARLEN
+        _active.append(pack)
     try:
         yield pack
     finally:
         for m in mods:
             del m.forward
+        if varlen:
+            _active.pop()
+            config._attn_implementation = "sdpa"
