@@ -278,6 +278,33 @@ def test_first_signal_is_recorded_while_blocked_second_exits_at_once():
     assert "SIGTERM received; stopping after the current step" in err and "SIGINT received again" in err
 
 
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_only_drafter_ranks_create_the_stop_group(monkeypatch, tmp_path, rank):
+    """On GPUs DeepSpeed binds each rank to its device, and torch then makes a rank that calls
+    new_group for a group it is not in join an NCCL split over WORLD, which the members of a gloo
+    group never join: the split topology hung at start-up. Target ranks must stay out of the
+    drafters' stop-vote group, and the drafters create it among themselves."""
+    from dflash_ds.runtime import control
+    from dflash_ds.runtime.topology import Layout
+
+    calls = []
+    monkeypatch.setattr(control.StopRequest, "install", lambda self: self)
+    monkeypatch.setattr(control.Watchdog, "start", lambda self: self)
+    monkeypatch.setattr(control.watchdog, "install", lambda dog: None)
+    monkeypatch.setattr(control.dist, "broadcast_object_list", lambda objs, src=0: objs.__setitem__(0, {"start": None}))
+    monkeypatch.setattr(control.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(control.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj] * 4))
+    monkeypatch.setattr(control.dist, "new_group", lambda ranks, **kw: calls.append((list(ranks), kw)) or "stop group")
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run.output_dir={tmp_path}"])
+    c = control.RunControl.setup(recipe, Layout(4, drafters_per_node=2, targets_per_node=2), rank)
+    c.release()
+    if rank < 2:
+        assert c.stop_group == "stop group"
+        assert [(r, kw["backend"], kw["use_local_synchronization"]) for r, kw in calls] == [([0, 1], "gloo", True)]
+    else:
+        assert c.stop_group is None and calls == []
+
+
 @pytest.mark.launcher
 def test_watchdog_names_the_stalled_peer_and_ends_the_process():
     proc = run_script("""

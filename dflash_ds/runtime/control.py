@@ -67,8 +67,14 @@ class RunControl:
         watchdog.install(c.dog)
         # The stop vote is a CPU all-reduce per step: on gloo it costs microseconds and never waits
         # for the GPU stream (an NCCL vote would add a host synchronisation to every step).
-        c.stop_group = dist.new_group(layout.drafter_ranks, backend="gloo",
-                                      timeout=datetime.timedelta(seconds=t.peer_timeout_s))
+        # Only the drafter ranks create it (use_local_synchronization). When DeepSpeed binds each rank
+        # to its GPU (it does whenever the world has more than one rank), torch makes a rank outside a
+        # new group join an NCCL communicator split over WORLD; the group's own members, building a
+        # gloo group, never join that split, so a target rank calling new_group here hung the split
+        # topology at start-up on GPUs.
+        if layout.is_drafter(rank):
+            c.stop_group = dist.new_group(layout.drafter_ranks, backend="gloo", use_local_synchronization=True,
+                                          timeout=datetime.timedelta(seconds=t.peer_timeout_s))
         return c
 
     def _decide(self) -> dict:
