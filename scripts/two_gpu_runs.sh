@@ -1,9 +1,12 @@
 #!/bin/bash
 # The two-GPU measurements of docs/performance.md ("Two GPUs"), one function per experiment.
 #   bash scripts/two_gpu_runs.sh OUT_DIR STEP [STEP ...]
-# Steps: models benches e1 zero3 replica equal faults. Models and runs live under $WORK (default
-# /dev/shm/dflash: the 64-layer bf16 target is 54 GB and loads fastest from memory). Every run is
-# `deepspeed launch.sh recipes/qwen27b.yaml` with the overrides printed into OUT_DIR/commands.txt.
+# Steps: models model16 benches e1 colo1 split replica zero3 faults (and zero3_and_split).
+# Models and runs live under $WORK (default /dev/shm/dflash: the 64-layer bf16 target is 54 GB and
+# loads fastest from memory). Every run is `deepspeed launch.sh recipes/qwen27b.yaml` with the
+# overrides printed into OUT_DIR/commands.txt. The equality runs (colo1, split, replica, zero3) log
+# every step; SMALL="drafter.num_layers=1" runs the drafter with one layer (same width) where only
+# equality or fault handling is measured, so checkpoints take seconds instead of half a minute.
 set -u
 OUT=$(realpath "$1"); shift
 WORK=${WORK:-/dev/shm/dflash}
@@ -11,8 +14,13 @@ mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONFAULTHANDLER=1
 M64=$WORK/qwen36-27b-rand64
 M16=$WORK/qwen36-27b-rand16
-R=recipes/qwen27b.yaml
-PORT=29611
+R=${RECIPE:-recipes/qwen27b.yaml}
+PORT=${PORT:-29611}
+SMALL="drafter.num_layers=1"
+SPLIT="topology.targets_per_node=1 topology.drafters_per_node=1 optim.grad_accum=4"
+COLO2="topology.colocated=true topology.targets_per_node=0 topology.drafters_per_node=2 optim.grad_accum=2"
+COLO1="topology.colocated=true topology.targets_per_node=0 topology.drafters_per_node=1 optim.grad_accum=4"
+EQ="optim.max_steps=20 log.every_steps=1"
 
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/commands.txt"; }
 
@@ -27,13 +35,17 @@ common() {  # overrides shared by every run on model dir $1, output dir $2
 launch() {
   local name=$1 n=$2; shift 2
   PORT=$((PORT + 1))
-  log "$name: deepspeed --num_gpus $n --master_port $PORT launch.sh $R $*"
-  deepspeed --num_gpus "$n" --master_port "$PORT" launch.sh "$R" "$@" > "$OUT/$name.log" 2>&1 &
+  # With CUDA_VISIBLE_DEVICES set (one job per GPU), the launcher takes the GPUs from it instead.
+  local gpus="--num_gpus $n"; [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=""
+  log "$name: deepspeed $gpus --master_port $PORT launch.sh $R $*"
+  # Its own process group (setsid), so finish can end the ranks too, not only the launcher: ranks
+  # orphaned by a killed launcher kept a GPU busy under the next run.
+  setsid deepspeed $gpus --master_port "$PORT" launch.sh "$R" "$@" > "$OUT/$name.log" 2>&1 &
   LPID=$!
 }
 
 # finish NAME RUN_DIR LIMIT_S: wait for the run; if it has not exited LIMIT_S seconds after its last
-# progress line, print every rank's Python stack (SIGABRT -> faulthandler) and kill it.
+# output line, print every rank's Python stack (SIGABRT -> faulthandler) and kill the whole job.
 finish() {
   local name=$1 dir=$2 limit=$3 t0=$SECONDS
   while kill -0 "$LPID" 2>/dev/null; do
@@ -41,9 +53,8 @@ finish() {
     local last; last=$(stat -c %Y "$OUT/$name.log")
     if (( $(date +%s) - last > limit )); then
       log "$name: no output for ${limit}s: dumping stacks"
-      for p in $(pgrep -P "$LPID"); do kill -ABRT "$p"; done
-      sleep 5; kill -9 "$LPID" 2>/dev/null
-      for p in $(pgrep -P "$LPID"); do kill -9 "$p"; done
+      pkill -ABRT -f -- "--local_rank=.*run.output_dir=$dir( |\$)"
+      sleep 5; kill -9 -- "-$LPID" 2>/dev/null
       break
     fi
   done
@@ -80,42 +91,93 @@ benches() {  # the two single-GPU benches at once, one per GPU, then the planner
 
 e1() {  # 1 target GPU + 1 drafter GPU, the full 64-layer geometry
   launch e1_split64 2 $(common "$M64" "$WORK/runs/e1") topology.targets_per_node=1 topology.drafters_per_node=1 \
-    optim.max_steps=${E1_STEPS:-40} eval.at_start=false eval.at_end=false
-  finish e1_split64 "$WORK/runs/e1" 240
+    optim.max_steps=${E1_STEPS:-30} eval.at_start=false eval.at_end=false eval.every_steps=0
+  finish e1_split64 "$WORK/runs/e1" 420
+}
+
+colo1() {  # the 1-GPU references: colocated, global batch 4 rows; the full drafter and the one-layer one
+  launch colo1_full 1 $(common "$M16" "$WORK/runs/colo1_full") $COLO1 $EQ
+  finish colo1_full "$WORK/runs/colo1_full" 150
+  launch colo1_small 1 $(common "$M16" "$WORK/runs/colo1_small") $COLO1 $EQ $SMALL
+  finish colo1_small "$WORK/runs/colo1_small" 150
+}
+
+split() {  # 1 target GPU + 1 drafter GPU over NCCL, to compare with colo1_small step by step
+  launch split_small 2 $(common "$M16" "$WORK/runs/split_small") $SPLIT $EQ $SMALL
+  finish split_small "$WORK/runs/split_small" 150
+}
+
+replica() {  # colocated on both GPUs (2 drafter ranks, ZeRO-2 over NCCL), a full target replica on each
+  launch replica_colo2 2 $(common "$M16" "$WORK/runs/replica") $COLO2 $EQ
+  finish replica_colo2 "$WORK/runs/replica" 150
 }
 
 zero3() {  # colocated on both GPUs, the target partitioned by ZeRO-3 over both
-  launch zero3_colo2 2 $(common "$M16" "$WORK/runs/zero3") topology.colocated=true topology.targets_per_node=0 \
-    topology.drafters_per_node=2 optim.grad_accum=2 optim.max_steps=20 target.ds_config=ds_configs/target_zero3.json
-  finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-90}
-  ls "$WORK/runs/zero3" "$WORK/runs/zero3/export" >> "$OUT/zero3_colo2.log" 2>&1
-}
-
-replica() {  # colocated on both GPUs, a full target replica on each
-  launch replica_colo2 2 $(common "$M16" "$WORK/runs/replica") topology.colocated=true topology.targets_per_node=0 \
-    topology.drafters_per_node=2 optim.grad_accum=2 optim.max_steps=20
-  finish replica_colo2 "$WORK/runs/replica" 120
-}
-
-equal() {  # the same recipe split 1+1 and colocated on 1 GPU (global batch 4 rows as in the 2-rank runs)
-  launch equal_split 2 $(common "$M16" "$WORK/runs/split") topology.targets_per_node=1 topology.drafters_per_node=1 \
-    optim.grad_accum=4 optim.max_steps=20
-  finish equal_split "$WORK/runs/split" 120
-  launch equal_colo1 1 $(common "$M16" "$WORK/runs/colo1") topology.colocated=true topology.targets_per_node=0 \
-    topology.drafters_per_node=1 optim.grad_accum=4 optim.max_steps=20
-  finish equal_colo1 "$WORK/runs/colo1" 120
-}
-
-zero3_and_split() {  # both at once on both GPUs: the ZeRO-3 end of training, and split vs 2-rank losses
-  launch zero3_colo2 2 $(common "$M16" "$WORK/runs/zero3") topology.colocated=true topology.targets_per_node=0 \
-    topology.drafters_per_node=2 optim.grad_accum=2 optim.max_steps=20 target.ds_config=ds_configs/target_zero3.json
-  local zpid=$LPID
-  launch equal_split 2 $(common "$M16" "$WORK/runs/split") topology.targets_per_node=1 topology.drafters_per_node=1 \
-    optim.grad_accum=4 optim.max_steps=20 eval.at_start=false
-  local spid=$LPID
-  LPID=$zpid; finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-90}
+  launch zero3_colo2 2 $(common "$M16" "$WORK/runs/zero3") $COLO2 $EQ target.ds_config=ds_configs/target_zero3.json
+  finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-150}
   ls -la "$WORK/runs/zero3" "$WORK/runs/zero3/export" >> "$OUT/zero3_colo2.log" 2>&1
-  LPID=$spid; finish equal_split "$WORK/runs/split" 120
+}
+
+zero3_and_split() {  # both at once on both GPUs (each job has a process on each GPU)
+  launch zero3_colo2 2 $(common "$M16" "$WORK/runs/zero3") $COLO2 $EQ target.ds_config=ds_configs/target_zero3.json
+  local zpid=$LPID
+  launch split_small 2 $(common "$M16" "$WORK/runs/split_small") $SPLIT $EQ $SMALL
+  local spid=$LPID
+  LPID=$zpid; finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-150}
+  LPID=$spid; finish split_small "$WORK/runs/split_small" 150
+}
+
+# kill9 NAME LOCAL_RANK STEP: a split run with a checkpoint every 5 steps; once the log shows step
+# STEP, SIGKILL the process of LOCAL_RANK (0 = the drafter, 1 = the target: drafters take the first
+# ranks) and time how long the job takes to end; the lines naming the peer go to OUT/faults.txt.
+kill9() {
+  local name=$1 rank=$2 at=$3 dir=$WORK/runs/$1
+  launch "$name" 2 $(common "$M16" "$dir") $SPLIT $EQ $SMALL checkpoint.every_steps=5 eval.at_start=false \
+    eval.at_end=false
+  local t0=$SECONDS
+  until grep -q "^step $at/" "$OUT/$name.log" 2>/dev/null; do
+    if ! kill -0 "$LPID" 2>/dev/null || (( SECONDS - t0 > 300 )); then log "$name: never reached step $at"; return 0; fi
+    sleep 0.2
+  done
+  local victim; victim=$(pgrep -f -- "--local_rank=$rank .*run.output_dir=$dir( |\$)" | head -1)
+  log "$name: step $at logged after $((SECONDS - t0))s; kill -9 local rank $rank (pid $victim)"
+  local k0; k0=$(date +%s%N)
+  kill -9 "$victim"
+  finish "$name" "$dir" 200
+  local k1; k1=$(date +%s%N)
+  echo "$name: kill -9 of local rank $rank at step $at -> job ended after $(( (k1 - k0) / 1000000 )) ms" >> "$OUT/faults.txt"
+  grep -v "^step " "$OUT/$name.log" | grep -iE "peer|died|lost|timeout|exit|signal|killed" | tail -8 | cut -c1-400 >> "$OUT/faults.txt"
+}
+
+# ZeRO-3 colocated alone until its last step, then (during its checkpoint, export and eval) the split
+# equality run and both kill -9 runs at once; throughput is read only from runs that had the GPUs alone.
+zero3_then_faults() {
+  launch zero3_colo2 2 $(common "$M16" "$WORK/runs/zero3") $COLO2 $EQ target.ds_config=${ZERO3_CONFIG:-ds_configs/target_zero3.json} \
+    eval.at_start=false
+  local zpid=$LPID t0=$SECONDS
+  until grep -q "^step 20/" "$OUT/zero3_colo2.log" 2>/dev/null || ! kill -0 "$zpid" 2>/dev/null || (( SECONDS - t0 > 300 )); do
+    sleep 1
+  done
+  (PORT=29700; split) &
+  (PORT=29800; kill9 fault_drafter 0 6) &
+  (PORT=29900; kill9 fault_target 1 6) &
+  LPID=$zpid; finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-150}
+  ls -la "$WORK/runs/zero3" "$WORK/runs/zero3/export" >> "$OUT/zero3_colo2.log" 2>&1
+  wait
+  PORT=30000
+  launch fault_resume 2 $(common "$M16" "$WORK/runs/fault_drafter") $SPLIT $EQ $SMALL checkpoint.every_steps=5 \
+    eval.at_start=false eval.at_end=false
+  finish fault_resume "$WORK/runs/fault_drafter" 150
+  grep -iE "resum" "$OUT/fault_resume.log" | head -3 >> "$OUT/faults.txt"
+}
+
+faults() {  # kill -9 the drafter, then the target; resume the first run to step 20 (compare with split_small)
+  kill9 fault_drafter 0 8
+  kill9 fault_target 1 8
+  launch fault_resume 2 $(common "$M16" "$WORK/runs/fault_drafter") $SPLIT $EQ $SMALL checkpoint.every_steps=5 \
+    eval.at_start=false eval.at_end=false
+  finish fault_resume "$WORK/runs/fault_drafter" 150
+  grep -iE "resum" "$OUT/fault_resume.log" | head -3 >> "$OUT/faults.txt"
 }
 
 for step in "$@"; do "$step"; done
