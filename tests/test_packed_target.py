@@ -170,7 +170,7 @@ def test_varlen_attention_route_equals_each_document_alone(monkeypatch, make):
     assert err < 1e-5, err
 
 
-def test_varlen_applies_only_to_half_precision_sdpa_on_cuda():
+def test_varlen_applies_only_to_half_precision_sdpa_on_cuda_without_sliding_windows():
     from dflash_ds.target.packed import varlen_usable
 
     cfg = tiny_dense().config
@@ -180,3 +180,9 @@ def test_varlen_applies_only_to_half_precision_sdpa_on_cuda():
     assert not varlen_usable(cfg, torch.bfloat16, cpu)
     cfg._attn_implementation = "eager"
     assert not varlen_usable(cfg, torch.bfloat16, cuda)
+    from transformers import MistralConfig
+
+    mistral = MistralConfig(hidden_size=64, num_attention_heads=4, head_dim=16, attn_implementation="sdpa")
+    assert mistral.sliding_window is not None and not varlen_usable(mistral, torch.bfloat16, cuda)
+    mistral.sliding_window = None
+    assert varlen_usable(mistral, torch.bfloat16, cuda)

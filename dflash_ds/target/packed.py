@@ -223,9 +223,13 @@ def _register_varlen() -> None:
 
 
 def varlen_usable(config, dtype: torch.dtype, device: torch.device) -> bool:
-    """FlashAttention varlen applies: CUDA, half precision, SDPA chosen, head dim the kernel takes."""
+    """FlashAttention varlen applies: CUDA, half precision, SDPA chosen, head dim the kernel takes,
+    and no sliding-window layers (varlen_attention attends to the whole document; transformers'
+    masks carry the window, so such models keep the masked route)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    sliding = ("sliding_attention" in (getattr(config, "layer_types", None) or ())
+               or getattr(config, "sliding_window", None) is not None)
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and not sliding
             and getattr(config, "_attn_implementation", None) == "sdpa" and head_dim <= 256 and head_dim % 8 == 0)
 
 
