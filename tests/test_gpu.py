@@ -262,3 +262,46 @@ def test_packed_hybrid_target_matches_documents_alone(record):
     # Recorded on an H200: 2.58e-2 against a floor of 2.71e-2; the leak 0.81.
     assert found["packed_bf16_vs_alone_fp32"] <= BF16_SLACK * floor, found
     assert found["stock_packed_vs_alone_leak"] >= LEAK_FACTOR * floor, found
+
+
+def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(record, monkeypatch):
+    """Qwen3-8B layer geometry, first 4 layers, random weights, bf16: packed rows go through
+    FlashAttention's varlen kernel (every layer) and match each document alone as closely as bf16 allows;
+    the masked-SDPA route on the same rows agrees."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_ds.target import packed as packed_mod
+    from dflash_ds.target.presets import target_config
+
+    cfg = target_config("qwen3-8b", layers=4)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, cfg.vocab_size, (2, 3072), generator=g).cuda()
+    doc_ids = torch.full((2, 3072), -1, dtype=torch.int32)
+    for r, lengths in enumerate(PACKED_DOCS):
+        at = 0
+        for k, n in enumerate(lengths):
+            doc_ids[r, at:at + n] = k
+            at += n
+    doc_ids = doc_ids.cuda()
+    calls = []
+    kernel = packed_mod.flash_varlen
+    monkeypatch.setattr(packed_mod, "flash_varlen", lambda *a: calls.append(1) or kernel(*a))
+    alone = _all_layer_taps(model, ids, doc_ids, "alone")
+    varlen = _all_layer_taps(model, ids, doc_ids, "packed")
+    assert len(calls) == 4, calls  # one kernel call per layer, only in the packed forward
+    masked = _all_layer_taps(model, ids, doc_ids, "stock")  # position ids alone: transformers' mask
+    model.float()
+    alone32 = _all_layer_taps(model, ids, doc_ids, "alone")
+    found = {"varlen_vs_alone_bf16": _worst_doc_error(varlen, alone),
+             "alone_bf16_vs_alone_fp32": _worst_doc_error(alone, alone32),
+             "varlen_bf16_vs_alone_fp32": _worst_doc_error(varlen, alone32),
+             "masked_bf16_vs_alone_fp32": _worst_doc_error(masked, alone32)}
+    record["packed_dense_target"] = found
+    floor = found["alone_bf16_vs_alone_fp32"]
+    assert torch.isfinite(varlen).all()
+    assert found["varlen_bf16_vs_alone_fp32"] <= BF16_SLACK * floor, found
+    assert found["masked_bf16_vs_alone_fp32"] <= BF16_SLACK * floor, found
