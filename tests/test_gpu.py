@@ -200,6 +200,19 @@ def _hybrid_target(layers: int):
     return model.eval().requires_grad_(False)
 
 
+def _packed_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids and doc ids [2, 3072] on the GPU: the documents of PACKED_DOCS, padding (-1) after."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (2, 3072), generator=g)
+    doc_ids = torch.full((2, 3072), -1, dtype=torch.int32)
+    for r, lengths in enumerate(PACKED_DOCS):
+        at = 0
+        for k, n in enumerate(lengths):
+            doc_ids[r, at:at + n] = k
+            at += n
+    return ids.cuda(), doc_ids.cuda()
+
+
 def _all_layer_taps(model, ids, doc_ids, mode: str):
     """Every layer's output [R, S, L*D]: 'packed' (target.packed), 'stock' (no document boundaries in
     the Gated DeltaNet layers) or 'alone' (each document through the stock forward on its own)."""
@@ -238,15 +251,7 @@ def test_packed_hybrid_target_matches_documents_alone(record):
     bf16, fla: packed rows (varlen kernels) vs each document alone, per document, every layer."""
     pytest.importorskip("fla", reason="flash-linear-attention is not installed")
     model = _hybrid_target(8)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, model.config.vocab_size, (2, 3072), generator=g).cuda()
-    doc_ids = torch.full((2, 3072), -1, dtype=torch.int32)
-    for r, lengths in enumerate(PACKED_DOCS):
-        at = 0
-        for k, n in enumerate(lengths):
-            doc_ids[r, at:at + n] = k
-            at += n
-    doc_ids = doc_ids.cuda()
+    ids, doc_ids = _packed_rows(model.config.vocab_size)
     alone = _all_layer_taps(model, ids, doc_ids, "alone")
     packed = _all_layer_taps(model, ids, doc_ids, "packed")
     stock = _all_layer_taps(model, ids, doc_ids, "stock")
@@ -278,15 +283,7 @@ def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(r
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, cfg.vocab_size, (2, 3072), generator=g).cuda()
-    doc_ids = torch.full((2, 3072), -1, dtype=torch.int32)
-    for r, lengths in enumerate(PACKED_DOCS):
-        at = 0
-        for k, n in enumerate(lengths):
-            doc_ids[r, at:at + n] = k
-            at += n
-    doc_ids = doc_ids.cuda()
+    ids, doc_ids = _packed_rows(cfg.vocab_size)
     calls = []
     kernel = packed_mod.flash_varlen
     monkeypatch.setattr(packed_mod, "flash_varlen", lambda *a: calls.append(1) or kernel(*a))

@@ -64,18 +64,27 @@ class Packing:
     def __init__(self, doc_ids: torch.Tensor, conv_kernel: int):
         self.doc_ids = doc_ids
         self.shape = tuple(doc_ids.shape)
-        # same[j-1][r, t] = position t - j is in the same row and document as t (j = 1 .. K-1).
-        self.same = []
-        for j in range(1, conv_kernel):
-            m = torch.zeros(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
-            m[:, j:] = doc_ids[:, j:] == doc_ids[:, :-j]
-            # A run of equal ids that is interrupted in between is two documents: require every
-            # step from t - j to t to stay in the document, not just equal ids at both ends.
-            if self.same:
-                m &= self.same[-1]
-            self.same.append(m)
+        self.conv_kernel = conv_kernel
+        self._same = None
         self._cu = None
         self._varlen = None
+
+    @property
+    def same(self) -> list[torch.Tensor]:
+        """same[j-1][r, t]: position t - j is in the same row and document as t (j = 1 .. K-1).
+
+        Only the masked convolution reads these; the fla route on CUDA never builds them."""
+        if self._same is None:
+            self._same = []
+            for j in range(1, self.conv_kernel):
+                m = torch.zeros(self.shape, dtype=torch.bool, device=self.doc_ids.device)
+                m[:, j:] = self.doc_ids[:, j:] == self.doc_ids[:, :-j]
+                # A run of equal ids that is interrupted in between is two documents: require every
+                # step from t - j to t to stay in the document, not just equal ids at both ends.
+                if self._same:
+                    m &= self._same[-1]
+                self._same.append(m)
+        return self._same
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
