@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         code = run_guarded(lambda: run_target(spec, data, rank, groups.target, control.start_step), control)
     else:
         code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control), control)
+    control.leaving()  # before the barrier: past it, peers exit in any order
     dist.barrier()
     control.release()
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The two-GPU measurements of docs/performance.md ("Two GPUs"), one function per experiment.
 #   bash scripts/two_gpu_runs.sh OUT_DIR STEP [STEP ...]
-# Steps: models model16 benches e1 colo1 split replica zero3 faults (and zero3_and_split).
+# Steps: models model16 benches e1 colo1 split replica zero3 faults kills (and zero3_and_split, zero3_then_faults).
 # Models and runs live under $WORK (default /dev/shm/dflash: the 64-layer bf16 target is 54 GB and
 # loads fastest from memory). Every run is `deepspeed launch.sh recipes/qwen27b.yaml` with the
 # overrides printed into OUT_DIR/commands.txt. The equality runs (colo1, split, replica, zero3) log
@@ -159,8 +159,7 @@ zero3_then_faults() {
     sleep 1
   done
   (PORT=29700; split) &
-  (PORT=29800; kill9 fault_drafter 0 6) &
-  (PORT=29900; kill9 fault_target 1 6) &
+  kills &
   LPID=$zpid; finish zero3_colo2 "$WORK/runs/zero3" ${ZERO3_LIMIT:-150}
   ls -la "$WORK/runs/zero3" "$WORK/runs/zero3/export" >> "$OUT/zero3_colo2.log" 2>&1
   wait
@@ -169,6 +168,12 @@ zero3_then_faults() {
     eval.at_start=false eval.at_end=false
   finish fault_resume "$WORK/runs/fault_drafter" 150
   grep -iE "resum" "$OUT/fault_resume.log" | head -3 >> "$OUT/faults.txt"
+}
+
+kills() {  # kill -9 the drafter of one split run and the target of another, both runs at once
+  (PORT=29800; kill9 fault_drafter 0 6) &
+  (PORT=29900; kill9 fault_target 1 6) &
+  wait
 }
 
 faults() {  # kill -9 the drafter, then the target; resume the first run to step 20 (compare with split_small)

@@ -324,6 +324,66 @@ def test_watchdog_names_the_stalled_peer_and_ends_the_process():
     assert len(lines) == 1 and "rank 0 (drafter on node-a): no progress from rank 1 (target on node-b)" in lines[0]
 
 
+WATCH_LOCAL_PEER = """
+    import socket, subprocess, sys, threading
+    from dflash_ds.runtime import watchdog
+    from dflash_ds.runtime.watchdog import Peer, Watchdog
+    left = sys.argv[1]
+    peer_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    host = socket.gethostname()
+    me, peer = Peer("target", 1, host, 0), Peer("drafter", 0, host, peer_proc.pid)
+    dog = Watchdog(me, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left)
+    if sys.argv[2] == "announced":  # the peer says it leaves on purpose before it exits
+        Watchdog(peer, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left).mark_left()
+    dog.start()
+    print("watching", peer_proc.pid, flush=True)
+    peer_proc.kill()
+    peer_proc.wait()
+    # Blocked the way an NCCL rank is after its peer died: not in any guarded wait.
+    threading.Event().wait(timeout=float(sys.argv[3]))
+    print("still running", flush=True)
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("announced", [False, True])
+def test_watchdog_ends_the_rank_when_a_local_peer_process_is_gone(tmp_path, announced):
+    # The process check needs no failed wait and no timeout: the peer's PID disappearing is enough,
+    # unless the peer announced that it leaves on purpose (finished or stopped).
+    script = textwrap.dedent(WATCH_LOCAL_PEER)
+    how = "announced" if announced else "killed"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "left"), how, "3"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
+    pid = proc.stdout.split()[1]
+    if announced:
+        assert proc.returncode == 0 and "still running" in proc.stdout, proc.stderr
+        assert (tmp_path / "left" / "rank0").read_text() == pid
+        return
+    assert proc.returncode == 3 and "still running" not in proc.stdout and time.monotonic() - t0 < 3, proc.stderr
+    host = socket.gethostname()
+    assert proc.stderr.strip().splitlines() == [
+        f"[dflash] rank 1 (target on {host}): lost rank 0 (drafter on {host}): its process (PID {pid}) ended "
+        "without finishing (killed or crashed); stopping the job"]
+
+
+def test_process_gone_sees_exited_and_unreaped_processes():
+    from dflash_ds.runtime.watchdog import process_gone
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not process_gone(child.pid) and not process_gone(os.getpid())
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not process_gone(child.pid) and time.monotonic() < deadline:  # a zombie until wait()
+            time.sleep(0.05)
+        assert process_gone(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_gone(child.pid)
+
+
 def test_failed_wait_becomes_one_line_naming_the_peer():
     from dflash_ds.runtime.watchdog import Peer, PeerLost, Watchdog
 

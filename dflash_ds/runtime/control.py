@@ -15,6 +15,7 @@ import datetime
 import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from dflash_ds.runtime.watchdog import EXIT_PEER, Peer, PeerLost, Watchdog
 
 EXIT_USER = 2
 EXIT_CHECKPOINT = 4
+LEFT_DIR = ".left"  # under run.output_dir: ranks that exited on purpose (see watchdog.Watchdog.mark_left)
 
 
 class Stopped(Exception):
@@ -63,7 +65,8 @@ class RunControl:
         peers: list = [None] * dist.get_world_size()
         dist.all_gather_object(peers, c.me)
         t = recipe.topology
-        c.dog = Watchdog(c.me, {p.rank: p for p in peers}, t.peer_timeout_s, t.peer_report_s, c.stop).start()
+        c.dog = Watchdog(c.me, {p.rank: p for p in peers}, t.peer_timeout_s, t.peer_report_s, c.stop,
+                         left_dir=Path(recipe.run.output_dir) / LEFT_DIR).start()
         watchdog.install(c.dog)
         # The stop vote is a CPU all-reduce per step: on gloo it costs microseconds and never waits
         # for the GPU stream (an NCCL vote would add a host synchronisation to every step).
@@ -118,6 +121,11 @@ class RunControl:
             except (AttributeError, RuntimeError, ValueError):
                 pass  # this backend keeps its own timeout; our waits are still bounded by the watchdog
 
+    def leaving(self) -> None:
+        """This rank is about to exit on purpose: same-host peers must not take its exit for a crash."""
+        if self.dog is not None:
+            self.dog.mark_left()
+
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
@@ -127,6 +135,7 @@ def _exit(code: int, line: str | None, control: RunControl | None) -> int:
     if line:
         print(line, file=sys.stderr, flush=True)
     if control is not None:
+        control.leaving()
         control.release()
     sys.stdout.flush()
     # No interpreter teardown: process-group destructors can wait on peers that are gone.

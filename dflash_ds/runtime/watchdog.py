@@ -6,6 +6,13 @@ on whom every that many seconds; past `topology.peer_timeout_s` it prints one li
 rank and the peer (role, rank, host) and ends the process, so the launcher ends the job. A peer
 that died shows up as an error from the wait (gloo: "Connection closed by peer"), turned into the
 same one line. Without an installed watchdog (unit tests, tools) waits run unguarded.
+
+A peer on this host is also watched as a process: under NCCL a rank whose peer was killed does not
+get an error, it blocks in the next host synchronisation (no guarded wait, so the timeout above would
+be the only bound), and the DeepSpeed launcher's SIGTERM asks it for a checkpoint it can no longer
+finish, so it would sit there until the launcher's SIGKILL 30 s later. A peer process that is gone
+without having announced its exit (`left`: ranks leaving on purpose write their PID to
+`<left_dir>/rank<N>` first) ends this rank within a second, naming the peer.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 EXIT_PEER = 3
 
@@ -33,15 +41,39 @@ class Peer:
         return f"rank {self.rank} ({self.role} on {self.host})"
 
 
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie not yet reaped by its parent counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no procfs: existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
 class PeerLost(RuntimeError):
     """A peer died or stopped answering; the message is the one line to print."""
 
 
 class Watchdog:
-    def __init__(self, me: Peer, peers: dict[int, Peer], timeout_s: float, report_s: float, stop=None):
+    def __init__(self, me: Peer, peers: dict[int, Peer], timeout_s: float, report_s: float, stop=None,
+                 left_dir: str | Path | None = None):
         self.me, self.peers = me, peers
         self.timeout_s, self.report_s = timeout_s, report_s
         self.stop = stop
+        self.left_dir = None if left_dir is None else Path(left_dir)
+        # Peers whose processes this rank can see: same host, known PID. Without a left_dir no rank
+        # can announce a deliberate exit, so none is watched.
+        self.local = {} if self.left_dir is None else {
+            r: p for r, p in peers.items() if r != me.rank and p.host == me.host and p.pid > 0}
+        self.leaving = False
         self.stack: list[tuple[str, tuple[int, ...], float]] = []
         self.lock = threading.Lock()
         self.last_report = 0.0
@@ -70,9 +102,35 @@ class Watchdog:
             with self.lock:
                 self.stack.pop()
 
+    def mark_left(self) -> None:
+        """Announce that this rank exits on purpose (finished, stopped, or failing with its own line)."""
+        self.leaving = True
+        if self.left_dir is not None:
+            with contextlib.suppress(OSError):
+                self.left_dir.mkdir(parents=True, exist_ok=True)
+                (self.left_dir / f"rank{self.me.rank}").write_text(str(self.me.pid))
+
+    def has_left(self, peer: Peer) -> bool:
+        try:
+            return int((self.left_dir / f"rank{peer.rank}").read_text()) == peer.pid
+        except (OSError, ValueError):
+            return False
+
+    def check_local_peers(self) -> None:
+        for r, p in list(self.local.items()):
+            if self.leaving or not process_gone(p.pid):
+                continue
+            if self.has_left(p):
+                del self.local[r]
+                continue
+            print(f"[dflash] {self.me}: lost {p}: its process (PID {p.pid}) ended without finishing (killed or "
+                  "crashed); stopping the job", file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER)
+
     def _watch(self) -> None:
         while True:
             time.sleep(0.5)
+            self.check_local_peers()
             with self.lock:
                 top = self.stack[-1] if self.stack else None
             if top is None:
