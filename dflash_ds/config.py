@@ -226,6 +226,10 @@ class WandbConfig:
 class LogConfig:
     every_steps: int = 10
     progress: bool = True
+    profile_start: int = 0
+    """Profile steps profile_start .. profile_start + profile_steps - 1 on every rank (0: none): traces and
+    summaries under <run.output_dir>/profile (runtime/profiling.py)."""
+    profile_steps: int = 3
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -407,6 +411,8 @@ def validate(r: Recipe) -> None:
     need(t.peer_timeout_s > 0, "topology.peer_timeout_s must be > 0")
     need(t.peer_report_s > 0, "topology.peer_report_s must be > 0")
     need(r.log.every_steps >= 1, "log.every_steps must be >= 1")
+    need(r.log.profile_start >= 0, "log.profile_start must be >= 0 (a step number; 0 turns profiling off)")
+    need(r.log.profile_steps >= 1, "log.profile_steps must be >= 1")
     need(r.log.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")
 
 

@@ -20,7 +20,9 @@ SMALL="drafter.num_layers=1"
 SPLIT="topology.targets_per_node=1 topology.drafters_per_node=1 optim.grad_accum=4"
 COLO2="topology.colocated=true topology.targets_per_node=0 topology.drafters_per_node=2 optim.grad_accum=2"
 COLO1="topology.colocated=true topology.targets_per_node=0 topology.drafters_per_node=1 optim.grad_accum=4"
-EQ="optim.max_steps=20 log.every_steps=1"
+# EQ_EXTRA: overrides for every equality run (e.g. "optim.lr=6e-5" for a setting that does not amplify
+# rounding differences); E1_EXTRA: for the 64-layer split (e.g. "log.profile_start=11 log.profile_steps=3").
+EQ="optim.max_steps=20 log.every_steps=1 ${EQ_EXTRA:-}"
 
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/commands.txt"; }
 
@@ -91,8 +93,10 @@ benches() {  # the two single-GPU benches at once, one per GPU, then the planner
 
 e1() {  # 1 target GPU + 1 drafter GPU, the full 64-layer geometry
   launch e1_split64 2 $(common "$M64" "$WORK/runs/e1") topology.targets_per_node=1 topology.drafters_per_node=1 \
-    optim.max_steps=${E1_STEPS:-30} eval.at_start=false eval.at_end=false eval.every_steps=0
+    optim.max_steps=${E1_STEPS:-30} eval.at_start=false eval.at_end=false eval.every_steps=0 ${E1_EXTRA:-}
   finish e1_split64 "$WORK/runs/e1" 420
+  [ -d "$WORK/runs/e1/profile" ] && cp -r "$WORK/runs/e1/profile" "$OUT/e1_profile"
+  return 0
 }
 
 colo1() {  # the 1-GPU references: colocated, global batch 4 rows; the full drafter and the one-layer one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -52,13 +53,23 @@ def reference(tmp_path_factory):
 
 
 def test_split_runtime_matches_single_process(tmp_path, reference):
-    """1 target + 2 drafters, grad_accum 2: transport and schedule lose and reorder nothing."""
+    """1 target + 2 drafters, grad_accum 2: transport and schedule lose and reorder nothing (with steps 2-3
+    profiled on every rank, which must not change a loss)."""
     run_dir = tmp_path / "run"
-    ok(launch(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2", f"run.output_dir={run_dir}"], procs=3))
+    ok(launch(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2", f"run.output_dir={run_dir}",
+                            "log.profile_start=2", "log.profile_steps=2"], procs=3))
     got = losses(run_dir)
     assert len(got) == 4
     assert got == pytest.approx(reference, rel=2e-4), (got, reference)
     assert got[-1] < got[0]
+    names = sorted(f.name for f in (run_dir / "profile").iterdir())
+    ranks = ["rank0-drafter", "rank1-drafter", "rank2-target"]
+    assert names == sorted([f"{r}.json" for r in ranks] + [f"{r}.trace.json.gz" for r in ranks]), names
+    for r in ranks:
+        summary = json.loads((run_dir / "profile" / f"{r}.json").read_text())
+        assert summary["steps"] == [2, 3] and summary["wall_s"] > 0 and summary["gpu_events"] == 0, summary
+        with gzip.open(run_dir / "profile" / f"{r}.trace.json.gz") as f:
+            assert json.load(f)["traceEvents"], r
 
 
 def test_colocated_matches_single_process(tmp_path, reference):

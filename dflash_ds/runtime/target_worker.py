@@ -24,6 +24,7 @@ from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import target_counters, write_status
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.transport import Sender, taps_view, write_meta
 from dflash_ds.target.model import TapCapture, forward_taps, truncate_after
 
@@ -120,9 +121,12 @@ class TargetWorker:
         # Cumulative counters (the lead drafter differences them over its log window); this first
         # report replaces any left by an earlier run in the directory before the drafter reads one.
         write_status(r.run.output_dir, rank, target_counters(rank, start, t0, 0, 0.0, 0, now=t0))
+        profiler = StepProfiler(r, rank, "target", spec.device)
         for step in range(start, plan.total_steps):
+            profiler.before(step + 1)
             for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
                 sender.send(self.fill(sender.buffer(), m), dst=dst)
+            profiler.after(step + 1)
             if (step + 1) % r.log.every_steps == 0 or step + 1 == plan.total_steps:
                 write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, self.tokens - tokens0,
                                                                      sender.wait_seconds - wait0, sender.in_flight))

@@ -27,6 +27,7 @@ from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.transport import PayloadSpec, Receiver, unpack
 from dflash_ds.runtime.watchdog import waiting_on
@@ -122,10 +123,13 @@ class DrafterTrainer:
         r, plan = self.spec.recipe, self.spec.plan
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
+        profiler = StepProfiler(r, self.rank, self.spec.layout.role(self.rank), self.spec.device)
         t0 = time.perf_counter()
         window_t, window_steps = t0, 0
         for step in range(start, plan.total_steps):
+            profiler.before(step + 1)
             stats = self.train_step(step)
+            profiler.after(step + 1)
             window_steps += 1
             done = step + 1
             if done % r.log.every_steps == 0 or done == plan.total_steps:
