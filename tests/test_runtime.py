@@ -33,8 +33,8 @@ def ok(proc):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Single-process losses for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
+def reference_run(tmp_path_factory):
+    """Single-process losses and gradient norms for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.run import check_recipe
@@ -49,10 +49,18 @@ def reference(tmp_path_factory):
     spec = spec.with_rows(data.num_rows)
     target = load_target(recipe.target.path, dtype="float32")
     embed, head = embed_and_head(recipe.target.path, torch.float32)
-    return reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4)
+    norms: list[float] = []
+    got = reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4,
+                           grad_norms=norms)
+    return {"losses": got, "grad_norms": norms}
 
 
-def test_split_runtime_matches_single_process(tmp_path, reference):
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run["losses"]
+
+
+def test_split_runtime_matches_single_process(tmp_path, reference, reference_run):
     """1 target + 2 drafters, grad_accum 2: transport and schedule lose and reorder nothing (with steps 2-3
     profiled on every rank, which must not change a loss)."""
     run_dir = tmp_path / "run"
@@ -62,6 +70,9 @@ def test_split_runtime_matches_single_process(tmp_path, reference):
     assert len(got) == 4
     assert got == pytest.approx(reference, rel=2e-4), (got, reference)
     assert got[-1] < got[0]
+    # The gradients too: each step's norm before clipping (DeepSpeed's ZeRO-2 vs torch's clip_grad_norm_).
+    norms = [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
+    assert norms == pytest.approx(reference_run["grad_norms"], rel=2e-4), (norms, reference_run["grad_norms"])
     names = sorted(f.name for f in (run_dir / "profile").iterdir())
     ranks = ["rank0-drafter", "rank1-drafter", "rank2-target"]
     assert names == sorted([f"{r}.json" for r in ranks] + [f"{r}.trace.json.gz" for r in ranks]), names

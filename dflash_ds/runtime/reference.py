@@ -19,8 +19,10 @@ from dflash_ds.runtime.target_worker import TargetWorker
 from dflash_ds.runtime.transport import unpack
 
 
-def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, np.ndarray], steps: int) -> list[float]:
-    """Per-step losses sum(w * CE) / sum(w) over every micro-batch of every drafter rank (on CPU)."""
+def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, np.ndarray], steps: int,
+                     grad_norms: list[float] | None = None) -> list[float]:
+    """Per-step losses sum(w * CE) / sum(w) over every micro-batch of every drafter rank (on CPU); each
+    step's gradient norm before clipping is appended to `grad_norms` when given."""
     assert spec.device.type == "cpu" and spec.dtype == torch.float32, "the reference runs in float32 on the CPU"
     o, plan, drafter = spec.recipe.optim, spec.plan, model.drafter
     settings = StepSettings.from_recipe(spec.recipe, spec.device)
@@ -41,7 +43,9 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
             out = drafter_loss(model, mb, bl, weight, settings)
             out.loss.backward()
             total += float(out.ce_sum)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
         opt.step()
         sched.step()
         losses.append(total / float(weight))

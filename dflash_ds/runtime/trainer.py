@@ -170,6 +170,9 @@ class DrafterTrainer:
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
+        norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
+        if norm is not None:
+            rec["grad_norm"] = float(norm)
         # Rates over each log window (the drafter's own and the targets'), not since the start.
         self.wait_before = self.source.wait_seconds
         rec.update(self.target_window.update(read_status(self.spec.recipe.run.output_dir)))
