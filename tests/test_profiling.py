@@ -89,3 +89,18 @@ def test_off_by_default_and_checked():
     assert prof.prof is None
     with pytest.raises(RecipeError, match="log.profile_steps must be >= 1"):
         load_recipe("recipes/tiny.yaml", ["log.profile_start=5", "log.profile_steps=0"])
+
+
+def test_window_closes_after_draining_and_before_the_caller_moves_on(tmp_path):
+    # Transfers started inside the window must complete before the profiler stops (c10d closes their
+    # profiler records on completion): the drain runs while the profiler is still recording.
+    recipe = SimpleNamespace(log=SimpleNamespace(profile_start=1, profile_steps=2),
+                             run=SimpleNamespace(output_dir=str(tmp_path)))
+    prof = StepProfiler(recipe, rank=0, role="target", device="cpu")
+    seen = []
+    prof.before(1)
+    prof.after(1, drain=lambda: seen.append("drained at step 1"))
+    prof.before(2)
+    prof.after(2, drain=lambda: seen.append(("drained at step 2, recording", prof.prof is not None)))
+    assert seen == [("drained at step 2, recording", True)]
+    assert prof.prof is None and (tmp_path / "profile" / "rank0-target.json").is_file()

@@ -11,7 +11,8 @@ host ops and, on GPU, its kernels, and writes
 
 Target ranks number their loop by the same steps, so in a split the windows cover the same work (the
 target runs up to `topology.max_in_flight` micro-batches ahead). The window starts and ends with a
-device synchronisation, so it measures whole steps.
+device synchronisation, so it measures whole steps; no transfer started inside it is still running when
+it closes (drafters close it before posting the next receives, targets after their sends complete).
 """
 
 from __future__ import annotations
@@ -95,9 +96,16 @@ class StepProfiler:
         self.prof.start()
         self.t0 = time.perf_counter()
 
-    def after(self, step: int) -> None:
+    def after(self, step: int, drain=None) -> None:
+        """Close the window after step `last`; `drain` first completes the transfers started in it.
+
+        c10d attaches a profiler record to every transfer started while profiling and closes it when
+        the transfer completes; one completing after the profiler stopped writes into freed memory.
+        """
         if self.prof is None or step != self.last:
             return
+        if drain is not None:
+            drain()
         self._sync()
         wall = time.perf_counter() - self.t0
         self.prof.stop()

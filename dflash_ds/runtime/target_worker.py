@@ -126,7 +126,7 @@ class TargetWorker:
             profiler.before(step + 1)
             for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
                 sender.send(self.fill(sender.buffer(), m), dst=dst)
-            profiler.after(step + 1)
+            profiler.after(step + 1, drain=sender.flush)  # no send started in the window outlives it
             if (step + 1) % r.log.every_steps == 0 or step + 1 == plan.total_steps:
                 write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, self.tokens - tokens0,
                                                                      sender.wait_seconds - wait0, sender.in_flight))

@@ -82,6 +82,7 @@ class DrafterTrainer:
         self._metrics: Metrics | None = None
         self.last_tau: TauReport | None = None  # the latest evaluation, for the export's model card
         self.target_window, self.wait_before = TargetWindow(), 0.0
+        self.profiler = StepProfiler(spec.recipe, rank, spec.layout.role(rank), spec.device)
 
     @property
     def metrics(self) -> Metrics:
@@ -96,6 +97,7 @@ class DrafterTrainer:
         """One optimizer step over this rank's grad_accum payloads. No host synchronisation."""
         spec, s = self.spec, self.settings
         plan, lay = spec.plan, spec.layout
+        self.profiler.before(step + 1)
         payloads = [self.source.get() for _ in range(plan.grad_accum)]
         mbs = [unpack(p, spec.payload, spec.dtype) for p in payloads]
         blocks = [make_blocks(mb, s, lay.micro_index(step, g, plan.grad_accum, self.rank)) for g, mb in enumerate(mbs)]
@@ -114,6 +116,10 @@ class DrafterTrainer:
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
             kl_sum = kl_sum + out.kl_sum
+        # The profile window closes before the releases post the next receives: a transfer started
+        # inside the window and finished after it would close its profiler record on a profiler that
+        # is gone (a crash in the wait).
+        self.profiler.after(step + 1)
         for p in payloads:
             self.source.release(p)
         return StepStats(ce_sum, weight, accept, anchors, kl_sum)
@@ -123,13 +129,10 @@ class DrafterTrainer:
         r, plan = self.spec.recipe, self.spec.plan
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
-        profiler = StepProfiler(r, self.rank, self.spec.layout.role(self.rank), self.spec.device)
         t0 = time.perf_counter()
         window_t, window_steps = t0, 0
         for step in range(start, plan.total_steps):
-            profiler.before(step + 1)
             stats = self.train_step(step)
-            profiler.after(step + 1)
             window_steps += 1
             done = step + 1
             if done % r.log.every_steps == 0 or done == plan.total_steps:
