@@ -335,6 +335,9 @@ WATCH_LOCAL_PEER = """
     dog = Watchdog(me, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left)
     if sys.argv[2] == "announced":  # the peer says it leaves on purpose before it exits
         Watchdog(peer, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left).mark_left()
+    import pathlib
+    pathlib.Path(left).mkdir(exist_ok=True)
+    pathlib.Path(left, "rank1").write_text("0")  # this rank's marker from an earlier run: cleared by start()
     dog.start()
     print("watching", peer_proc.pid, flush=True)
     peer_proc.kill()
@@ -356,6 +359,7 @@ def test_watchdog_ends_the_rank_when_a_local_peer_process_is_gone(tmp_path, anno
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "left"), how, "3"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
     pid = proc.stdout.split()[1]
+    assert not (tmp_path / "left" / "rank1").exists()
     if announced:
         assert proc.returncode == 0 and "still running" in proc.stdout, proc.stderr
         assert (tmp_path / "left" / "rank0").read_text() == pid

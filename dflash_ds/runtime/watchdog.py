@@ -80,6 +80,11 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, name="dflash-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
+        # A marker left by this rank in an earlier run of the directory names another PID, but one
+        # reused by this process would hide this rank's crash from its peers: clear it.
+        if self.left_dir is not None:
+            with contextlib.suppress(OSError):
+                (self.left_dir / f"rank{self.me.rank}").unlink()
         self.thread.start()
         return self
 
