@@ -6,6 +6,7 @@ validation; nothing mutates a recipe afterwards (run.check_recipe resolves it in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import typing
@@ -227,8 +228,7 @@ class LogConfig:
     every_steps: int = 10
     progress: bool = True
     profile_start: int = 0
-    """Profile steps profile_start .. profile_start + profile_steps - 1 on every rank (0: none): traces and
-    summaries under <run.output_dir>/profile (runtime/profiling.py)."""
+    """Profile steps profile_start .. + profile_steps - 1 on every rank (0: none); runtime/profiling.py."""
     profile_steps: int = 3
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -369,18 +369,19 @@ def validate(r: Recipe) -> None:
     need(bool(r.target.path), "target.path is empty; set it to a hub id or a local model directory")
     need(r.target.dtype in ("bfloat16", "float32"), f"target.dtype must be bfloat16 or float32, got {r.target.dtype!r}")
     need(r.run.device in ("auto", "cuda", "cpu"), f"run.device must be auto, cuda or cpu, got {r.run.device!r}")
-    need(r.drafter.num_layers >= 1, "drafter.num_layers must be >= 1")
     need(r.drafter.block_size >= 2, f"drafter.block_size must be >= 2 (an anchor plus at least one mask), got {r.drafter.block_size}")
     need(r.drafter.mask_token_id >= 0, "drafter.mask_token_id is not set; use the target's reserved MASK id (Qwen3.5/3.6: 248070, Qwen3: 151669)")
     need(bool(r.data.path), "data.path is empty; set it to a hub dataset id or a local json/jsonl/parquet file")
     need(r.data.max_length >= 2 * r.drafter.block_size, f"data.max_length ({r.data.max_length}) must be at least 2 x drafter.block_size")
     need(r.data.truncation in ("truncate", "drop"), f"data.truncation must be truncate or drop, got {r.data.truncation!r}")
     _validate_regenerate(r.data.regenerate, need)
+    for name in ("drafter.num_layers", "objective.num_anchors", "objective.loss_chunks", "optim.rows_per_micro_batch",
+                 "optim.grad_accum", "topology.max_in_flight", "checkpoint.every_steps", "checkpoint.keep_last",
+                 "log.every_steps", "log.profile_steps"):
+        need(functools.reduce(getattr, name.split("."), r) >= 1, f"{name} must be >= 1")
     need(r.data.num_proc >= 0, f"data.num_proc must be >= 0 (0 = every core), got {r.data.num_proc}")
-    need(r.objective.num_anchors >= 1, "objective.num_anchors must be >= 1")
     need(r.objective.num_anchors <= r.data.max_length,
          f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")
-    need(r.objective.loss_chunks >= 1, "objective.loss_chunks must be >= 1")
     need(r.objective.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {r.objective.kl_weight}")
     need(r.objective.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {r.objective.kl_temperature}")
     need(r.optim.lr > 0, "optim.lr must be > 0")
@@ -391,8 +392,6 @@ def validate(r: Recipe) -> None:
     need(r.optim.schedule != "wsd" or r.optim.warmup_ratio + r.optim.decay_ratio <= 1,
          f"optim.warmup_ratio ({r.optim.warmup_ratio}) + optim.decay_ratio ({r.optim.decay_ratio}) exceed 1; "
          "lower one of them so the wsd phases fit in the run")
-    need(r.optim.rows_per_micro_batch >= 1, "optim.rows_per_micro_batch must be >= 1")
-    need(r.optim.grad_accum >= 1, "optim.grad_accum must be >= 1")
     need(r.optim.epochs > 0 or r.optim.max_steps, "set optim.epochs > 0 or optim.max_steps")
     need(r.optim.max_steps is None or r.optim.max_steps >= 1, "optim.max_steps must be >= 1 or null")
     t = r.topology
@@ -402,17 +401,12 @@ def validate(r: Recipe) -> None:
     else:
         need(t.targets_per_node >= 1 and t.drafters_per_node >= 1,
              "topology needs targets_per_node >= 1 and drafters_per_node >= 1 (or colocated: true)")
-    need(t.max_in_flight >= 1, "topology.max_in_flight must be >= 1")
-    need(r.checkpoint.every_steps >= 1, "checkpoint.every_steps must be >= 1")
-    need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     need(r.checkpoint.resume in ("auto", "fallback", "restart"),
          f"checkpoint.resume must be auto, fallback or restart, got {r.checkpoint.resume!r}")
     need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
     need(t.peer_timeout_s > 0, "topology.peer_timeout_s must be > 0")
     need(t.peer_report_s > 0, "topology.peer_report_s must be > 0")
-    need(r.log.every_steps >= 1, "log.every_steps must be >= 1")
     need(r.log.profile_start >= 0, "log.profile_start must be >= 0 (a step number; 0 turns profiling off)")
-    need(r.log.profile_steps >= 1, "log.profile_steps must be >= 1")
     need(r.log.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")
 
 

@@ -236,6 +236,15 @@ def _all_layer_taps(model, ids, doc_ids, mode: str):
     return out
 
 
+def _modes_and_fp32_reference(model, ids, doc_ids) -> dict:
+    """Every layer's taps in bf16 for each mode, then each document alone with the same weights in float32
+    (the reference bf16 is measured against; the model is left in float32)."""
+    taps = {mode: _all_layer_taps(model, ids, doc_ids, mode) for mode in ("alone", "packed", "stock")}
+    model.float()
+    taps["alone32"] = _all_layer_taps(model, ids, doc_ids, "alone")
+    return taps
+
+
 def _worst_doc_error(got, want) -> float:
     worst = 0.0
     for r, lengths in enumerate(PACKED_DOCS):
@@ -252,11 +261,8 @@ def test_packed_hybrid_target_matches_documents_alone(record):
     pytest.importorskip("fla", reason="flash-linear-attention is not installed")
     model = _hybrid_target(8)
     ids, doc_ids = _packed_rows(model.config.vocab_size)
-    alone = _all_layer_taps(model, ids, doc_ids, "alone")
-    packed = _all_layer_taps(model, ids, doc_ids, "packed")
-    stock = _all_layer_taps(model, ids, doc_ids, "stock")
-    model.float()  # the same weights in float32: the reference bf16 is measured against
-    alone32 = _all_layer_taps(model, ids, doc_ids, "alone")
+    t = _modes_and_fp32_reference(model, ids, doc_ids)
+    alone, packed, stock, alone32 = t["alone"], t["packed"], t["stock"], t["alone32"]
     found = {"packed_vs_alone_bf16": _worst_doc_error(packed, alone),
              "alone_bf16_vs_alone_fp32": _worst_doc_error(alone, alone32),
              "packed_bf16_vs_alone_fp32": _worst_doc_error(packed, alone32),
@@ -287,12 +293,9 @@ def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(r
     calls = []
     kernel = packed_mod.flash_varlen
     monkeypatch.setattr(packed_mod, "flash_varlen", lambda *a: calls.append(1) or kernel(*a))
-    alone = _all_layer_taps(model, ids, doc_ids, "alone")
-    varlen = _all_layer_taps(model, ids, doc_ids, "packed")
+    t = _modes_and_fp32_reference(model, ids, doc_ids)  # "stock": position ids alone, transformers' mask
     assert len(calls) == 4, calls  # one kernel call per layer, only in the packed forward
-    masked = _all_layer_taps(model, ids, doc_ids, "stock")  # position ids alone: transformers' mask
-    model.float()
-    alone32 = _all_layer_taps(model, ids, doc_ids, "alone")
+    alone, varlen, masked, alone32 = t["alone"], t["packed"], t["stock"], t["alone32"]
     found = {"varlen_vs_alone_bf16": _worst_doc_error(varlen, alone),
              "alone_bf16_vs_alone_fp32": _worst_doc_error(alone, alone32),
              "varlen_bf16_vs_alone_fp32": _worst_doc_error(varlen, alone32),

@@ -48,18 +48,21 @@ def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
     out: dict = {"wall_s": wall_s, "gpu_events": len(gpu)}
     if not gpu:
         return out  # a CPU run: no device timeline
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu]
-    comm = [s for s, e in zip(spans, gpu) if "nccl" in e.get("name", "").lower()]
-    compute = [s for s, e in zip(spans, gpu) if "nccl" not in e.get("name", "").lower()]
+    spans, comm, compute = [], [], []
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for (a, b), e in zip(spans, gpu):
-        acc = by_name[e.get("name", "?")]
-        acc[0] += (b - a) / 1e6
+    for e in gpu:
+        name = e.get("name", "?")
+        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        spans.append(span)
+        (comm if "nccl" in name.lower() else compute).append(span)
+        acc = by_name[name]
+        acc[0] += (span[1] - span[0]) / 1e6
         acc[1] += 1
     heaviest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    busy = union_seconds(spans) / 1e6
     out.update({
-        "gpu_busy_s": union_seconds(spans) / 1e6,
-        "gpu_busy_share": union_seconds(spans) / 1e6 / wall_s,
+        "gpu_busy_s": busy,
+        "gpu_busy_share": busy / wall_s,
         # Kernels other than NCCL's: the share of the window the device computed.
         "compute_busy_share": union_seconds(compute) / 1e6 / wall_s,
         # NCCL kernels run from launch until their peer has matched them: this includes waiting.

@@ -122,8 +122,10 @@ class Watchdog:
             return False
 
     def check_local_peers(self) -> None:
+        if self.leaving:  # this rank is finishing: peers may exit in any order now
+            return
         for r, p in list(self.local.items()):
-            if self.leaving or not process_gone(p.pid):
+            if not process_gone(p.pid):
                 continue
             if self.has_left(p):
                 del self.local[r]
