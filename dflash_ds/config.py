@@ -184,6 +184,9 @@ class TopologyConfig:
     """One rank holds both models and passes hidden states in memory (single GPU)."""
     max_in_flight: int = 4
     """Payload sends a target may have outstanding (bounded run-ahead)."""
+    payload_ctas: int = 1
+    """Thread blocks (SMs) NCCL may use for payload transfers (0: NCCL's choice, 16 on an H200); a
+    posted transfer holds them until its peer arrives, slowing the GEMMs beside it (docs/performance.md)."""
     peer_timeout_s: float = 1200.0
     """A rank waiting this long on a peer (a payload, a send, a collective) names the peer and ends
     the job; a dead peer ends it at once. Must exceed the longest legitimate pause of a peer: a
@@ -379,6 +382,7 @@ def validate(r: Recipe) -> None:
                  "optim.grad_accum", "topology.max_in_flight", "checkpoint.every_steps", "checkpoint.keep_last",
                  "log.every_steps", "log.profile_steps"):
         need(functools.reduce(getattr, name.split("."), r) >= 1, f"{name} must be >= 1")
+    need(r.topology.payload_ctas >= 0, f"topology.payload_ctas must be >= 0 (0 = NCCL's default), got {r.topology.payload_ctas}")
     need(r.data.num_proc >= 0, f"data.num_proc must be >= 0 (0 = every core), got {r.data.num_proc}")
     need(r.objective.num_anchors <= r.data.max_length,
          f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
-    groups = make_groups(spec.layout)
+    groups = make_groups(spec.layout, recipe.topology.payload_ctas)
     control.bound(groups.drafter, groups.target)
     if rank == 0:
         run_dir = Path(recipe.run.output_dir)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.
     if spec.layout.role(rank) == "target":
-        code = run_guarded(lambda: run_target(spec, data, rank, groups.target, control.start_step), control)
+        code = run_guarded(lambda: run_target(spec, data, rank, groups, control.start_step), control)
     else:
         code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control), control)
     control.leaving()  # before the barrier: past it, peers exit in any order

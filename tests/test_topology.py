@@ -40,3 +40,33 @@ def test_colocated_every_rank_both_roles():
     lay = Layout(2, 2, 0, colocated=True)
     assert lay.role(0) == lay.role(1) == "both"
     assert lay.target_work(1, 5, 2) == [(0, 1, lay.micro_index(5, 0, 2, 1)), (1, 1, lay.micro_index(5, 1, 2, 1))]
+
+
+def test_payload_group_limits_only_split_nccl_runs(monkeypatch):
+    """The payload transfers get their own NCCL group capped at topology.payload_ctas thread blocks
+    (the gradient reduction keeps NCCL's default); nothing is created where nothing is limited."""
+    from dflash_ds.runtime import engines
+
+    created = []
+
+    class Config:
+        min_ctas = max_ctas = None
+
+    class Options:
+        def __init__(self):
+            self.config = Config()
+
+    monkeypatch.setattr(engines.dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}), raising=False)
+    monkeypatch.setattr(engines.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(engines.dist, "new_group", lambda ranks, pg_options=None: created.append((ranks, pg_options)) or "g")
+    split, colocated = Layout(3, 2, 1), Layout(2, 2, 0, colocated=True)
+    backend = {"name": "nccl"}
+    monkeypatch.setattr(engines.dist, "get_backend", lambda: backend["name"])
+    assert engines.payload_group(split, 1) == "g"
+    ranks, opts = created[0]
+    assert ranks == [0, 1, 2] and (opts.config.min_ctas, opts.config.max_ctas) == (1, 1)
+    assert engines.payload_group(split, 0) is None
+    assert engines.payload_group(colocated, 1) is None
+    backend["name"] = "gloo"
+    assert engines.payload_group(split, 1) is None
+    assert len(created) == 1

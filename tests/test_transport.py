@@ -124,3 +124,35 @@ def test_in_flight_counts_sends_not_completed():
     assert tx.in_flight == 2
     tx.pending[1][0].done = True
     assert tx.in_flight == 1
+
+
+def test_drafter_posts_the_next_steps_receives_while_a_step_runs(monkeypatch):
+    """A drafter step holds all of its payloads (the loss is normalised by the whole step's weight)
+    and releases them at its end. The receives for the next step must be posted before that, or
+    the target's sends of the next step wait, holding NCCL's thread blocks beside its GEMMs."""
+    from dflash_ds.runtime import transport
+    from dflash_ds.runtime.plan import receive_depth
+
+    posted = []
+
+    class Work:
+        def wait(self):
+            pass
+
+    def irecv(buf, src, group=None):
+        posted.append(src)
+        return Work()
+
+    monkeypatch.setattr(transport.dist, "irecv", irecv)
+    grad_accum, steps = 4, 5
+    spec = PayloadSpec(1, 4, 1, 8, torch.float32)
+    rx = Receiver(spec, "cpu", receive_depth(grad_accum), [1] * (grad_accum * steps))
+    for step in range(steps):
+        held = [rx.get() for _ in range(grad_accum)]  # the step runs with these
+        consumed = (step + 1) * grad_accum
+        ahead = len(posted) - consumed
+        # Every payload of the next step (none after the last) already has its receive posted.
+        assert ahead == min(grad_accum, grad_accum * steps - consumed), (step, ahead)
+        for buf in held:
+            rx.release(buf)
+    assert len(posted) == grad_accum * steps

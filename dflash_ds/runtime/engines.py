@@ -18,10 +18,12 @@ from dflash_ds.runtime.topology import Layout
 
 @dataclass(frozen=True)
 class Groups:
-    """This rank's two process groups (the same group twice in colocated mode)."""
+    """This rank's two process groups (the same group twice in colocated mode), and the one the
+    payloads travel over (None: the default group)."""
 
     drafter: dist.ProcessGroup
     target: dist.ProcessGroup
+    payload: dist.ProcessGroup | None = None
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
@@ -38,11 +40,23 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_groups(layout: Layout) -> Groups:
-    # Every rank creates both groups, in the same order (new_group is collective over WORLD).
+def make_groups(layout: Layout, payload_ctas: int = 0) -> Groups:
+    # Every rank creates every group, in the same order (new_group is collective over WORLD).
     drafter = dist.new_group(layout.drafter_ranks)
     target = drafter if layout.colocated else dist.new_group(layout.target_ranks)
-    return Groups(drafter, target)
+    return Groups(drafter, target, payload_group(layout, payload_ctas))
+
+
+def payload_group(layout: Layout, ctas: int) -> dist.ProcessGroup | None:
+    """A group of all ranks whose NCCL communicators use at most `ctas` thread blocks, for the
+    payload sends and receives only (the drafters' gradient reduction keeps its own); None where
+    there is nothing to limit (colocated, gloo, or ctas 0)."""
+    if layout.colocated or ctas == 0 or dist.get_backend() != "nccl":
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.min_ctas = ctas
+    opts.config.max_ctas = ctas
+    return dist.new_group(list(range(dist.get_world_size())), pg_options=opts)
 
 
 def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, device: torch.device):

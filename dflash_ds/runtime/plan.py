@@ -95,6 +95,15 @@ def drafter_params(hidden: int, inter: int, layers: int, heads: int, kv_heads: i
     return layers * (attn + mlp + 2 * hidden) + taps * hidden * hidden + 2 * hidden
 
 
+def receive_depth(grad_accum: int) -> int:
+    """Payload receives a split drafter keeps posted: two whole steps. A step starts only once all of
+    its payloads are in (its loss is normalised by the whole step's weight), so the next step's
+    receives must already be posted while it runs. With one step and one payload, the target's sends
+    of the next step waited for the drafter's step to end, each holding NCCL's thread blocks on the
+    target GPU meanwhile, and the drafter then idled until the step's last payload arrived."""
+    return 2 * grad_accum
+
+
 def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
                     taps: int) -> dict[str, float]:
     """Rough GiB per rank by role (weights, optimizer, payload buffers, activations)."""
@@ -104,7 +113,7 @@ def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hi
     nd = plan.layout.num_drafters
     drafter = (d_params * (2 + 2) + d_params * 12 / nd  # bf16 weights + grads, fp32 master + Adam split by ZeRO-2
                + 2 * vocab * hidden * 2  # frozen embedding + lm_head
-               + (plan.grad_accum + 1) * payload
+               + receive_depth(plan.grad_accum) * payload
                + r * n * b * hidden * 2 * 12 * recipe.drafter.num_layers  # block activations
                + r * n * b * vocab * 4 / recipe.objective.loss_chunks * 2)  # one loss chunk's logits + grad
     target = t_params * 2 + (recipe.topology.max_in_flight + 1) * payload + r * s * hidden * 2 * 16

@@ -103,16 +103,17 @@ class TargetWorker:
             self._forward(buf, ids.to(device), loss_mask.to(device), doc_ids.to(device))
             yield buf
 
-    def run(self, start: int | None = None) -> None:
+    def run(self, start: int | None = None, group=None) -> None:
         """The target rank's loop: evaluation payloads first, then every scheduled micro-batch from
-        `start` (the step the lead decided, shared through the process group; None: read it here)."""
+        `start` (the step the lead decided, shared through the process group; None: read it here),
+        sent over `group` (None: the default group)."""
         spec, rank = self.spec, self.rank
         r, plan, lay = spec.recipe, spec.plan, spec.layout
         sender = Sender(spec.payload, spec.device, r.topology.max_in_flight)
         if self.eval_sequences is not None:
             if rank == lay.eval_target():
                 for buf in self.eval_payloads(sender.buffer):
-                    sender.send(buf, dst=lay.drafter_ranks[0])
+                    sender.send(buf, dst=lay.drafter_ranks[0], group=group)
             else:
                 for _ in self.eval_payloads(lambda: spec.payload.empty(spec.device)):
                     pass  # the same forwards, keeping ZeRO-3 ranks in step
@@ -125,7 +126,7 @@ class TargetWorker:
         for step in range(start, plan.total_steps):
             profiler.before(step + 1)
             for _, dst, m in lay.target_work(rank, step, plan.grad_accum):
-                sender.send(self.fill(sender.buffer(), m), dst=dst)
+                sender.send(self.fill(sender.buffer(), m), dst=dst, group=group)
             profiler.after(step + 1, drain=sender.flush)  # no send started in the window outlives it
             if (step + 1) % r.log.every_steps == 0 or step + 1 == plan.total_steps:
                 write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, self.tokens - tokens0,
@@ -159,7 +160,7 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
     return out
 
 
-def run_target(spec: RunSpec, data: PreparedData, rank: int, group, start: int | None = None) -> None:
+def run_target(spec: RunSpec, data: PreparedData, rank: int, groups, start: int | None = None) -> None:
     """A target rank from start to end."""
     is_eval_rank = rank == spec.layout.eval_target()
-    TargetWorker.load(spec, data, rank, group, eval_lead=is_eval_rank).run(start)
+    TargetWorker.load(spec, data, rank, groups.target, eval_lead=is_eval_rank).run(start, groups.payload)

@@ -27,6 +27,7 @@ from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.run import RunSpec
 from dflash_ds.runtime import checkpoint
+from dflash_ds.runtime.plan import receive_depth
 from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.transport import PayloadSpec, Receiver, unpack
@@ -281,14 +282,14 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=No
     else:
         if wants_eval(spec, data) and lead:
             n = eval_payload_count(spec, data)
-            rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n)
+            rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n, groups.payload)
             for _ in range(n):
                 buf = rx.get()
                 eval_set.append(buf.cpu())
                 rx.release(buf)
         sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                    for g in range(plan.grad_accum))
-        source = Receiver(spec.payload, spec.device, plan.grad_accum + 1, sources)
+        source = Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, groups.payload)
     trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank)
     trainer.train(start, eval_set, control)
     source.close()
