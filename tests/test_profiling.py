@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.runtime.profiling import StepProfiler, summarise, union_seconds
+from dflash_ds.runtime.profiling import StepProfiler, merged, overlaps, summarise, union_seconds
 
 pytestmark = pytest.mark.unit
 
@@ -104,3 +104,32 @@ def test_window_closes_after_draining_and_before_the_caller_moves_on(tmp_path):
     prof.after(2, drain=lambda: seen.append(("drained at step 2, recording", prof.prof is not None)))
     assert seen == [("drained at step 2, recording", True)]
     assert prof.prof is None and (tmp_path / "profile" / "rank0-target.json").is_file()
+
+
+def test_summary_measures_compute_slowed_beside_nccl_and_device_syncs():
+    """The two effects that held a split below its benches: GEMMs running longer while a waiting NCCL
+    kernel is resident, and a host blocked in device-wide synchronisations."""
+    ev = [kernel("ncclDevKernel_SendRecv", 1000, 500), kernel("ncclDevKernel_SendRecv", 1400, 300)]  # union [1000, 1700)
+    ev += [kernel("gemm", t, 100) for t in (0, 200, 400, 600)]  # alone: mean 100
+    ev += [kernel("gemm", 1000, 130), kernel("gemm", 1600, 150)]  # beside NCCL (the second only partly)
+    ev += [kernel("gemm", 1700, 100)]  # starts as the NCCL union ends: alone
+    ev += [kernel("flash_fwd", 1100, 50)]  # never alone: no ratio, nothing counted
+    ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": t, "dur": d}
+           for t, d in ((0, 40), (900, 160))]
+    s = summarise({"traceEvents": ev}, wall_s=2000e-6)
+    assert s["compute_slowed_beside_nccl_s"] == pytest.approx((30 + 50) * 1e-6)
+    assert s["host_device_sync_s"] == pytest.approx(200e-6)
+    gemm = next(k for k in s["top_kernels"] if k["name"] == "gemm")
+    assert gemm["beside_nccl_ratio"] == pytest.approx(140 / 100)
+    assert "beside_nccl_ratio" not in next(k for k in s["top_kernels"] if k["name"] == "flash_fwd")
+
+
+def test_overlap_lookup_matches_a_scan():
+    rng = random.Random(3)
+    comm = [(a, a + rng.uniform(0, 30)) for a in (rng.uniform(0, 1000) for _ in range(40))]
+    disjoint = merged(comm)
+    starts = [a for a, _ in disjoint]
+    for _ in range(500):
+        a = rng.uniform(-50, 1050)
+        b = a + rng.uniform(0.1, 40)
+        assert overlaps(disjoint, starts, a, b) == any(s < b and e > a for s, e in comm)

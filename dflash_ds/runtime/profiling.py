@@ -17,6 +17,7 @@ it closes (drafters close it before posting the next receives, targets after the
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import os
@@ -31,15 +32,37 @@ import torch
 GPU_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, end) intervals merged into disjoint ones, in order."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by (start, end) intervals, overlaps counted once (kernels of several streams)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    return sum(b - a for a, b in merged(intervals))
+
+
+def overlaps(disjoint: list[tuple[float, float]], starts: list[float], a: float, b: float) -> bool:
+    """Whether [a, b) meets one of the disjoint sorted intervals (starts: their start times)."""
+    i = bisect.bisect_left(starts, b) - 1  # the last interval starting before b is the only candidate
+    return i >= 0 and disjoint[i][1] > a
+
+
+def slowed_beside(compute: list[tuple[str, float, float]], comm: list[tuple[float, float]]) -> dict[str, list]:
+    """Per kernel name, the durations of the calls that ran alone and of those that ran while an NCCL
+    kernel was resident: a waiting NCCL kernel holds SMs, and a GEMM beside it takes longer."""
+    disjoint = merged(comm)
+    starts = [a for a, _ in disjoint]
+    by_name: dict[str, list] = defaultdict(lambda: [[], []])
+    for name, a, b in compute:
+        by_name[name][overlaps(disjoint, starts, a, b)].append(b - a)
+    return by_name
 
 
 def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
@@ -48,18 +71,23 @@ def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
     out: dict = {"wall_s": wall_s, "gpu_events": len(gpu)}
     if not gpu:
         return out  # a CPU run: no device timeline
-    spans, comm, compute = [], [], []
+    spans, comm, compute, named = [], [], [], []
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in gpu:
         name = e.get("name", "?")
         span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
         spans.append(span)
         (comm if "nccl" in name.lower() else compute).append(span)
+        if "nccl" not in name.lower():
+            named.append((name, *span))
         acc = by_name[name]
         acc[0] += (span[1] - span[0]) / 1e6
         acc[1] += 1
     heaviest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     busy = union_seconds(spans) / 1e6
+    beside = slowed_beside(named, comm)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    lost = sum(sum(near) - len(near) * mean(alone) for alone, near in beside.values() if alone and near)
     out.update({
         "gpu_busy_s": busy,
         "gpu_busy_share": busy / wall_s,
@@ -67,9 +95,24 @@ def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
         "compute_busy_share": union_seconds(compute) / 1e6 / wall_s,
         # NCCL kernels run from launch until their peer has matched them: this includes waiting.
         "nccl_share": union_seconds(comm) / 1e6 / wall_s,
-        "top_kernels": [{"name": n[:160], "seconds": round(s, 6), "calls": c} for n, (s, c) in heaviest],
+        # Compute time added by NCCL kernels resident beside it: each call that overlapped one,
+        # against the mean of the same kernel's calls that did not.
+        "compute_slowed_beside_nccl_s": lost / 1e6,
+        # Host time blocked in device-wide synchronisations, which also wait for transfers posted on
+        # other streams (a receive posted ahead waits for its peer).
+        "host_device_sync_s": sum(float(e.get("dur", 0)) for e in trace["traceEvents"]
+                                  if e.get("name") == "cudaDeviceSynchronize") / 1e6,
+        "top_kernels": [_kernel_entry(n, s, c, beside.get(n)) for n, (s, c) in heaviest],
     })
     return out
+
+
+def _kernel_entry(name: str, seconds: float, calls: int, beside) -> dict:
+    entry = {"name": name[:160], "seconds": round(seconds, 6), "calls": calls}
+    if beside and beside[0] and beside[1]:
+        alone, near = beside
+        entry["beside_nccl_ratio"] = round((sum(near) / len(near)) / (sum(alone) / len(alone)), 4)
+    return entry
 
 
 class StepProfiler:
