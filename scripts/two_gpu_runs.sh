@@ -1,7 +1,8 @@
 #!/bin/bash
 # The two-GPU measurements of docs/performance.md ("Two GPUs"), one function per experiment.
 #   bash scripts/two_gpu_runs.sh OUT_DIR STEP [STEP ...]
-# Steps: models model16 benches e1 colo1 split replica zero3 faults kills (and zero3_and_split, zero3_then_faults).
+# Steps: models model16 benches e1 colo1 (colo1_full, colo1_small; colo1_pair runs both at once, one per GPU)
+# split replica zero3 faults kills (and zero3_and_split, zero3_then_faults).
 # Models and runs live under $WORK (default /dev/shm/dflash: the 64-layer bf16 target is 54 GB and
 # loads fastest from memory). Every run is `deepspeed launch.sh recipes/qwen27b.yaml` with the
 # overrides printed into OUT_DIR/commands.txt. The equality runs (colo1, split, replica, zero3) log
@@ -91,19 +92,29 @@ benches() {  # the two single-GPU benches at once, one per GPU, then the planner
   tail -3 "$OUT/bench_target.log" "$OUT/bench_drafter.log"; cat "$OUT/plan.txt"
 }
 
-e1() {  # 1 target GPU + 1 drafter GPU, the full 64-layer geometry
-  launch e1_split64 2 $(common "$M64" "$WORK/runs/e1") topology.targets_per_node=1 topology.drafters_per_node=1 \
+e1() {  # 1 target GPU + 1 drafter GPU, the full 64-layer geometry (E1_NAME: another run of it)
+  local n=${E1_NAME:-e1}
+  launch ${n}_split64 2 $(common "$M64" "$WORK/runs/$n") topology.targets_per_node=1 topology.drafters_per_node=1 \
     optim.max_steps=${E1_STEPS:-30} eval.at_start=false eval.at_end=false eval.every_steps=0 ${E1_EXTRA:-}
-  finish e1_split64 "$WORK/runs/e1" 420
-  [ -d "$WORK/runs/e1/profile" ] && cp -r "$WORK/runs/e1/profile" "$OUT/e1_profile"
+  finish ${n}_split64 "$WORK/runs/$n" 420
+  [ -d "$WORK/runs/$n/profile" ] && cp -r "$WORK/runs/$n/profile" "$OUT/${n}_profile"
   return 0
 }
 
-colo1() {  # the 1-GPU references: colocated, global batch 4 rows; the full drafter and the one-layer one
+# The 1-GPU references: colocated, global batch 4 rows; the full drafter and the one-layer one.
+colo1_full() {
   launch colo1_full 1 $(common "$M16" "$WORK/runs/colo1_full") $COLO1 $EQ
   finish colo1_full "$WORK/runs/colo1_full" 150
+}
+colo1_small() {
   launch colo1_small 1 $(common "$M16" "$WORK/runs/colo1_small") $COLO1 $EQ $SMALL
   finish colo1_small "$WORK/runs/colo1_small" 150
+}
+colo1() { colo1_full; colo1_small; }
+colo1_pair() {  # both references at once, one per GPU (own ports: each job's launcher needs one)
+  (export CUDA_VISIBLE_DEVICES=0 PORT=29650; colo1_full) &
+  (export CUDA_VISIBLE_DEVICES=1 PORT=29660; colo1_small) &
+  wait
 }
 
 split() {  # 1 target GPU + 1 drafter GPU over NCCL, to compare with colo1_small step by step
