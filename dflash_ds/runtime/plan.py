@@ -99,8 +99,8 @@ def receive_depth(grad_accum: int) -> int:
     """Payload receives a split drafter keeps posted: two whole steps. A step starts only once all of
     its payloads are in (its loss is normalised by the whole step's weight), so the next step's
     receives must already be posted while it runs. With one step and one payload, the target's sends
-    of the next step waited for the drafter's step to end, each holding NCCL's thread blocks on the
-    target GPU meanwhile, and the drafter then idled until the step's last payload arrived."""
+    of the next step waited for the drafter's step to end, each holding NCCL's thread blocks beside
+    the target's GEMMs meanwhile (docs/performance.md, "Two GPUs")."""
     return 2 * grad_accum
 
 
