@@ -84,6 +84,8 @@ def progress_line(r: dict, total_steps: int) -> str:
     if "in_flight" in r:
         parts.append(f"in flight {r['in_flight']}")
     parts.append(f"data wait {100 * r.get('drafter_wait_share', 0):.0f}%")
+    if "drafter_sync_share" in r:
+        parts.append(f"sync stall {100 * r['drafter_sync_share']:.0f}%")
     if "target_send_wait_share" in r:
         parts.append(f"send wait {100 * r['target_send_wait_share']:.0f}%")
     return " | ".join(parts)

@@ -26,7 +26,8 @@ STEP_PANELS = [
      [("tok_per_s", "run"), ("drafter_tok_per_s", "per drafter rank"), ("target_tok_per_s", "per target rank")],
      "linear"),
     ("wait", "waiting shares", "share of wall time",
-     [("drafter_wait_share", "drafters wait for data"), ("target_send_wait_share", "targets wait to send")], "linear"),
+     [("drafter_wait_share", "drafters wait for data"), ("drafter_sync_share", "drafters idle in device syncs"),
+      ("target_send_wait_share", "targets wait to send")], "linear"),
     ("lr", "learning rate", "lr", [("lr", "lr")], "linear"),
 ]
 

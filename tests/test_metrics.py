@@ -31,9 +31,9 @@ def test_status_files_and_progress_line(tmp_path):
     assert read_status(tmp_path) == [{"tok_per_s": 9000.0, "send_wait_share": 0.25, "in_flight": 2}]
     line = progress_line({"step": 5, "tok_per_s": 12345.6, "eta_s": 3725, "loss": 1.5, "accept_proxy": 2.25,
                           "target_tok_per_s": 9000.0, "drafter_tok_per_s": 12345.6, "in_flight": 2,
-                          "drafter_wait_share": 0.1, "target_send_wait_share": 0.25}, 10)
+                          "drafter_wait_share": 0.1, "drafter_sync_share": 0.125, "target_send_wait_share": 0.25}, 10)
     for part in ("step 5/10", "12,346 tok/s", "ETA 1:02:05", "loss 1.5000", "accept 2.25", "target 9,000",
-                 "in flight 2", "data wait 10%", "send wait 25%"):
+                 "in flight 2", "data wait 10%", "sync stall 12%", "send wait 25%"):
         assert part in line, (part, line)
 
 

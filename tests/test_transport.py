@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -6,7 +7,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_ds.runtime.launch_env import free_port
-from dflash_ds.runtime.transport import PayloadSpec, Receiver, Sender, read_meta, taps_view, write_meta
+from dflash_ds.runtime.transport import (PayloadSpec, Receiver, Sender, SyncStallTimer, WaitTimer, read_meta, taps_view,
+                                         write_meta)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -156,3 +158,34 @@ def test_drafter_posts_the_next_steps_receives_while_a_step_runs(monkeypatch):
         for buf in held:
             rx.release(buf)
     assert len(posted) == grad_accum * steps
+
+
+def test_timer_around_a_call_returns_its_value_and_times_it_even_when_it_raises():
+    timer = WaitTimer("cpu")
+    assert timer.around(lambda x, y=0: (time.sleep(0.05), x + y)[1], 2, y=3) == 5
+    with pytest.raises(ValueError):
+        timer.around(lambda: (time.sleep(0.05), int("x")))
+    assert 0.1 <= timer.seconds < 1.0
+
+
+def test_sync_stall_timer_wraps_the_accelerators_synchronize_until_closed():
+    """DeepSpeed calls get_accelerator().synchronize(); the timer counts those calls' time (on CPU the
+    host's, on GPU the stream's idle across them) and puts the original back on close."""
+    class Accelerator:
+        calls = 0
+
+        def synchronize(self, device_index=None):
+            Accelerator.calls += 1
+            time.sleep(0.05)
+            return device_index
+
+    acc = Accelerator()
+    original = acc.synchronize
+    syncs = SyncStallTimer(acc, "cpu")
+    assert acc.synchronize(device_index=1) == 1 and acc.synchronize() is None
+    assert Accelerator.calls == 2 and 0.1 <= syncs.seconds < 1.0
+    syncs.close()
+    assert acc.synchronize == original
+    counted = syncs.seconds
+    acc.synchronize()
+    assert Accelerator.calls == 3 and syncs.seconds == counted  # no longer timed

@@ -30,7 +30,7 @@ from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.plan import receive_depth
 from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.transport import PayloadSpec, Receiver, unpack
+from dflash_ds.runtime.transport import PayloadSpec, Receiver, SyncStallTimer, unpack
 from dflash_ds.runtime.watchdog import waiting_on
 
 # Tests set this to kill every drafter rank right after the given step (a simulated crash).
@@ -73,8 +73,9 @@ class LocalSource:
 
 
 class DrafterTrainer:
-    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int):
+    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int, syncs=None):
         self.spec, self.engine, self.model, self.source, self.group, self.rank = spec, engine, model, source, group, rank
+        self.syncs, self.sync_before = syncs, 0.0  # a transport.SyncStallTimer, or None (not measured)
         # Set by train(): runtime.control.RunControl (stop votes), None where nothing stops the loop
         # early (the bench, which only steps); the first step (the metrics continue from it).
         self.control, self.start = None, 0
@@ -177,6 +178,9 @@ class DrafterTrainer:
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
+        if self.syncs is not None:
+            rec["drafter_sync_share"] = (self.syncs.seconds - self.sync_before) / max(seconds, 1e-9)
+            self.sync_before = self.syncs.seconds
         # Rates over each log window (the drafter's own and the targets'), not since the start.
         self.wait_before = self.source.wait_seconds
         rec.update(self.target_window.update(read_status(self.spec.recipe.run.output_dir)))
@@ -290,6 +294,12 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=No
         sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                    for g in range(plan.grad_accum))
         source = Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, groups.payload)
-    trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank)
-    trainer.train(start, eval_set, control)
+    from deepspeed.accelerator import get_accelerator
+
+    syncs = SyncStallTimer(get_accelerator(), spec.device)
+    try:
+        trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank, syncs)
+        trainer.train(start, eval_set, control)
+    finally:
+        syncs.close()
     source.close()

@@ -94,16 +94,22 @@ class WaitTimer:
         self.events: deque = deque()
 
     def wait(self, work) -> None:
+        self.around(work.wait)
+
+    def around(self, call, *args, **kwargs):
+        """call(*args, **kwargs), timing the stream's idle across it (the host's time on CPU)."""
         if not self.cuda:
             t0 = time.perf_counter()
-            work.wait()
-            self.host += time.perf_counter() - t0
-            return
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.host += time.perf_counter() - t0
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record()
-        work.wait()
+        out = call(*args, **kwargs)
         after.record()
         self.events.append((before, after))
+        return out
 
     @property
     def seconds(self) -> float:
@@ -111,6 +117,29 @@ class WaitTimer:
             before, after = self.events.popleft()
             self.stream += before.elapsed_time(after) / 1000.0
         return self.host + self.stream
+
+
+class SyncStallTimer:
+    """Time a drafter's stream sat idle while its host was blocked in a device-wide synchronisation.
+
+    DeepSpeed's ZeRO-2 (with overlap_comm) synchronises the whole device in every backward's
+    epilogue. That also waits for a payload receive posted ahead whose target has not sent it yet,
+    so a drafter can idle without its stream ever waiting for data, which the data-wait timer cannot
+    see. Wraps the accelerator's synchronize until close(); the events around each call measure from
+    the stream's last queued kernel to the host's return, i.e. only the idle part.
+    """
+
+    def __init__(self, accelerator, device):
+        self.accelerator, self.original = accelerator, accelerator.synchronize
+        self.timer = WaitTimer(device)
+        accelerator.synchronize = lambda *args, **kwargs: self.timer.around(self.original, *args, **kwargs)
+
+    @property
+    def seconds(self) -> float:
+        return self.timer.seconds
+
+    def close(self) -> None:
+        self.accelerator.synchronize = self.original
 
 
 def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
