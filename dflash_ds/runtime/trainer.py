@@ -73,9 +73,10 @@ class LocalSource:
 
 
 class DrafterTrainer:
-    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int, syncs=None):
+    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int):
         self.spec, self.engine, self.model, self.source, self.group, self.rank = spec, engine, model, source, group, rank
-        self.syncs, self.sync_before = syncs, 0.0  # a transport.SyncStallTimer, or None (not measured)
+        # Set by run_drafter: a transport.SyncStallTimer; None (the bench) measures no sync stalls.
+        self.syncs, self.sync_before = None, 0.0
         # Set by train(): runtime.control.RunControl (stop votes), None where nothing stops the loop
         # early (the bench, which only steps); the first step (the metrics continue from it).
         self.control, self.start = None, 0
@@ -298,7 +299,8 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=No
 
     syncs = SyncStallTimer(get_accelerator(), spec.device)
     try:
-        trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank, syncs)
+        trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank)
+        trainer.syncs = syncs
         trainer.train(start, eval_set, control)
     finally:
         syncs.close()
