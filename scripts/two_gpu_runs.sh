@@ -2,7 +2,7 @@
 # The two-GPU measurements of docs/performance.md ("Two GPUs"), one function per experiment.
 #   bash scripts/two_gpu_runs.sh OUT_DIR STEP [STEP ...]
 # Steps: models model16 benches e1 colo1 (colo1_full, colo1_small; colo1_pair runs both at once, one per GPU)
-# split replica zero3 faults kills (and zero3_and_split, zero3_then_faults).
+# e1_no_overlap split replica zero3 faults kills (and zero3_and_split, zero3_then_faults).
 # Models and runs live under $WORK (default /dev/shm/dflash: the 64-layer bf16 target is 54 GB and
 # loads fastest from memory). Every run is `deepspeed launch.sh recipes/qwen27b.yaml` with the
 # overrides printed into OUT_DIR/commands.txt. The equality runs (colo1, split, replica, zero3) log
@@ -111,6 +111,18 @@ colo1_small() {
   finish colo1_small "$WORK/runs/colo1_small" 150
 }
 colo1() { colo1_full; colo1_small; }
+
+# The split with the drafter's ZeRO-2 reduction not overlapped (one drafter rank has nothing to
+# overlap): no device-wide synchronisation in its backward, so a receive posted ahead cannot stall it.
+e1_no_overlap() {
+  python - "$WORK/drafter_zero2_no_overlap.json" <<'PY'
+import json, sys
+cfg = json.load(open("ds_configs/drafter_zero2.json"))
+cfg["zero_optimization"]["overlap_comm"] = False
+json.dump(cfg, open(sys.argv[1], "w"), indent=2)
+PY
+  E1_NAME=e1_no_overlap E1_EXTRA="drafter.ds_config=$WORK/drafter_zero2_no_overlap.json ${E1_EXTRA:-}" e1
+}
 colo1_pair() {  # both references at once, one per GPU (own ports: each job's launcher needs one)
   (export CUDA_VISIBLE_DEVICES=0 PORT=29650; colo1_full) &
   (export CUDA_VISIBLE_DEVICES=1 PORT=29660; colo1_small) &
