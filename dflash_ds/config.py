@@ -382,7 +382,7 @@ def validate(r: Recipe) -> None:
                  "optim.grad_accum", "topology.max_in_flight", "checkpoint.every_steps", "checkpoint.keep_last",
                  "log.every_steps", "log.profile_steps"):
         need(functools.reduce(getattr, name.split("."), r) >= 1, f"{name} must be >= 1")
-    need(r.topology.payload_ctas >= 0, f"topology.payload_ctas must be >= 0 (0 = NCCL's default), got {r.topology.payload_ctas}")
+    need(0 <= r.topology.payload_ctas <= 64, f"topology.payload_ctas must be in [0, 64] (NCCL's limit; 0 = its default), got {r.topology.payload_ctas}")
     need(r.data.num_proc >= 0, f"data.num_proc must be >= 0 (0 = every core), got {r.data.num_proc}")
     need(r.objective.num_anchors <= r.data.max_length,
          f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")

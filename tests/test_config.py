@@ -174,7 +174,8 @@ def test_errors_before_launch_print_one_line_and_exit_2(tmp_path, capsys, overri
     ("data.regenerate.max_retries=-1", r"data\.regenerate\.max_retries"),
     ("data.regenerate.max_failed_fraction=1.5", r"data\.regenerate\.max_failed_fraction"),
     ("data.num_proc=-2", r"data\.num_proc"),
-    ("topology.payload_ctas=-1", r"topology\.payload_ctas must be >= 0"),
+    ("topology.payload_ctas=-1", r"topology\.payload_ctas must be in \[0, 64\]"),
+    ("topology.payload_ctas=65", r"topology\.payload_ctas must be in \[0, 64\]"),
 ])
 def test_regenerate_settings_validated(override, setting):
     with pytest.raises(RecipeError, match=setting):
