@@ -382,13 +382,13 @@ def validate(r: Recipe) -> None:
                  "optim.grad_accum", "topology.max_in_flight", "checkpoint.every_steps", "checkpoint.keep_last",
                  "log.every_steps", "log.profile_steps"):
         need(functools.reduce(getattr, name.split("."), r) >= 1, f"{name} must be >= 1")
-    need(0 <= r.topology.payload_ctas <= 64, f"topology.payload_ctas must be in [0, 64] (NCCL's limit; 0 = its default), got {r.topology.payload_ctas}")
+    need(0 <= r.topology.payload_ctas <= 64,
+         f"topology.payload_ctas must be in [0, 64] (NCCL's limit; 0 = its default), got {r.topology.payload_ctas}")
     need(r.data.num_proc >= 0, f"data.num_proc must be >= 0 (0 = every core), got {r.data.num_proc}")
     need(r.objective.num_anchors <= r.data.max_length,
          f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")
     need(r.objective.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {r.objective.kl_weight}")
     need(r.objective.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {r.objective.kl_temperature}")
-    need(r.optim.lr > 0, "optim.lr must be > 0")
     need(0 <= r.optim.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
     need(r.optim.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {r.optim.schedule!r}")
     need(0 <= r.optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {r.optim.min_lr_ratio}")
@@ -408,8 +408,8 @@ def validate(r: Recipe) -> None:
     need(r.checkpoint.resume in ("auto", "fallback", "restart"),
          f"checkpoint.resume must be auto, fallback or restart, got {r.checkpoint.resume!r}")
     need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
-    need(t.peer_timeout_s > 0, "topology.peer_timeout_s must be > 0")
-    need(t.peer_report_s > 0, "topology.peer_report_s must be > 0")
+    for name in ("optim.lr", "topology.peer_timeout_s", "topology.peer_report_s"):
+        need(functools.reduce(getattr, name.split("."), r) > 0, f"{name} must be > 0")
     need(r.log.profile_start >= 0, "log.profile_start must be >= 0 (a step number; 0 turns profiling off)")
     need(r.log.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")
 
@@ -442,12 +442,8 @@ def ranks_per_node(r: Recipe) -> int:
     return r.topology.drafters_per_node + r.topology.targets_per_node
 
 
-def to_dict(r: Recipe) -> dict:
-    return dataclasses.asdict(r)
-
-
 def dump_yaml(r: Recipe) -> str:
-    d = to_dict(r)
+    d = dataclasses.asdict(r)
     d.pop("source", None)
     # Tuples are written as lists so the dump loads back through load_recipe.
     return yaml.safe_dump(json.loads(json.dumps(d)), sort_keys=False)

@@ -71,14 +71,15 @@ def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
     out: dict = {"wall_s": wall_s, "gpu_events": len(gpu)}
     if not gpu:
         return out  # a CPU run: no device timeline
-    spans, comm, compute, named = [], [], [], []
+    spans, comm, named = [], [], []  # named: (kernel name, start, end) of every non-NCCL kernel
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in gpu:
         name = e.get("name", "?")
         span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
         spans.append(span)
-        (comm if "nccl" in name.lower() else compute).append(span)
-        if "nccl" not in name.lower():
+        if "nccl" in name.lower():
+            comm.append(span)
+        else:
             named.append((name, *span))
         acc = by_name[name]
         acc[0] += (span[1] - span[0]) / 1e6
@@ -86,13 +87,12 @@ def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
     heaviest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     busy = union_seconds(spans) / 1e6
     beside = slowed_beside(named, comm)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    lost = sum(sum(near) - len(near) * mean(alone) for alone, near in beside.values() if alone and near)
+    lost = sum(sum(near) - len(near) * _mean(alone) for alone, near in beside.values() if alone and near)
     out.update({
         "gpu_busy_s": busy,
         "gpu_busy_share": busy / wall_s,
         # Kernels other than NCCL's: the share of the window the device computed.
-        "compute_busy_share": union_seconds(compute) / 1e6 / wall_s,
+        "compute_busy_share": union_seconds([(a, b) for _, a, b in named]) / 1e6 / wall_s,
         # NCCL kernels run from launch until their peer has matched them: this includes waiting.
         "nccl_share": union_seconds(comm) / 1e6 / wall_s,
         # Compute time added by NCCL kernels resident beside it: each call that overlapped one,
@@ -107,11 +107,15 @@ def summarise(trace: dict, wall_s: float, top: int = 12) -> dict:
     return out
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def _kernel_entry(name: str, seconds: float, calls: int, beside) -> dict:
     entry = {"name": name[:160], "seconds": round(seconds, 6), "calls": calls}
     if beside and beside[0] and beside[1]:
         alone, near = beside
-        entry["beside_nccl_ratio"] = round((sum(near) / len(near)) / (sum(alone) / len(alone)), 4)
+        entry["beside_nccl_ratio"] = round(_mean(near) / _mean(alone), 4)
     return entry
 
 

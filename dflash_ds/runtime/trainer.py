@@ -8,6 +8,7 @@ optimizer step; `train` is the loop around it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -16,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_ds.config import to_dict
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
@@ -92,7 +92,7 @@ class DrafterTrainer:
         # Opened on first use: a trainer that only steps (the bench) writes nothing.
         if self._metrics is None:
             r = self.spec.recipe
-            self._metrics = Metrics(r.run.output_dir, to_dict(r), r.log.wandb, r.run.name, enabled=self.lead,
+            self._metrics = Metrics(r.run.output_dir, dataclasses.asdict(r), r.log.wandb, r.run.name, enabled=self.lead,
                                     start_step=self.start)
         return self._metrics
 
