@@ -60,9 +60,33 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
     """a(t) for every anchor t in [start, end) of one sequence (see the module docstring).
 
     taps [S, T*D]: the target's tapped states of `input_ids` [S] (teacher-forced), S >= end - 1.
+    Returns a LongTensor [end - start] on the CPU.
+    """
+    drafts = anchor_drafts(model, taps, input_ids, start, end, batch_anchors=batch_anchors)
+    return matched_prefix(drafts, input_ids, start, end)
+
+
+def matched_prefix(drafts: torch.Tensor, input_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """a(t) from the drafts [end - start, B-1] of every anchor: the leading slots equal to the
+    sequence, capped at end - t - 2 (module docstring)."""
+    n, slots = drafts.shape
+    ids = input_ids.reshape(-1)[:end].cpu()
+    anchors = torch.arange(start, end)
+    where = anchors[:, None] + torch.arange(1, slots + 1)[None]
+    inside = where < end
+    match = (drafts.cpu() == ids[where.clamp(max=end - 1)]) & inside
+    a = match.long().cumprod(1).sum(1)
+    return torch.minimum(a, (end - 2 - anchors).clamp(min=0))
+
+
+@torch.no_grad()
+def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
+                  batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
+    """The drafter's B-1 greedy tokens at every anchor t in [start, end): LongTensor [end - start, B-1].
+
     All anchors go through the drafter in batches of `batch_anchors` blocks with the training
     mask (context strictly before the anchor, own block bidirectional), so this exercises the
-    same drafter path as training. Returns a LongTensor [end - start] on the CPU.
+    same drafter path as training.
     """
     drafter, B, mask_id = model.drafter, model.block_size, model.mask_token_id
     ids = input_ids.reshape(-1)
@@ -72,7 +96,7 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
         raise ValueError(f"taps must be [S, T*D] covering positions < {end - 1}, got {tuple(taps.shape)}")
     p = next(drafter.parameters())
     device, dtype = p.device, p.dtype
-    out = torch.zeros(end - start, dtype=torch.long)
+    out = torch.zeros(end - start, B - 1, dtype=torch.long)
     if end - start == 0:
         return out
 
@@ -81,7 +105,6 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
     y = ids[:end].to(device)
     positions = torch.arange(end, device=device)[None]
     doc_ids = torch.zeros(1, s_all, dtype=torch.int32, device=device)
-    slots = torch.arange(1, B, device=device)
     for c0 in range(start, end, batch_anchors):
         anchors = torch.arange(c0, min(c0 + batch_anchors, end), device=device)
         n = anchors.numel()
@@ -92,13 +115,7 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
                           doc_ids[:, :s_ctx], B, kind="dense")
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
-        drafts = draft_tokens(hidden.view(n, B, -1)[:, 1:], model.lm_head)  # [n, B-1]
-        where = anchors[:, None] + slots[None]
-        inside = where < end
-        match = (drafts == y[where.clamp(max=end - 1)]) & inside
-        a = match.long().cumprod(1).sum(1)
-        cap = (end - 2 - anchors).clamp(min=0)
-        out[c0 - start:c0 - start + n] = torch.minimum(a, cap).cpu()
+        out[c0 - start:c0 - start + n] = draft_tokens(hidden.view(n, B, -1)[:, 1:], model.lm_head).cpu()
     return out
 
 
