@@ -209,6 +209,10 @@ class CheckpointConfig:
     """Load a universal checkpoint (after ds_to_universal) to change the number of drafter ranks."""
 
 
+# The benchmark sets eval.benchmarks may name (dflash_ds.eval.benchmarks says where each comes from).
+BENCHMARK_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench", "heldout")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     every_steps: int = 0
@@ -216,6 +220,22 @@ class EvalConfig:
     max_new_tokens: int = 256
     at_start: bool = True
     at_end: bool = True
+    benchmarks: tuple[str, ...] = ()
+    """Sets evaluated on the export after training, one table row per set and sampling setting
+    (greedy, and the sampling below when eval.temperature > 0): gsm8k, math500, humaneval, mbpp,
+    mt_bench (hub datasets, or files in eval.bench_dir) and heldout (the held-out prompts). The
+    table goes to <run.output_dir>/benchmarks.json, the report and the model card."""
+    bench_dir: str | None = None
+    """Directory of local benchmark files (<name>.jsonl or .parquet) used instead of the hub."""
+    bench_limit: int = 32
+    """Prompts (conversations) per benchmark set."""
+    temperature: float = 1.0
+    """Sampling of the benchmark rows as the engines serve it (0: greedy rows only)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k filter."""
+    samples: int = 1
+    """Sampled responses per prompt (seeded by run.seed)."""
 
 
 @dataclass(frozen=True)
@@ -410,8 +430,18 @@ def validate(r: Recipe) -> None:
     need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
     for name in ("optim.lr", "topology.peer_timeout_s", "topology.peer_report_s"):
         need(functools.reduce(getattr, name.split("."), r) > 0, f"{name} must be > 0")
+    _validate_eval(r.eval, need)
     need(r.log.profile_start >= 0, "log.profile_start must be >= 0 (a step number; 0 turns profiling off)")
     need(r.log.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")
+
+
+def _validate_eval(e: EvalConfig, need) -> None:
+    bad = [b for b in e.benchmarks if b not in BENCHMARK_SETS]
+    need(not bad, f"eval.benchmarks: unknown set(s) {bad}; known: {', '.join(BENCHMARK_SETS)}")
+    need(e.temperature >= 0, f"eval.temperature must be >= 0 (0 = greedy only), got {e.temperature}")
+    need(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1], got {e.top_p}")
+    need(e.top_k >= 0, f"eval.top_k must be >= 0 (0 = off), got {e.top_k}")
+    need(e.samples >= 1 and e.bench_limit >= 1, "eval.samples and eval.bench_limit must be >= 1")
 
 
 def _validate_regenerate(g: RegenerateConfig, need) -> None:

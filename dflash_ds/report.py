@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import math
 import sys
 from pathlib import Path
@@ -178,6 +179,29 @@ def _summary(steps: list[dict], taus: list[dict]) -> list[tuple[str, str]]:
     return rows
 
 
+def bench_html(run_dir: Path) -> str:
+    """The benchmark table of <run_dir>/benchmarks.json (python -m dflash_ds.eval.bench_run), or nothing."""
+    try:
+        rows = json.loads((run_dir / "benchmarks.json").read_text())
+    except (OSError, ValueError):
+        return ""
+
+    def pm(x, se):
+        return "-" if x is None else f"{x:.3f}" + (f" &plusmn; {se:.3f}" if se is not None else "")
+
+    head = "".join(f"<th>{h}</th>" for h in ("benchmark", "sampling", "tau (mean)", "tau (pooled)", "tau (expected)",
+                                              "responses", "cycles", "acceptance by draft position"))
+    body = ""
+    for r in rows:
+        pos = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(r["position_acceptance"], 1))
+        cells = (html.escape(r["bench"]), html.escape(r["sampling"]), pm(r["tau_mean"], r["tau_mean_se"]),
+                 pm(r["tau_pooled"], r["tau_pooled_se"]), pm(r["tau_expected"], r["tau_expected_se"]),
+                 str(r["responses"]), str(r["cycles"]), pos)
+        body += "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+    return (f"<h2>Acceptance by benchmark</h2><table><tr>{head}</tr>{body}</table><p>Sampled rows: the engines' "
+            "verification rule on the target's sampled responses, &plusmn; standard error over responses.</p>")
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Draw the report of `run_dir` into `out_dir` (default RUN_DIR/report); returns index.html."""
     import matplotlib
@@ -217,7 +241,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             "</title><style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
             "th,td{border:1px solid #ccc;padding:4px 10px;text-align:left}figure{display:inline-block;margin:6px}"
             "</style></head><body>"
-            f"<h1>dflash-ds run {html.escape(str(run_dir))}</h1><table>{rows}</table>{imgs}"
+            f"<h1>dflash-ds run {html.escape(str(run_dir))}</h1><table>{rows}</table>{bench_html(run_dir)}{imgs}"
             "<p>From metrics.jsonl; tau is the exact offline acceptance length on the held-out prompts.</p>"
             "</body></html>\n")
     (out / "index.html").write_text(page)

@@ -13,6 +13,7 @@ from transformers import Qwen3Config
 import dflash_ds.export as export
 from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
 from dflash_ds.export import load_drafter, save_drafter
+from dflash_ds.model_card import TauFacts
 
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 128
 
@@ -278,8 +279,8 @@ def test_export_card_and_permissions(tmp_path):
     assert "Qwen/Qwen3-8B" in card and "chat.jsonl" in card and "| optimizer steps | 120 |" in card
     assert "--speculative-num-draft-tokens 8" in card and '"num_speculative_tokens": 7' in card
     assert "not measured" in card
-    export.write_card(out, target="Qwen/Qwen3-8B", steps=120, tau=3.25, tau_prompts="eval.jsonl",
-                      position_acceptance=[0.9, 0.5, None, None, None, None, None])
+    export.write_card(out, target="Qwen/Qwen3-8B", steps=120, tau=TauFacts(3.25, "eval.jsonl",
+                      [0.9, 0.5, None, None, None, None, None]))
     card = (out / "README.md").read_text()
     assert "3.250 (exact offline" in card and "1:0.90 2:0.50 3:-" in card
     assert stat.S_IMODE((out / "README.md").stat().st_mode) == 0o644

@@ -4,6 +4,7 @@ import json
 import struct
 
 from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.model_card import TauFacts
 from dflash_ds.report import finish_run, main, split_records, write_report
 
 
@@ -67,7 +68,7 @@ def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     save_drafter(DFlashDrafter(cfg), tmp_path / "export2")
     (tmp_path / "export").rmdir()
     (tmp_path / "export2").rename(tmp_path / "export")
-    finish_run(tmp_path, {"steps": 20, "tau": 2.5, "tau_prompts": "8 prompts"})
+    finish_run(tmp_path, {"steps": 20, "tau": TauFacts(2.5, "8 prompts")})
     assert "report:" in capsys.readouterr().out
     assert "2.500 (exact offline" in (tmp_path / "export" / "README.md").read_text()
     assert (tmp_path / "report" / "overview.png").is_file()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dflash_ds.eval.generate import offline_tau
-from dflash_ds.eval.sampled import (Sampling, draft_probabilities, mean_se, ratio_se, sampled_tau, target_probs,
+from dflash_ds.eval.bench_run import BenchOptions, Responder, tau_on_prompts
+from dflash_ds.eval.sampled import (Sampling, draft_probabilities, mean_se, ratio_se, target_probs,
                                     walk_with_probs)
 from dflash_ds.eval.specdec_sampled import speculative_sample, verify_block
 from dflash_ds.eval.tau import TauReport
@@ -164,7 +165,7 @@ def test_online_sampled_loop_agrees_with_offline_within_error(world):
     model, prompts = w["model"], w["trained_on"]
     target = copy.deepcopy(w["target"])
     target.get_output_embeddings().weight.mul_(LOGIT_SCALE)
-    off = sampled_tau(target, model, prompts, SAMPLING, max_new_tokens=NEW, samples=SAMPLES, seed=0)
+    off = tau_on_prompts(Responder(target, model, SAMPLING, BenchOptions(NEW, samples=SAMPLES, seed=0)), prompts)
     gen = torch.Generator().manual_seed(1)  # independent coins: agreement in distribution, not draw for draw
     on = TauReport(block_size=model.block_size)
     for prompt in prompts:
@@ -189,5 +190,5 @@ def test_online_sampled_loop_agrees_with_offline_within_error(world):
     assert greedy.tau_mean - off_mean > 3 * err
     assert off_mean > 1.1  # drafts are still accepted under sampling
     # Seeded: the same call gives the same responses.
-    again = sampled_tau(target, model, prompts[:1], SAMPLING, max_new_tokens=NEW, samples=2, seed=0)
+    again = tau_on_prompts(Responder(target, model, SAMPLING, BenchOptions(NEW, samples=2, seed=0)), prompts[:1])
     assert again.report.cycles == off.report.cycles[:2]

@@ -1,4 +1,5 @@
-"""`python -m dflash_ds.eval`: exact greedy acceptance length tau of an exported drafter."""
+"""`python -m dflash_ds.eval`: acceptance length tau of an exported drafter, greedy (exact) and sampled,
+on a prompts file or the standard benchmark sets by name."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from pathlib import Path
 
 import torch
 
+from dflash_ds.eval.bench_run import (BenchOptions, Responder, bench_row, settings_of, table_lines,
+                                      tau_on_conversations, tau_on_prompts)
+from dflash_ds.eval.benchmarks import BENCHMARKS, load_conversations, parse_names
 from dflash_ds.eval.generate import offline_tau
+from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
+from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.target.model import load_config, text_config
+from dflash_ds.model_card import trained_thinking
 
 
 def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_template_kwargs: dict | None = None) -> list[list[int]]:
@@ -54,31 +60,25 @@ def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_templat
     return prompts
 
 
-def _load_target(path: str, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        load_config(path)
-    except ValueError as e:
-        raise ValueError(str(e).replace("target.path", "--target")) from None
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--target {path}: cannot load the model or its tokenizer ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0]}); pass a causal LM directory or reachable hub id") from None
-    return model.eval().requires_grad_(False).to(device), tokenizer
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.eval",
                                      description="Exact greedy acceptance length tau of a DFlash drafter export.")
     parser.add_argument("--target", required=True, help="target model directory or hub id")
     parser.add_argument("--drafter", required=True, help="drafter export directory (config.json + model.safetensors)")
-    parser.add_argument("--prompts", required=True, help="jsonl of {'messages': [...]} or {'prompt': str}")
+    parser.add_argument("--prompts", default=None, help="jsonl of {'messages': [...]} or {'prompt': str}")
+    parser.add_argument("--bench", default=None,
+                        help="comma-separated benchmark sets: " + ", ".join(BENCHMARKS) + " (one row each)")
+    parser.add_argument("--bench-dir", default=None, help="directory of <name>.jsonl benchmark files (else the hub)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="also report tau under sampling at this temperature, as vLLM/SGLang verify (0: greedy only)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument("--samples", type=int, default=1, help="sampled responses per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--thinking", choices=["on", "off"], default=None,
+                        help="chat template enable_thinking for --bench (default: the drafter's training setting)")
     parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first K prompts only")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first K prompts (conversations) only")
     parser.add_argument("--online", action="store_true",
                         help="also run the reference speculative-decoding loop and check it against the offline tau")
     parser.add_argument("--chat-template-kwargs", default=None,
@@ -93,32 +93,77 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(args) -> int:
-    from dflash_ds.export import load_drafter
-
+def _check_args(args) -> dict | None:
+    """Flag errors before anything loads; returns the parsed --chat-template-kwargs."""
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
-    kwargs = None
-    if args.chat_template_kwargs:
-        try:
-            kwargs = json.loads(args.chat_template_kwargs)
-        except ValueError as e:
-            raise ValueError(f"--chat-template-kwargs is not JSON ({e})") from None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.prompts and not args.bench:
+        raise ValueError("pass --prompts FILE and/or --bench gsm8k,math500,...")
+    if args.samples < 1:
+        raise ValueError("--samples must be >= 1")
+    Sampling(args.temperature, args.top_p, args.top_k).check()
+    if args.bench:
+        parse_names(args.bench)
+    if not args.chat_template_kwargs:
+        return None
     try:
-        drafter = load_drafter(args.drafter, device=device)
+        return json.loads(args.chat_template_kwargs)
     except ValueError as e:
-        raise ValueError(f"--drafter: {e}") from None
-    target, tokenizer = _load_target(args.target, device)
-    drafter = drafter.to(next(target.parameters()).dtype)
-    model = DraftModel.from_target(drafter, target)
-    _check_pair(model, target, args.drafter)
+        raise ValueError(f"--chat-template-kwargs is not JSON ({e})") from None
+
+
+def _thinking(args, kwargs: dict | None) -> bool:
+    """The evaluation's enable_thinking; one warning line when it differs from the drafter's training data."""
+    trained = trained_thinking(args.drafter)
+    if args.thinking is not None:
+        thinking = args.thinking == "on"
+    elif kwargs and "enable_thinking" in kwargs:
+        thinking = bool(kwargs["enable_thinking"])
+    else:
+        thinking = bool(trained)
+    if trained is not None and thinking != trained:
+        print(f"warning: evaluating with enable_thinking={str(thinking).lower()} but {args.drafter} was trained with "
+              f"enable_thinking={str(trained).lower()} (data.thinking): acceptance drops when they differ",
+              file=sys.stderr)
+    return thinking
+
+
+def _run(args) -> int:
+    kwargs = _check_args(args)
+    target, tokenizer, model = load_pair(args.target, args.drafter)
+    thinking = _thinking(args, kwargs)
+    opts = BenchOptions(max_new_tokens=args.max_new_tokens, samples=args.samples, seed=args.seed,
+                        thinking=thinking, batch_anchors=args.batch_anchors)
+    settings = settings_of(args.temperature, args.top_p, args.top_k)
+    result = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "enable_thinking": thinking}
+    rows = []
+    if args.prompts:
+        report = _prompts_tau(args, target, tokenizer, model, kwargs, result)
+        rows.append(bench_row("prompts", SampledTau(Sampling(), report)))
+        for sampling in settings[1:]:
+            prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
+            rows.append(bench_row("prompts", tau_on_prompts(Responder(target, model, sampling, opts), prompts)))
+    for name in parse_names(args.bench) if args.bench else []:
+        convs = load_conversations(name, args.bench_dir, args.limit)
+        for sampling in settings:
+            rows.append(bench_row(name, tau_on_conversations(Responder(target, model, sampling, opts), tokenizer, convs)))
+    if args.bench or len(settings) > 1:
+        print("\n".join(table_lines(rows)))
+        result["rows"] = rows
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauReport:
+    """The exact greedy tau of --prompts, printed as before (and checked online with --online)."""
     prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    result = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, **report.as_dict()}
+    result.update(report.as_dict())
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
@@ -128,20 +173,7 @@ def _run(args) -> int:
         print(f"online: tau_mean {_fmt(online['tau_mean'])} tau_pooled {_fmt(online['tau_pooled'])}, "
               f"{online['responses_matching_offline']}/{len(prompts)} responses identical to the offline walk "
               "(in bf16, recomputing the target over other lengths can flip near-ties)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-def _check_pair(model: DraftModel, target, drafter_path: str) -> None:
-    cfg, tc, embed = model.config, text_config(target.config), model.embed
-    if cfg.hidden_size != tc.hidden_size or cfg.vocab_size != embed.shape[0]:
-        raise ValueError(f"--drafter {drafter_path} was built for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
-                         f"--target has {tc.hidden_size} / {embed.shape[0]}: pass the target the drafter was trained against")
-    if max(cfg.target_layer_ids) >= tc.num_hidden_layers:
-        raise ValueError(f"--drafter taps layers {list(cfg.target_layer_ids)} but --target has {tc.num_hidden_layers} "
-                         "layers: pass the target the drafter was trained against")
+    return report
 
 
 def _online(target, model: DraftModel, prompts, sequences, report: TauReport, max_new_tokens: int) -> dict:

@@ -193,34 +193,6 @@ def slots_reached(emitted: int, last: bool, observable: int, block_size: int) ->
     return min(reached, observable, block_size - 1)
 
 
-@torch.no_grad()
-def sampled_tau(target, model: DraftModel, prompts: Sequence, sampling: Sampling, *, max_new_tokens: int,
-                samples: int = 1, seed: int = 0, eos_token_id=None, batch_anchors: int = DEFAULT_BATCH_ANCHORS,
-                sequences: list | None = None) -> SampledTau:
-    """tau of `model` under `sampling` on `prompts` (token ids), `samples` sampled responses each.
-
-    One generator seeded with `seed` draws every response in order, so a run is reproducible.
-    `sequences`, when a list, receives each prompt + response.
-    """
-    sampling.check()
-    if sampling.greedy:
-        raise ValueError("sampled_tau needs a temperature > 0; greedy tau is eval.generate.offline_tau")
-    device = next(target.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    result = SampledTau(sampling, TauReport(block_size=model.block_size))
-    for prompt in prompts:
-        prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
-        for _ in range(samples):
-            x = sampled_continuation(target, prompt, sampling, gen, max_new_tokens=max_new_tokens,
-                                     eos_token_id=eos_token_id)
-            if sequences is not None:
-                sequences.append(x)
-            cycles, probs = tau_of_trajectory(target, model, x, prompt.numel(), sampling, batch_anchors)
-            result.report.cycles.append(cycles)
-            result.slot_probs.append(probs)
-    return result
-
-
 def tau_of_trajectory(target, model: DraftModel, x: torch.Tensor, first: int, sampling: Sampling,
                       batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> tuple[list[int], list[list[float]]]:
     """The walk's cycles over one sampled response and the reached slots' acceptance probabilities."""

@@ -58,3 +58,13 @@ def prelaunch(recipe: Recipe) -> None:
 
     check_recipe(recipe, ranks_per_node(recipe))
     load_training_data(recipe)
+    check_benchmarks(recipe)
+
+
+def check_benchmarks(recipe: Recipe) -> None:
+    """Every set of eval.benchmarks loads now, not after the training it would follow."""
+    from dflash_ds.eval.benchmarks import HELDOUT, load_conversations
+
+    for name in recipe.eval.benchmarks:
+        if name != HELDOUT:
+            load_conversations(name, recipe.eval.bench_dir, 1, setting="eval.bench_dir")

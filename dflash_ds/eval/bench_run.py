@@ -1,0 +1,203 @@
+"""One row per benchmark set and sampling setting: tau of a drafter on the set's prompts.
+
+At the end of a training run the lead drafter rank evaluates the export on `eval.benchmarks`
+(`after_training`; `python -m dflash_ds.eval.bench_run RECIPE [key=value ...]` does the same on its
+own): it writes `<run.output_dir>/benchmarks.json`, adds the table to the export's model card and
+redraws the report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
+from dflash_ds.eval.generate import greedy_continuation, target_taps
+from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sampled_continuation,
+                                    tau_of_trajectory)
+from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
+from dflash_ds.model.draft_model import DraftModel
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    max_new_tokens: int
+    samples: int = 1  # sampled responses per prompt (greedy: always 1)
+    seed: int = 0
+    thinking: bool = False
+    batch_anchors: int = DEFAULT_BATCH_ANCHORS
+
+
+class Responder:
+    """The target answering prompts under one sampling setting, with tau measured on each response."""
+
+    def __init__(self, target, model: DraftModel, sampling: Sampling, opts: BenchOptions):
+        self.target, self.model, self.sampling, self.opts = target, model, sampling, opts
+        device = next(target.parameters()).device
+        self.gen = torch.Generator(device=device).manual_seed(opts.seed)
+        self.result = SampledTau(sampling, TauReport(block_size=model.block_size))
+
+    @property
+    def samples(self) -> int:
+        return 1 if self.sampling.greedy else self.opts.samples
+
+    def respond(self, prompt_ids: Sequence[int]) -> list[int]:
+        """One response (ids after the prompt); its cycles (and slot probabilities) join the result."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        o, n = self.opts, prompt.numel()
+        if self.sampling.greedy:
+            x = greedy_continuation(self.target, prompt, max_new_tokens=o.max_new_tokens)
+            taps = target_taps(self.target, x, self.model.layer_ids)
+            cycles = tau_from_taps(self.model, taps, x, n, x.numel(), batch_anchors=o.batch_anchors)
+            probs = []
+        else:
+            x = sampled_continuation(self.target, prompt, self.sampling, self.gen, max_new_tokens=o.max_new_tokens)
+            cycles, probs = tau_of_trajectory(self.target, self.model, x, n, self.sampling, o.batch_anchors)
+        self.result.report.cycles.append(cycles)
+        self.result.slot_probs.append(probs)
+        return x[n:].tolist()
+
+
+@torch.no_grad()
+def tau_on_prompts(responder: Responder, prompts: Sequence[Sequence[int]]) -> SampledTau:
+    """Rendered prompts (token ids), `samples` responses each."""
+    for prompt in prompts:
+        for _ in range(responder.samples):
+            responder.respond(prompt)
+    return responder.result
+
+
+@torch.no_grad()
+def tau_on_conversations(responder: Responder, tokenizer, conversations: list[list[str]]) -> SampledTau:
+    """Each conversation turn by turn: a later turn sees the target's own answers to the earlier ones."""
+    for turns in conversations:
+        for _ in range(responder.samples):
+            messages: list[dict] = []
+            for turn in turns:
+                messages.append({"role": "user", "content": turn})
+                ids = responder.respond(render_prompt(tokenizer, messages, responder.opts.thinking))
+                messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+    return responder.result
+
+
+def bench_row(name: str, result: SampledTau) -> dict:
+    """The table row of one set under one sampling setting (JSON-ready; None for undefined numbers)."""
+    def num(x):
+        return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+    rep = result.report
+    tau_mean, tau_mean_se = mean_se(rep.per_response)
+    pooled, pooled_se = ratio_se([sum(c) for c in rep.cycles], [len(c) for c in rep.cycles])
+    expected = (None, None) if result.sampling.greedy else ratio_se(*result._expected_sums())
+    s = result.sampling
+    return {"bench": name, "sampling": s.label, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "tau_mean": num(tau_mean), "tau_mean_se": num(tau_mean_se), "tau_pooled": num(pooled),
+            "tau_pooled_se": num(pooled_se), "tau_expected": num(expected[0]), "tau_expected_se": num(expected[1]),
+            "position_acceptance": rep.position_acceptance, "responses": len(rep.cycles), "cycles": rep.num_cycles,
+            "block_size": rep.block_size}
+
+
+def _pm(x, se) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f}" + (f" ±{se:.3f}" if se is not None else "")
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """The rows as aligned text: tau mean and pooled with standard errors, the expectation, counts, positions."""
+    head = f"{'bench':<10} {'sampling':<22} {'tau_mean':>14} {'tau_pooled':>14} {'expected':>14} {'resp':>5} {'cycles':>6}  acceptance by position"
+    lines = [head]
+    for r in rows:
+        pos = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(r["position_acceptance"], 1))
+        lines.append(f"{r['bench']:<10} {r['sampling']:<22} {_pm(r['tau_mean'], r['tau_mean_se']):>14} "
+                     f"{_pm(r['tau_pooled'], r['tau_pooled_se']):>14} {_pm(r['tau_expected'], r['tau_expected_se']):>14} "
+                     f"{r['responses']:>5} {r['cycles']:>6}  {pos}")
+    return lines
+
+
+def settings_of(temperature: float, top_p: float = 1.0, top_k: int = 0) -> list[Sampling]:
+    """Greedy, then the sampled setting when the temperature is above 0."""
+    sampled = Sampling(temperature, top_p, top_k)
+    return [Sampling()] + ([sampled] if not sampled.greedy else [])
+
+
+def run_recipe(recipe) -> list[dict] | None:
+    """The end-of-training table of a recipe's export (None when eval.benchmarks is empty)."""
+    from dflash_ds.data.prepare import prepare
+    from dflash_ds.data.sources import load_tokenizer
+    from dflash_ds.eval.loading import load_pair
+
+    e = recipe.eval
+    if not e.benchmarks:
+        return None
+    run_dir = Path(recipe.run.output_dir)
+    target, tokenizer, model = load_pair(recipe.target.path, str(run_dir / "export"))
+    opts = BenchOptions(max_new_tokens=e.max_new_tokens, samples=e.samples, seed=recipe.run.seed,
+                        thinking=recipe.data.thinking)
+    rows = []
+    for name in e.benchmarks:
+        if name == HELDOUT:
+            data = prepare(recipe.data, load_tokenizer(recipe.target.path), verbose=False, recipe=recipe.source or None)
+            prompts = data.eval_prompts[:e.bench_limit]
+        else:
+            convs = load_conversations(name, e.bench_dir, e.bench_limit, setting="eval.bench_dir")
+        for sampling in settings_of(e.temperature, e.top_p, e.top_k):
+            responder = Responder(target, model, sampling, opts)
+            result = (tau_on_prompts(responder, prompts) if name == HELDOUT
+                      else tau_on_conversations(responder, tokenizer, convs))
+            rows.append(bench_row(name, result))
+            print("[dflash] " + table_lines(rows[-1:])[1], flush=True)
+    return rows
+
+
+def after_training(recipe) -> int:
+    """The benchmark table of a finished run: printed, written, put into the card and the report."""
+    from dflash_ds.model_card import add_benchmarks_to_card
+    from dflash_ds.report import write_report
+
+    e = recipe.eval
+    print(f"[dflash] benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="
+          f"{str(recipe.data.thinking).lower()} as data.thinking, {e.bench_limit} prompts each, "
+          f"{e.max_new_tokens} new tokens):", flush=True)
+    print("[dflash] " + table_lines([])[0], flush=True)
+    try:
+        rows = run_recipe(recipe)
+    except ValueError as err:
+        print(f"[dflash] error: {err}", file=sys.stderr, flush=True)
+        return 2
+    run_dir = Path(recipe.run.output_dir)
+    (run_dir / "benchmarks.json").write_text(json.dumps(rows, indent=2) + "\n")
+    add_benchmarks_to_card(run_dir / "export", rows)
+    try:
+        print(f"[dflash] report: {write_report(run_dir)}", flush=True)
+    except Exception as err:  # noqa: BLE001 - the table is written; a plotting problem must not hide it
+        print(f"[dflash] report failed ({type(err).__name__}: {err}); rerun python -m dflash_ds.report {run_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_ds.config import RecipeError, load_recipe
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m dflash_ds.eval.bench_run RECIPE [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+    except RecipeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not recipe.eval.benchmarks:
+        print("eval.benchmarks is empty: nothing to evaluate", file=sys.stderr)
+        return 0
+    return after_training(recipe)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
