@@ -40,8 +40,12 @@ def model_card(cfg: DrafterConfig, *, target: str | None = None, data: str | Non
     else:
         tau_line = f"{tau.value:.3f} (exact offline greedy acceptance length on {known(tau_prompts)})"
     vllm_cfg = json.dumps({"method": "dflash", "model": "DRAFTER_DIR", "num_speculative_tokens": cfg.block_size - 1})
-    think = "false" if thinking is None else str(bool(thinking)).lower()
-    kwargs = json.dumps({"enable_thinking": thinking is True})
+    think = "unknown" if thinking is None else str(bool(thinking)).lower()
+    kwargs = json.dumps({"enable_thinking": bool(thinking)})
+    # The chat template setting goes into the serving commands only when it is known.
+    vllm_tail = [] if thinking is None else [f"    --default-chat-template-kwargs '{kwargs}'"]
+    sglang_note = [] if thinking is None else [f"With SGLang, send `\"chat_template_kwargs\": {kwargs}` with each "
+                                               "chat request.", ""]
     lines = [
         "# DFlash drafter",
         "",
@@ -66,8 +70,8 @@ def model_card(cfg: DrafterConfig, *, target: str | None = None, data: str | Non
     lines += [
         "",
         "The drafter has no embedding and no lm_head: it uses the target's. Serve it next to the target it",
-        "was trained for, with the same chat template settings as in training: a request rendered with",
-        f"`enable_thinking` other than {think} is drafted for text the drafter never saw, and acceptance drops.",
+        "was trained for, with the same chat template settings as in training (`enable_thinking`: "
+        f"{think}): requests rendered otherwise are drafted for text the drafter never saw, and acceptance drops.",
         "",
         "## Serving",
         "",
@@ -81,12 +85,11 @@ def model_card(cfg: DrafterConfig, *, target: str | None = None, data: str | Non
         "vLLM (`num_speculative_tokens` = block size - 1):",
         "",
         "```",
-        f"vllm serve {target_arg} --speculative-config '{vllm_cfg}' \\",
-        f"    --default-chat-template-kwargs '{kwargs}'",
+        f"vllm serve {target_arg} --speculative-config '{vllm_cfg}'" + (" \\" if vllm_tail else ""),
+        *vllm_tail,
         "```",
         "",
-        f"With SGLang, send `\"chat_template_kwargs\": {kwargs}` with each chat request.",
-        "",
+        *sglang_note,
         "## Loading with transformers",
         "",
         "```python",

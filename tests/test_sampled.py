@@ -182,7 +182,7 @@ def test_online_sampled_loop_agrees_with_offline_within_error(world):
     assert abs(off_pooled[0] - on_pooled[0]) < 3 * math.hypot(off_pooled[1], on_pooled[1])
     # The Rao-Blackwellised pooled tau agrees with the realized one, with no more spread.
     pooled, pooled_se = ratio_se([sum(c) for c in off.report.cycles], [len(c) for c in off.report.cycles])
-    num, den = off._expected_sums()
+    num, den = off.expected_sums()
     rb, rb_se = ratio_se(num, den)
     assert abs(rb - pooled) < 3 * pooled_se and rb_se <= pooled_se * 1.05
     # Sampling changes tau measurably, so agreeing with the sampled number is not agreeing with greedy.

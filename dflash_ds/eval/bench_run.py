@@ -94,7 +94,7 @@ def bench_row(name: str, result: SampledTau) -> dict:
     rep = result.report
     tau_mean, tau_mean_se = mean_se(rep.per_response)
     pooled, pooled_se = ratio_se([sum(c) for c in rep.cycles], [len(c) for c in rep.cycles])
-    expected = (None, None) if result.sampling.greedy else ratio_se(*result._expected_sums())
+    expected = (None, None) if result.sampling.greedy else ratio_se(*result.expected_sums())
     s = result.sampling
     return {"bench": name, "sampling": s.label, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "tau_mean": num(tau_mean), "tau_mean_se": num(tau_mean_se), "tau_pooled": num(pooled),

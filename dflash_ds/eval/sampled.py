@@ -166,10 +166,10 @@ class SampledTau:
     @property
     def tau_expected(self) -> float:
         """Pooled tau with each reached slot's outcome replaced by its acceptance probability."""
-        num, den = self._expected_sums()
+        num, den = self.expected_sums()
         return sum(num) / sum(den) if sum(den) else math.nan
 
-    def _expected_sums(self) -> tuple[list[float], list[int]]:
+    def expected_sums(self) -> tuple[list[float], list[int]]:
         num = [sum(1.0 + sum(c) for c in resp) for resp in self.slot_probs]
         den = [len(resp) for resp in self.slot_probs]
         return num, den
