@@ -221,10 +221,10 @@ class EvalConfig:
     at_start: bool = True
     at_end: bool = True
     benchmarks: tuple[str, ...] = ()
-    """Sets evaluated on the export after training, one table row per set and sampling setting
-    (greedy, and the sampling below when eval.temperature > 0): gsm8k, math500, humaneval, mbpp,
-    mt_bench (hub datasets, or files in eval.bench_dir) and heldout (the held-out prompts). The
-    table goes to <run.output_dir>/benchmarks.json, the report and the model card."""
+    """Sets evaluated on the export after training (with eval.at_end), one table row per set and
+    sampling setting (greedy, and the sampling below when eval.temperature > 0): gsm8k, math500,
+    humaneval, mbpp, mt_bench (hub datasets, or files in eval.bench_dir) and heldout (the held-out
+    prompts). The table goes to <run.output_dir>/benchmarks.json, the report and the model card."""
     bench_dir: str | None = None
     """Directory of local benchmark files (<name>.jsonl or .parquet) used instead of the hub."""
     bench_limit: int = 32

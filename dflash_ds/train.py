@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     control.release()
     dist.destroy_process_group()
-    if code == 0 and rank == spec.layout.drafter_ranks[0] and recipe.eval.benchmarks:
+    if code == 0 and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks:
         from dflash_ds.eval.bench_run import after_training
 
         code = after_training(recipe)  # the other ranks have gone: the devices are free

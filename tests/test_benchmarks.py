@@ -140,3 +140,28 @@ def test_report_shows_the_benchmark_table(tmp_path):
     (tmp_path / "benchmarks.json").write_text(json.dumps([_row("humaneval", "T=0.7 top_p=0.95", 2.75)]))
     page = write_report(tmp_path).read_text()
     assert "Acceptance by benchmark" in page and "humaneval" in page and "2.750 &plusmn; 0.100" in page
+
+
+def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from dflash_ds.config import load_recipe
+    from dflash_ds.eval.bench_run import after_training
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.model_card import card_info
+    from dflash_ds.run import check_recipe
+
+    recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}", "eval.benchmarks=[gsm8k,mt_bench]",
+                                               f"eval.bench_dir={BENCH_DIR}", "eval.bench_limit=1",
+                                               "eval.max_new_tokens=6", "eval.samples=2"])
+    spec = check_recipe(recipe, world_size=2)
+    save_drafter(DFlashDrafter(spec.drafter), tmp_path / "export", card=card_info(recipe, 0))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 1e-3, "tok_per_s": 1.0}) + "\n")
+    assert after_training(recipe) == 0
+    rows = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [(r["bench"], r["sampling"], r["responses"]) for r in rows] == [
+        ("gsm8k", "greedy", 1), ("gsm8k", "T=1", 2), ("mt_bench", "greedy", 2), ("mt_bench", "T=1", 4)]
+    out = capsys.readouterr().out
+    assert "enable_thinking=false" in out and out.count("[dflash] gsm8k") == 2
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "| mt_bench | T=1 |" in card and "`enable_thinking: false`" in card
+    assert "Acceptance by benchmark" in (tmp_path / "report" / "index.html").read_text()

@@ -65,6 +65,6 @@ def check_benchmarks(recipe: Recipe) -> None:
     """Every set of eval.benchmarks loads now, not after the training it would follow."""
     from dflash_ds.eval.benchmarks import HELDOUT, load_conversations
 
-    for name in recipe.eval.benchmarks:
+    for name in recipe.eval.benchmarks if recipe.eval.at_end else ():
         if name != HELDOUT:
             load_conversations(name, recipe.eval.bench_dir, 1, setting="eval.bench_dir")
