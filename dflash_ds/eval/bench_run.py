@@ -111,12 +111,14 @@ def _pm(x, se) -> str:
 
 def table_lines(rows: list[dict]) -> list[str]:
     """The rows as aligned text: tau mean and pooled with standard errors, the expectation, counts, positions."""
-    head = f"{'bench':<10} {'sampling':<22} {'tau_mean':>14} {'tau_pooled':>14} {'expected':>14} {'resp':>5} {'cycles':>6}  acceptance by position"
+    head = (f"{'bench':<10} {'sampling':<22} {'tau_mean':>14} {'tau_pooled':>14} {'expected':>14} {'resp':>5} "
+            f"{'cycles':>6}  acceptance by position")
     lines = [head]
     for r in rows:
         pos = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(r["position_acceptance"], 1))
         lines.append(f"{r['bench']:<10} {r['sampling']:<22} {_pm(r['tau_mean'], r['tau_mean_se']):>14} "
-                     f"{_pm(r['tau_pooled'], r['tau_pooled_se']):>14} {_pm(r['tau_expected'], r['tau_expected_se']):>14} "
+                     f"{_pm(r['tau_pooled'], r['tau_pooled_se']):>14} "
+                     f"{_pm(r['tau_expected'], r['tau_expected_se']):>14} "
                      f"{r['responses']:>5} {r['cycles']:>6}  {pos}")
     return lines
 

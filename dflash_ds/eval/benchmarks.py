@@ -82,14 +82,16 @@ def _records(name: str, bench_dir: str | None, setting: str) -> tuple[list[dict]
         found = next((f for f in files if f.is_file()), None)
         if found is None:
             raise ValueError(f"benchmark {name}: no {name}.jsonl/.json/.parquet in {setting} {bench_dir}; put the "
-                             f"records of {b.source} there (field '{b.field}'), or drop {setting} to load it from the hub")
+                             f"records of {b.source} there (field '{b.field}'), or drop {setting} to load it "
+                             "from the hub")
         return _records_from_file(found), str(found)
     try:
         from datasets import load_dataset
 
         return list(load_dataset(b.hub_id, b.config, split=b.split)), b.source
     except Exception as e:  # noqa: BLE001 - no network, no cache, a renamed set: one line saying how to provide it
-        raise ValueError(f"benchmark {name}: cannot load {b.source} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        raise ValueError(f"benchmark {name}: cannot load {b.source} ({reason}); "
                          f"make the hub reachable (or its HF cache present), or put {name}.jsonl with field "
                          f"'{b.field}' in a directory passed as {setting}") from None
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated benchmark sets: " + ", ".join(BENCHMARKS) + " (one row each)")
     parser.add_argument("--bench-dir", default=None, help="directory of <name>.jsonl benchmark files (else the hub)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="also report tau under sampling at this temperature, as vLLM/SGLang verify (0: greedy only)")
+                        help="also report tau sampled at this temperature, as vLLM/SGLang verify (0: greedy only)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
     parser.add_argument("--samples", type=int, default=1, help="sampled responses per prompt")
@@ -147,7 +147,8 @@ def _run(args) -> int:
     for name in parse_names(args.bench) if args.bench else []:
         convs = load_conversations(name, args.bench_dir, args.limit)
         for sampling in settings:
-            rows.append(bench_row(name, tau_on_conversations(Responder(target, model, sampling, opts), tokenizer, convs)))
+            responder = Responder(target, model, sampling, opts)
+            rows.append(bench_row(name, tau_on_conversations(responder, tokenizer, convs)))
     if args.bench or len(settings) > 1:
         print("\n".join(table_lines(rows)))
         result["rows"] = rows
