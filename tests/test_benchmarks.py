@@ -97,6 +97,16 @@ def test_cli_prints_one_row_per_set_and_setting_and_warns_on_thinking(world, tmp
     assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k",
                  "--bench-dir", str(tmp_path / "empty")]) == 2
     assert "benchmark gsm8k" in capsys.readouterr().err
+    assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "heldout"]) == 2
+    assert "--prompts" in capsys.readouterr().err
+    # A prompts file with --temperature: its greedy row (the exact tau printed above it) and a sampled row.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"t{int(i)}" for i in p)}) for p in world["prompts"][:2]))
+    assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--prompts", str(prompts),
+                 "--max-new-tokens", "12", "--temperature", "0.5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["bench"], r["sampling"]) for r in result["rows"]] == [("prompts", "greedy"), ("prompts", "T=0.5")]
+    assert result["rows"][0]["tau_mean"] == pytest.approx(result["tau_mean"])
 
 
 def _row(bench, sampling, tau):

@@ -13,7 +13,7 @@ import torch
 
 from dflash_ds.eval.bench_run import (BenchOptions, Responder, bench_row, settings_of, table_lines,
                                       tau_on_conversations, tau_on_prompts)
-from dflash_ds.eval.benchmarks import BENCHMARKS, load_conversations, parse_names
+from dflash_ds.eval.benchmarks import BENCHMARKS, HELDOUT, load_conversations, parse_names
 from dflash_ds.eval.generate import offline_tau
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
@@ -102,8 +102,8 @@ def _check_args(args) -> dict | None:
     if args.samples < 1:
         raise ValueError("--samples must be >= 1")
     Sampling(args.temperature, args.top_p, args.top_k).check()
-    if args.bench:
-        parse_names(args.bench)
+    if args.bench and HELDOUT in parse_names(args.bench):
+        raise ValueError(f"--bench {HELDOUT} names a recipe's held-out prompts; pass a prompts file as --prompts instead")
     if not args.chat_template_kwargs:
         return None
     try:

@@ -170,20 +170,10 @@ class SampledTau:
         return sum(num) / sum(den) if sum(den) else math.nan
 
     def expected_sums(self) -> tuple[list[float], list[int]]:
+        """Per response: the expected tokens of its cycles (1 + the reached slots' probabilities), its cycles."""
         num = [sum(1.0 + sum(c) for c in resp) for resp in self.slot_probs]
         den = [len(resp) for resp in self.slot_probs]
         return num, den
-
-    @property
-    def position_expected(self) -> list[float | None]:
-        """Mean acceptance probability at slots 1 .. B-1 over the cycles that reached each."""
-        sums, counts = [0.0] * (self.report.block_size - 1), [0] * (self.report.block_size - 1)
-        for resp in self.slot_probs:
-            for probs in resp:
-                for k, p in enumerate(probs):
-                    sums[k] += p
-                    counts[k] += 1
-        return [s / n if n else None for s, n in zip(sums, counts)]
 
 
 def slots_reached(emitted: int, last: bool, observable: int, block_size: int) -> int:
