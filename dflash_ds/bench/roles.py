@@ -144,9 +144,9 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
     """
     from dflash_ds.model.attention import build_mask
     from dflash_ds.model.objective import sample_anchors
-    from dflash_ds.model.loss import StepSettings, anchor_generator, make_blocks
+    from dflash_ds.model.loss import anchor_generator, make_blocks
 
-    s = StepSettings.from_recipe(setup.recipe, setup.device)
+    s = setup.run.settings
     mb = micro_batch_of(setup, payload)
     anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors, anchor_generator(s.seed, 0))
     anchors, valid = anchors.to(setup.device), valid.to(setup.device)
