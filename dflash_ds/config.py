@@ -1,7 +1,7 @@
 """Typed recipe: frozen dataclasses mirroring the YAML sections.
 
 Unknown keys are errors naming their dotted path; `key.sub=value` overrides go through the same
-validation; nothing mutates a recipe afterwards (run.check_recipe resolves it into a RunSpec)."""
+validation; nothing mutates a recipe afterwards (spec.run.check_recipe resolves it into a RunSpec)."""
 
 from __future__ import annotations
 

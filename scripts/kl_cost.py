@@ -16,10 +16,10 @@ from dflash_ds.config import load_recipe
 from dflash_ds.data.prepare import load_training_data
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import drafter_loss, make_blocks
-from dflash_ds.run import check_recipe
+from dflash_ds.spec.run import check_recipe
 from dflash_ds.runtime.target_worker import TargetWorker
 from dflash_ds.runtime.trainer import build_drafter
-from dflash_ds.runtime.transport import unpack
+from dflash_ds.spec.payload import unpack
 from dflash_ds.target.model import embed_and_head, load_target, truncate_after
 
 

@@ -124,7 +124,7 @@ def test_every_consumer_reads_the_one_shape():
 
     from dflash_ds.config import ObjectiveConfig, Recipe
     from dflash_ds.model.loss import StepSettings
-    from dflash_ds.run import payload_spec
+    from dflash_ds.spec.run import payload_spec
 
     shape = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=2, block_size=8, mask_token_id=9,
                                                                     target_layer_ids=(1, 2, 3)))

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.run import check_recipe
-from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.runtime.dtypes import payload_dtype
+from dflash_ds.spec.run import check_recipe
+from dflash_ds.spec.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.spec.dtypes import payload_dtype
 from dflash_ds.runtime.target_worker import TargetWorker
-from dflash_ds.runtime.transport import PayloadSpec, unpack
+from dflash_ds.spec.payload import PayloadSpec, unpack
 
 from .test_target import tiny_qwen3
 

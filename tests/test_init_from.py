@@ -8,7 +8,7 @@ import torch
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.run import check_recipe
+from dflash_ds.spec.run import check_recipe
 
 TINY = "recipes/tiny.yaml"
 SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]

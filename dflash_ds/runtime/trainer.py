@@ -25,12 +25,13 @@ from dflash_ds.model.loss import drafter_loss, make_blocks
 from dflash_ds.model.objective import acceptance_proxy
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
-from dflash_ds.run import RunSpec
+from dflash_ds.spec.run import RunSpec
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.plan import receive_depth
+from dflash_ds.spec.plan import receive_depth
 from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.transport import PayloadSpec, Receiver, SyncStallTimer, unpack
+from dflash_ds.spec.payload import PayloadSpec, unpack
+from dflash_ds.runtime.transport import Receiver, SyncStallTimer
 from dflash_ds.runtime.watchdog import waiting_on
 
 # Tests set this to kill every drafter rank right after the given step (a simulated crash).

@@ -20,12 +20,12 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.loss import StepSettings
 from dflash_ds.model.shape import COMPARED, DrafterShape
-from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.runtime.dtypes import payload_dtype
-from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
-from dflash_ds.runtime.topology import Layout, TopologyError
-from dflash_ds.runtime.transport import PayloadSpec
-from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
+from dflash_ds.spec.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.spec.dtypes import payload_dtype
+from dflash_ds.spec.payload import PayloadSpec
+from dflash_ds.spec.plan import Plan, drafter_params, memory_estimate, resolve
+from dflash_ds.spec.topology import Layout, TopologyError
+from dflash_ds.target.model import Geometry, load_config, target_geometry
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,6 @@ def resolve_device(name: str, setting: str) -> torch.device:
     if name != "cpu":
         raise ValueError(f"{setting} must be auto, cuda or cpu, got {name!r}")
     return torch.device("cpu")
-
-
-def compute_dtype(target_dtype: str, device: torch.device) -> torch.dtype:
-    """The bench's dtype: target.dtype on a GPU, float32 on CPU (its drafter JSON agrees with it).
-    Training runs take the payload dtype from runtime.dtypes.payload_dtype (check_recipe)."""
-    return DTYPES[target_dtype] if device.type == "cuda" else torch.float32
 
 
 def check_world(recipe: Recipe, world_size: int) -> Layout:
