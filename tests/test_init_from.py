@@ -11,7 +11,8 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.spec.run import check_recipe
 
 TINY = "recipes/tiny.yaml"
-SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]
+SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false", "optim.rows_per_micro_batch=1",
+         "objective.num_anchors=16"]
 
 
 def _export(tmp_path, overrides=(), seed=123):

@@ -77,9 +77,31 @@ def test_no_literal_exit_codes_in_the_package():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
-            fn = ast.unparse(node.func)
+            f = node.func
+            fn = f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else \
+                getattr(f, "id", "")
             if fn == "os._exit" and path.name != "safety.py":
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} os._exit (use safety.exit_now)")
             if fn in ("os._exit", "sys.exit", "exit_now") and node.args and isinstance(node.args[0], ast.Constant):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {fn}({node.args[0].value!r})")
     assert not found, "\n".join(found)
+
+
+def test_the_start_is_decided_in_one_place(monkeypatch, tmp_path):
+    """launch.sh's pre-launch check and the run's lead both ask control.decide_start."""
+    from dflash_ds.config import RecipeError, load_recipe
+    from dflash_ds.runtime import prelaunch
+
+    calls = []
+
+    def decide(recipe):
+        calls.append(recipe.run.output_dir)
+        raise CheckpointError("latest.json names a checkpoint that is gone")
+
+    monkeypatch.setattr(control, "decide_start", decide)
+    recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}"])
+    with pytest.raises(RecipeError, match="latest.json names a checkpoint that is gone"):
+        prelaunch.check_resume(recipe)
+    ctl = control.RunControl(recipe, SimpleNamespace(role=lambda r: "drafter", is_drafter=lambda r: True), 0)
+    assert ctl._decide() == {"error": "latest.json names a checkpoint that is gone"}
+    assert calls == [str(tmp_path)] * 2

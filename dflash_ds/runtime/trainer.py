@@ -128,10 +128,6 @@ class DrafterTrainer:
                              SyncStallTimer(get_accelerator(), spec.device), start, eval_set)
         return cls(spec, rank, parts, control)
 
-    def close(self) -> None:
-        self.syncs.close()
-        self.source.close()
-
     @property
     def metrics(self) -> Metrics:
         # Opened on first use: a trainer that only steps (the bench) writes nothing.
@@ -333,4 +329,7 @@ def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control) -
     try:
         trainer.train()
     finally:
-        trainer.close()
+        trainer.syncs.close()  # the accelerator's own synchronize back, however the loop ended
+    # Only after a complete run: every posted receive then has its payload (after a stop or a lost
+    # peer some never will).
+    trainer.source.close()
