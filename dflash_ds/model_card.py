@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.model.shape import DrafterShape
 
 THINKING_ROW = re.compile(r"^\| chat template \| `enable_thinking: (true|false)`", re.M)
 BENCH_HEADING = "## Acceptance by benchmark"
@@ -26,7 +26,7 @@ class TauFacts(NamedTuple):
     position_acceptance: list | None = None
 
 
-def model_card(cfg: DrafterConfig, *, target: str | None = None, data: str | None = None, steps: int | None = None,
+def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None = None, steps: int | None = None,
                tau: TauFacts | None = None, thinking: bool | None = None) -> str:
     """Markdown for the export directory; unknown facts are shown as unknown, never guessed."""
     def known(x) -> str:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from dflash_ds.metrics import read_metrics
+from dflash_ds.safety import Exit
 
 # (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records.
 STEP_PANELS = [
@@ -248,14 +249,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     return out / "index.html"
 
 
-def finish_run(run_dir: str | Path, card: dict) -> None:
-    """End of a run on the lead drafter rank: the export's model card gets the final tau, and the
-    report is drawn. Neither may fail the finished run: problems are printed, not raised."""
+def finish_run(run_dir: str | Path, card: dict | None) -> None:
+    """End of a run on the lead drafter rank: the export's model card gets the final tau (card None:
+    left as it is), and the report is drawn. Neither may fail the finished run: problems are printed,
+    not raised."""
     from dflash_ds.export import write_card
 
     export = Path(run_dir) / "export"
     try:
-        if export.is_dir():
+        if export.is_dir() and card is not None:
             write_card(export, **card)
         page = write_report(run_dir)
         print(f"[dflash] report: {page}", flush=True)
@@ -276,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         page = write_report(args.run_dir, args.out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.USER
     print(page)
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

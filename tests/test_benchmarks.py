@@ -116,13 +116,16 @@ def _row(bench, sampling, tau):
 
 
 def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
-    from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
     from transformers import Qwen3Config
 
-    cfg = DrafterConfig.from_target(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                                vocab_size=64),
-                                    DrafterShape(num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=[1]))
+    from dflash_ds.config import DrafterSection
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.model.shape import DrafterShape
+
+    cfg = DrafterShape.from_target(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                               vocab_size=64),
+                                   DrafterSection(num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=(1,)))
     card = model_card(cfg, thinking=False)
     assert "| chat template | `enable_thinking: false`" in card
     assert """--default-chat-template-kwargs '{"enable_thinking": false}'""" in card
@@ -158,7 +161,7 @@ def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tm
     from dflash_ds.eval.bench_run import after_training
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model_card import card_info
-    from dflash_ds.run import check_recipe
+    from dflash_ds.spec.run import check_recipe
 
     recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}", "eval.benchmarks=[gsm8k,mt_bench]",
                                                f"eval.bench_dir={BENCH_DIR}", "eval.bench_limit=1",
@@ -167,6 +170,9 @@ def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tm
     save_drafter(DFlashDrafter(spec.drafter), tmp_path / "export", card=card_info(recipe, 0))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 1e-3, "tok_per_s": 1.0}) + "\n")
     assert after_training(recipe) == 0
+    from dflash_ds.report import finish_run
+
+    finish_run(tmp_path, None)  # as train.py does next: the report again, the card kept
     rows = json.loads((tmp_path / "benchmarks.json").read_text())
     assert [(r["bench"], r["sampling"], r["responses"]) for r in rows] == [
         ("gsm8k", "greedy", 1), ("gsm8k", "T=1", 2), ("mt_bench", "greedy", 2), ("mt_bench", "T=1", 4)]

@@ -1,9 +1,9 @@
 """One row per benchmark set and sampling setting: tau of a drafter on the set's prompts.
 
 At the end of a training run the lead drafter rank evaluates the export on `eval.benchmarks`
-(`after_training`; `python -m dflash_ds.eval.bench_run RECIPE [key=value ...]` does the same on its
-own): it writes `<run.output_dir>/benchmarks.json`, adds the table to the export's model card and
-redraws the report.
+(`after_training`, called by train.py, which then redraws the report; `python -m
+dflash_ds.eval.bench_run RECIPE [key=value ...]` does the same on its own): it writes
+`<run.output_dir>/benchmarks.json` and adds the table to the export's model card.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sam
                                     tau_of_trajectory)
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
 from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.safety import Exit
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,9 @@ def run_recipe(recipe) -> list[dict] | None:
 
 
 def after_training(recipe) -> int:
-    """The benchmark table of a finished run: printed, written, put into the card and the report."""
+    """The benchmark table of a finished run: printed, written to benchmarks.json and into the card.
+    (The report, a layer above, is redrawn by the caller: train.py, or `python -m dflash_ds.report`.)"""
     from dflash_ds.model_card import add_benchmarks_to_card
-    from dflash_ds.report import write_report
 
     e = recipe.eval
     print(f"[dflash] benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="
@@ -172,15 +173,11 @@ def after_training(recipe) -> int:
         rows = run_recipe(recipe)
     except ValueError as err:
         print(f"[dflash] error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return Exit.USER
     run_dir = Path(recipe.run.output_dir)
     (run_dir / "benchmarks.json").write_text(json.dumps(rows, indent=2) + "\n")
     add_benchmarks_to_card(run_dir / "export", rows)
-    try:
-        print(f"[dflash] report: {write_report(run_dir)}", flush=True)
-    except Exception as err:  # noqa: BLE001 - the table is written; a plotting problem must not hide it
-        print(f"[dflash] report failed ({type(err).__name__}: {err}); rerun python -m dflash_ds.report {run_dir}")
-    return 0
+    return Exit.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,16 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: python -m dflash_ds.eval.bench_run RECIPE [key=value ...]", file=sys.stderr)
-        return 2
+        return Exit.USER
     try:
         recipe = load_recipe(argv[0], argv[1:])
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return Exit.USER
     if not recipe.eval.benchmarks:
         print("eval.benchmarks is empty: nothing to evaluate", file=sys.stderr)
-        return 0
-    return after_training(recipe)
+        return Exit.OK
+    code = after_training(recipe)
+    if code == Exit.OK:
+        print(f"the report shows the table once redrawn: python -m dflash_ds.report {recipe.run.output_dir}")
+    return code
 
 
 if __name__ == "__main__":
