@@ -14,17 +14,18 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.attention import DFlashMask, attend
+from dflash_ds.model.attention import DFlashMask, LayerAttention, attend
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
 ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
 _INIT_STD = 0.02
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # the layer_types names of config.json
 
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
 # own full-attention layers (head_dim 256, partial rotary) are not what the published drafters
@@ -75,6 +76,36 @@ def _is_default_rope(rope_scaling: dict | None) -> bool:
     return kind == "default" and not extra
 
 
+def _check_attention_layout(layer_types: tuple[str, ...], num_layers: int, window: int | None, block_size: int) -> None:
+    if len(layer_types) != num_layers:
+        raise ValueError(f"drafter.layer_types has {len(layer_types)} entries for {num_layers} drafter layers; "
+                         "give one type per layer")
+    bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
+    if bad:
+        raise ValueError(f"drafter.layer_types has unknown types {bad}; use {FULL_ATTENTION} or {SLIDING_ATTENTION}")
+    sliding = SLIDING_ATTENTION in layer_types
+    if sliding and window is None:
+        raise ValueError("drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set; "
+                         "set it (2048 for the published Qwen3.6 drafters)")
+    if not sliding and window is not None:
+        raise ValueError(f"drafter.sliding_window={window} is set but no layer in drafter.layer_types is "
+                         "sliding_attention; list the sliding layers or unset the window")
+    if window is not None and window < block_size:
+        raise ValueError(f"drafter.sliding_window={window} is shorter than drafter.block_size={block_size}; "
+                         "the window must cover the whole block")
+
+
+def attention_layout(layer_types: Sequence[str], window: int | None, is_causal: bool | None) -> tuple[LayerAttention, ...]:
+    """Every layer's attention as SGLang and vLLM run it (docs/algorithm.md section 3): a sliding layer
+    has the window; causal = `is_causal` when set, else True exactly for the sliding layers."""
+    out = []
+    for kind in layer_types:
+        sliding = kind == SLIDING_ATTENTION
+        causal = sliding if is_causal is None else is_causal
+        out.append(LayerAttention(window=window if sliding else None, causal=bool(causal)))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class DrafterShape:
     """A recipe's `drafter` choices; None = from the target (`DrafterConfig.from_target` completes it)."""
@@ -87,6 +118,9 @@ class DrafterShape:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
 
     @classmethod
     def of(cls, section: Any) -> "DrafterShape":
@@ -114,9 +148,18 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     tie_word_embeddings: bool
+    layer_types: tuple[str, ...] = ()
+    """Per layer "full_attention" or "sliding_attention"; empty = every layer full."""
+    sliding_window: int | None = None
+    """W of the sliding layers: a query sees keys less than W positions before its own."""
+    is_causal: bool | None = None
+    """None = the engines' default (sliding layers causal, full layers bidirectional in the block);
+    True/False = every layer. Exported as config.json's `is_causal` only when set."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types or (FULL_ATTENTION,) * self.num_hidden_layers))
+        _check_attention_layout(self.layer_types, self.num_hidden_layers, self.sliding_window, self.block_size)
         if self.num_hidden_layers < 1:
             raise ValueError(
                 f"drafter.num_layers must be >= 1, got {self.num_hidden_layers}; "
@@ -160,6 +203,12 @@ class DrafterConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        return self.layer_attentions()[i]
+
+    def layer_attentions(self) -> tuple[LayerAttention, ...]:
+        return attention_layout(self.layer_types, self.sliding_window, self.is_causal)
 
     @classmethod
     def from_target(cls, target_config: Any, shape: DrafterShape) -> "DrafterConfig":
@@ -215,6 +264,9 @@ class DrafterConfig:
             block_size=int(shape.block_size),
             mask_token_id=int(shape.mask_token_id),
             tie_word_embeddings=bool(tie),
+            layer_types=tuple(shape.layer_types or ()),
+            sliding_window=shape.sliding_window,
+            is_causal=shape.is_causal,
         )
 
     def to_hf_config(self) -> dict:
@@ -244,10 +296,13 @@ class DrafterConfig:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": _INIT_STD,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            # Qwen3Config keeps `sliding_window` only with use_sliding_window; max_window_layers only
+            # matters without layer_types and is written as z-lab's configs write it.
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
             "max_window_layers": self.num_hidden_layers,
+            **({} if self.is_causal is None else {"is_causal": self.is_causal}),
         }
 
     @classmethod
@@ -262,6 +317,8 @@ class DrafterConfig:
         if theta is None:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
+        layer_types = tuple(config.get("layer_types") or ())
+        is_causal = config.get("is_causal", dflash.get("causal"))  # vLLM also reads dflash_config.causal
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
@@ -279,6 +336,9 @@ class DrafterConfig:
             block_size=int(config["block_size"]),
             mask_token_id=int(dflash["mask_token_id"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            layer_types=layer_types,
+            sliding_window=config.get("sliding_window") if SLIDING_ATTENTION in layer_types else None,
+            is_causal=None if is_causal is None else bool(is_causal),
         )
 
     def replace(self, **changes: Any) -> "DrafterConfig":
@@ -422,6 +482,19 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
+    def layer_masks(self, mask: DFlashMask | Sequence[DFlashMask]) -> tuple[DFlashMask, ...]:
+        """The mask of every layer, each checked against the layer's attention: a mask built for
+        another window or causality would train a drafter the engines do not run."""
+        attentions = self.config.layer_attentions()
+        masks = (mask,) * len(attentions) if isinstance(mask, DFlashMask) else tuple(mask)
+        if len(masks) != len(attentions):
+            raise ValueError(f"{len(masks)} masks for {len(attentions)} drafter layers")
+        for i, (m, att) in enumerate(zip(masks, attentions)):
+            if m.attention != att:
+                raise ValueError(f"layer {i} attends with {att} but its mask was built for {m.attention}; "
+                                 "build the masks with build_layer_masks(..., drafter.config.layer_attentions())")
+        return masks
+
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target states `[b, S, T*D]` -> context features `[b, S, D]` (computed once)."""
         return self.hidden_norm(self.fc(taps))
@@ -432,19 +505,24 @@ class DFlashDrafter(nn.Module):
         ctx: torch.Tensor,
         block_positions: torch.Tensor,
         ctx_positions: torch.Tensor,
-        mask: DFlashMask,
+        mask: DFlashMask | Sequence[DFlashMask],
     ) -> torch.Tensor:
-        """block_embeds `[b, Q, D]`, ctx `[b, S, D]` (from `fuse`) -> hidden `[b, Q, D]`."""
+        """block_embeds `[b, Q, D]`, ctx `[b, S, D]` (from `fuse`) -> hidden `[b, Q, D]`.
+
+        `mask`: one mask per layer (`attention.build_layer_masks` with `config.layer_attentions()`),
+        or one mask for every layer when they all attend alike.
+        """
         cfg = self.config
         dtype = block_embeds.dtype
+        masks = self.layer_masks(mask)
         cos_q, sin_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_c, sin_c = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_k, sin_k = torch.cat([cos_c, cos_q], dim=1), torch.cat([sin_c, sin_q], dim=1)
-        inputs = LayerInputs(ctx, cos_q, sin_q, cos_k, sin_k, mask)
+        tensors = (ctx, cos_q, sin_q, cos_k, sin_k)
         x = block_embeds
         for i, layer in enumerate(self.layers):
             if self.checkpoint_fn is not None and i < self.checkpoint_layers and torch.is_grad_enabled():
-                x = self.checkpoint_fn(functools.partial(_run_layer, layer, mask), x, *inputs[:-1])
+                x = self.checkpoint_fn(functools.partial(_run_layer, layer, masks[i]), x, *tensors)
             else:
-                x = layer(x, inputs)
+                x = layer(x, LayerInputs(*tensors, masks[i]))
         return self.norm(x)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.attention import build_mask
+from dflash_ds.model.attention import FULL, LayerAttention, build_layer_masks
 from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.drafter import FULL_ATTENTION, attention_layout
 from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
                                        sample_anchors)
 from dflash_ds.data.packing import position_ids_from_doc_ids
@@ -30,10 +31,13 @@ class StepSettings:
     fused_loss: bool = True
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
+    attentions: tuple[LayerAttention, ...] = (FULL,)
+    """Every drafter layer's attention; one mask is built per distinct one."""
 
     @classmethod
     def from_recipe(cls, recipe, device: torch.device) -> "StepSettings":
-        b = recipe.drafter.block_size
+        d = recipe.drafter
+        b = d.block_size
         return cls(
             num_anchors=recipe.objective.num_anchors,
             block_size=b,
@@ -45,6 +49,8 @@ class StepSettings:
             fused_loss=recipe.objective.fused_loss,
             kl_weight=recipe.objective.kl_weight,
             kl_temperature=recipe.objective.kl_temperature,
+            attentions=attention_layout(d.layer_types or (FULL_ATTENTION,) * d.num_layers, d.sliding_window,
+                                        d.is_causal),
         )
 
 
@@ -66,7 +72,7 @@ class Blocks:
     ctx_positions: torch.Tensor  # [R, S]
     labels: torch.Tensor  # [R, N*B]
     weights: torch.Tensor  # [R, N*B] float32
-    mask: object
+    mask: tuple  # one DFlashMask per drafter layer
 
 
 def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:
@@ -86,7 +92,7 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
     labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)
-    mask = build_mask(anchors, valid, mb.doc_ids, s.block_size, kind=s.mask_kind)
+    mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
     r = anchors.shape[0]
     return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,
                   labels.reshape(r, -1), weights.reshape(r, -1).float(), mask)
