@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.config import DrafterSection, RecipeError, load_recipe
 from dflash_ds.model.attention import FLEX_BLOCK, FULL, LayerAttention, build_layer_masks, build_mask
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape, attention_layout
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape, attention_layout
 from tests.test_attention import emulate_block_mask, packed_case
 
 S_, F_ = "sliding_attention", "full_attention"
@@ -138,10 +139,10 @@ def tgt_config():
 
 
 def windowed_drafter(layer_types, window, is_causal=None, block_size=4, seed=0, dtype=torch.float64):
-    shape = DrafterShape(num_layers=len(layer_types), block_size=block_size, mask_token_id=63,
-                         target_layer_ids=(1, 4, 6), layer_types=tuple(layer_types), sliding_window=window,
-                         is_causal=is_causal)
-    cfg = DrafterConfig.from_target(tgt_config(), shape)
+    choices = DrafterSection(num_layers=len(layer_types), block_size=block_size, mask_token_id=63,
+                             target_layer_ids=(1, 4, 6), layer_types=tuple(layer_types), sliding_window=window,
+                             is_causal=is_causal)
+    cfg = DrafterShape.from_target(tgt_config(), choices)
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg).to(dtype).eval()
     with torch.no_grad():
@@ -239,7 +240,7 @@ def test_export_fields_round_trip_through_qwen3config():
     assert hf["layer_types"] == [S_] * 4 + [F_]
     assert hf["use_sliding_window"] is True and hf["sliding_window"] == 2048 and hf["max_window_layers"] == 5
     assert "is_causal" not in hf  # the engines' default: sliding layers causal, the full layer not
-    assert DrafterConfig.from_hf_config(hf) == model.config
+    assert DrafterShape.from_hf_config(hf) == model.config
     q = Qwen3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
     assert q.layer_types == [S_] * 4 + [F_] and q.sliding_window == 2048 and q.use_sliding_window
     # Why use_sliding_window is written: without it Qwen3Config silently drops the window.
@@ -247,11 +248,11 @@ def test_export_fields_round_trip_through_qwen3config():
     assert dropped.sliding_window is None
     explicit = windowed_drafter([S_, S_], window=64, is_causal=False).config
     hf2 = explicit.to_hf_config()
-    assert hf2["is_causal"] is False and DrafterConfig.from_hf_config(hf2) == explicit
+    assert hf2["is_causal"] is False and DrafterShape.from_hf_config(hf2) == explicit
     # vLLM also honours dflash_config.causal; an export carrying only that reads the same.
     other = dict(hf2, dflash_config=dict(hf2["dflash_config"], causal=False))
     del other["is_causal"]
-    assert DrafterConfig.from_hf_config(other).is_causal is False
+    assert DrafterShape.from_hf_config(other).is_causal is False
     full = windowed_drafter([F_, F_], window=None).config.to_hf_config()
     assert full["use_sliding_window"] is False and full["sliding_window"] is None and "is_causal" not in full
 
@@ -328,7 +329,15 @@ def test_recipe_attention_keys_reach_the_step_settings():
 
     r = load_recipe("recipes/tiny.yaml", ["drafter.num_layers=3", "drafter.block_size=8",
                                           "drafter.layer_types=[sliding_attention,sliding_attention,full_attention]",
-                                          "drafter.sliding_window=32"])
-    s = StepSettings.from_recipe(r, torch.device("cpu"))
+                                          "drafter.sliding_window=32", "drafter.target_layer_ids=[1,4,6]",
+                                          "drafter.mask_token_id=63"])
+    shape = DrafterShape.from_target(tgt_config(), r.drafter)
+    assert (shape.layer_types, shape.sliding_window, shape.is_causal) == ((S_, S_, F_), 32, None)
+    s = StepSettings.of(shape, r.objective, 0, torch.device("cpu"))
     assert s.attentions == (LayerAttention(32, True), LayerAttention(32, True), FULL)
-    assert DrafterShape.of(r.drafter).layer_types == (S_, S_, F_)
+
+
+def test_init_from_refuses_another_attention_layout():
+    a = windowed_drafter([S_, F_], window=8).config
+    assert [m[0] for m in a.mismatches(windowed_drafter([F_, F_], window=None).config)] == ["layer_types", "sliding_window"]
+    assert [m[0] for m in a.mismatches(windowed_drafter([S_, F_], window=8, is_causal=False).config)] == ["is_causal"]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.attention import FULL, LayerAttention, build_layer_masks
+from dflash_ds.model.attention import LayerAttention, build_layer_masks
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import FULL_ATTENTION, attention_layout
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
                                        sample_anchors)
 from dflash_ds.data.packing import position_ids_from_doc_ids
@@ -21,9 +21,11 @@ from dflash_ds.data.packing import position_ids_from_doc_ids
 
 @dataclass(frozen=True)
 class StepSettings:
+    """What `make_blocks` and `drafter_loss` need besides the micro-batch: the drafter's shape (block
+    size and mask id come from it, nowhere else) and the objective's knobs, which are not shape."""
+
+    shape: DrafterShape
     num_anchors: int
-    block_size: int
-    mask_token_id: int
     gamma: float
     loss_chunks: int
     mask_kind: str  # "dense" (CPU, SDPA) or "flex" (GPU, compiled flex_attention)
@@ -31,27 +33,28 @@ class StepSettings:
     fused_loss: bool = True
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
-    attentions: tuple[LayerAttention, ...] = (FULL,)
-    """Every drafter layer's attention; one mask is built per distinct one."""
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.shape.mask_token_id
+
+    @property
+    def attentions(self) -> tuple[LayerAttention, ...]:
+        """Every drafter layer's attention; one mask is built per distinct one."""
+        return self.shape.layer_attentions()
 
     @classmethod
-    def from_recipe(cls, recipe, device: torch.device) -> "StepSettings":
-        d = recipe.drafter
-        b = d.block_size
-        return cls(
-            num_anchors=recipe.objective.num_anchors,
-            block_size=b,
-            mask_token_id=recipe.drafter.mask_token_id,
-            gamma=recipe.objective.gamma if recipe.objective.gamma is not None else default_gamma(b),
-            loss_chunks=recipe.objective.loss_chunks,
-            mask_kind="flex" if device.type == "cuda" else "dense",
-            seed=recipe.run.seed,
-            fused_loss=recipe.objective.fused_loss,
-            kl_weight=recipe.objective.kl_weight,
-            kl_temperature=recipe.objective.kl_temperature,
-            attentions=attention_layout(d.layer_types or (FULL_ATTENTION,) * d.num_layers, d.sliding_window,
-                                        d.is_causal),
-        )
+    def of(cls, shape: DrafterShape, objective, seed: int, device: torch.device) -> "StepSettings":
+        """The settings of a run: `objective` is the recipe's objective section (read by attribute name)."""
+        gamma = objective.gamma if objective.gamma is not None else default_gamma(shape.block_size)
+        return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
+                   mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
+                   fused_loss=objective.fused_loss, kl_weight=objective.kl_weight,
+                   kl_temperature=objective.kl_temperature)
 
 
 @dataclass
