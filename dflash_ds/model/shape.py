@@ -340,7 +340,9 @@ class DrafterShape:
             mask_token_id=int(dflash["mask_token_id"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             layer_types=layer_types,
-            sliding_window=config.get("sliding_window") if SLIDING_ATTENTION in layer_types else None,
+            # vLLM also takes the window from dflash_config.swa_window_size when the top level has none.
+            sliding_window=(config.get("sliding_window") or dflash.get("swa_window_size"))
+            if SLIDING_ATTENTION in layer_types else None,
             is_causal=None if is_causal is None else bool(is_causal),
         )
 
