@@ -321,7 +321,9 @@ class DrafterShape:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
         layer_types = tuple(config.get("layer_types") or ())
-        is_causal = config.get("is_causal", dflash.get("causal"))  # vLLM also reads dflash_config.causal
+        is_causal = config.get("is_causal")
+        if is_causal is None:
+            is_causal = dflash.get("causal")  # vLLM's next place to look
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
