@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     control.release()
     dist.destroy_process_group()
-    if code == 0 and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks:
+    if code == Exit.OK and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks:
         from dflash_ds.eval.bench_run import after_training
         from dflash_ds.report import finish_run
 

@@ -69,7 +69,7 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
 def matched_prefix(drafts: torch.Tensor, input_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """a(t) from the drafts [end - start, B-1] of every anchor: the leading slots equal to the
     sequence, capped at end - t - 2 (module docstring)."""
-    n, slots = drafts.shape
+    slots = drafts.shape[1]
     ids = input_ids.reshape(-1)[:end].cpu()
     anchors = torch.arange(start, end)
     where = anchors[:, None] + torch.arange(1, slots + 1)[None]
