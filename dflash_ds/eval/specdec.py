@@ -25,7 +25,6 @@ import torch
 from dflash_ds.model.attention import DFlashMask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.generate import eos_ids
-from dflash_ds.eval.tau import draft_tokens
 from dflash_ds.target.model import TapCapture, text_config
 
 
@@ -65,7 +64,7 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     dense = torch.ones(1, 1, block_size, t + block_size, dtype=torch.bool, device=p.device)
     mask = DFlashMask(query_len=block_size, kv_len=t + block_size, dense=dense)
     hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask)
-    return draft_tokens(hidden[0, 1:], model.lm_head).cpu()
+    return model.draft(hidden[:, 1:], block[:1]).cpu()[0]
 
 
 @torch.no_grad()

@@ -21,9 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.model.attention import DFlashMask, attend
+from dflash_ds.model.dflash2 import BlockConv, CandidateSelector
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
 ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
+ARCHITECTURE_V2 = "DFlash2DraftModel"  # DFlash2: the same backbone plus the convolutions and the selector
+ARCHITECTURES = (ARCHITECTURE, ARCHITECTURE_V2)
+# DFlash2's published shape (z-lab's config): two taps, groups of 16 channels, rank 256, top 16.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+_DFLASH2_FIELDS = tuple(DFLASH2_DEFAULTS)
 _INIT_STD = 0.02
 
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
@@ -87,6 +93,12 @@ class DrafterShape:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    architecture: str = "dflash"
+    """dflash (v1) or dflash2 (the convolutions and the selector below)."""
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     @classmethod
     def of(cls, section: Any) -> "DrafterShape":
@@ -114,9 +126,15 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     tie_word_embeddings: bool
+    # DFlash2 (docs/algorithm.md section 9); all four 0 = a v1 drafter.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        self._check_dflash2()
         if self.num_hidden_layers < 1:
             raise ValueError(
                 f"drafter.num_layers must be >= 1, got {self.num_hidden_layers}; "
@@ -156,6 +174,29 @@ class DrafterConfig:
                 "served with plain RoPE; set rope_scaling to null"
             )
         object.__setattr__(self, "rope_scaling", None)  # {"rope_type": "default"} means the same
+
+    def _check_dflash2(self) -> None:
+        values = [getattr(self, f) for f in _DFLASH2_FIELDS]
+        if not all(values):
+            if any(values):
+                raise ValueError(f"a DFlash2 drafter needs all of {', '.join(_DFLASH2_FIELDS)} >= 1, got {values}; "
+                                 "set drafter.architecture: dflash for a v1 drafter")
+            return
+        if min(values) < 1:
+            raise ValueError(f"drafter.{', drafter.'.join(_DFLASH2_FIELDS)} must be >= 1, got {values}")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"drafter.conv_kernel_size ({self.conv_kernel_size}) must not exceed drafter.block_size "
+                             f"({self.block_size}): the convolution runs inside one block")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"drafter.conv_group_size ({self.conv_group_size}) must divide the hidden size "
+                             f"{self.hidden_size}; DFlash2 uses 16")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"drafter.selector_top_k ({self.selector_top_k}) exceeds the vocabulary ({self.vocab_size})")
+
+    @property
+    def dflash2(self) -> bool:
+        """A DFlash2 drafter (convolutions and candidate selector)."""
+        return self.selector_rank > 0
 
     @property
     def num_taps(self) -> int:
@@ -198,6 +239,9 @@ class DrafterConfig:
         tie = getattr(text, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(target_config, "tie_word_embeddings", False)
+        if shape.architecture not in ("dflash", "dflash2"):
+            raise ValueError(f"drafter.architecture must be dflash or dflash2, got {shape.architecture!r}")
+        v2 = {f: int(getattr(shape, f)) if shape.architecture == "dflash2" else 0 for f in _DFLASH2_FIELDS}
         return cls(
             hidden_size=hidden,
             intermediate_size=int(intermediate_size),
@@ -215,19 +259,21 @@ class DrafterConfig:
             block_size=int(shape.block_size),
             mask_token_id=int(shape.mask_token_id),
             tie_word_embeddings=bool(tie),
+            **v2,
         )
 
     def to_hf_config(self) -> dict:
         """The exported config.json (docs/algorithm.md section 6): a qwen3 model with a `dflash_config` section."""
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.dflash2:
+            # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
+            dflash.update({"block_size": self.block_size, **{f: getattr(self, f) for f in _DFLASH2_FIELDS}})
         return {
-            "architectures": [ARCHITECTURE],
+            "architectures": [ARCHITECTURE_V2 if self.dflash2 else ARCHITECTURE],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": dflash,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -262,6 +308,17 @@ class DrafterConfig:
         if theta is None:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
+        v2 = ARCHITECTURE_V2 in (config.get("architectures") or [])
+        if v2:
+            missing = [f for f in _DFLASH2_FIELDS if f not in dflash]
+            if missing:
+                raise ValueError(f"a {ARCHITECTURE_V2} config.json needs dflash_config.{', '.join(missing)}")
+            unsupported = {k: dflash[k] for k in ("output_multiplier", "final_logit_softcapping")
+                           if dflash.get(k) not in (None, 1.0) and not (k == "final_logit_softcapping" and not dflash[k])}
+            if unsupported:
+                raise ValueError(f"dflash_config {unsupported} is not supported: this drafter trains and evaluates "
+                                 "unscaled, uncapped unary logits")
+        block_size = dflash.get("block_size", config.get("block_size"))
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
@@ -276,9 +333,10 @@ class DrafterConfig:
             vocab_size=int(config["vocab_size"]),
             num_target_layers=int(config["num_target_layers"]),
             target_layer_ids=tuple(dflash["target_layer_ids"]),
-            block_size=int(config["block_size"]),
+            block_size=int(block_size),
             mask_token_id=int(dflash["mask_token_id"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **{f: int(dflash[f]) if v2 else 0 for f in _DFLASH2_FIELDS},
         )
 
     def replace(self, **changes: Any) -> "DrafterConfig":
@@ -383,7 +441,12 @@ class SwiGLU(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP."""
+    """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP.
+
+    DFlash2 wraps both sublayers in a block convolution (dflash2.BlockConv): the normalised input
+    is convolved before the sublayer and its output after it, with coefficients from one projection
+    of that normalised input; the residual adds the convolved output.
+    """
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -391,10 +454,21 @@ class DFlashLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.dflash2:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            # Built on a side stream of random numbers: the backbone's init draws stay those of a v1 drafter.
+            with torch.random.fork_rng(devices=[]):
+                self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), inputs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), inputs)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, after = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, inputs), after)
+        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), after)
 
 
 class DFlashDrafter(nn.Module):
@@ -407,6 +481,12 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash2: read by the loss and the draft walk, not by forward (its input is the output).
+        self.candidate_selector = None
+        if cfg.dflash2:
+            with torch.random.fork_rng(devices=[]):
+                self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                            cfg.selector_top_k)
         # Set from outside: `fn(function, *tensors)` wrapping each of the first
         # `checkpoint_layers` layers (DeepSpeed's non_reentrant_checkpoint at runtime).
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
@@ -415,12 +495,21 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """HF-style init: linears N(0, 0.02), norms 1. Deterministic under torch.manual_seed."""
+        """HF-style init: linears N(0, 0.02), norms 1; then DFlash2's modules their own (the
+        convolutions an exact no-op, the selector adding nothing). Deterministic under
+        torch.manual_seed, and a DFlash2 drafter's backbone draws the same numbers as a v1 drafter's
+        of the same shape (the DFlash2 modules draw after it)."""
+        extra = [m for m in self.modules() if isinstance(m, (BlockConv, CandidateSelector))]
+        owned = {id(sub) for m in extra for sub in m.modules()}
         for module in self.modules():
+            if id(module) in owned:
+                continue
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, _INIT_STD)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        for module in extra:
+            module.reset_parameters()
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target states `[b, S, T*D]` -> context features `[b, S, D]` (computed once)."""
