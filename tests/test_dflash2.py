@@ -15,7 +15,9 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.model.dflash2 import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
+from dflash_ds.config import DrafterSection
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.linear_ce import linear_cross_entropy_top_k
 from dflash_ds.model.loss import Blocks, MicroBatch, StepSettings, drafter_loss
 from dflash_ds.model.objective import block_inputs, block_targets
@@ -30,11 +32,11 @@ def target_config():
 
 
 def drafter(architecture="dflash2", seed=0, dtype=torch.float64, **kw):
-    shape = DrafterShape(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4, 6],
+    shape = DrafterSection(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4, 6],
                          architecture=architecture, conv_group_size=kw.pop("conv_group_size", 8),
                          selector_rank=kw.pop("selector_rank", 12), selector_top_k=kw.pop("selector_top_k", 5), **kw)
     torch.manual_seed(seed)
-    return DFlashDrafter(DrafterConfig.from_target(target_config(), shape)).to(dtype)
+    return DFlashDrafter(DrafterShape.from_target(target_config(), shape)).to(dtype)
 
 
 def inputs(model, seed=0, n_blocks=3):
@@ -383,8 +385,8 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject):
                                                                                           dtype=torch.float64)
     model = DraftModel(m, embed, head)
     mb, bl = micro_batch(m)
-    settings = StepSettings(num_anchors=5, block_size=B, mask_token_id=VOCAB - 1, gamma=4.0, loss_chunks=3,
-                            mask_kind="dense", seed=0, fused_loss=fused)
+    settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
+                            fused_loss=fused)
     w = float(bl.weights.sum())
     out = drafter_loss(model, mb, bl, w, settings, SelectorTerm(0.7, inject, False, 3))
     base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings)

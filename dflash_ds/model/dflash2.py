@@ -180,9 +180,10 @@ class SelectorStats(NamedTuple):
     correct: torch.Tensor  # sum(w) over rows whose best rescored candidate is the gold (detached)
 
 
-def _chunk_selector(selector, lm_head, hidden, candidates, labels, predecessors, weights, inject_gold):
+def _chunk_selector(selector, lm_head, rows: SelectorRows, inject_gold: bool):
     # Unary logits of the k candidates from the k lm_head rows alone (the full-vocabulary logits
     # of the chunk were computed once, by the base loss, which picked the candidates).
+    hidden, candidates, labels, predecessors, weights = rows
     work = torch.promote_types(hidden.dtype, torch.float32)
     gold_at = candidates == labels.unsqueeze(1)
     covered = gold_at.any(1)
@@ -217,13 +218,12 @@ def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: Sele
     head = lm_head.detach()
     grad = torch.is_grad_enabled()
     for lo in range(0, n, size):
-        part = (hidden[lo:lo + size], rows.candidates[lo:lo + size], rows.labels[lo:lo + size],
-                rows.predecessors[lo:lo + size], rows.weights[lo:lo + size])
+        part = SelectorRows(hidden[lo:lo + size], *(t[lo:lo + size] for t in rows[1:]))
         if grad:
-            out = _checkpoint(_chunk_selector, selector, head, *part, term.inject_gold,
+            out = _checkpoint(_chunk_selector, selector, head, part, term.inject_gold,
                               use_reentrant=False, preserve_rng_state=False)
         else:
-            out = _chunk_selector(selector, head, *part, term.inject_gold)
+            out = _chunk_selector(selector, head, part, term.inject_gold)
         total, covered, correct = total + out[0], covered + out[1].detach(), correct + out[2].detach()
     return SelectorStats(total, covered, correct)
 

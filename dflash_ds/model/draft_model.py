@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.dflash2 import greedy_path
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
 
 
 def draft_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
@@ -40,7 +41,7 @@ class DraftModel:
         return cls(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
 
     @property
-    def config(self) -> DrafterConfig:
+    def config(self) -> DrafterShape:
         return self.drafter.config
 
     @property
