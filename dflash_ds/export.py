@@ -34,7 +34,7 @@ MODELING_NAME = "modeling_dflash.py"
 CARD_NAME = "README.md"
 MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
 AUTO_MAP = {"AutoConfig": "modeling_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
-AUTO_MAP_V2 = {"AutoConfig": "modeling_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlash2DraftModel"}
+AUTO_MAP_V2 = {"AutoConfig": "modeling_dflash.DFlash2Config", "AutoModel": "modeling_dflash.DFlash2DraftModel"}
 FILE_MODE, DIR_MODE = 0o644, 0o755
 
 _LAYER_TENSORS = (
