@@ -75,7 +75,7 @@ class DrafterSection:
     without it: sliding layers causal, full layers bidirectional; true/false = every layer (exported)."""
     architecture: str = "dflash"
     """dflash (v1) or dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
-    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 9).
+    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8).
     The four fields below apply to dflash2 only; their defaults are the published DFlash2 shape."""
     conv_kernel_size: int = 2
     """dflash2: taps of the block convolution (slot k reads slots k .. k-taps+1 of its own block)."""

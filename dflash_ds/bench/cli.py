@@ -2,6 +2,7 @@
 
     python -m dflash_ds.bench --role target    [--geometry qwen3.6-27b] [--layers N] [--no-engine]
     python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
+    python -m dflash_ds.bench --role drafter --recipe recipes/qwen27b-dflash2.yaml --block-size 8 [--architecture dflash]
     python -m dflash_ds.bench --role colocated
     python -m dflash_ds.bench --role target --lengths chat [--set data.pack=false]
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
@@ -99,6 +100,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--architecture", default=None, choices=("dflash", "dflash2"),
+                   help="drafter.architecture (default: the recipe's): dflash2 adds the block convolutions, the "
+                        "candidate selector and its loss; dflash on a DFlash2 recipe is the same backbone without them")
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
     p.add_argument("--lengths", default=None, metavar="FILE|chat",
                    help="fill rows with conversations of these lengths ('chat': built-in mix, see docs/performance.md; "
@@ -169,6 +173,8 @@ def summary_lines(report: dict) -> list[str]:
     mem = r.get("memory", {})
     if "first_step_peak_gib" in mem:
         lines.append(f"  {'peak GiB (first/last timed step)':<34} {mem['first_step_peak_gib']:.2f} / {mem['last_step_peak_gib']:.2f}")
+    if "drafter_params" in r:
+        lines.append(f"  {'drafter parameters':<34} {r['drafter_params']:,} ({r.get('architecture', 'dflash')})")
     if "mask" in r:
         m = r["mask"]
         lines.append(f"  {'mask build s (first/warm)':<34} {m['first_build_s']:.4f} / {m['build_s']:.4f} ({m['kind']})")

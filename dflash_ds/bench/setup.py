@@ -124,6 +124,8 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
         over += [f"drafter.num_layers={geo.drafter_layers}", f"drafter.mask_token_id={geo.mask_token_id}",
                  "drafter.target_layer_ids=null", "drafter.intermediate_size=null",
                  "drafter.num_attention_heads=null", "drafter.num_key_value_heads=null", "drafter.head_dim=null"]
+    if getattr(args, "architecture", None):
+        over.append(f"drafter.architecture={args.architecture}")
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))

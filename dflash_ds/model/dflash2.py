@@ -1,4 +1,4 @@
-"""DFlash2's two additions to the DFlash drafter (docs/algorithm.md section 9).
+"""DFlash2's two additions to the DFlash drafter (docs/algorithm.md section 8).
 
 1. `BlockConv`: a grouped dynamic depthwise convolution along each draft block, applied before and
    after the attention and the MLP sublayer of every layer. Tap t of output slot k reads input slot

@@ -41,6 +41,12 @@ INIT_STD = 0.02
 _QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}}
 
 
+# Published taps that differ from build_target_layer_ids, keyed by (drafter.architecture, target layers,
+# taps): z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read [5, 19, 33, 47, 61] (v1 reads
+# [1, 16, 31, 46, 61] there). Used when drafter.target_layer_ids is null.
+TAP_PRESETS = {("dflash2", 64, 5): (5, 19, 33, 47, 61)}
+
+
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """Target layers whose outputs feed the drafter (docs/algorithm.md section 2).
 
@@ -147,7 +153,7 @@ class DrafterShape:
     """Block slot k sees only slots <= k of its own block. None = the engines' default for a config
     without `is_causal` (sliding layers causal, full layers bidirectional); True/False = every layer.
     Exported as config.json's `is_causal` only when set."""
-    # DFlash2 (docs/algorithm.md section 9): all four 0 = a v1 drafter, all four >= 1 = DFlash2.
+    # DFlash2 (docs/algorithm.md section 8): all four 0 = a v1 drafter, all four >= 1 = DFlash2.
     conv_kernel_size: int = 0
     """Taps of the block convolution around every attention and MLP sublayer."""
     conv_group_size: int = 0
@@ -265,10 +271,14 @@ class DrafterShape:
         if str(getattr(text, "model_type", "")).startswith("qwen3_5"):
             defaults.update(_QWEN35_DRAFTER_HEADS.get(hidden, {}))
         num_target_layers = int(text.num_hidden_layers)
+        architecture = getattr(choices, "architecture", "dflash")
+        if architecture not in ("dflash", "dflash2"):
+            raise ValueError(f"drafter.architecture must be dflash or dflash2, got {architecture!r}")
         if target_layer_ids is None:
             if num_layers < 1:
                 raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}")
-            target_layer_ids = build_target_layer_ids(num_target_layers, num_layers)
+            target_layer_ids = TAP_PRESETS.get((architecture, num_target_layers, num_layers)) or \
+                build_target_layer_ids(num_target_layers, num_layers)
         if intermediate_size is None:
             # MoE targets (e.g. Qwen3.5-MoE) have no dense MLP width to copy.
             intermediate_size = getattr(text, "intermediate_size", None)
@@ -280,9 +290,6 @@ class DrafterShape:
         tie = getattr(text, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(target_config, "tie_word_embeddings", False)
-        architecture = getattr(choices, "architecture", "dflash")
-        if architecture not in ("dflash", "dflash2"):
-            raise ValueError(f"drafter.architecture must be dflash or dflash2, got {architecture!r}")
         v2 = {f: int(getattr(choices, f)) if architecture == "dflash2" else 0 for f in DFLASH2_FIELDS}
         return cls(
             hidden_size=hidden,
