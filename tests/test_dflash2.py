@@ -320,7 +320,7 @@ def test_selector_loss_and_gradient_match_a_float64_reference(inject_gold):
     covered = (cand == labels[:, None]).any(1)
     assert 0 < int(covered.sum()) < 30  # both kinds of rows are present
     rows = SelectorRows(hidden, cand, labels, prev, weights)
-    stats = selector_loss(sel, lm_head, rows, SelectorTerm(1.0, inject_gold, False, num_chunks=4))
+    stats = selector_loss(sel, lm_head, rows, SelectorTerm(1.0, inject_gold, False, chunk_bytes=7 * 5 * 8 * 8))
     params = [hidden, sel.hidden_projection.weight, sel.predecessor_codebook, sel.successor_codebook]
     grads = torch.autograd.grad(stats.loss_sum, params)
     ref = reference_selector_loss(sel, lm_head, hidden, labels, prev, weights, inject_gold)
@@ -335,7 +335,7 @@ def test_selector_loss_and_gradient_match_a_float64_reference(inject_gold):
     # detach: no gradient reaches the states, the selector's own parameters still learn.
     hidden.grad = None
     sel.zero_grad()
-    selector_loss(sel, lm_head, rows, SelectorTerm(1.0, inject_gold, True, 4)).loss_sum.backward()
+    selector_loss(sel, lm_head, rows, SelectorTerm(1.0, inject_gold, True, 7 * 5 * 8 * 8)).loss_sum.backward()
     assert hidden.grad is None and sel.successor_codebook.grad.abs().sum() > 0
 
 
@@ -388,7 +388,7 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject):
     settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
                             fused_loss=fused)
     w = float(bl.weights.sum())
-    out = drafter_loss(model, mb, bl, w, settings, SelectorTerm(0.7, inject, False, 3))
+    out = drafter_loss(model, mb, bl, w, settings, SelectorTerm(0.7, inject, False))
     base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings)
     # Reference: the states of every supervised slot, float64, full-vocabulary top-k.
     with torch.no_grad():

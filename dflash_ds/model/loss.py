@@ -65,7 +65,7 @@ class StepSettings:
         if sel is None:
             return None
         alpha = selector_alpha(step, total_steps, sel.alpha, sel.warmup_ratio, sel.ramp_ratio)
-        return SelectorTerm(alpha, sel.inject_gold, sel.detach, self.loss_chunks)
+        return SelectorTerm(alpha, sel.inject_gold, sel.detach)
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
         return out
     if selector is None:
         sched = settings.selector or SelectorSchedule()
-        selector = SelectorTerm(sched.alpha, sched.inject_gold, sched.detach, settings.loss_chunks)
+        selector = SelectorTerm(sched.alpha, sched.inject_gold, sched.detach)
     b = settings.block_size
     labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
     # Teacher forcing: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor).
