@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dflash_ds.data.packing import position_ids_from_doc_ids
-from dflash_ds.model.attention import attend, build_mask
+from dflash_ds.model.attention import attend, build_layer_masks, build_mask
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import LossOptions, block_inputs, chunked_loss, sample_anchors
@@ -53,15 +53,23 @@ def packed_rows(b, s, docs, device, g):
 # Worst errors seen on an H200 (docs/gpu_checks_h200.json), with headroom: forward 9e-8 (fp32) and
 # 5e-4 (bf16); gradients 1.6e-2 (fp32: flex's backward uses TF32 dots) and 2.3e-2 (bf16, on the
 # smallest gradients). A wrong mask gives errors of order 1.
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("layout", [((), None, None), ((_SLIDING, _FULL), 200, None), ((_SLIDING, _SLIDING), 200, False)],
+                         ids=["full", "sliding-causal+full", "sliding-bidirectional"])
 @pytest.mark.parametrize("dtype, fwd_tol, grad_tol", [(torch.float32, 1e-5, 5e-2), (torch.bfloat16, 5e-3, 1e-1)])
-def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol, grad_tol):
-    """Three packed documents + padding blocks: forward and every parameter gradient."""
+def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol, grad_tol, layout):
+    """Three packed documents + padding blocks: forward and every parameter gradient, for full layers
+    and for sliding layers (window 200 over 1024-token rows: the window cuts most blocks' context)."""
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
+    layer_types, window, is_causal = layout
     cfg = DrafterShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
                         max_position_embeddings=8192, vocab_size=1000, num_target_layers=8,
-                        target_layer_ids=(1, 3, 5), block_size=16, mask_token_id=999, tie_word_embeddings=False)
+                        target_layer_ids=(1, 3, 5), block_size=16, mask_token_id=999, tie_word_embeddings=False,
+                        layer_types=layer_types, sliding_window=window, is_causal=is_causal)
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).to(device, dtype)
     b, s, n = 2, 1024, 64
@@ -78,15 +86,17 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
     out, grads = {}, {}
     for kind in ("dense", "flex"):
         model.zero_grad()
-        mask = build_mask(anchors, valid, doc_ids, 16, kind=kind)
-        assert (mask.block_mask is not None) is (kind == "flex")
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, mask)
+        masks = build_layer_masks(anchors, valid, doc_ids, 16, cfg.layer_attentions(), kind=kind)
+        assert all((m.block_mask is not None) is (kind == "flex") for m in masks)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
         h.float().pow(2).mean().backward()
         out[kind] = h.detach()
         grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     fwd = rel(out["flex"], out["dense"])
     worst = max(rel(grads["flex"][k], grads["dense"][k]) for k in grads["dense"])
-    record.setdefault("compare", []).append({"dtype": str(dtype), "forward_rel_err": fwd, "worst_grad_rel_err": worst,
+    record.setdefault("compare", []).append({"dtype": str(dtype), "layer_types": list(cfg.layer_types),
+                                             "sliding_window": window, "is_causal": is_causal,
+                                             "forward_rel_err": fwd, "worst_grad_rel_err": worst,
                                              "valid_blocks": int(valid.sum())})
     assert fwd < fwd_tol and worst < grad_tol, (fwd, worst)
 

@@ -341,3 +341,24 @@ def test_init_from_refuses_another_attention_layout():
     a = windowed_drafter([S_, F_], window=8).config
     assert [m[0] for m in a.mismatches(windowed_drafter([F_, F_], window=None).config)] == ["layer_types", "sliding_window"]
     assert [m[0] for m in a.mismatches(windowed_drafter([S_, F_], window=8, is_causal=False).config)] == ["is_causal"]
+
+
+def test_bench_runs_the_recipe_layout_or_the_one_set():
+    """`python -m dflash_ds.bench --role drafter` measures the flagship recipe's layout at the flagship
+    geometry, full attention for a geometry with another layer count, and any layout given with --set."""
+    from dflash_ds.bench.cli import parse_args
+    from dflash_ds.bench.setup import resolve_setup
+
+    cpu = torch.device("cpu")
+    base = ["--role", "drafter", "--device", "cpu", "--seq-len", "512", "--anchors", "64"]
+    flagship = resolve_setup(parse_args(base), cpu).drafter_config
+    assert flagship.layer_types == (S_,) * 4 + (F_,) and flagship.sliding_window == 2048
+    assert flagship.layer_attentions()[0] == LayerAttention(2048, True)
+    tiny = resolve_setup(parse_args(base + ["--geometry", "tiny-qwen3"]), cpu).drafter_config
+    assert tiny.layer_types == (F_, F_) and tiny.sliding_window is None
+    chosen = resolve_setup(parse_args(base + ["--geometry", "tiny-qwen3", "--set", f"drafter.layer_types=[{S_},{F_}]",
+                                              "--set", "drafter.sliding_window=32"]), cpu).drafter_config
+    assert chosen.layer_types == (S_, F_) and chosen.sliding_window == 32
+    full = resolve_setup(parse_args(base + ["--set", "drafter.layer_types=null", "--set", "drafter.sliding_window=null"]),
+                         cpu).drafter_config
+    assert full.layer_types == (F_,) * 5 and full.sliding_window is None
