@@ -25,7 +25,7 @@ FAST = ["optim.max_steps=4", "log.every_steps=1", "eval.at_start=false", "log.pr
 def reference(tmp_path, overrides):
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.runtime.reference import reference_losses
+    from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.spec.run import check_recipe
     from dflash_ds.target.model import embed_and_head, load_target
