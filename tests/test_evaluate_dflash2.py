@@ -94,3 +94,29 @@ def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
         differs += int(not torch.equal(draft_tokens(hidden[0, 1:], model.lm_head), drafts))
     assert a.tolist() == expected
     assert differs > 0
+
+
+def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
+    """The trained drafter's proposals at every anchor of the two prompts it never saw equal the
+    re-implementation of SGLang's lattice walk (tests/test_dflash2.py) on the same states."""
+    from .test_dflash2 import sglang_lattice_walk
+
+    w = world
+    model = w["model"]
+    drafter, p = model.drafter, next(model.drafter.parameters())
+    differs = 0
+    for prompt in w["prompts"][4:]:
+        x = greedy_continuation(w["target"], prompt, max_new_tokens=NEW)
+        taps = target_taps(w["target"], x, LAYER_IDS)
+        for t in range(PROMPT_LEN, x.numel() - 1, 3):
+            block = torch.full((1, B), model.mask_token_id, dtype=torch.long)
+            block[0, 0] = x[t]
+            mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
+            with torch.no_grad():
+                hidden = drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]),
+                                 torch.arange(t, t + B)[None], torch.arange(t)[None], mask)[:, 1:]
+                ours = model.draft(hidden, x[t:t + 1])
+                theirs = sglang_lattice_walk(drafter.candidate_selector, hidden, model.lm_head, x[t:t + 1])
+            assert torch.equal(ours, theirs), t
+            differs += int(not torch.equal(ours, draft_tokens(hidden, model.lm_head)))
+    assert differs > 0
