@@ -374,8 +374,11 @@ def micro_batch(model, seed=0):
     return mb, Blocks(anchors, valid, block_ids, block_pos, pos, labels.reshape(1, -1), weights.reshape(1, -1), mask)
 
 
-@pytest.mark.parametrize("fused,inject", [(True, False), (False, False), (True, True)])
-def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject):
+@pytest.mark.parametrize("fused,inject,kl", [(True, False, 0.0), (False, False, 0.0), (True, True, 0.0),
+                                             (True, False, 0.5), (False, True, 0.5)])
+def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
+    """The total is the base loss (CE, or CE + KL) plus alpha times the float64 reference selector term,
+    on the fused and the unfused lm_head paths; the candidates come from the base loss's logits."""
     # A wide top-k: random labels must land among the candidates of some slots for the strict loss.
     m = drafter("dflash2", selector_top_k=8 if inject else 96)
     with torch.no_grad():
@@ -385,8 +388,10 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject):
                                                                                           dtype=torch.float64)
     model = DraftModel(m, embed, head)
     mb, bl = micro_batch(m)
+    if kl:
+        mb.final_hidden = torch.randn(1, mb.input_ids.shape[1], D, generator=g, dtype=torch.float64)
     settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
-                            fused_loss=fused)
+                            fused_loss=fused, kl_weight=kl)
     w = float(bl.weights.sum())
     out = drafter_loss(model, mb, bl, w, settings, SelectorTerm(0.7, inject, False))
     base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings)
@@ -400,6 +405,7 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject):
         ref = reference_selector_loss(m.candidate_selector, head, blocks, labels[:, 1:].reshape(-1), prev,
                                       bl.weights.view(-1, B)[:, 1:].reshape(-1).double(), inject)
     torch.testing.assert_close(out.loss, base.loss + 0.7 * ref / w, rtol=1e-9, atol=1e-9)
+    assert (float(out.kl_sum) > 0) == (kl > 0)
     torch.testing.assert_close(out.selector[0], ref, rtol=1e-9, atol=1e-9)
     assert float(ref) > 0 and (inject or float(out.selector[1]) > 0)
     out.loss.backward()
