@@ -175,3 +175,56 @@ def test_automodel_loads_dflash2_and_equals_the_drafter(tmp_path):
         got_tokens = model.propose(hidden[:, 1:], anchor, lm_head)
     assert torch.equal(got_tokens, want_tokens)
     assert not torch.equal(want_tokens, (hidden[:, 1:] @ lm_head.T).argmax(-1))  # the selector acts here
+
+
+@pytest.mark.parametrize("is_causal", [False, None])
+def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_causal):
+    """DFlash2 in its published layout (every layer sliding, is_causal false) and with the engines'
+    default causality: the remote code's windows and convolutions give the drafter's output."""
+    from transformers import AutoModel
+
+    from dflash_ds.eval.specdec import serving_masks
+    from dflash_ds.model.attention import build_layer_masks
+
+    W, S, N = 10, 24, 3  # a window of 10 over blocks of 8: the context is cut at every anchor
+    section = DrafterSection(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
+                             architecture="dflash2", selector_rank=12, selector_top_k=6,
+                             layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
+                             is_causal=is_causal)
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == W
+    assert config.get("is_causal") == is_causal
+    model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DFlash2DraftModel"
+    ours = load_drafter(out, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(2, S, 3 * D, generator=g)
+    anchors = torch.tensor([[3, 9, 15], [2, 14, 20]])
+    valid = torch.ones(2, N, dtype=torch.bool)
+    doc_ids = torch.zeros(2, S, dtype=torch.int32)
+    ctx_pos = torch.arange(S)[None].expand(2, -1)
+    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(2, N * B)
+    embeds = torch.randn(2, N * B, D, generator=g)
+    masks = build_layer_masks(anchors, valid, doc_ids, B, ours.config.layer_attentions())
+    with torch.no_grad():
+        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, masks)
+        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1),
+                    attention_mask=build_mask(anchors, valid, doc_ids, B).dense)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        bp = torch.arange(S, S + B)[None]
+        dm = DraftModel(ours, torch.zeros(1), torch.zeros(1))
+        want1 = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], serving_masks(dm, S, bp.device))
+        got1 = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
+        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+        # The windows matter here: the same weights with every layer full and bidirectional differ.
+        plain = DFlashDrafter(ours.config.replace(layer_types=("full_attention",) * 2, sliding_window=None,
+                                                  is_causal=None))
+        plain.load_state_dict(ours.state_dict())
+        other = plain(embeds, plain.fuse(taps), block_pos, ctx_pos, build_mask(anchors, valid, doc_ids, B))
+        assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)
