@@ -410,3 +410,27 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
     assert float(ref) > 0 and (inject or float(out.selector[1]) > 0)
     out.loss.backward()
     assert m.candidate_selector.predecessor_codebook.grad.abs().sum() > 0
+
+
+def test_selector_adds_no_lm_head_pass_and_no_vocab_by_rank_tensor():
+    """Forward + backward of a DFlash2 micro-batch multiplies by the lm_head exactly as often as v1's (the
+    candidates come from the base loss's logits), and no op creates a tensor of [rows, V, r] size."""
+    from .test_kl import PeakOutput
+    from .test_linear_ce import HeadMatmuls
+
+    g = torch.Generator().manual_seed(5)
+    embed = torch.randn(VOCAB, D, generator=g, dtype=torch.float64)
+    head = torch.randn(VOCAB, D, generator=g, dtype=torch.float64)
+    counts, peaks = {}, {}
+    for arch in ("dflash", "dflash2"):
+        m = drafter(arch)
+        mb, bl = micro_batch(m)
+        settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0)
+        with HeadMatmuls(head) as counter, PeakOutput() as peak:
+            out = drafter_loss(DraftModel(m, embed, head), mb, bl, float(bl.weights.sum()), settings)
+            out.loss.backward()
+        counts[arch], peaks[arch] = counter.count, peak.peak
+        rows = bl.weights.numel() // B * (B - 1)
+    assert counts["dflash2"] == counts["dflash"] > 0
+    r = 12
+    assert peaks["dflash2"] <= max(VOCAB * D, 16 * 3 * D * 4) < rows * VOCAB * r
