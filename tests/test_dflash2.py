@@ -329,6 +329,13 @@ def test_selector_loss_and_gradient_match_a_float64_reference(inject_gold):
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(stats.covered, (weights * covered).sum())
+    # Teacher-forced accuracy: over covered rows, the gold is the best rescored candidate.
+    with torch.no_grad():
+        proj = hidden @ sel.hidden_projection.weight.T
+        pair = ((sel.predecessor_codebook[prev] * proj)[:, None] * sel.successor_codebook[cand]).sum(-1)
+        best = cand.gather(1, (logits.gather(1, cand) + pair).argmax(1, keepdim=True)).squeeze(1)
+    torch.testing.assert_close(stats.correct, (weights * (covered & (best == labels))).sum())
+    assert 0 < float(stats.correct) < float(stats.covered)
     # Strict and injected differ where the gold is missing: the reference can tell them apart.
     other = reference_selector_loss(sel, lm_head, hidden, labels, prev, weights, not inject_gold)
     assert not torch.allclose(ref, other)

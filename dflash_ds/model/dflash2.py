@@ -178,7 +178,7 @@ class SelectorRows(NamedTuple):
 class SelectorStats(NamedTuple):
     loss_sum: torch.Tensor  # sum(w * selector CE), differentiable
     covered: torch.Tensor  # sum(w) over rows whose gold is among the unary top-k (detached)
-    correct: torch.Tensor  # sum(w) over rows whose best rescored candidate is the gold (detached)
+    correct: torch.Tensor  # sum(w) over covered rows whose best rescored candidate is the gold (detached)
 
 
 def _chunk_selector(selector, lm_head, rows: SelectorRows, inject_gold: bool):
@@ -193,13 +193,14 @@ def _chunk_selector(selector, lm_head, rows: SelectorRows, inject_gold: bool):
         last = torch.where(covered, candidates[:, -1], labels)
         candidates = torch.cat([candidates[:, :-1], last.unsqueeze(1)], dim=1)
         gold_at = candidates == labels.unsqueeze(1)
-    rows = lm_head[candidates]  # [n, k, D]
-    unary = torch.bmm(rows.to(hidden.dtype), hidden.unsqueeze(-1)).squeeze(-1).to(work)
+    head_rows = lm_head[candidates]  # [n, k, D]
+    unary = torch.bmm(head_rows.to(hidden.dtype), hidden.unsqueeze(-1)).squeeze(-1).to(work)
     scores = unary + selector.transition(selector.hidden_projection(hidden), predecessors, candidates)
     target = gold_at.to(torch.int64).argmax(1)
     ce = torch.logsumexp(scores, dim=1) - scores.gather(1, target.unsqueeze(1)).squeeze(1)
     use = weights.to(work) * (gold_at.any(1)).to(work)
-    hit = (scores.argmax(1) == target) & gold_at.any(1)
+    # Accuracy over the slots whose gold the unary top-k holds (an injected gold does not count).
+    hit = (scores.argmax(1) == target) & covered
     return (ce * use).sum(), (weights.to(work) * covered.to(work)).sum(), (weights.to(work) * hit.to(work)).sum()
 
 
