@@ -39,7 +39,8 @@ from typing import Sequence
 import torch
 
 from dflash_ds.model.attention import build_layer_masks
-from dflash_ds.model.draft_model import DraftModel
+# draft_tokens (a v1 drafter's proposals) lives with DraftModel.draft; still importable from here.
+from dflash_ds.model.draft_model import DraftModel, draft_tokens  # noqa: F401
 from dflash_ds.model.objective import block_inputs
 
 DEFAULT_BATCH_ANCHORS = 64
