@@ -8,8 +8,9 @@
 # Writes OUT_DIR/{full,swa}_{12288,3072}.json (python -m dflash_ds.bench --role drafter) and OUT_DIR/summary.json
 # (tok/s, peak GiB and mask build time per run, the sliding/full ratio per row length), and prints the summary.
 # Layers run eager (no --compile-layers; flex_attention is always compiled): the comparison is the attention's.
-# About 3 minutes on one H200; each run is capped (RUN_TIMEOUT_LONG / RUN_TIMEOUT_SHORT seconds) so the
-# script ends within 4 minutes even if one hangs. CPU smoke check of the same commands (tiny sizes):
+# About 3 minutes on one H200 (estimated from the bench's recorded start-up and step times); each run is capped
+# (RUN_TIMEOUT_LONG / RUN_TIMEOUT_SHORT seconds) and no run starts past BUDGET_S (225) seconds, so the script
+# ends within 4 minutes even if one hangs. CPU smoke check of the same commands (tiny sizes):
 #   LONG=192 SHORT=96 WINDOW=32 EXTRA="--device cpu --geometry tiny-qwen3" bash scripts/gpu_window_bench.sh /tmp/wb
 set -u
 OUT=$(realpath -m "${1:?usage: bash scripts/gpu_window_bench.sh OUT_DIR}")
@@ -29,11 +30,17 @@ FULL_SET=(--set drafter.num_layers=5 --set drafter.layer_types=null --set drafte
 SWA_SET=(--set drafter.num_layers=5 --set "drafter.layer_types=[$S,$S,$S,$S,$F]" --set "drafter.sliding_window=$WINDOW"
          --set drafter.is_causal=null)
 
-run() {  # run NAME SEQ_LEN TIMEOUT_S LAYOUT_ARGS...
+run() {  # run NAME SEQ_LEN CAP_S LAYOUT_ARGS...: at most CAP_S seconds, and never past the script's budget
   local name=$1 len=$2 limit=$3; shift 3
+  local left=$((END - $(date +%s)))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "[$(date +%T)] $name skipped: the ${BUDGET_S} s budget is spent"
+    return
+  fi
   local cmd=(python -m dflash_ds.bench --role drafter --seq-len "$len" --anchors $((len / 6)) --block-size 16
              --steps "$STEPS" --warmup "$WARMUP" $EXTRA "$@" --out "$OUT/$name.json")
-  echo "[$(date +%T)] ${cmd[*]}" | tee -a "$OUT/commands.txt"
+  echo "[$(date +%T)] (cap ${limit} s) ${cmd[*]}" | tee -a "$OUT/commands.txt"
   timeout --kill-after=10 "$limit" "${cmd[@]}" > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 16 "$OUT/$name.log"
@@ -41,10 +48,12 @@ run() {  # run NAME SEQ_LEN TIMEOUT_S LAYOUT_ARGS...
 }
 
 START=$(date +%s)
-run "full_$LONG" "$LONG" "${RUN_TIMEOUT_LONG:-75}" "${FULL_SET[@]}"
-run "swa_$LONG" "$LONG" "${RUN_TIMEOUT_LONG:-75}" "${SWA_SET[@]}"
-run "full_$SHORT" "$SHORT" "${RUN_TIMEOUT_SHORT:-40}" "${FULL_SET[@]}"
-run "swa_$SHORT" "$SHORT" "${RUN_TIMEOUT_SHORT:-40}" "${SWA_SET[@]}"
+BUDGET_S=${BUDGET_S:-225}
+END=$((START + BUDGET_S))
+run "full_$LONG" "$LONG" "${RUN_TIMEOUT_LONG:-80}" "${FULL_SET[@]}"
+run "swa_$LONG" "$LONG" "${RUN_TIMEOUT_LONG:-80}" "${SWA_SET[@]}"
+run "full_$SHORT" "$SHORT" "${RUN_TIMEOUT_SHORT:-60}" "${FULL_SET[@]}"
+run "swa_$SHORT" "$SHORT" "${RUN_TIMEOUT_SHORT:-60}" "${SWA_SET[@]}"
 
 python - "$OUT" "$LONG" "$SHORT" "$WINDOW" "$(( $(date +%s) - START ))" <<'EOF'
 import json

@@ -3,7 +3,8 @@
 flex_attention has no CPU backward, so the drafter through compiled flex_attention (a BlockMask)
 is compared here with the identical dense mask through SDPA; the fused lm_head loss is compared
 with the autograd path at the 27B drafter's sizes; fla's short convolution with transformers'
-fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
+fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone; sliding-window
+layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows). The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
 measured numbers are written there as JSON.
 """
 
@@ -134,6 +135,38 @@ def test_blockmask_builds_fast_at_the_real_size(record):
                         "sparsity": sparsity}
     # Most tiles are skipped (a block sees its own tiles and the context before its anchor only).
     assert sparsity > 50 and build_ms < 50, record["timing"]
+
+
+def test_window_skips_work_at_long_rows(record):
+    """Rows of 12,288 tokens, 2,048 anchors, B = 16, the 27B head geometry: the window-2048 BlockMask
+    (causal block, as the published drafter's sliding layers) visits fewer tiles than the full one, and
+    flex forward + backward under it is not slower."""
+    from dflash_ds.model.attention import LayerAttention
+
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(2)
+    s, n, bsz = 12288, 2048, 16
+    doc_ids, loss_mask = packed_rows(1, s, 2, device, g)
+    anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
+    anchors, valid = anchors.to(device), valid.to(device)
+    q = torch.randn(1, 32, n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, s + n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    timing = {}
+    for name, att in (("full", LayerAttention()), ("window", LayerAttention(2048, True))):
+        mask = build_mask(anchors, valid, doc_ids, bsz, kind="flex", attention=att)
+        attend(q, k, v, mask, 128 ** -0.5).sum().backward()  # compile
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            attend(q, k, v, mask, 128 ** -0.5).sum().backward()
+        torch.cuda.synchronize()
+        bm = mask.block_mask
+        timing[name] = {"fwd_bwd_ms": (time.perf_counter() - t) / 5 * 1e3,
+                        "tiles": int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())}
+    record["window_12288"] = timing
+    assert timing["window"]["tiles"] < timing["full"]["tiles"], timing
+    assert timing["window"]["fwd_bwd_ms"] <= 1.05 * timing["full"]["fwd_bwd_ms"], timing
 
 
 def test_fused_loss_matches_autograd_at_27b_sizes(record):

@@ -253,6 +253,9 @@ def test_export_fields_round_trip_through_qwen3config():
     other = dict(hf2, dflash_config=dict(hf2["dflash_config"], causal=False))
     del other["is_causal"]
     assert DrafterShape.from_hf_config(other).is_causal is False
+    # A config whose window sits only in dflash_config.swa_window_size (vLLM reads it there too).
+    swa = dict(hf2, sliding_window=None, use_sliding_window=False, dflash_config=dict(hf2["dflash_config"], swa_window_size=64))
+    assert DrafterShape.from_hf_config(swa) == explicit
     full = windowed_drafter([F_, F_], window=None).config.to_hf_config()
     assert full["use_sliding_window"] is False and full["sliding_window"] is None and "is_causal" not in full
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.attention import LayerAttention, build_layer_masks
+from dflash_ds.model.attention import DFlashMask, LayerAttention, build_layer_masks
 from dflash_ds.model.dflash2 import SelectorRows, SelectorTerm, selector_alpha, selector_loss
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.shape import DrafterShape
@@ -104,7 +104,7 @@ class Blocks:
     ctx_positions: torch.Tensor  # [R, S]
     labels: torch.Tensor  # [R, N*B]
     weights: torch.Tensor  # [R, N*B] float32
-    mask: tuple  # one DFlashMask per drafter layer
+    mask: tuple[DFlashMask, ...]  # one per drafter layer: dense boolean (CPU) or flex BlockMask (GPU)
 
 
 def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:

@@ -383,7 +383,9 @@ class DrafterShape:
         if block_size is None:
             raise ValueError("config.json has no block_size (top level or dflash_config)")
         layer_types = tuple(config.get("layer_types") or ())
-        is_causal = config.get("is_causal", dflash.get("causal"))  # vLLM also reads dflash_config.causal
+        is_causal = config.get("is_causal")
+        if is_causal is None:
+            is_causal = dflash.get("causal")  # vLLM's next place to look
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
@@ -402,7 +404,9 @@ class DrafterShape:
             mask_token_id=int(dflash["mask_token_id"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             layer_types=layer_types,
-            sliding_window=config.get("sliding_window") if SLIDING_ATTENTION in layer_types else None,
+            # vLLM also takes the window from dflash_config.swa_window_size when the top level has none.
+            sliding_window=(config.get("sliding_window") or dflash.get("swa_window_size"))
+            if SLIDING_ATTENTION in layer_types else None,
             is_causal=None if is_causal is None else bool(is_causal),
             **{f: int(dflash[f]) if v2 else 0 for f in DFLASH2_FIELDS},
         )
