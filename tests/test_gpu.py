@@ -4,7 +4,8 @@ flex_attention has no CPU backward, so the drafter through compiled flex_attenti
 is compared here with the identical dense mask through SDPA; the fused lm_head loss is compared
 with the autograd path at the 27B drafter's sizes; fla's short convolution with transformers'
 fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone; sliding-window
-layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows). The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
+layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows); a DFlash2 drafter with
+compiled layers through flex vs eager dense. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
 measured numbers are written there as JSON.
 """
 
@@ -167,6 +168,53 @@ def test_window_skips_work_at_long_rows(record):
     record["window_12288"] = timing
     assert timing["window"]["tiles"] < timing["full"]["tiles"], timing
     assert timing["window"]["fwd_bwd_ms"] <= 1.05 * timing["full"]["fwd_bwd_ms"], timing
+
+
+def test_dflash2_compiled_flex_matches_eager_dense(record):
+    """A DFlash2 drafter (block convolutions with non-zero projections, every layer sliding and
+    bidirectional as published) with its layers compiled, through flex_attention, against the eager
+    layers through the dense mask: forward and every gradient, in bf16."""
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    B = 8
+    cfg = DrafterShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
+                       max_position_embeddings=8192, vocab_size=1000, num_target_layers=8,
+                       target_layer_ids=(1, 3, 5), block_size=B, mask_token_id=999, tie_word_embeddings=False,
+                       layer_types=(_SLIDING, _SLIDING), sliding_window=200, is_causal=False, conv_kernel_size=2,
+                       conv_group_size=16, selector_rank=64, selector_top_k=16)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.kernel_projection.weight.normal_(0, 0.02)
+                conv.base_kernel.add_(torch.randn_like(conv.base_kernel) * 0.1)
+    b, s, n = 2, 1024, 64
+    doc_ids, loss_mask = packed_rows(b, s, 3, device, g)
+    anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
+    anchors, valid = anchors.to(device), valid.to(device)
+    ids = torch.randint(0, 999, (b, s), generator=g).to(device)
+    pos = position_ids_from_doc_ids(doc_ids)
+    block_ids, block_pos = block_inputs(ids, pos, anchors, B, 999)
+    taps = torch.randn(b, s, 3 * 512, generator=g).to(device, torch.bfloat16)
+    emb = torch.randn(1000, 512, generator=g).to(device, torch.bfloat16)
+    out, grads = {}, {}
+    for kind in ("dense", "flex"):
+        if kind == "flex":
+            for layer in model.layers:
+                layer.compile(dynamic=False)
+        model.zero_grad()
+        masks = build_layer_masks(anchors, valid, doc_ids, B, cfg.layer_attentions(), kind=kind)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        h.float().pow(2).mean().backward()
+        out[kind] = h.detach()
+        grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert any("attention_conv" in k for k in grads["dense"]) and set(grads["flex"]) == set(grads["dense"])
+    fwd = rel(out["flex"], out["dense"])
+    worst = max(rel(grads["flex"][k], grads["dense"][k]) for k in grads["dense"])
+    record["dflash2_compiled_flex"] = {"forward_rel_err": fwd, "worst_grad_rel_err": worst}
+    assert fwd < 5e-3 and worst < 1e-1, (fwd, worst)
 
 
 def test_fused_loss_matches_autograd_at_27b_sizes(record):
