@@ -24,6 +24,7 @@ from dflash_ds.runtime.dtypes import payload_dtype
 from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.runtime.topology import Layout, TopologyError
 from dflash_ds.runtime.transport import PayloadSpec
+from dflash_ds.target import fp8
 from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
 
 
@@ -94,6 +95,9 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
     tcfg = load_config(recipe.target.path)
+    refused = fp8.recipe_refusal(recipe.target, device.type, target_kind, tcfg)
+    if refused:
+        raise RecipeError(refused)
     geo = target_geometry(tcfg)
     dcfg = DrafterConfig.from_target(tcfg, DrafterShape.of(recipe.drafter))
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
