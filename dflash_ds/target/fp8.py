@@ -338,7 +338,7 @@ def refusal(target, device_type: str, target_kind: str, fp8_checkpoint: bool) ->
     if target_kind == "zero3" and (quantization == "fp8" or fp8_checkpoint):
         what = "target.quantization: fp8" if quantization == "fp8" else "an FP8 checkpoint (target.path)"
         return (f"{what} needs a full target replica per GPU, but target.ds_config is a ZeRO-3 JSON; an FP8 27B "
-                "target (~28 GB) fits one GPU: use ds_configs/target_replica.json")
+                "target (~22 GiB) fits one GPU: use ds_configs/target_replica.json")
     if quantization == "fp8" and target.dtype != "bfloat16":
         return (f"target.quantization: fp8 computes in bfloat16 around the FP8 matmuls, but target.dtype is "
                 f"{target.dtype}: set target.dtype=bfloat16 (and \"dtype\": \"bfloat16\" in target.ds_config)")
