@@ -189,8 +189,9 @@ def eligible(linear: nn.Linear, blocks: bool = False) -> bool:
 
 def block_gemm_shape(n: int, k: int) -> bool:
     """Widths the 128 x 128-block GEMM takes: multiples of 128, and the input width a multiple of
-    512 (cuBLAS reads the block scales [N/128, K/128] in rows of 16 bytes: with K/128 = 1 or 2 and
-    N > 128 it returned garbage on an H200)."""
+    512. With K/128 = 1 or 2 and N > 128, cuBLAS's block-scaled GEMM returned garbage on an H200
+    (relative error ~1e3; K/128 = 4 and every 27B shape were exact), most likely the alignment of
+    the scale rows [N/128, K/128] (4 float32 = 16 bytes)."""
     return n % BLOCK == 0 and k % (4 * BLOCK) == 0
 
 
