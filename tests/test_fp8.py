@@ -320,3 +320,16 @@ def test_generation_runs_through_the_fp8_layers():
     got, want = model.generate(ids, **kw), ref_model.generate(ids, **kw)
     assert got.sequences.shape == (1, 17) and len(got.scores) == 5
     assert 0.0 < rel(got.scores[0], want.scores[0]) < 0.2
+
+
+def test_dry_run_memory_counts_fp8_weights_at_one_byte():
+    from dflash_ds.runtime.plan import memory_estimate, resolve
+
+    r = load_recipe(TINY)
+    q = load_recipe(TINY, ["target.quantization=fp8"])
+    plan = resolve(r, 2, 64)
+    t_params, hidden, vocab = 26_000_000_000, 5120, 248320
+    bf16 = memory_estimate(r, plan, 10**9, t_params, hidden, vocab, 5)["target"]
+    fp8_ = memory_estimate(q, plan, 10**9, t_params, hidden, vocab, 5)["target"]
+    saved = (t_params - vocab * hidden) / 1024 ** 3
+    assert abs((bf16 - fp8_) - saved) < 1e-6 and fp8_ < bf16
