@@ -1,7 +1,7 @@
 """Typed recipe: frozen dataclasses mirroring the YAML sections.
 
 Unknown keys are errors naming their dotted path; `key.sub=value` overrides go through the same
-validation; nothing mutates a recipe afterwards (run.check_recipe resolves it into a RunSpec)."""
+validation; nothing mutates a recipe afterwards (spec.run.check_recipe resolves it into a RunSpec)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import typing
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,9 @@ class DrafterSection:
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
-    """An exported drafter directory to start from instead of random weights."""
+    """An exported drafter directory to start from instead of random weights. Its config must match
+    the drafter this section describes (taps, block size, mask id, layers, widths, attention types):
+    a mismatch stops before launch naming both values."""
     compile: bool = True
     """torch.compile the drafter layers on GPU (flex_attention is always compiled on GPU)."""
 
@@ -338,7 +341,7 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     out = []
     for item in overrides:
         if "=" not in item:
@@ -370,7 +373,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
 
 
 def validate(r: Recipe) -> None:
-    """Checks that need no files or GPUs; file checks live in check_paths()."""
+    """Checks that need no files or GPUs; the checks that read files (the target config, the DeepSpeed
+    JSONs, drafter.init_from, the data) are spec.run.check_recipe's and runtime/prelaunch.py's."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise RecipeError(msg)

@@ -1,6 +1,6 @@
 """Entry point: `deepspeed launch.sh RECIPE [key=value ...]` runs main() on every rank.
 
-Each rank checks the recipe (`run.check_recipe`), joins the process groups, prepares (rank 0) or
+Each rank checks the recipe (`spec.run.check_recipe`), joins the process groups, prepares (rank 0) or
 loads the data, and runs its role: target ranks fill and send payloads
 (`runtime.target_worker`), drafter ranks receive and train (`runtime.trainer`), a colocated rank
 does both in memory.
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node
-from dflash_ds.run import check_recipe
-from dflash_ds.runtime.plan import describe
+from dflash_ds.spec.run import check_recipe
+from dflash_ds.spec.plan import describe
+from dflash_ds.safety import Exit, say
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -36,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
         spec = check_recipe(recipe, world)
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
-        print(f"[dflash] error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        say(f"error: {exc}")
+        return Exit.USER
     if args.dry_run:
         print(describe(spec.plan, spec.memory))
         for note in spec.notes:
             print("note:", note)
-        return 0
+        return Exit.OK
     import torch.distributed as dist
 
     from dflash_ds.data.prepare import load_training_data
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     # The run lock and the start point are settled before any data or model is loaded.
     control = RunControl.setup(recipe, spec.layout, rank)
     if control.error:
-        return 2
+        return Exit.USER
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
         data = load_training_data(recipe)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.run import check_recipe
+from dflash_ds.spec.run import check_recipe
 from dflash_ds.target import fp8
 from dflash_ds.target.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
 
@@ -299,7 +299,7 @@ def test_cpu_run_with_fp8_stops_before_launch_in_one_line(tmp_path):
 
 
 def test_zero3_with_fp8_stops_before_launch(tmp_path, monkeypatch):
-    import dflash_ds.run as run
+    import dflash_ds.spec.run as run
 
     wide_config().save_pretrained(tmp_path)
     monkeypatch.setattr(run, "resolve_device", lambda name, setting: torch.device("cuda"))
@@ -323,7 +323,7 @@ def test_generation_runs_through_the_fp8_layers():
 
 
 def test_dry_run_memory_counts_fp8_weights_at_one_byte():
-    from dflash_ds.runtime.plan import memory_estimate, resolve
+    from dflash_ds.spec.plan import memory_estimate, resolve
 
     r = load_recipe(TINY)
     q = load_recipe(TINY, ["target.quantization=fp8"])

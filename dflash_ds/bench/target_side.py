@@ -15,7 +15,6 @@ def build_target_model(setup: Setup, use_engine: bool):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.runtime.engines import build_target_engine
     from dflash_ds.target.model import DTYPES, truncate_after
 
     dtype = DTYPES[setup.recipe.target.dtype]
@@ -32,8 +31,24 @@ def build_target_model(setup: Setup, use_engine: bool):
         quantize_model(model, BLOCKS)  # as a published FP8 checkpoint stores it; the engine keeps these
     kind = "none"
     if use_engine:
-        model, kind = build_target_engine(setup.recipe, model, setup.plan)
+        model, kind = target_replica(setup, model)
     return model, kind
+
+
+def target_replica(setup: Setup, model):
+    """The random-weight target as a replica under target.ds_config (its projections in FP8 with
+    target.quantization: fp8), with the target kernels the flags leave in (--no-fla-conv,
+    --no-fused-target)."""
+    from dflash_ds.runtime.engines import quantized_replica, speed_up_target_kernels
+    from dflash_ds.spec.ds_config import target_ds_config
+
+    speed_up_target_kernels(fla_short_conv=not getattr(setup.args, "no_fla_conv", False),
+                            fused_elementwise=not getattr(setup.args, "no_fused_target", False))
+    kind, cfg = target_ds_config(setup.recipe, setup.plan.layout.num_targets)
+    if kind == "zero3":
+        raise ValueError("the bench builds the target with random weights as a replica; a ZeRO-3 target.ds_config "
+                         "loads a checkpoint partitioned (training only): set target.ds_config to a replica JSON")
+    return quantized_replica(setup.recipe, model, cfg, next(model.parameters()).device), kind
 
 
 def target_worker(setup: Setup, model):

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from dflash_ds.runtime import deepspeed_patches as patches
 from dflash_ds.config import Recipe
-from dflash_ds.runtime.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
-from dflash_ds.runtime.plan import Plan, lr_factor
-from dflash_ds.runtime.topology import Layout
+from dflash_ds.spec.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
+from dflash_ds.spec.plan import Plan, lr_factor
+from dflash_ds.spec.topology import Layout
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,14 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
     return engine, cfg
 
 
-def speed_up_target_kernels() -> None:
-    """Swap in the fused target kernels of dflash_ds.kernels (GPU only; env switches for A/B runs)."""
+def speed_up_target_kernels(fla_short_conv: bool = True, fused_elementwise: bool = True) -> None:
+    """Swap in the faster target kernels of target/kernels.py (GPU only). Training always uses both;
+    the bench's --no-fla-conv and --no-fused-target leave them out for A/B runs."""
     from dflash_ds.target.kernels import fuse_target_elementwise, use_fla_short_conv
 
-    if os.environ.get("DFLASH_FLA_SHORT_CONV", "1") != "0":
+    if fla_short_conv:
         use_fla_short_conv()
-    if os.environ.get("DFLASH_FUSE_TARGET", "1") != "0":
+    if fused_elementwise:
         fuse_target_elementwise()
 
 
@@ -112,15 +113,6 @@ def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn
     return model.to(device=device, dtype=getattr(torch, name) if name else None)
 
 
-def build_target_engine(recipe: Recipe, model, plan: Plan):
-    """An already loaded frozen target as a replica (the bench's random-weight path)."""
-    speed_up_target_kernels()
-    kind, cfg = target_ds_config(recipe, plan.layout.num_targets)
-    if kind == "zero3":
-        raise ValueError("a ZeRO-3 target must be loaded partitioned: use load_target_engine")
-    return quantized_replica(recipe, model, cfg, next(model.parameters()).device), kind
-
-
 def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     """The frozen target from target.path under the engine target.ds_config asks for.
 
@@ -129,7 +121,7 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     """
     from dflash_ds.target import fp8 as fp8_target
     from dflash_ds.target.model import load_target
-    from dflash_ds.target.zero_inference import load_target_zero3
+    from dflash_ds.runtime.zero_inference import load_target_zero3
 
     speed_up_target_kernels()
     t = recipe.target

@@ -3,7 +3,7 @@
 Everything a user can get wrong that would otherwise surface 30-50 s into the distributed job, in
 a traceback per rank: the recipe, the run lock, wandb credentials, the tokenizer and chat
 template, and the data (prepared here once, so the ranks then read the cache). Each problem is one
-line naming the setting, file or line, and launch.sh exits 2.
+line naming the setting, file or line, and launch.sh exits with safety.Exit.USER (2).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from dflash_ds.config import Recipe, RecipeError, ranks_per_node
+from dflash_ds.safety import CheckpointError, LockError
 
 
 def check_wandb(recipe: Recipe) -> None:
@@ -30,7 +31,7 @@ def check_wandb(recipe: Recipe) -> None:
 
 
 def check_lock(recipe: Recipe) -> None:
-    from dflash_ds.runtime.lock import LockError, check
+    from dflash_ds.runtime.lock import check
 
     try:
         check(recipe.run.output_dir)
@@ -39,10 +40,10 @@ def check_lock(recipe: Recipe) -> None:
 
 
 def check_resume(recipe: Recipe) -> None:
-    from dflash_ds.runtime.checkpoint import CheckpointError, resolve
+    from dflash_ds.runtime.control import decide_start
 
     try:
-        resolve(recipe.run.output_dir, recipe.checkpoint.resume)
+        decide_start(recipe)  # the same decision the run's lead makes at start-up
     except CheckpointError as exc:
         raise RecipeError(str(exc)) from None
 
@@ -54,7 +55,7 @@ def prelaunch(recipe: Recipe) -> None:
     if Path(recipe.run.output_dir).exists():
         check_resume(recipe)
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.run import check_recipe
+    from dflash_ds.spec.run import check_recipe
 
     check_recipe(recipe, ranks_per_node(recipe))
     load_training_data(recipe)
