@@ -124,6 +124,11 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
         over += [f"drafter.num_layers={geo.drafter_layers}", f"drafter.mask_token_id={geo.mask_token_id}",
                  "drafter.target_layer_ids=null", "drafter.intermediate_size=null",
                  "drafter.num_attention_heads=null", "drafter.num_key_value_heads=null", "drafter.head_dim=null"]
+        types = load_recipe(recipe_path).drafter.layer_types
+        if types is not None and len(types) != geo.drafter_layers:
+            # The recipe's per-layer attention is for another layer count: this geometry's drafter runs
+            # full attention unless --set gives it a layout of its own.
+            over += ["drafter.layer_types=null", "drafter.sliding_window=null"]
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))
