@@ -14,8 +14,10 @@ from .setup import Setup, setup_rows
 
 
 def count_linear_params(module: nn.Module) -> int:
-    """Weights of every nn.Linear under `module` (the matmuls of a forward)."""
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    """Weights of every nn.Linear (or FP8 linear) under `module` (the matmuls of a forward)."""
+    from dflash_ds.target.fp8 import Fp8Linear
+
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Fp8Linear)))
 
 
 def target_forward_flops(linear_params: int, full_attention_layers: int, heads: int, head_dim: int, rows: int,

@@ -25,6 +25,7 @@ from dflash_ds.spec.dtypes import payload_dtype
 from dflash_ds.spec.payload import PayloadSpec
 from dflash_ds.spec.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.spec.topology import Layout, TopologyError
+from dflash_ds.target import fp8
 from dflash_ds.target.model import Geometry, load_config, target_geometry
 
 
@@ -92,6 +93,9 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
     tcfg = load_config(recipe.target.path)
+    refused = fp8.recipe_refusal(recipe.target, device.type, target_kind, tcfg)
+    if refused:
+        raise RecipeError(refused)
     geo = target_geometry(tcfg)
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
     if recipe.drafter.init_from:
