@@ -105,7 +105,7 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
     # With the KL term on, targets also send their final-norm states (one more tap).
-    payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, dcfg.num_taps, geo.hidden_size, dtype,
+    payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.row_length, dcfg.num_taps, geo.hidden_size, dtype,
                           final_norm=recipe.objective.kl_weight > 0)
     rows = num_rows
     notes: tuple[str, ...] = ()

@@ -2,7 +2,8 @@
 
     python -m dflash_ds.data prepare RECIPE [key=value ...]
 
-Rows are `S = data.max_length` tokens holding whole documents (never split across rows):
+Rows are `S = data.row_length` tokens holding whole documents (never split across rows; each document
+at most `data.max_length` tokens, cut or dropped per data.truncation):
 `input_ids` int32 [S] (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens),
 `doc_ids` int32 [S] (document index inside the row, -1 on padding). Packing, the per-document
 position ids and the attention mask a packed row needs are in `dflash_ds.packing` (re-exported here).
@@ -34,7 +35,7 @@ from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normali
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
 
-FORMAT_VERSION = 2  # 2: lengths.json beside the audit
+FORMAT_VERSION = 3  # 2: lengths.json beside the audit; 3: rows of data.row_length, manifest.json
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
 LENGTHS_FILE = "lengths.json"
 
@@ -67,8 +68,14 @@ def tokenizer_digest(tokenizer) -> str:
     return h.hexdigest()
 
 
+def row_length(cfg) -> int:
+    """The packed row length: data.row_length, or data.max_length when that is null (or absent)."""
+    return int(getattr(cfg, "row_length", None) or cfg.max_length)
+
+
 def _settings(cfg) -> dict:
-    return {"max_samples": cfg.max_samples, "max_length": cfg.max_length, "pack": bool(cfg.pack),
+    return {"max_samples": cfg.max_samples, "max_length": cfg.max_length, "row_length": row_length(cfg),
+            "pack": bool(cfg.pack),
             "truncation": cfg.truncation, "thinking": bool(cfg.thinking), "seed": cfg.seed,
             "num_eval": cfg.num_eval, "split": cfg.split, "eval_split": cfg.eval_split}
 
@@ -209,7 +216,8 @@ def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
 
 def _write_lengths(path: Path, cfg, lengths: np.ndarray) -> None:
     """lengths.json, written in chunks: no Python list or string the size of the dataset."""
-    head = json.dumps({"max_length": cfg.max_length, "pack": bool(cfg.pack), "lengths": []})
+    head = json.dumps({"max_length": cfg.max_length, "row_length": row_length(cfg), "pack": bool(cfg.pack),
+                       "lengths": []})
     with path.open("w") as f:
         f.write(head[:-2])  # up to and including "lengths": [
         for start in range(0, len(lengths), 65536):
@@ -231,7 +239,8 @@ def render_example(tokenizer, ids, mask, limit: int = 3000) -> str:
 
 def report_text(report: dict) -> str:
     lines = [f"prepared data {report['fingerprint']} from {report['source']}",
-             f"  samples {report['samples']}  documents {report['documents']}  rows {report['rows']} x {report['row_length']}",
+             f"  samples {report['samples']}  documents {report['documents']}  rows {report['rows']} x {report['row_length']}"
+             f"  (conversations up to {report.get('max_length', report['row_length'])} tokens)",
              f"  tokens {report['tokens']}  supervised {report['supervised_tokens']} "
              f"({report['supervised_fraction']:.1%} of tokens)  padding {report['padding_fraction']:.1%}",
              f"  assistant turns {report['assistant_turns']} (located by probe: {report['probe_located_turns']})"
@@ -261,6 +270,8 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
     if cfg.max_length < 2:
         raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
+    if row_length(cfg) < cfg.max_length:
+        raise ValueError(f"data.row_length: {row_length(cfg)} is shorter than data.max_length ({cfg.max_length})")
     encoder = ChatEncoder(tokenizer, cfg.thinking)
     path, path_setting = _train_source(cfg, recipe)
     cache_dir = Path(cfg.cache_dir)
@@ -324,16 +335,16 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
             raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
                              f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
                              "data.thinking and data.max_length")
-        rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
+        rows = pack_documents(docs, row_length(cfg), _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
                               lengths=lengths)
         num_rows = rows["input_ids"].shape[0]
         tokens = int(lengths.sum())
         report = {
             "fingerprint": fp, "source": path, "split": cfg.split, "settings": _settings(cfg),
             "samples": int(len(train_idx)), "documents": len(docs), "rows": int(num_rows),
-            "row_length": cfg.max_length, "tokens": tokens, "supervised_tokens": supervised,
-            "supervised_fraction": supervised / max(tokens, 1),
-            "padding_fraction": 1 - tokens / max(num_rows * cfg.max_length, 1),
+            "row_length": row_length(cfg), "max_length": cfg.max_length, "tokens": tokens,
+            "supervised_tokens": supervised, "supervised_fraction": supervised / max(tokens, 1),
+            "padding_fraction": 1 - tokens / max(num_rows * row_length(cfg), 1),
             "assistant_turns": stats["assistant_turns"], "probe_located_turns": stats["probe_located_turns"],
             "truncated": stats["truncated"], "dropped": dict(sorted(dropped.items())),
             "eval_prompts": len(prompts), "eval_dropped": dict(sorted(eval_dropped.items())),
