@@ -128,6 +128,10 @@ class DataConfig:
     """Conversations longer than max_length: "truncate" or "drop"."""
     thinking: bool = False
     """Chat template enable_thinking; must match how the target will be served."""
+    max_drop_fraction: float = 0.05
+    """Samples preparation may drop (unreadable records, unknown roles, conversations too long with
+    truncation drop, nothing supervised...); above this fraction the run stops before launch naming
+    each reason with its count (the audit, report.txt, is kept: raising the setting reuses it)."""
     cache_dir: str = ".cache/dflash_data"
     seed: int = 0
     eval_path: str | None = None
@@ -405,6 +409,7 @@ def validate(r: Recipe) -> None:
     need(r.data.row_length >= r.data.max_length,
          f"data.row_length ({r.data.row_length}) is shorter than data.max_length ({r.data.max_length}), the longest "
          "conversation a row must hold; raise data.row_length or lower data.max_length")
+    need(0 <= r.data.max_drop_fraction <= 1, f"data.max_drop_fraction must be in [0, 1], got {r.data.max_drop_fraction}")
     need(r.data.truncation in ("truncate", "drop"), f"data.truncation must be truncate or drop, got {r.data.truncation!r}")
     _validate_regenerate(r.data.regenerate, need)
     for name in ("drafter.num_layers", "objective.num_anchors", "objective.loss_chunks", "optim.rows_per_micro_batch",

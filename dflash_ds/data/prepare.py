@@ -9,8 +9,10 @@ at most `data.max_length` tokens, cut or dropped per data.truncation):
 position ids and the attention mask a packed row needs are in `dflash_ds.packing` (re-exported here).
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
-`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, and `lengths.json`: every conversation's
-token count, which `python -m dflash_ds.bench --lengths FILE` reads). The fingerprint covers the dataset's
+`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, `lengths.json`: every conversation's
+token count, which `python -m dflash_ds.bench --lengths FILE` reads, and `manifest.json`: every
+file with its size, written last). An entry whose files do not match its manifest (truncated,
+missing, unreadable) is reported in one line naming its folder and rebuilt. The fingerprint covers the dataset's
 identity (local files' sizes and mtimes, or the hub dataset's fingerprint), the tokenizer, the chat
 template and every setting that changes the rows; anything else reuses the cache.
 """
@@ -38,6 +40,7 @@ from dflash_ds.data.packing import pack_documents
 FORMAT_VERSION = 3  # 2: lengths.json beside the audit; 3: rows of data.row_length, manifest.json
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
 LENGTHS_FILE = "lengths.json"
+MANIFEST_FILE = "manifest.json"
 
 
 @dataclass
@@ -251,6 +254,42 @@ def report_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_manifest(folder: Path) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
+
+
+def cache_damage(folder: Path) -> str | None:
+    """Why a cache entry cannot be used (a file missing, of another size than written, an unreadable
+    manifest), or None when every file matches its manifest."""
+    try:
+        files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST_FILE} is missing (the entry was never finished, or damaged)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})"
+    for name in (*(f"{k}.npy" for k in ROW_FIELDS), "eval.json", "report.json"):
+        if name not in files:
+            return f"{MANIFEST_FILE} does not list {name}"
+    for name, size in sorted(files.items()):
+        p = folder / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} is truncated or damaged ({p.stat().st_size} bytes, {size} written)"
+    return None
+
+
+def _discard(folder: Path) -> None:
+    """Move a damaged entry aside and delete it (a reader holding it open keeps its files)."""
+    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _load_cached(final: Path, fp: str) -> PreparedData:
     # Copy-on-write memory maps: the rows stay file-backed pages the kernel can drop (resident memory
     # does not grow with the dataset), yet the arrays are writable; writes never reach the cache.
@@ -291,11 +330,20 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
                                "fingerprint": loaded["eval"]._fingerprint}
     fp = compute_fingerprint(sources, tokenizer, _settings(cfg))
     final = cache_dir / fp
-    if (final / "report.json").exists():
-        data = _load_cached(final, fp)
-        if verbose:
-            print(f"[data] reusing {final}", flush=True)
-        return data
+    if final.is_dir():
+        damage = cache_damage(final)
+        if damage is None:
+            try:
+                data = _load_cached(final, fp)
+            except (OSError, ValueError, KeyError, EOFError) as exc:  # right sizes, unreadable content
+                damage = f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            else:
+                check_drops(data.report, cfg, final)
+                if verbose:
+                    print(f"[data] reusing {final}", flush=True)
+                return data
+        print(f"[data] prepared data in {final} is damaged: {damage}; rebuilding it", flush=True)
+        _discard(final)
 
     ds = loaded["train"] if "train" in loaded else load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
     if len(ds) == 0:
@@ -358,10 +406,26 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         _write_lengths(tmp / LENGTHS_FILE, cfg, lengths)
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
+        _write_manifest(tmp)  # last: an entry without it was never finished
     data = _load_cached(final, fp)
     if verbose:
         print(report_text(data.report), end="", flush=True)
+    check_drops(data.report, cfg, final)
     return data
+
+
+def check_drops(report: dict, cfg, folder: Path) -> None:
+    """Stop (one line naming the reasons and counts) when more samples were dropped than
+    data.max_drop_fraction allows; the rows stay cached, so raising the setting reuses them."""
+    limit = getattr(cfg, "max_drop_fraction", None)
+    dropped = report.get("dropped") or {}
+    total = sum(dropped.values())
+    if limit is None or not report.get("samples") or total <= limit * report["samples"]:
+        return
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]))
+    raise ValueError(f"data.max_drop_fraction: {total} of {report['samples']} samples "
+                     f"({total / report['samples']:.1%}) were dropped ({reasons}), above {limit:g}; fix the data "
+                     f"(audit: {folder / 'report.txt'}) or raise data.max_drop_fraction")
 
 
 def load_training_data(recipe) -> PreparedData:
