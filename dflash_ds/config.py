@@ -1,7 +1,7 @@
 """Typed recipe: frozen dataclasses mirroring the YAML sections.
 
 Unknown keys are errors naming their dotted path; `key.sub=value` overrides go through the same
-validation; nothing mutates a recipe afterwards (run.check_recipe resolves it into a RunSpec)."""
+validation; nothing mutates a recipe afterwards (spec.run.check_recipe resolves it into a RunSpec)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,9 @@ class DrafterSection:
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
-    """An exported drafter directory to start from instead of random weights."""
+    """An exported drafter directory to start from instead of random weights. Its config must match
+    the drafter this section describes (taps, block size, mask id, layers, widths, attention types):
+    a mismatch stops before launch naming both values."""
     compile: bool = True
     """torch.compile the drafter layers on GPU (flex_attention is always compiled on GPU)."""
 

@@ -24,7 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_ds.io import replace_dir_atomic, write_text_atomic
-from dflash_ds.model.drafter import ARCHITECTURE, DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import ARCHITECTURE, DrafterShape
 from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
@@ -54,7 +55,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 _FIX = "pass the directory written by dflash_ds export (drafter.init_from / --drafter)"
 
 
-def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: DrafterShape) -> dict[str, tuple[int, ...]]:
     """Every tensor of the export and its shape, derived from the config alone (docs/algorithm.md section 6).
 
     Independent of `DFlashDrafter` on purpose: a module whose parameters drift from the serving
@@ -163,7 +164,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
 def write_card(out_dir: str | os.PathLike, **card) -> None:
     """Rewrite the model card of an existing export (e.g. once the final tau is known), atomically."""
     out_dir = Path(out_dir)
-    cfg = DrafterConfig.from_hf_config(read_export_config(out_dir))
+    cfg = DrafterShape.from_hf_config(read_export_config(out_dir))
     write_text_atomic(out_dir / CARD_NAME, model_card(cfg, **card))
     os.chmod(out_dir / CARD_NAME, FILE_MODE)
 
@@ -199,16 +200,19 @@ def read_export_config(path: str | os.PathLike) -> dict:
 
 
 def load_drafter(
-    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    shape: DrafterShape | None = None,
 ) -> DFlashDrafter:
     """Read an export written by `save_drafter` (or any SGLang/vLLM-loadable DFlash drafter).
 
-    `dtype=None` keeps the stored dtype, so a save/load round trip is bit-exact.
+    `dtype=None` keeps the stored dtype, so a save/load round trip is bit-exact. With `shape` (a
+    run's, already compared with the export's config by `run.check_init_from`) the module is built
+    from it, so a run's drafter and its later exports derive from the run's shape alone.
     """
     path = Path(path)
     config = read_export_config(path)
     try:
-        cfg = DrafterConfig.from_hf_config(config)
+        cfg = DrafterShape.from_hf_config(config) if shape is None else shape
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a valid DFlash drafter export: {CONFIG_NAME} is incomplete ({e}); {_FIX}") from None
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 
-from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.model.shape import DrafterShape
 
 
-def model_card(cfg: DrafterConfig, *, target: str | None = None, data: str | None = None, steps: int | None = None,
+def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None = None, steps: int | None = None,
                tau: float | None = None, tau_prompts: str | None = None, position_acceptance: list | None = None) -> str:
     """Markdown for the export directory; unknown facts are shown as unknown, never guessed."""
     def known(x) -> str:

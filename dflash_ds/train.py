@@ -1,6 +1,6 @@
 """Entry point: `deepspeed launch.sh RECIPE [key=value ...]` runs main() on every rank.
 
-Each rank checks the recipe (`run.check_recipe`), joins the process groups, prepares (rank 0) or
+Each rank checks the recipe (`spec.run.check_recipe`), joins the process groups, prepares (rank 0) or
 loads the data, and runs its role: target ranks fill and send payloads
 (`runtime.target_worker`), drafter ranks receive and train (`runtime.trainer`), a colocated rank
 does both in memory.
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node
-from dflash_ds.run import check_recipe
-from dflash_ds.runtime.plan import describe
+from dflash_ds.spec.run import check_recipe
+from dflash_ds.spec.plan import describe
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

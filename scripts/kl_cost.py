@@ -15,11 +15,11 @@ import torch
 from dflash_ds.config import load_recipe
 from dflash_ds.data.prepare import load_training_data
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
-from dflash_ds.run import check_recipe
+from dflash_ds.model.loss import drafter_loss, make_blocks
+from dflash_ds.spec.run import check_recipe
 from dflash_ds.runtime.target_worker import TargetWorker
 from dflash_ds.runtime.trainer import build_drafter
-from dflash_ds.runtime.transport import unpack
+from dflash_ds.spec.payload import unpack
 from dflash_ds.target.model import embed_and_head, load_target, truncate_after
 
 
@@ -38,7 +38,7 @@ def main(repeats: int = 20) -> None:
     workers = {"ce": TargetWorker(specs["ce"], cut, data.rows), "kl": TargetWorker(specs["kl"], full, data.rows)}
     embed, head = embed_and_head(recipe.target.path, torch.float32)
     model = DraftModel(build_drafter(specs["ce"]), embed, head)
-    settings = {k: StepSettings.from_recipe(specs[k].recipe, torch.device("cpu")) for k in specs}
+    settings = {k: specs[k].settings for k in specs}
     times = {(k, part): [] for k in ("ce", "kl") for part in ("target", "drafter")}
     for i in range(repeats + 2):
         for k in ("ce", "kl"):

@@ -96,10 +96,11 @@ def test_visible_pairs_equals_dense_mask_count():
 
 
 def test_drafter_flops_by_hand():
-    from dflash_ds.model.drafter import DrafterConfig, DrafterShape
+    from dflash_ds.config import DrafterSection
+    from dflash_ds.model.shape import DrafterShape
 
-    dcfg = DrafterConfig.from_target(target_config("tiny"),
-                                     DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=5))
+    dcfg = DrafterShape.from_target(target_config("tiny"),
+                                     DrafterSection(num_layers=2, block_size=BLOCK, mask_token_id=5))
     f = bench.drafter_step_flops(dcfg, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     assert f["total"] == tiny_drafter_flops(1234)
     assert f["total"] == f["dense"] + f["fuse"] + f["attention"] + f["lm_head"]
@@ -256,10 +257,12 @@ def test_drafter_role(runs):
     assert r["mfu"] == pytest.approx(expected * r["tok_s"] / (ROWS * SEQ) / 1e12 / report["ceiling"]["tflops"])
     assert r["drafter_flops"]["valid_blocks_per_micro"] == ROWS * ANCHORS
     assert r["mask"]["kind"] == "dense" and r["mask"]["first_build_s"] > 0 and r["mask"]["build_s"] > 0
-    from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
+    from dflash_ds.config import DrafterSection
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.model.shape import DrafterShape
 
-    dcfg = DrafterConfig.from_target(target_config("tiny"),
-                                     DrafterShape(num_layers=2, block_size=BLOCK, mask_token_id=5))
+    dcfg = DrafterShape.from_target(target_config("tiny"),
+                                     DrafterSection(num_layers=2, block_size=BLOCK, mask_token_id=5))
     assert r["drafter_params"] == sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
     assert r["zero_stage"] == 2 and r["compiled_layers"] is False
     assert report["recipe"]["drafter_ds_config"].endswith("drafter_zero2_cpu.json")

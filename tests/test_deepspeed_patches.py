@@ -176,7 +176,7 @@ ZERO3 = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     ({"zero_optimization": {"stage": 3}}, "bfloat16", "target.dtype"),
 ])
 def test_load_target_zero3_rejects_mismatched_settings(ds_config, dtype, setting):
-    from dflash_ds.target.zero_inference import load_target_zero3
+    from dflash_ds.runtime.zero_inference import load_target_zero3
 
     with pytest.raises(ValueError, match=setting):
         load_target_zero3("unused", ds_config, None, dtype=dtype)
@@ -189,7 +189,7 @@ def write_adapter_config(path, **cfg) -> str:
 
 
 def test_merge_adapter_partitioned_refuses_what_it_cannot_merge(tmp_path):
-    from dflash_ds.target.zero_inference import merge_adapter_partitioned
+    from dflash_ds.runtime.zero_inference import merge_adapter_partitioned
 
     lora_with_saved_modules = write_adapter_config(
         tmp_path / "a", peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.run import check_recipe
-from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.runtime.dtypes import payload_dtype
+from dflash_ds.spec.run import check_recipe
+from dflash_ds.spec.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.spec.dtypes import payload_dtype
 from dflash_ds.runtime.target_worker import TargetWorker
-from dflash_ds.runtime.transport import PayloadSpec, unpack
+from dflash_ds.spec.payload import PayloadSpec, unpack
 
 from .test_target import tiny_qwen3
 
@@ -65,7 +65,9 @@ def test_run_spec_carries_the_payload_dtype():
 def test_float32_target_taps_are_cast_once_at_the_sender():
     """A float32 target fills a bf16 payload: taps equal its float32 states rounded to bf16, the
     metadata survives, and a bf16 drafter consumes them (the uncast float32 taps raise in its fc)."""
-    from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
+    from dflash_ds.config import DrafterSection
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.model.shape import DrafterShape
 
     target = tiny_qwen3()
     taps = [0, 2]
@@ -86,8 +88,8 @@ def test_float32_target_taps_are_cast_once_at_the_sender():
     want = torch.cat([hs[k + 1] for k in taps], -1).to(torch.bfloat16)
     assert torch.equal(mb.taps, want)
     assert torch.equal(mb.input_ids, ids) and torch.equal(mb.loss_mask, loss_mask.bool())
-    shape = DrafterShape(num_layers=1, block_size=4, mask_token_id=1, target_layer_ids=taps)
-    cfg = DrafterConfig.from_target(target.config, shape)
+    shape = DrafterSection(num_layers=1, block_size=4, mask_token_id=1, target_layer_ids=taps)
+    cfg = DrafterShape.from_target(target.config, shape)
     drafter = DFlashDrafter(cfg).to(torch.bfloat16)
     assert drafter.fuse(mb.taps).dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="dtype"):

@@ -13,7 +13,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
+from dflash_ds.config import DrafterSection
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
@@ -84,7 +86,7 @@ def tiny_target():
 
 def train_drafter(target, sequences, steps, seed=0):
     """Plain single-process training with the objective's functions (dense mask, AdamW)."""
-    cfg = DrafterConfig.from_target(target.config, DrafterShape(num_layers=2, block_size=B, mask_token_id=MASK,
+    cfg = DrafterShape.from_target(target.config, DrafterSection(num_layers=2, block_size=B, mask_token_id=MASK,
                                                                 target_layer_ids=LAYER_IDS))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()

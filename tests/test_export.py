@@ -11,7 +11,9 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 
 import dflash_ds.export as export
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig, DrafterShape
+from dflash_ds.config import DrafterSection
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.export import load_drafter, save_drafter
 
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 128
@@ -24,9 +26,9 @@ def tiny_target_config():
 
 
 def make_drafter(seed=0, num_layers=2, target_layer_ids=(1, 3, 5)):
-    shape = DrafterShape(num_layers=num_layers, block_size=8, mask_token_id=VOCAB - 1,
+    shape = DrafterSection(num_layers=num_layers, block_size=8, mask_token_id=VOCAB - 1,
                          target_layer_ids=list(target_layer_ids))
-    cfg = DrafterConfig.from_target(tiny_target_config(), shape)
+    cfg = DrafterShape.from_target(tiny_target_config(), shape)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():

@@ -18,7 +18,8 @@ import torch
 
 from dflash_ds.data.packing import position_ids_from_doc_ids
 from dflash_ds.model.attention import attend, build_mask
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import LossOptions, block_inputs, chunked_loss, sample_anchors
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +58,7 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
     """Three packed documents + padding blocks: forward and every parameter gradient."""
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    cfg = DrafterConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+    cfg = DrafterShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
                         max_position_embeddings=8192, vocab_size=1000, num_target_layers=8,
                         target_layer_ids=(1, 3, 5), block_size=16, mask_token_id=999, tie_word_embeddings=False)

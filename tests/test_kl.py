@@ -135,7 +135,7 @@ def test_slot_target_states_map_slot_k_to_position_a_plus_k_minus_1():
 def test_target_final_norm_tap_equals_transformers_last_hidden_state():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_ds.runtime.transport import PayloadSpec, final_hidden, layer_taps
+    from dflash_ds.spec.payload import PayloadSpec, final_hidden, layer_taps
     from dflash_ds.target.model import TapCapture, TargetError, forward_taps, truncate_after
 
     torch.manual_seed(0)

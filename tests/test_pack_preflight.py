@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.run import check_recipe
+from dflash_ds.spec.run import check_recipe
 
 TINY = "recipes/tiny.yaml"
 
@@ -29,7 +29,7 @@ def test_hybrid_target_packs_on_cpu(hybrid_target):
 
 
 def test_gpu_without_fla_refuses_packing_and_names_the_fix(hybrid_target, monkeypatch):
-    import dflash_ds.run as run
+    import dflash_ds.spec.run as run
 
     real = importlib.util.find_spec
     monkeypatch.setattr(run, "resolve_device", lambda name, setting: torch.device("cuda"))

@@ -3,7 +3,7 @@
 import json
 import struct
 
-from dflash_ds.model.drafter import DrafterConfig
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.report import finish_run, main, split_records, write_report
 
 
@@ -60,7 +60,7 @@ def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     from dflash_ds.export import save_drafter
     from dflash_ds.model.drafter import DFlashDrafter
 
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    cfg = DrafterShape(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
                         max_position_embeddings=64, vocab_size=32, num_target_layers=4, target_layer_ids=(1,),
                         block_size=4, mask_token_id=3, tie_word_embeddings=False)

@@ -37,7 +37,7 @@ def reference_run(tmp_path_factory):
     """Single-process losses and gradient norms for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.run import check_recipe
+    from dflash_ds.spec.run import check_recipe
     from dflash_ds.runtime.reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target.model import embed_and_head, load_target
@@ -101,7 +101,7 @@ def test_kl_term_end_to_end_split_and_colocated(tmp_path):
     colocated runtime train exactly like the single-process reference, and differently from CE alone."""
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.run import check_recipe
+    from dflash_ds.spec.run import check_recipe
     from dflash_ds.runtime.reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target.model import embed_and_head, load_target

@@ -3,7 +3,10 @@
 - no function or method takes more than 7 parameters (self, *args, **kwargs and keyword-only ones
   count), except command-line entry points: `main` functions and the CLI modules (`cli.py`,
   `__main__.py`); related settings travel as one small dataclass / NamedTuple instead;
-- no import cycle among dflash_ds modules, counting module-level and function-level imports.
+- no import cycle among dflash_ds modules, counting module-level and function-level imports;
+- no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
+  node), and every arrow between them points down the declared LAYERS: a reader following an
+  import never climbs back up (the resolve step in spec/ never reaches into runtime/).
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -138,6 +141,46 @@ def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"no cycle through {start} in {component}")
 
 
+def folder_of(module: str) -> str:
+    """`pkg.sub.mod` -> `pkg.sub`; a top-level module `pkg.mod` is its own node; `pkg` stays `pkg`."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed onto folders; imports inside one folder are left out."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        node = folders.setdefault(folder_of(module), set())
+        node |= {folder_of(t) for t in targets} - {folder_of(module)}
+    return folders
+
+
+def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
+    """`a -> b` for every folder arrow that does not point to a strictly lower layer, and `a: no layer`
+    for a folder missing from `layers` (a new folder must be placed)."""
+    level = {name: i for i, layer in enumerate(layers) for name in layer}
+    found = [f"{a}: no layer (add it to LAYERS)" for a in sorted(folders) if a not in level]
+    found += [f"{a} -> {b}" for a in sorted(folders) if a in level for b in sorted(folders[a])
+              if b in level and level[b] >= level[a]]
+    return found
+
+
+# Bottom to top: a folder imports only from layers below its own. The order follows the data flow
+# (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> entry points).
+LAYERS = [
+    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.export_modeling"),
+    ("dflash_ds.data", "dflash_ds.metrics"),
+    ("dflash_ds.model",),
+    ("dflash_ds.model_card", "dflash_ds.target"),
+    ("dflash_ds.export",),
+    ("dflash_ds.eval", "dflash_ds.report"),
+    ("dflash_ds.spec",),
+    ("dflash_ds.runtime",),
+    ("dflash_ds.train", "dflash_ds.regenerate"),
+    ("dflash_ds.bench",),
+]
+
+
 # ---------------------------------------------------------------------------------- the rules on a made-up package
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -166,6 +209,27 @@ def test_checkers_find_what_they_look_for(tmp_path):
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
 
 
+def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
+    # No module cycle, but the folders x and y import each other: x.a -> y.b -> x.c.
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/x/__init__.py": "",
+        "pkg/x/a.py": "from pkg.y import b\n",
+        "pkg/x/c.py": "",
+        "pkg/y/__init__.py": "",
+        "pkg/y/b.py": "def f():\n    from pkg.x import c\n",
+        "pkg/top.py": "import pkg.x.c\n",
+    })
+    graph = import_graph(root)
+    assert import_cycles(graph) == []
+    folders = folder_graph(graph)
+    assert folders["pkg.x"] == {"pkg.y"} and folders["pkg.top"] == {"pkg.x"}
+    assert import_cycles(folders) == [["pkg.x", "pkg.y", "pkg.x"]]
+    assert upward_arrows(folders, [("pkg",), ("pkg.y",), ("pkg.x", "pkg.top")]) == ["pkg.top -> pkg.x", "pkg.y -> pkg.x"]
+    assert upward_arrows(folders, [("pkg",), ("pkg.x",)]) == ["pkg.top: no layer (add it to LAYERS)",
+                                                                "pkg.y: no layer (add it to LAYERS)"]
+
+
 # ---------------------------------------------------------------------------------- the rules on dflash_ds
 
 def test_no_function_takes_more_than_seven_parameters():
@@ -179,3 +243,12 @@ def test_no_import_cycles():
     assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the walk really saw the package
     cycles = import_cycles(graph)
     assert not cycles, "import cycles among dflash_ds modules:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+
+
+def test_folders_have_no_cycle_and_no_arrow_up():
+    folders = folder_graph(import_graph(ROOT))
+    assert {"dflash_ds.spec", "dflash_ds.runtime", "dflash_ds.model"} <= set(folders)
+    cycles = import_cycles(folders)
+    assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
+    up = upward_arrows(folders, LAYERS)
+    assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))

@@ -7,8 +7,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_ds.runtime.launch_env import free_port
-from dflash_ds.runtime.transport import (PayloadSpec, Receiver, Sender, SyncStallTimer, WaitTimer, read_meta, taps_view,
-                                         write_meta)
+from dflash_ds.spec.payload import PayloadSpec, read_meta, taps_view, write_meta
+from dflash_ds.runtime.transport import Receiver, Sender, SyncStallTimer, WaitTimer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -133,7 +133,7 @@ def test_drafter_posts_the_next_steps_receives_while_a_step_runs(monkeypatch):
     and releases them at its end. The receives for the next step must be posted before that, or
     the target's sends of the next step wait, holding NCCL's thread blocks beside its GEMMs."""
     from dflash_ds.runtime import transport
-    from dflash_ds.runtime.plan import receive_depth
+    from dflash_ds.spec.plan import receive_depth
 
     posted = []
 

@@ -84,7 +84,7 @@ def payload_count(setup: Setup) -> int:
 
 
 def synthetic_payloads(setup: Setup, count: int = 2, rows: dict | None = None) -> list[torch.Tensor]:
-    from dflash_ds.runtime.transport import taps_view, write_meta
+    from dflash_ds.spec.payload import taps_view, write_meta
 
     a, spec = setup.args, setup.spec
     rows = setup_rows(setup, count * spec.rows) if rows is None else rows
@@ -132,7 +132,7 @@ def drafter_step(setup: Setup, engine, model, source, group):
 
 
 def micro_batch_of(setup: Setup, payload: torch.Tensor):
-    from dflash_ds.runtime.transport import unpack
+    from dflash_ds.spec.payload import unpack
 
     return unpack(payload, setup.spec, setup.run.dtype)
 
@@ -144,9 +144,9 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
     """
     from dflash_ds.model.attention import build_mask
     from dflash_ds.model.objective import sample_anchors
-    from dflash_ds.model.loss import StepSettings, anchor_generator, make_blocks
+    from dflash_ds.model.loss import anchor_generator, make_blocks
 
-    s = StepSettings.from_recipe(setup.recipe, setup.device)
+    s = setup.run.settings
     mb = micro_batch_of(setup, payload)
     anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors, anchor_generator(s.seed, 0))
     anchors, valid = anchors.to(setup.device), valid.to(setup.device)
@@ -237,7 +237,8 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
 def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
     import torch.distributed as dist
 
-    from dflash_ds.runtime.transport import Receiver, Sender, write_meta
+    from dflash_ds.spec.payload import write_meta
+    from dflash_ds.runtime.transport import Receiver, Sender
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     nccl = args["backend"] == "nccl"
@@ -277,7 +278,7 @@ def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
 def run_transport(setup: Setup, ceiling: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from dflash_ds.runtime.transport import PayloadSpec
+    from dflash_ds.spec.payload import PayloadSpec
 
     a = setup.args
     spec = PayloadSpec(setup.spec.rows, setup.spec.seq_len, setup.spec.num_taps, setup.spec.hidden, torch.bfloat16)

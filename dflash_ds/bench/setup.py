@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from dflash_ds.config import Recipe
-from dflash_ds.model.drafter import DrafterConfig, DrafterShape
-from dflash_ds.run import RunSpec
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.spec.run import RunSpec
 from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
-from dflash_ds.runtime.plan import Plan
-from dflash_ds.runtime.transport import PayloadSpec
+from dflash_ds.spec.plan import Plan
+from dflash_ds.spec.payload import PayloadSpec
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"
@@ -43,7 +43,7 @@ class Setup:
         return self.run.recipe
 
     @property
-    def drafter_config(self) -> DrafterConfig:
+    def drafter_config(self) -> DrafterShape:
         return self.run.drafter
 
     @property
@@ -60,7 +60,7 @@ class Setup:
 
 
 def pick_device(name: str) -> torch.device:
-    from dflash_ds.run import resolve_device
+    from dflash_ds.spec.run import resolve_device
 
     return resolve_device(name, "--device")
 
@@ -99,8 +99,8 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     output directory are overridden for a single-rank colocated layout, the one every role fits.
     """
     from dflash_ds.config import load_recipe
-    from dflash_ds.run import compute_dtype, plan_and_memory
-    from dflash_ds.target.model import load_config, target_geometry, text_config
+    from dflash_ds.spec.run import payload_spec, plan_and_memory
+    from dflash_ds.target.model import DTYPES, load_config, target_geometry, text_config
     from dflash_ds.target.presets import get_geometry, target_config
 
     cuda = device.type == "cuda"
@@ -144,12 +144,14 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))
-    dcfg = DrafterConfig.from_target(tcfg, DrafterShape.of(recipe.drafter))
+    dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
     o = recipe.optim
     geo = target_geometry(tcfg)
     plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)
-    dtype = compute_dtype(recipe.target.dtype, device)
-    payload = PayloadSpec(o.rows_per_micro_batch, recipe.data.row_length, dcfg.num_taps, dcfg.hidden_size, dtype)
+    # The bench's dtype: target.dtype on a GPU, float32 on CPU (its drafter JSON agrees with it);
+    # training runs take the payload dtype from spec.dtypes.payload_dtype (check_recipe).
+    dtype = DTYPES[recipe.target.dtype] if cuda else torch.float32
+    payload = payload_spec(recipe, dcfg, dtype)
     run = RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, rows_known=True)
     return Setup(args, tcfg, geometry_name, run)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class DraftModel:
         return cls(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
 
     @property
-    def config(self) -> DrafterConfig:
+    def config(self) -> DrafterShape:
         return self.drafter.config
 
     @property

@@ -10,279 +10,16 @@ applied from outside (`checkpoint_fn`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.model.attention import DFlashMask, attend
-
-# Engines read these fields; anything the drafter does not honour must not be exported.
-ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
-_INIT_STD = 0.02
-
-# Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
-# own full-attention layers (head_dim 256, partial rotary) are not what the published drafters
-# use; docs/algorithm.md section 1 gives the 27B geometry. Sizes not listed fall back to the target's values.
-_QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}}
-
-
-def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (docs/algorithm.md section 2).
-
-    Id k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]`. Python's
-    `round` (half to even) is deliberate: the serving engines compute the same list with it.
-    """
-    if num_target_layers < 1:
-        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
-    if num_taps < 1:
-        raise ValueError(f"the number of target taps must be >= 1, got {num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
-
-
-def _rope_theta(text_config: Any) -> float:
-    # transformers 5 moved rope_theta into `rope_parameters`; some models key that dict by
-    # layer type. Older configs keep a top-level `rope_theta`.
-    params = getattr(text_config, "rope_parameters", None)
-    if isinstance(params, dict):
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-        full = params.get("full_attention")
-        if isinstance(full, dict) and "rope_theta" in full:
-            return float(full["rope_theta"])
-    theta = getattr(text_config, "rope_theta", None)
-    if theta is None:
-        raise ValueError(
-            f"cannot find rope_theta in the target config ({type(text_config).__name__}); "
-            "set it in the target's config.json"
-        )
-    return float(theta)
-
-
-def _is_default_rope(rope_scaling: dict | None) -> bool:
-    if rope_scaling is None:
-        return True
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    extra = set(rope_scaling) - {"rope_type", "type", "rope_theta"}
-    return kind == "default" and not extra
-
-
-@dataclass(frozen=True)
-class DrafterShape:
-    """A recipe's `drafter` choices; None = from the target (`DrafterConfig.from_target` completes it)."""
-
-    num_layers: int
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...] | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-
-    @classmethod
-    def of(cls, section: Any) -> "DrafterShape":
-        """The same-named fields of a recipe's drafter section (model code does not import the recipe)."""
-        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """Geometry of the drafter plus what the serving engines need to run it (docs/algorithm.md sections 1 and 6)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: tuple[int, ...]
-    block_size: int
-    mask_token_id: int
-    tie_word_embeddings: bool
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if self.num_hidden_layers < 1:
-            raise ValueError(
-                f"drafter.num_layers must be >= 1, got {self.num_hidden_layers}; "
-                "DFlash uses 5 for dense targets"
-            )
-        if self.block_size < 2:
-            raise ValueError(
-                f"drafter.block_size must be >= 2 (the anchor plus at least one drafted token), "
-                f"got {self.block_size}; DFlash uses 16"
-            )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"drafter.mask_token_id={self.mask_token_id} is outside the target vocabulary "
-                f"[0, {self.vocab_size}); pick a reserved id below the vocab size "
-                "(Qwen3.5/3.6: 248070, Qwen3: 151669)"
-            )
-        if not self.target_layer_ids:
-            raise ValueError("drafter.target_layer_ids must not be empty; leave it unset for the default")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"drafter.target_layer_ids {list(self.target_layer_ids)} has ids {bad} outside the "
-                f"target's layers [0, {self.num_target_layers}); id k is the output of decoder layer k"
-            )
-        if self.num_attention_heads < 1 or self.num_key_value_heads < 1:
-            raise ValueError("drafter.num_attention_heads and drafter.num_key_value_heads must be >= 1")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"drafter.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"drafter.num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"drafter.head_dim must be even (rotary pairs), got {self.head_dim}")
-        if not _is_default_rope(self.rope_scaling):
-            raise ValueError(
-                f"rope_scaling={self.rope_scaling} is not supported: the drafter is trained and "
-                "served with plain RoPE; set rope_scaling to null"
-            )
-        object.__setattr__(self, "rope_scaling", None)  # {"rope_type": "default"} means the same
-
-    @property
-    def num_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    @classmethod
-    def from_target(cls, target_config: Any, shape: DrafterShape) -> "DrafterConfig":
-        """Drafter config for a transformers target config (Qwen3, Qwen3.5/3.6, Llama-style).
-
-        A multimodal Qwen3.5 config is reduced to its `text_config`. Head geometry defaults to the
-        target's, except for Qwen3.5/3.6 targets of a listed size (see `_QWEN35_DRAFTER_HEADS`);
-        the values `shape` sets always win. The drafter always uses plain full-width RoPE with the
-        target's theta: it is its own model to the engines, so the target's partial rotary or
-        rope scaling does not carry over.
-        """
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        num_layers, target_layer_ids = shape.num_layers, shape.target_layer_ids
-        intermediate_size = shape.intermediate_size
-        hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
-        defaults = {
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or heads),
-            "head_dim": int(getattr(text, "head_dim", None) or hidden // heads),
-        }
-        if str(getattr(text, "model_type", "")).startswith("qwen3_5"):
-            defaults.update(_QWEN35_DRAFTER_HEADS.get(hidden, {}))
-        num_target_layers = int(text.num_hidden_layers)
-        if target_layer_ids is None:
-            if num_layers < 1:
-                raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}")
-            target_layer_ids = build_target_layer_ids(num_target_layers, num_layers)
-        if intermediate_size is None:
-            # MoE targets (e.g. Qwen3.5-MoE) have no dense MLP width to copy.
-            intermediate_size = getattr(text, "intermediate_size", None)
-            if intermediate_size is None:
-                raise ValueError(
-                    f"the target ({getattr(text, 'model_type', type(text).__name__)}) has no dense "
-                    "intermediate_size: set drafter.intermediate_size"
-                )
-        tie = getattr(text, "tie_word_embeddings", None)
-        if tie is None:
-            tie = getattr(target_config, "tie_word_embeddings", False)
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(intermediate_size),
-            num_hidden_layers=int(num_layers),
-            num_attention_heads=int(shape.num_attention_heads or defaults["num_attention_heads"]),
-            num_key_value_heads=int(shape.num_key_value_heads or defaults["num_key_value_heads"]),
-            head_dim=int(shape.head_dim or defaults["head_dim"]),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(text),
-            rope_scaling=None,
-            max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
-            vocab_size=int(text.vocab_size),
-            num_target_layers=num_target_layers,
-            target_layer_ids=tuple(target_layer_ids),
-            block_size=int(shape.block_size),
-            mask_token_id=int(shape.mask_token_id),
-            tie_word_embeddings=bool(tie),
-        )
-
-    def to_hf_config(self) -> dict:
-        """The exported config.json (docs/algorithm.md section 6): a qwen3 model with a `dflash_config` section."""
-        return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen3",
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "initializer_range": _INIT_STD,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": self.num_hidden_layers,
-        }
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> "DrafterConfig":
-        """Inverse of `to_hf_config` (also reads a config re-saved by transformers 5)."""
-        dflash = config.get("dflash_config") or {}
-        if "mask_token_id" not in dflash or "target_layer_ids" not in dflash:
-            raise ValueError("config.json has no dflash_config with mask_token_id and target_layer_ids")
-        theta = config.get("rope_theta")
-        if theta is None:
-            theta = (config.get("rope_parameters") or {}).get("rope_theta")
-        if theta is None:
-            raise ValueError("config.json has no rope_theta")
-        rope_scaling = config.get("rope_scaling")
-        return cls(
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=int(config["num_attention_heads"]),
-            num_key_value_heads=int(config["num_key_value_heads"]),
-            head_dim=int(config["head_dim"]),
-            rms_norm_eps=float(config["rms_norm_eps"]),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(config["max_position_embeddings"]),
-            vocab_size=int(config["vocab_size"]),
-            num_target_layers=int(config["num_target_layers"]),
-            target_layer_ids=tuple(dflash["target_layer_ids"]),
-            block_size=int(config["block_size"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-
-    def replace(self, **changes: Any) -> "DrafterConfig":
-        return dataclasses.replace(self, **changes)
+from dflash_ds.model.shape import INIT_STD, DrafterShape
 
 
 class RMSNorm(nn.Module):
@@ -342,7 +79,7 @@ def _run_layer(layer: "DFlashLayer", mask: DFlashMask, x: torch.Tensor, *tensors
 class DFlashAttention(nn.Module):
     """Attention whose keys/values are the context features followed by the block tokens."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         d, h, hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = h, hk, d
@@ -385,7 +122,7 @@ class SwiGLU(nn.Module):
 class DFlashLayer(nn.Module):
     """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
@@ -400,7 +137,7 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """The DFlash drafter (docs/algorithm.md section 1). Output is after its final norm, before the lm_head."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.config = cfg
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -418,7 +155,7 @@ class DFlashDrafter(nn.Module):
         """HF-style init: linears N(0, 0.02), norms 1. Deterministic under torch.manual_seed."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, _INIT_STD)
+                module.weight.normal_(0.0, INIT_STD)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 

@@ -13,6 +13,7 @@ import torch
 
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
                                        sample_anchors)
 from dflash_ds.data.packing import position_ids_from_doc_ids
@@ -20,9 +21,11 @@ from dflash_ds.data.packing import position_ids_from_doc_ids
 
 @dataclass(frozen=True)
 class StepSettings:
+    """What `make_blocks` and `drafter_loss` need besides the micro-batch: the drafter's shape (block
+    size and mask id come from it, nowhere else) and the objective's knobs, which are not shape."""
+
+    shape: DrafterShape
     num_anchors: int
-    block_size: int
-    mask_token_id: int
     gamma: float
     loss_chunks: int
     mask_kind: str  # "dense" (CPU, SDPA) or "flex" (GPU, compiled flex_attention)
@@ -31,21 +34,22 @@ class StepSettings:
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
 
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.shape.mask_token_id
+
     @classmethod
-    def from_recipe(cls, recipe, device: torch.device) -> "StepSettings":
-        b = recipe.drafter.block_size
-        return cls(
-            num_anchors=recipe.objective.num_anchors,
-            block_size=b,
-            mask_token_id=recipe.drafter.mask_token_id,
-            gamma=recipe.objective.gamma if recipe.objective.gamma is not None else default_gamma(b),
-            loss_chunks=recipe.objective.loss_chunks,
-            mask_kind="flex" if device.type == "cuda" else "dense",
-            seed=recipe.run.seed,
-            fused_loss=recipe.objective.fused_loss,
-            kl_weight=recipe.objective.kl_weight,
-            kl_temperature=recipe.objective.kl_temperature,
-        )
+    def of(cls, shape: DrafterShape, objective, seed: int, device: torch.device) -> "StepSettings":
+        """The settings of a run: `objective` is the recipe's objective section (read by attribute name)."""
+        gamma = objective.gamma if objective.gamma is not None else default_gamma(shape.block_size)
+        return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
+                   mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
+                   fused_loss=objective.fused_loss, kl_weight=objective.kl_weight,
+                   kl_temperature=objective.kl_temperature)
 
 
 @dataclass

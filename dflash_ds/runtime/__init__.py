@@ -1,2 +1,3 @@
-"""The distributed run: topology, process groups and DeepSpeed engines, the payload transport,
-the target and drafter roles, checkpoints."""
+"""The distributed run: what needs processes and groups. Process groups and DeepSpeed engines, the
+payload transport, the target and drafter roles, checkpoints, the run's safety. The resolve step
+(recipe -> RunSpec) is spec/, which imports nothing from here."""

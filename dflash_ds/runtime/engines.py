@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from dflash_ds.runtime import deepspeed_patches as patches
 from dflash_ds.config import Recipe
-from dflash_ds.runtime.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
-from dflash_ds.runtime.plan import Plan, lr_factor
-from dflash_ds.runtime.topology import Layout
+from dflash_ds.spec.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
+from dflash_ds.spec.plan import Plan, lr_factor
+from dflash_ds.spec.topology import Layout
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     target group at load time, gathered layer by layer each forward.
     """
     from dflash_ds.target.model import load_target
-    from dflash_ds.target.zero_inference import load_target_zero3
+    from dflash_ds.runtime.zero_inference import load_target_zero3
 
     speed_up_target_kernels()
     t = recipe.target

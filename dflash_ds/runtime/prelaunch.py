@@ -54,7 +54,7 @@ def prelaunch(recipe: Recipe) -> None:
     if Path(recipe.run.output_dir).exists():
         check_resume(recipe)
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.run import check_recipe
+    from dflash_ds.spec.run import check_recipe
 
     check_recipe(recipe, ranks_per_node(recipe))
     load_training_data(recipe)

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
-from dflash_ds.run import RunSpec
-from dflash_ds.runtime.plan import lr_factor
+from dflash_ds.model.loss import drafter_loss, make_blocks
+from dflash_ds.spec.run import RunSpec
+from dflash_ds.spec.plan import lr_factor
 from dflash_ds.runtime.target_worker import TargetWorker
-from dflash_ds.runtime.transport import unpack
+from dflash_ds.spec.payload import unpack
 
 
 def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, np.ndarray], steps: int,
@@ -25,7 +25,7 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
     step's gradient norm before clipping is appended to `grad_norms` when given."""
     assert spec.device.type == "cpu" and spec.dtype == torch.float32, "the reference runs in float32 on the CPU"
     o, plan, drafter = spec.recipe.optim, spec.plan, model.drafter
-    settings = StepSettings.from_recipe(spec.recipe, spec.device)
+    settings = spec.settings
     # The same row selection and tap capture as a target rank, minus the sending.
     worker = TargetWorker(spec, target, rows)
     opt = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)

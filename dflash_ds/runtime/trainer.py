@@ -21,16 +21,17 @@ from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import StepSettings, drafter_loss, make_blocks
+from dflash_ds.model.loss import drafter_loss, make_blocks
 from dflash_ds.model.objective import acceptance_proxy
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
-from dflash_ds.run import RunSpec
+from dflash_ds.spec.run import RunSpec
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.plan import receive_depth
+from dflash_ds.spec.plan import receive_depth
 from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.transport import PayloadSpec, Receiver, SyncStallTimer, unpack
+from dflash_ds.spec.payload import PayloadSpec, unpack
+from dflash_ds.runtime.transport import Receiver, SyncStallTimer
 from dflash_ds.runtime.watchdog import waiting_on
 
 # Tests set this to kill every drafter rank right after the given step (a simulated crash).
@@ -81,7 +82,7 @@ class DrafterTrainer:
         # early (the bench, which only steps); the first step (the metrics continue from it).
         self.control, self.start = None, 0
         self.lead = rank == spec.layout.drafter_ranks[0]
-        self.settings = StepSettings.from_recipe(spec.recipe, spec.device)
+        self.settings = spec.settings
         self._metrics: Metrics | None = None
         self.last_tau: TauReport | None = None  # the latest evaluation, for the export's model card
         self.target_window, self.wait_before = TargetWindow(), 0.0
@@ -257,7 +258,7 @@ def build_drafter(spec: RunSpec):
 
     r = spec.recipe
     if r.drafter.init_from:
-        return load_drafter(r.drafter.init_from, dtype=torch.float32, device=spec.device)
+        return load_drafter(r.drafter.init_from, dtype=torch.float32, device=spec.device, shape=spec.drafter)
     torch.manual_seed(r.run.seed)
     return DFlashDrafter(spec.drafter).to(spec.device)
 

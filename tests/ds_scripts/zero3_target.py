@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dflash_ds.runtime import deepspeed_patches as patches
 from dflash_ds.target.model import TapCapture, forward_taps, load_target
-from dflash_ds.target.zero_inference import load_target_zero3
+from dflash_ds.runtime.zero_inference import load_target_zero3
 
 LAYER_IDS = [0, 2]
 ROWS, SEQ = 2, 24

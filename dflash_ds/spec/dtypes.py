@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.runtime.ds_config import replica_dtype
+from dflash_ds.spec.ds_config import replica_dtype
 from dflash_ds.target.model import DTYPES
 
 def _name(dtype: torch.dtype) -> str:

@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.model.drafter import DrafterConfig, DrafterShape
-from dflash_ds.runtime.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.runtime.dtypes import payload_dtype
-from dflash_ds.runtime.plan import Plan, drafter_params, memory_estimate, resolve
-from dflash_ds.runtime.topology import Layout, TopologyError
-from dflash_ds.runtime.transport import PayloadSpec
-from dflash_ds.target.model import DTYPES, Geometry, load_config, target_geometry
+from dflash_ds.model.loss import StepSettings
+from dflash_ds.model.shape import COMPARED, DrafterShape
+from dflash_ds.spec.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.spec.dtypes import payload_dtype
+from dflash_ds.spec.payload import PayloadSpec
+from dflash_ds.spec.plan import Plan, drafter_params, memory_estimate, resolve
+from dflash_ds.spec.topology import Layout, TopologyError
+from dflash_ds.target.model import Geometry, load_config, target_geometry
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class RunSpec:
     device: torch.device  # this rank's device (cuda:LOCAL_RANK or cpu)
     dtype: torch.dtype  # taps on the wire, the frozen embedding / lm_head, the drafter's inputs
     geometry: Geometry  # the target's
-    drafter: DrafterConfig
+    drafter: DrafterShape  # the one source of the drafter's shape (module, step settings, payload, export)
     payload: PayloadSpec  # one micro-batch on the wire
     plan: Plan  # batch arithmetic, step counts, the schedule
     memory: dict[str, float]  # rough GiB per rank by role
@@ -43,6 +44,11 @@ class RunSpec:
     @property
     def layout(self) -> Layout:
         return self.plan.layout
+
+    @property
+    def settings(self) -> StepSettings:
+        """What every micro-batch's blocks and loss need: the drafter's shape and the objective's knobs."""
+        return StepSettings.of(self.drafter, self.recipe.objective, self.recipe.run.seed, self.device)
 
     def with_rows(self, num_rows: int) -> "RunSpec":
         """The same run once the prepared data's row count is known (exact step counts)."""
@@ -61,12 +67,6 @@ def resolve_device(name: str, setting: str) -> torch.device:
     if name != "cpu":
         raise ValueError(f"{setting} must be auto, cuda or cpu, got {name!r}")
     return torch.device("cpu")
-
-
-def compute_dtype(target_dtype: str, device: torch.device) -> torch.dtype:
-    """The bench's dtype: target.dtype on a GPU, float32 on CPU (its drafter JSON agrees with it).
-    Training runs take the payload dtype from runtime.dtypes.payload_dtype (check_recipe)."""
-    return DTYPES[target_dtype] if device.type == "cuda" else torch.float32
 
 
 def check_world(recipe: Recipe, world_size: int) -> Layout:
@@ -88,14 +88,14 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
     dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
-    if recipe.drafter.init_from and not Path(recipe.drafter.init_from).is_dir():
-        raise RecipeError(f"drafter.init_from {recipe.drafter.init_from!r} is not a directory; point it at an exported drafter")
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
     tcfg = load_config(recipe.target.path)
     geo = target_geometry(tcfg)
-    dcfg = DrafterConfig.from_target(tcfg, DrafterShape.of(recipe.drafter))
+    dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+    if recipe.drafter.init_from:
+        check_init_from(recipe.drafter.init_from, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
@@ -104,9 +104,7 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
-    # With the KL term on, targets also send their final-norm states (one more tap).
-    payload = PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.row_length, dcfg.num_taps, geo.hidden_size, dtype,
-                          final_norm=recipe.objective.kl_weight > 0)
+    payload = payload_spec(recipe, dcfg, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()
     if rows is None:
@@ -118,7 +116,37 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     return RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, num_rows is not None, notes)
 
 
-def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterConfig, g: Geometry,
+def payload_spec(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> PayloadSpec:
+    """One micro-batch on the wire: the shape's taps at its width (the target's hidden size), in
+    `dtype`. With the KL term on, targets also send their final-norm states (one more tap)."""
+    return PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.row_length, shape.num_taps, shape.hidden_size,
+                       dtype, final_norm=recipe.objective.kl_weight > 0)
+
+
+def check_init_from(path: str, shape: DrafterShape) -> None:
+    """`drafter.init_from` must be an export of the drafter this recipe describes: the same taps,
+    block size, mask id, layers, widths and attention types (model.shape.COMPARED). A mismatch
+    would train silently and export a config that disagrees with how the drafter was trained."""
+    from dflash_ds.export import read_export_config
+
+    try:
+        exported = DrafterShape.from_hf_config(read_export_config(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecipeError(f"drafter.init_from: {exc}") from None
+    diff = exported.mismatches(shape)
+    if diff:
+        name, theirs, ours = diff[0]
+        more = f" (and {len(diff) - 1} more: {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
+        raise RecipeError(f"drafter.init_from {path!r} has {name}={_plain(theirs)} but the recipe gives "
+                          f"{name}={_plain(ours)} (set by {COMPARED[name]}){more}; make the recipe match the export "
+                          "or drop drafter.init_from")
+
+
+def _plain(value) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: Geometry,
                     num_rows: int) -> tuple[Plan, dict[str, float]]:
     """The plan for `num_rows` prepared rows and the rough memory per rank it implies."""
     plan = resolve(recipe, world_size, num_rows)

@@ -1,0 +1,83 @@
+"""The payload's layout: one micro-batch on the wire, and how it is written and read back.
+
+One micro-batch travels as ONE tensor `[R, S, T*D + M]` in the tap dtype: the tapped hidden states
+followed by M columns that reinterpret an int32 `[R, S, 3]` block (input_ids, loss_mask, doc_ids).
+The target's tap hooks write straight into the payload, so nothing is concatenated or copied, and
+one send per micro-batch keeps NCCL/gloo overheads to a minimum. The transport that moves it is
+runtime/transport.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_ds.model.loss import MicroBatch
+
+META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    rows: int
+    seq_len: int
+    num_taps: int
+    hidden: int
+    dtype: torch.dtype
+    final_norm: bool = False
+    """One more tap after the layer taps: the target's final-norm hidden state (KL term on)."""
+
+    @property
+    def meta_cols(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return META_FIELDS * 4 // itemsize
+
+    @property
+    def tap_cols(self) -> int:
+        return (self.num_taps + int(self.final_norm)) * self.hidden
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.rows, self.seq_len, self.tap_cols + self.meta_cols)
+
+    @property
+    def nbytes(self) -> int:
+        r, s, c = self.shape
+        return r * s * c * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self, device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def taps_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+    return payload[..., : spec.tap_cols]
+
+
+def layer_taps(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+    """The tapped layers' states [..., T*D] (what the drafter fuses)."""
+    return payload[..., : spec.num_taps * spec.hidden]
+
+
+def final_hidden(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor | None:
+    """The target's final-norm states [..., D] when the payload carries them, else None."""
+    return payload[..., spec.num_taps * spec.hidden: spec.tap_cols] if spec.final_norm else None
+
+
+def write_meta(payload: torch.Tensor, spec: PayloadSpec, input_ids, loss_mask, doc_ids) -> None:
+    meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
+    payload[..., spec.tap_cols:] = meta.view(spec.dtype).to(payload.device)
+
+
+def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # A last-dim slice cannot be reinterpreted in place, so the (tiny) metadata is copied out.
+    meta = payload[..., spec.tap_cols:].contiguous().view(torch.int32)
+    return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2]
+
+
+def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
+    """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
+    ids, loss_mask, doc_ids = read_meta(payload, spec)
+    final = final_hidden(payload, spec)
+    return MicroBatch(layer_taps(payload, spec).to(dtype), ids, loss_mask, doc_ids,
+                      None if final is None else final.to(dtype))
