@@ -251,6 +251,9 @@ class WandbConfig:
     project: str = "dflash-ds"
     mode: str = "online"
     """online or offline (offline needs no network); the API key only from WANDB_API_KEY."""
+    offline_fallback: bool = False
+    """When wandb's service does not answer before launch (a few seconds): log offline instead of
+    stopping (false: stop with one line naming the choices)."""
 
 
 @dataclass(frozen=True)
@@ -351,6 +354,11 @@ def _build(cls, raw: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+def build_recipe(raw: dict) -> Recipe:
+    """A Recipe from a mapping of sections (types checked, unknown keys refused; not validated)."""
+    return _build(Recipe, raw)
+
+
 def _set_dotted(tree: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
     node = tree
@@ -371,8 +379,21 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
             raise RecipeError(f"override '{item}' is not of the form key.sub=value")
         key, text = item.split("=", 1)
         # YAML parses the value so that numbers, booleans, null and [lists] work as in the file.
-        out.append((key.strip(), yaml.safe_load(text) if text != "" else ""))
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"override '{item}': the value is not valid YAML ({getattr(exc, 'problem', None) or exc}); "
+                              "quote it, e.g. key='[a, b]'") from None
+        out.append((key.strip(), value))
     return out
+
+
+def _yaml_error(path: str, exc: "yaml.YAMLError") -> str:
+    """One line for a recipe that is not valid YAML: file, line and column (1-based) and the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: the recipe is not valid YAML ({problem}); fix that line (indentation, a missing ':' or quote)"
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -380,7 +401,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(_yaml_error(str(path), exc)) from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: the recipe must be a mapping of sections (run, target, drafter, ...)")
     for key, value in parse_overrides(list(overrides)):

@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node
+from dflash_ds.config import load_recipe, ranks_per_node
+from dflash_ds.spec import contract
 from dflash_ds.spec.run import check_recipe
 from dflash_ds.spec.plan import describe
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         run_dir = Path(recipe.run.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+        contract.record(recipe, control.start_step)  # never over the recipe the run started with
         (run_dir / "plan.txt").write_text(describe(spec.plan, spec.memory) + "\n")
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.

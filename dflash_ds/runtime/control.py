@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_ds.config import RecipeError
 from dflash_ds.runtime import checkpoint, watchdog
+from dflash_ds.spec import contract
 from dflash_ds.runtime.lock import LockError, RunLock
 from dflash_ds.runtime.signals import EXIT_STOPPED, StopRequest
 from dflash_ds.runtime.watchdog import EXIT_PEER, Peer, PeerLost, Watchdog
@@ -93,6 +95,14 @@ class RunControl:
             return {"error": str(exc)}
         if start and "warning" in start:
             print(f"[dflash] warning: {start['warning']}", file=sys.stderr, flush=True)
+        if start:  # a resume: the recipe must keep the run's contract (spec/contract.py)
+            try:
+                changed = contract.check_resume(r, int(start["step"]))
+            except RecipeError as exc:
+                self.release()
+                return {"error": str(exc)}
+            if changed:
+                print(f"[dflash] {changed}", file=sys.stderr, flush=True)
         return {"start": start}
 
     @property
