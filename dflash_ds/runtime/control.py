@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dflash_ds.config import RecipeError
 from dflash_ds.runtime import checkpoint, watchdog
+from dflash_ds.runtime.prelaunch import check_locations, check_wandb_service
 from dflash_ds.spec import contract
 from dflash_ds.runtime.lock import LockError, RunLock
 from dflash_ds.runtime.signals import EXIT_STOPPED, StopRequest
@@ -84,6 +85,11 @@ class RunControl:
 
     def _decide(self) -> dict:
         r = self.recipe
+        try:  # what launch.sh checks before launch, again for runs started by the deepspeed launcher alone
+            check_locations(r)
+            os.environ.update(check_wandb_service(r))  # the lead alone logs to wandb
+        except RecipeError as exc:
+            return {"error": str(exc)}
         try:
             self.lock = RunLock(r.run.output_dir).acquire()
         except LockError as exc:
