@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import typing
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -372,7 +373,7 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     out = []
     for item in overrides:
         if "=" not in item:
@@ -420,7 +421,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
 
 
 def validate(r: Recipe) -> None:
-    """Checks that need no files or GPUs; file checks live in check_paths()."""
+    """Checks that need no files or GPUs; the checks that read files (the target config, the DeepSpeed
+    JSONs, drafter.init_from, the data) are spec.run.check_recipe's and runtime/prelaunch.py's."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise RecipeError(msg)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from dflash_ds.metrics import read_metrics
+from dflash_ds.safety import Exit
 
 # (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records.
 STEP_PANELS = [
@@ -252,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         page = write_report(args.run_dir, args.out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.USER
     print(page)
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

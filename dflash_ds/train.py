@@ -17,6 +17,7 @@ from dflash_ds.config import load_recipe, ranks_per_node
 from dflash_ds.spec import contract
 from dflash_ds.spec.run import check_recipe
 from dflash_ds.spec.plan import describe
+from dflash_ds.safety import Exit, say
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
         spec = check_recipe(recipe, world)
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
-        print(f"[dflash] error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        say(f"error: {exc}")
+        return Exit.USER
     if args.dry_run:
         print(describe(spec.plan, spec.memory))
         for note in spec.notes:
             print("note:", note)
-        return 0
+        return Exit.OK
     import torch.distributed as dist
 
     from dflash_ds.data.prepare import load_training_data
@@ -56,10 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     # The run lock and the start point are settled before any data or model is loaded.
     control = RunControl.setup(recipe, spec.layout, rank)
     if control.error:
-        return 2
+        return Exit.USER
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
-        data = load_training_data(recipe)
+        try:
+            data = load_training_data(recipe)
+        except ValueError as exc:  # the data's, the user's to fix (launch.sh finds it before launch)
+            say(f"error: {str(exc).strip().splitlines()[0]}")
+            control.release()  # no lock left behind; the launcher ends the ranks waiting below
+            return Exit.USER
     dist.barrier()
     if rank != 0:
         data = load_training_data(recipe)

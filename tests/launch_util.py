@@ -31,10 +31,11 @@ def deepspeed_cmd() -> list[str]:
 
 
 def launch(recipe: str, overrides: list[str], procs: int, timeout: float = 300, env: dict | None = None,
-           launcher_args: list[str] | None = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus procs --master_port P launch.sh recipe overrides` with a hard timeout."""
+           launcher_args: list[str] | None = None, entry: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus procs --master_port P launch.sh recipe overrides` with a hard timeout
+    (`entry`: another rank entry point and its leading arguments instead of launch.sh)."""
     args = launcher_args if launcher_args is not None else ["--num_gpus", str(procs), "--master_port", str(free_port())]
-    cmd = deepspeed_cmd() + args + ["launch.sh", recipe] + overrides
+    cmd = deepspeed_cmd() + args + (entry or ["launch.sh"]) + [recipe] + overrides
     return run(cmd, timeout, env or cpu_env())
 
 

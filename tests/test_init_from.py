@@ -11,7 +11,8 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.spec.run import check_recipe
 
 TINY = "recipes/tiny.yaml"
-SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]
+SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false", "optim.rows_per_micro_batch=1",
+         "objective.num_anchors=16"]
 
 
 def _export(tmp_path, overrides=(), seed=123):
@@ -25,7 +26,7 @@ def _export(tmp_path, overrides=(), seed=123):
 def test_a_matching_export_passes_and_the_run_trains_from_its_weights(tmp_path):
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.runtime.reference import reference_losses
+    from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target.model import embed_and_head, load_target
 

@@ -371,21 +371,22 @@ def test_watchdog_ends_the_rank_when_a_local_peer_process_is_gone(tmp_path, anno
         "without finishing (killed or crashed); stopping the job"]
 
 
-def test_process_gone_sees_exited_and_unreaped_processes():
-    from dflash_ds.runtime.watchdog import process_gone
+def test_alive_sees_exited_and_unreaped_processes():
+    from dflash_ds.safety import alive
 
     child = subprocess.Popen(["sleep", "30"])
     try:
-        assert not process_gone(child.pid) and not process_gone(os.getpid())
+        assert alive(child.pid) and alive(os.getpid())
         child.kill()
         deadline = time.monotonic() + 10
-        while not process_gone(child.pid) and time.monotonic() < deadline:  # a zombie until wait()
+        while alive(child.pid) and time.monotonic() < deadline:  # a zombie until wait()
             time.sleep(0.05)
-        assert process_gone(child.pid)
+        assert not alive(child.pid)
     finally:
         child.kill()
         child.wait()
-    assert process_gone(child.pid)
+    assert not alive(child.pid)
+    assert alive(1)  # init: another user's process is alive, not gone
 
 
 def test_failed_wait_becomes_one_line_naming_the_peer():

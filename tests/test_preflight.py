@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.runtime import prelaunch
+from dflash_ds.runtime import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -46,23 +46,23 @@ def tiny(run_dir, *over):
 
 
 def test_locations_that_are_files_or_not_writable_are_named(tmp_path):
-    prelaunch.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
+    preflight.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(RecipeError, match=rf"^run\.output_dir: {afile} is a file, not a directory"):
-        prelaunch.check_locations(tiny(afile))
+        preflight.check_locations(tiny(afile))
     with pytest.raises(RecipeError, match=r"cannot be created \(.*afile is a file\)"):
-        prelaunch.check_locations(tiny(afile / "run"))
+        preflight.check_locations(tiny(afile / "run"))
     run = tmp_path / "run"
     run.mkdir()
     (run / "export").write_text("not a directory")
     with pytest.raises(RecipeError, match=r"^run\.output_dir \(export\): .*export is a file"):
-        prelaunch.check_locations(tiny(run))
+        preflight.check_locations(tiny(run))
     # /proc takes no new files, whoever asks (permissions would not stop root).
     with pytest.raises(RecipeError, match=r"^run\.output_dir: /proc/dflash-test/run is not writable"):
-        prelaunch.check_locations(tiny("/proc/dflash-test/run"))
+        preflight.check_locations(tiny("/proc/dflash-test/run"))
     with pytest.raises(RecipeError, match=r"^data\.cache_dir: /proc/dflash-cache is not writable"):
-        prelaunch.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
+        preflight.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
     assert not list(tmp_path.glob("**/.dflash-write-test-*"))  # the probes are gone
 
 
@@ -101,11 +101,11 @@ def test_unreachable_wandb_stops_in_one_line_offering_offline(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
     t = time.monotonic()
     with pytest.raises(RecipeError) as e:
-        prelaunch.check_wandb_service(tiny(tmp_path, *WANDB), timeout=2)
+        preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=2)
     msg = str(e.value)
     assert time.monotonic() - t < 5 and "\n" not in msg
     assert msg.startswith("log.wandb: http://127.0.0.1:") and "log.wandb.mode=offline" in msg
-    assert prelaunch.check_wandb_service(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
+    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
                                          timeout=2) == {"WANDB_MODE": "offline"}
 
 
@@ -118,7 +118,7 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
         t = time.monotonic()
         with pytest.raises(RecipeError, match="did not answer within 1 s"):
-            prelaunch.check_wandb_service(tiny(tmp_path, *WANDB), timeout=1)
+            preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=1)
         assert time.monotonic() - t < 4
     finally:
         listener.close()
@@ -127,9 +127,9 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
 def test_reachable_offline_or_disabled_wandb_needs_nothing(tmp_path, monkeypatch, server):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", server)
-    assert prelaunch.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
-    assert prelaunch.check_wandb_service(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
-    assert prelaunch.check_wandb_service(tiny(tmp_path)) == {}  # not enabled
+    assert preflight.check_wandb_service(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
+    assert preflight.check_wandb_service(tiny(tmp_path)) == {}  # not enabled
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert prelaunch.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}

@@ -38,7 +38,7 @@ def reference_run(tmp_path_factory):
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.spec.run import check_recipe
-    from dflash_ds.runtime.reference import reference_losses
+    from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target.model import embed_and_head, load_target
 
@@ -102,7 +102,7 @@ def test_kl_term_end_to_end_split_and_colocated(tmp_path):
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.spec.run import check_recipe
-    from dflash_ds.runtime.reference import reference_losses
+    from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target.model import embed_and_head, load_target
 
@@ -165,7 +165,8 @@ def test_resume_after_crash_gives_the_same_losses(tmp_path):
     straight = tmp_path / "straight"
     ok(launch(TINY, common + [f"run.output_dir={straight}"], procs=2))
     crashed = tmp_path / "crashed"
-    proc = launch(TINY, common + [f"run.output_dir={crashed}"], procs=2, env=cpu_env(DFLASH_CRASH_AFTER_STEP=4))
+    proc = launch(TINY, common + [f"run.output_dir={crashed}"], procs=2,
+                  entry=["tests/ds_scripts/crash_after_step.py", "4"])
     assert proc.returncode != 0
     assert len(losses(crashed)) == 4
     ok(launch(TINY, common + [f"run.output_dir={crashed}"], procs=2))
@@ -219,7 +220,8 @@ def test_universal_checkpoint_resumes_on_fewer_drafter_ranks(tmp_path):
     run_dir = tmp_path / "run"
     common = ["optim.max_steps=4", "checkpoint.every_steps=2", "log.every_steps=1", "eval.at_start=false",
               "eval.at_end=false", "log.progress=false", f"run.output_dir={run_dir}"]
-    proc = launch(TINY, common + ["topology.drafters_per_node=2"], procs=3, env=cpu_env(DFLASH_CRASH_AFTER_STEP=2))
+    proc = launch(TINY, common + ["topology.drafters_per_node=2"], procs=3,
+                  entry=["tests/ds_scripts/crash_after_step.py", "2"])
     assert proc.returncode != 0
     ck = run_dir / "checkpoints"
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",

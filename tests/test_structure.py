@@ -168,7 +168,7 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
 # (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> entry points).
 LAYERS = [
-    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.export_modeling"),
+    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.export_modeling"),
     ("dflash_ds.data", "dflash_ds.metrics"),
     ("dflash_ds.model",),
     ("dflash_ds.model_card", "dflash_ds.target"),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -33,6 +32,8 @@ from .planner import best_split, fractional_split, plan_splits
 from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
 from .timing import matmul_ceiling
+
+from dflash_ds.safety import Exit
 
 ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
 
@@ -107,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    p.add_argument("--geometry", default="qwen3.6-27b", help="named target geometry (dflash_ds.geometry)")
+    p.add_argument("--geometry", default="qwen3.6-27b", help="named target geometry (dflash_ds/target/presets.py)")
     p.add_argument("--recipe", default=None,
                    help=f"recipe for engine/optimiser settings (default {DEFAULT_RECIPE.relative_to(REPO)}); its "
                         "target geometry is used when target.path is a local directory")
@@ -132,6 +133,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
     p.add_argument("--no-fla-conv", action="store_true", help="target: keep transformers' PyTorch short conv")
+    p.add_argument("--no-fused-target", action="store_true",
+                   help="target: keep transformers' own norms and SwiGLU instead of the compiled fused ones")
     p.add_argument("--masked-attention", action="store_true",
                    help="target, packed rows: full-attention layers through transformers' masked SDPA instead of "
                         "the FlashAttention varlen kernel (for comparison)")
@@ -209,8 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         return data_main([a for a in argv if a != "--role=data"])
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        if args.no_fla_conv:
-            os.environ["DFLASH_FLA_SHORT_CONV"] = "0"
         if args.masked_attention:
             from dflash_ds.target import packed
 
@@ -218,13 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         report = run(args)
     except ValueError as exc:
         print(f"bench error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.USER
     print("\n".join(summary_lines(report)), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"written {args.out}", flush=True)
-    return 0
+    return Exit.OK
 
 
 def run(args: argparse.Namespace) -> dict:

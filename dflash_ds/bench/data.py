@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_ds.safety import Exit
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -194,4 +196,4 @@ def main(argv: list[str]) -> int:
               f"ru_maxrss {q['peak_rss_mib']:,.0f} MiB")
     if r["args"]["out"]:
         Path(r["args"]["out"]).write_text(json.dumps(r, indent=1) + "\n")
-    return 0
+    return Exit.OK

@@ -32,7 +32,6 @@ def build_target_model(setup: Setup, use_engine: bool):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.runtime.engines import build_target_engine
     from dflash_ds.target.model import DTYPES, truncate_after
 
     dtype = DTYPES[setup.recipe.target.dtype]
@@ -45,8 +44,23 @@ def build_target_model(setup: Setup, use_engine: bool):
     model.eval()
     kind = "none"
     if use_engine:
-        model, kind = build_target_engine(setup.recipe, model, setup.plan)
+        model, kind = target_replica(setup, model)
     return model, kind
+
+
+def target_replica(setup: Setup, model):
+    """The random-weight target as a replica under target.ds_config, with the target kernels the
+    flags leave in (--no-fla-conv, --no-fused-target)."""
+    from dflash_ds.runtime.engines import replica, speed_up_target_kernels
+    from dflash_ds.spec.ds_config import target_ds_config
+
+    speed_up_target_kernels(fla_short_conv=not getattr(setup.args, "no_fla_conv", False),
+                            fused_elementwise=not getattr(setup.args, "no_fused_target", False))
+    kind, cfg = target_ds_config(setup.recipe, setup.plan.layout.num_targets)
+    if kind == "zero3":
+        raise ValueError("the bench builds the target with random weights as a replica; a ZeRO-3 target.ds_config "
+                         "loads a checkpoint partitioned (training only): set target.ds_config to a replica JSON")
+    return replica(model, cfg, next(model.parameters()).device), kind
 
 
 def target_worker(setup: Setup, model):
@@ -120,9 +134,11 @@ def drafter_step(setup: Setup, engine, model, source, group):
     """One optimizer step of a drafter rank: `DrafterTrainer.train_step` itself (payloads -> unpack
     -> make_blocks -> step-wide weight all-reduce -> per micro-batch drafter_loss, engine.backward,
     engine.step -> acceptance proxy bookkeeping). Only the logging done at log steps is left out."""
-    from dflash_ds.runtime.trainer import DrafterTrainer
+    from dflash_ds.runtime.control import NullControl
+    from dflash_ds.runtime.trainer import DrafterParts, DrafterTrainer
+    from dflash_ds.runtime.transport import NoSyncTimer
 
-    trainer = DrafterTrainer(setup.run, engine, model, source, group, rank=0)
+    trainer = DrafterTrainer(setup.run, 0, DrafterParts(engine, model, source, group, NoSyncTimer()), NullControl())
 
     def step(s: int):
         st = trainer.train_step(s)

@@ -5,8 +5,9 @@
 Rows are `S = data.row_length` tokens holding whole documents (never split across rows; each document
 at most `data.max_length` tokens, cut or dropped per data.truncation):
 `input_ids` int32 [S] (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens),
-`doc_ids` int32 [S] (document index inside the row, -1 on padding). Packing, the per-document
-position ids and the attention mask a packed row needs are in `dflash_ds.packing` (re-exported here).
+`doc_ids` int32 [S] (document index inside the row, -1 on padding). Packing and the per-document
+position ids are in `dflash_ds/data/packing.py`; the attention mask a packed row needs is
+`dflash_ds/model/attention.py`'s.
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
 `doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, `lengths.json`: every conversation's
@@ -36,6 +37,7 @@ from dflash_ds.data.sources import (check_complete, load_rows, load_tokenizer, o
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
+from dflash_ds.safety import Exit
 
 FORMAT_VERSION = 3  # 2: lengths.json beside the audit; 3: rows of data.row_length, manifest.json
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
@@ -451,7 +453,7 @@ def main(argv=None) -> int:
     if lengths.is_file():
         print(f"[data] conversation lengths: {lengths} (measure on them: python -m dflash_ds.bench --role target "
               f"--lengths {lengths})")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
 from dflash_ds.io import write_text_atomic
+from dflash_ds.safety import Exit
 
 SHARD_SIZE = 256
 FORMAT_VERSION = 1
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
         summary = regenerate(recipe.data, recipe.target.path, shards=shards)
     except (ValueError, RuntimeError) as e:  # settings, data, or too many failed requests: one line
         print(f"[regenerate] error: {e}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ValueError) else 1
+        return Exit.USER if isinstance(e, ValueError) else Exit.FAILED
     print(f"[regenerate] rank {rank} done: {summary}")
     if rank == 0:
         out = output_dir(recipe.data)
@@ -300,7 +301,7 @@ def main(argv=None) -> int:
             print(f"[regenerate] wrote {out}; training reads it: deepspeed launch.sh {args.recipe}")
         else:
             print(f"[regenerate] wrote {out}; note: data.regenerate.enabled is false, so training will not read it")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dflash_ds.eval.generate import offline_tau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.target.model import load_config, text_config
+from dflash_ds.safety import Exit
 
 
 def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_template_kwargs: dict | None = None) -> list[list[int]]:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.USER
 
 
 def _run(args) -> int:
@@ -131,7 +132,7 @@ def _run(args) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return Exit.OK
 
 
 def _check_pair(model: DraftModel, target, drafter_path: str) -> None:

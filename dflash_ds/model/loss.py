@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.attention import build_mask
+from dflash_ds.model.attention import DFlashMask, build_mask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
@@ -70,7 +70,7 @@ class Blocks:
     ctx_positions: torch.Tensor  # [R, S]
     labels: torch.Tensor  # [R, N*B]
     weights: torch.Tensor  # [R, N*B] float32
-    mask: object
+    mask: DFlashMask  # dense boolean (CPU) or flex BlockMask (GPU)
 
 
 def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:

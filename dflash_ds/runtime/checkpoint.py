@@ -29,14 +29,11 @@ import torch.distributed as dist
 from dflash_ds.io import write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 from dflash_ds.runtime.watchdog import waiting_on
+from dflash_ds.safety import CheckpointError
 
 LATEST = "latest.json"
 MANIFEST = "complete.json"
 MODES = ("auto", "fallback", "restart")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read or written; the message names the file and the way out."""
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 from pathlib import Path
 
 import torch
@@ -22,23 +21,30 @@ import torch.distributed as dist
 
 from dflash_ds.config import RecipeError
 from dflash_ds.runtime import checkpoint, watchdog
-from dflash_ds.runtime.prelaunch import check_locations, check_wandb_service
+from dflash_ds.runtime.lock import RunLock
+from dflash_ds.runtime.preflight import check_locations, check_wandb_service
+from dflash_ds.runtime.signals import StopRequest
+from dflash_ds.runtime.watchdog import Peer, Watchdog
+from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, exit_now, say, \
+    transport_failure
 from dflash_ds.spec import contract
-from dflash_ds.runtime.lock import LockError, RunLock
-from dflash_ds.runtime.signals import EXIT_STOPPED, StopRequest
-from dflash_ds.runtime.watchdog import EXIT_PEER, Peer, PeerLost, Watchdog
 
-EXIT_USER = 2
-EXIT_CHECKPOINT = 4
 LEFT_DIR = ".left"  # under run.output_dir: ranks that exited on purpose (see watchdog.Watchdog.mark_left)
 
 
-class Stopped(Exception):
-    """Raised on drafter ranks once the agreed stop step is checkpointed."""
+def decide_start(recipe) -> dict | None:
+    """Where a run starts: the checkpoint `checkpoint.resume` picks in run.output_dir (latest.json's,
+    or with `fallback` the newest complete one), None for step 0. Raises CheckpointError.
 
-    def __init__(self, step: int, where: str):
-        super().__init__(step, where)
-        self.step, self.where = step, where
+    A resume must keep the run's contract (spec/contract.py): one that changes the drafter's shape,
+    the data stream or the taps raises RecipeError naming each key; the settings it may change and
+    does are in the result's "changed" line."""
+    start = checkpoint.resolve(recipe.run.output_dir, recipe.checkpoint.resume)
+    if start is not None:
+        changed = contract.check_resume(recipe, int(start["step"]))
+        if changed:
+            start = {**start, "changed": changed}
+    return start
 
 
 class RunControl:
@@ -62,7 +68,7 @@ class RunControl:
         if "error" in decision[0]:
             c.error = decision[0]["error"]
             if rank == 0:
-                print(f"[dflash] error: {c.error}", file=sys.stderr, flush=True)
+                say(f"error: {c.error}")
             return c
         c.start = decision[0]["start"]
         peers: list = [None] * dist.get_world_size()
@@ -95,20 +101,14 @@ class RunControl:
         except LockError as exc:
             return {"error": str(exc)}
         try:
-            start = checkpoint.resolve(r.run.output_dir, r.checkpoint.resume)
-        except checkpoint.CheckpointError as exc:
+            start = decide_start(r)
+        except (CheckpointError, RecipeError) as exc:
             self.release()
             return {"error": str(exc)}
         if start and "warning" in start:
-            print(f"[dflash] warning: {start['warning']}", file=sys.stderr, flush=True)
-        if start:  # a resume: the recipe must keep the run's contract (spec/contract.py)
-            try:
-                changed = contract.check_resume(r, int(start["step"]))
-            except RecipeError as exc:
-                self.release()
-                return {"error": str(exc)}
-            if changed:
-                print(f"[dflash] {changed}", file=sys.stderr, flush=True)
+            say(f"warning: {start['warning']}")
+        if start and "changed" in start:
+            say(start["changed"])
         return {"start": start}
 
     @property
@@ -147,39 +147,47 @@ class RunControl:
             self.lock.release()
 
 
-def _exit(code: int, line: str | None, control: RunControl | None) -> int:
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    if control is not None:
-        control.leaving()
-        control.release()
-    sys.stdout.flush()
-    # No interpreter teardown: process-group destructors can wait on peers that are gone.
-    os._exit(code)
+class NullControl:
+    """A control for code that runs a role's loop outside a launched run (the bench): it starts at
+    step 0 and is never asked to stop."""
+
+    start: dict | None = None
+    start_step = 0
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def _exit(control: RunControl, code: Exit, line: str) -> int:
+    say(line)
+    control.leaving()
+    control.release()
+    exit_now(code)
+    return int(code)  # not reached: exit_now ends the process
 
 
 def run_guarded(fn, control: RunControl) -> int:
-    """Run a rank's role; every way it can end early becomes one line and an exit code."""
+    """Run a rank's role; every way it can end early becomes one line and its exit code.
+
+    Failures are told apart by type (safety.RunFailure and its subclasses); an error a
+    communication backend raises untyped becomes PeerLost in `safety.transport_failure`."""
     me = control.me
     try:
         fn()
     except Stopped as s:
         how = control.stop.name or "a stop signal"
-        return _exit(EXIT_STOPPED, f"[dflash] {me}: stopped by {how} after step {s.step}; checkpoint {s.where}; run "
-                     "the same command to resume", control)
-    except PeerLost as exc:
-        if control.stop.requested and control.role == "target":
-            return _exit(EXIT_STOPPED, f"[dflash] {me}: stopped ({control.stop.name})", control)
-        return _exit(EXIT_PEER, f"[dflash] {exc}", control)
-    except checkpoint.CheckpointError as exc:
-        return _exit(EXIT_CHECKPOINT, f"[dflash] {me}: {exc}", control)
-    except (RuntimeError, ConnectionError) as exc:
-        if not any(k in str(exc) for k in ("Connection closed", "Connection reset", "Timed out", "timed out",
-                                           "Broken pipe", "NCCL")):
+        return _exit(control, s.code, f"{me}: stopped by {how} after step {s.step}; checkpoint {s.where}; run the "
+                     "same command to resume")
+    except Exception as exc:
+        failure = exc if isinstance(exc, RunFailure) else None
+        if failure is None and transport_failure(exc):
+            cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            failure = PeerLost(f"{me}: a peer of the drafter or target group is gone or stalled ({cause}); "
+                               "stopping the job")
+        if failure is None:
             raise
-        if control.stop.requested and control.role == "target":
-            return _exit(EXIT_STOPPED, f"[dflash] {me}: stopped ({control.stop.name})", control)
-        cause = str(exc).strip().splitlines()[0][:160]
-        return _exit(EXIT_PEER, f"[dflash] {me}: a peer of the drafter or target group is gone or stalled ({cause}); "
-                     "stopping the job", control)
-    return 0
+        if isinstance(failure, PeerLost) and control.stop.requested and control.role == "target":
+            # The drafters stopped on request and closed their side: this is the same stop.
+            return _exit(control, Exit.STOPPED, f"{me}: stopped ({control.stop.name})")
+        return _exit(control, failure.code, failure.line(me))
+    return Exit.OK

@@ -90,13 +90,14 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
     return engine, cfg
 
 
-def speed_up_target_kernels() -> None:
-    """Swap in the fused target kernels of dflash_ds.kernels (GPU only; env switches for A/B runs)."""
+def speed_up_target_kernels(fla_short_conv: bool = True, fused_elementwise: bool = True) -> None:
+    """Swap in the faster target kernels of target/kernels.py (GPU only). Training always uses both;
+    the bench's --no-fla-conv and --no-fused-target leave them out for A/B runs."""
     from dflash_ds.target.kernels import fuse_target_elementwise, use_fla_short_conv
 
-    if os.environ.get("DFLASH_FLA_SHORT_CONV", "1") != "0":
+    if fla_short_conv:
         use_fla_short_conv()
-    if os.environ.get("DFLASH_FUSE_TARGET", "1") != "0":
+    if fused_elementwise:
         fuse_target_elementwise()
 
 
@@ -110,15 +111,6 @@ def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn
     """
     name = replica_dtype(cfg, "target.ds_config")
     return model.to(device=device, dtype=getattr(torch, name) if name else None)
-
-
-def build_target_engine(recipe: Recipe, model, plan: Plan):
-    """An already loaded frozen target as a replica (the bench's random-weight path)."""
-    speed_up_target_kernels()
-    kind, cfg = target_ds_config(recipe, plan.layout.num_targets)
-    if kind == "zero3":
-        raise ValueError("a ZeRO-3 target must be loaded partitioned: use load_target_engine")
-    return replica(model, cfg, next(model.parameters()).device), kind
 
 
 def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):

@@ -13,6 +13,7 @@ import socket
 import sys
 
 from dflash_ds.config import RecipeError, load_recipe, ranks_per_node
+from dflash_ds.safety import Exit
 
 
 def free_port() -> int:
@@ -22,8 +23,8 @@ def free_port() -> int:
 
 
 def _fail(msg: str) -> int:
-    print(f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit 2")
-    return 0
+    print(f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit {int(Exit.USER)}")
+    return Exit.OK
 
 
 def main(argv: list[str]) -> int:
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         # One thread per rank: several ranks share few cores, and the CPU comm backend is gloo.
         lines += ["export DS_ACCELERATOR=cpu", "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"]
     print("\n".join(lines))
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

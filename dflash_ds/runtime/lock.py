@@ -16,11 +16,9 @@ import socket
 import time
 from pathlib import Path
 
+from dflash_ds.safety import LockError, alive
+
 LOCK_NAME = "run.lock"
-
-
-class LockError(RuntimeError):
-    """Another run holds the output directory; the message names it and how to clear the lock."""
 
 
 def lock_path(run_dir: str | Path) -> Path:
@@ -35,21 +33,6 @@ def read_holder(path: Path) -> dict | None:
     except (OSError, ValueError):
         # Half-written (the holder died between create and write) or garbled: nobody is named.
         return {}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    # A zombie still answers kill(0) but will never run again.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def describe(holder: dict) -> str:
@@ -74,7 +57,7 @@ def check(run_dir: str | Path) -> dict | None:
                             "another run.output_dir")
         return None
     if holder.get("host") == host:
-        if pid_alive(int(holder.get("pid", -1))):
+        if alive(int(holder.get("pid", -1))):
             raise LockError(f"run.output_dir {run_dir} is in use by another run ({describe(holder)}); stop it "
                             f"(kill {holder.get('pid')}) or set another run.output_dir")
         return None

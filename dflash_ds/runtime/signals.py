@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run the same command to resume
+from dflash_ds.safety import STOP_SIGNALS, Exit, exit_now, say
 
 
 class StopRequest:
@@ -57,20 +55,13 @@ class StopRequest:
                 if signum in STOP_SIGNALS:
                     self.on_signal(signum)
 
-    def say(self, msg: str) -> None:
-        try:
-            print(f"[dflash] {self.who}: {msg}", file=sys.stderr, flush=True)
-        except OSError:
-            pass  # a closed terminal must not kill the thread that handles the stop
-
     def on_signal(self, signum: int) -> None:
         self.count += 1
         name = signal.Signals(signum).name
         if self.count == 1:
             self.signum = signum
             what = "stopping after the current step" if self.saves else "serving the drafters until they have stopped"
-            self.say(f"{name} received; {what} (send it again to stop at once)")
+            say(f"{name} received; {what} (send it again to stop at once)", self.who)
             return
         what = "exiting now without a checkpoint" if self.saves else "exiting now"
-        self.say(f"{name} received again; {what}")
-        os._exit(128 + signum)
+        exit_now(Exit.of_signal(signum), f"{name} received again; {what}", self.who)

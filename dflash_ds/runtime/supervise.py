@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from dflash_ds.safety import STOP_SIGNALS, Exit, say
 
 
 def rank_processes(root: int) -> list[int]:
@@ -41,13 +41,6 @@ def rank_processes(root: int) -> list[int]:
     except psutil.NoSuchProcess:
         pass
     return out
-
-
-def say(msg: str) -> None:
-    try:
-        print(f"[dflash] {msg}", file=sys.stderr, flush=True)
-    except OSError:
-        pass  # the terminal is gone (SIGHUP): stopping the job matters more than the message
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
@@ -98,7 +91,7 @@ def main(argv: list[str]) -> int:
     # The runner is gone; whatever it leaves behind in the group is an orphan of this job.
     kill_group(pgid)
     rc = proc.returncode
-    return 128 - rc if rc < 0 else rc
+    return Exit.of_signal(-rc) if rc < 0 else rc
 
 
 if __name__ == "__main__":

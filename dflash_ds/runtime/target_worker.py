@@ -23,7 +23,6 @@ from dflash_ds.data.prepare import PreparedData
 from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import target_counters, write_status
 from dflash_ds.spec.run import RunSpec
-from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.spec.payload import taps_view, write_meta
 from dflash_ds.runtime.transport import Sender
@@ -104,10 +103,10 @@ class TargetWorker:
             self._forward(buf, ids.to(device), loss_mask.to(device), doc_ids.to(device))
             yield buf
 
-    def run(self, start: int | None = None, group=None) -> None:
+    def run(self, start: int, group=None) -> None:
         """The target rank's loop: evaluation payloads first, then every scheduled micro-batch from
-        `start` (the step the lead decided, shared through the process group; None: read it here),
-        sent over `group` (None: the default group)."""
+        `start` (the step the run control decided, runtime.control), sent over `group` (None: the
+        default group)."""
         spec, rank = self.spec, self.rank
         r, plan, lay = spec.recipe, spec.plan, spec.layout
         sender = Sender(spec.payload, spec.device, r.topology.max_in_flight)
@@ -118,7 +117,6 @@ class TargetWorker:
             else:
                 for _ in self.eval_payloads(lambda: spec.payload.empty(spec.device)):
                     pass  # the same forwards, keeping ZeRO-3 ranks in step
-        start = resume_step(spec) if start is None else start
         t0, tokens0, wait0 = time.perf_counter(), self.tokens, sender.wait_seconds
         # Cumulative counters (the lead drafter differences them over its log window); this first
         # report replaces any left by an earlier run in the directory before the drafter reads one.
@@ -133,14 +131,6 @@ class TargetWorker:
                 write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, self.tokens - tokens0,
                                                                      sender.wait_seconds - wait0, sender.in_flight))
         sender.flush()
-
-
-def resume_step(spec: RunSpec) -> int:
-    """The step a resumed run continues from: the drafters' newest complete checkpoint."""
-    if spec.recipe.checkpoint.resume == "restart":
-        return 0
-    info = checkpoint.latest(spec.recipe.run.output_dir)
-    return int(info["step"]) if info else 0
 
 
 def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, cache: Path,
@@ -161,7 +151,7 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
     return out
 
 
-def run_target(spec: RunSpec, data: PreparedData, rank: int, groups, start: int | None = None) -> None:
-    """A target rank from start to end."""
+def run_target(spec: RunSpec, data: PreparedData, rank: int, groups, start: int) -> None:
+    """A target rank from `start` (the run control's decision) to the end."""
     is_eval_rank = rank == spec.layout.eval_target()
     TargetWorker.load(spec, data, rank, groups.target, eval_lead=is_eval_rank).run(start, groups.payload)

@@ -2,17 +2,18 @@
 
 A `DrafterTrainer` owns the drafter's DeepSpeed engine, the draft model (drafter + the target's
 frozen embedding and lm_head), the payload source (a `Receiver` from target ranks, or a
-`LocalSource` in colocated mode), the metrics sink and the step settings. `train_step` is one
-optimizer step; `train` is the loop around it.
+`LocalSource` in colocated mode), the run control, the metrics sink and the step settings. It is
+built whole, in one place (`DrafterTrainer.load`, as `TargetWorker.load` is); nothing is set on it
+afterwards. `train_step` is one optimizer step; `train` is the loop around it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,17 +26,15 @@ from dflash_ds.model.loss import drafter_loss, make_blocks
 from dflash_ds.model.objective import acceptance_proxy
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
-from dflash_ds.spec.run import RunSpec
 from dflash_ds.runtime import checkpoint
-from dflash_ds.spec.plan import receive_depth
 from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.spec.payload import PayloadSpec, unpack
-from dflash_ds.runtime.transport import Receiver, SyncStallTimer
+from dflash_ds.runtime.transport import NoSyncTimer, Receiver, SyncStallTimer
 from dflash_ds.runtime.watchdog import waiting_on
-
-# Tests set this to kill every drafter rank right after the given step (a simulated crash).
-CRASH_AFTER_STEP = int(os.environ.get("DFLASH_CRASH_AFTER_STEP", "0")) or None
+from dflash_ds.safety import CheckpointError, Stopped
+from dflash_ds.spec.payload import PayloadSpec, unpack
+from dflash_ds.spec.plan import receive_depth
+from dflash_ds.spec.run import RunSpec
 
 
 @dataclass
@@ -73,20 +72,61 @@ class LocalSource:
         pass
 
 
+@dataclass(frozen=True)
+class DrafterParts:
+    """What a drafter rank trains with, built by `DrafterTrainer.load` (or by the bench)."""
+
+    engine: Any  # the drafter's DeepSpeed ZeRO-2 engine
+    model: DraftModel
+    source: Any  # Receiver (split) or LocalSource (colocated): get / release / close, wait_seconds
+    group: Any  # the drafter process group (the step-wide weight and metrics all-reduces)
+    syncs: SyncStallTimer | NoSyncTimer  # idle time in device-wide synchronisations
+    start: int = 0  # the first step (the run control's decision; the metrics continue from it)
+    eval_set: list[torch.Tensor] = field(default_factory=list)  # held-out payloads (host memory), lead only
+
+
+@dataclass
+class LogWindow:
+    """The counters at the previous log step: rates are over each log window, not since the start."""
+
+    wait_before: float = 0.0
+    sync_before: float = 0.0
+    targets: TargetWindow = field(default_factory=TargetWindow)
+
+
 class DrafterTrainer:
-    def __init__(self, spec: RunSpec, engine, model: DraftModel, source, group, rank: int):
-        self.spec, self.engine, self.model, self.source, self.group, self.rank = spec, engine, model, source, group, rank
-        # Set by run_drafter: a transport.SyncStallTimer; None (the bench) measures no sync stalls.
-        self.syncs, self.sync_before = None, 0.0
-        # Set by train(): runtime.control.RunControl (stop votes), None where nothing stops the loop
-        # early (the bench, which only steps); the first step (the metrics continue from it).
-        self.control, self.start = None, 0
+    def __init__(self, spec: RunSpec, rank: int, parts: DrafterParts, control):
+        """`control`: runtime.control.RunControl (stop votes); the bench passes control.NullControl."""
+        self.spec, self.rank, self.control = spec, rank, control
+        self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
+        self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = spec.settings
         self._metrics: Metrics | None = None
         self.last_tau: TauReport | None = None  # the latest evaluation, for the export's model card
-        self.target_window, self.wait_before = TargetWindow(), 0.0
+        self.window = LogWindow()
         self.profiler = StepProfiler(spec.recipe, rank, spec.layout.role(rank), spec.device)
+
+    @classmethod
+    def load(cls, spec: RunSpec, data: PreparedData, rank: int, groups, control) -> "DrafterTrainer":
+        """A drafter (or colocated) rank's trainer: the target's embedding and lm_head, the drafter
+        (fresh or drafter.init_from) under its engine, resumed at the step `control` decided, the
+        held-out payloads, and the payload source."""
+        from dflash_ds.runtime.engines import build_drafter_engine
+        from dflash_ds.target.model import embed_and_head
+
+        r, lay = spec.recipe, spec.layout
+        lead = rank == lay.drafter_ranks[0]
+        embed, head = embed_and_head(r.target.path, spec.dtype, spec.device)
+        drafter = build_drafter(spec)
+        engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank, spec.device)
+        start = checkpoint.load(engine, r.run.output_dir, groups.drafter, control.start, r.checkpoint.universal, lead)
+        source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups, start)
+        from deepspeed.accelerator import get_accelerator
+
+        parts = DrafterParts(engine, DraftModel(drafter, embed, head), source, groups.drafter,
+                             SyncStallTimer(get_accelerator(), spec.device), start, eval_set)
+        return cls(spec, rank, parts, control)
 
     @property
     def metrics(self) -> Metrics:
@@ -128,9 +168,8 @@ class DrafterTrainer:
             self.source.release(p)
         return StepStats(ce_sum, weight, accept, anchors, kl_sum)
 
-    def train(self, start: int, eval_set: list[torch.Tensor], control=None) -> None:
-        self.start, self.control = start, control
-        r, plan = self.spec.recipe, self.spec.plan
+    def train(self) -> None:
+        r, plan, start, eval_set = self.spec.recipe, self.spec.plan, self.start, self.eval_set
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
         t0 = time.perf_counter()
@@ -147,11 +186,8 @@ class DrafterTrainer:
             saved = done % r.checkpoint.every_steps == 0 or done == plan.total_steps
             if saved:
                 self.save(done)
-            if self.control is not None and done < plan.total_steps and self.control.should_stop():
+            if done < plan.total_steps and self.control.should_stop():
                 self.stop(done, saved)
-            if done == CRASH_AFTER_STEP:
-                # Fault injection for the resume tests: die the way a preempted job does.
-                os._exit(17)
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
         self.metrics.close()
@@ -173,19 +209,17 @@ class DrafterTrainer:
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
                "lr": self.engine.get_lr()[0], "tok_per_s": tokens / seconds,
                "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
-               "drafter_wait_share": (self.source.wait_seconds - self.wait_before) / max(seconds, 1e-9),
+               "drafter_wait_share": (self.source.wait_seconds - self.window.wait_before) / max(seconds, 1e-9),
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
-        if self.syncs is not None:
-            rec["drafter_sync_share"] = (self.syncs.seconds - self.sync_before) / max(seconds, 1e-9)
-            self.sync_before = self.syncs.seconds
+        rec["drafter_sync_share"] = (self.syncs.seconds - self.window.sync_before) / max(seconds, 1e-9)
         # Rates over each log window (the drafter's own and the targets'), not since the start.
-        self.wait_before = self.source.wait_seconds
-        rec.update(self.target_window.update(read_status(self.spec.recipe.run.output_dir)))
+        self.window.wait_before, self.window.sync_before = self.source.wait_seconds, self.syncs.seconds
+        rec.update(self.window.targets.update(read_status(self.spec.recipe.run.output_dir)))
         self.metrics.log(rec)
         if self.spec.recipe.log.progress:
             print_progress(rec, plan.total_steps)
@@ -211,7 +245,7 @@ class DrafterTrainer:
                 out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export",
                                    card=card_info(r, step, self.last_tau))
             except OSError as exc:  # the export is swapped in only when complete: the old one stays
-                raise checkpoint.CheckpointError(
+                raise CheckpointError(
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
@@ -220,8 +254,6 @@ class DrafterTrainer:
 
     def stop(self, done: int, saved: bool) -> None:
         """Every drafter rank voted at the same step boundary, so all of them save this step."""
-        from dflash_ds.runtime.control import Stopped
-
         if not saved:
             self.save(done)
         self.metrics.close()
@@ -263,46 +295,41 @@ def build_drafter(spec: RunSpec):
     return DFlashDrafter(spec.drafter).to(spec.device)
 
 
-def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control=None) -> None:
-    """A drafter (or colocated) rank from start to end: engine, resume, source, evaluation set, loop."""
-    from dflash_ds.runtime.engines import build_drafter_engine
-    from dflash_ds.target.model import embed_and_head
+def colocated_source(spec: RunSpec, data: PreparedData, rank: int, groups, start: int):
+    """Colocated mode: the target in this process fills the payloads; it also makes the held-out ones."""
+    lead = rank == spec.layout.drafter_ranks[0]
+    worker = TargetWorker.load(spec, data, rank, groups.target, eval_lead=lead)
+    eval_set: list[torch.Tensor] = []
+    if worker.eval_sequences is not None:
+        eval_set = [p.cpu() for p in worker.eval_payloads(lambda: spec.payload.empty(spec.device))]
+        eval_set = eval_set if lead else []  # ZeRO-3 ranks only joined the forwards
+    return LocalSource(worker, rank, start), eval_set
 
-    r, plan, lay = spec.recipe, spec.plan, spec.layout
-    lead = rank == lay.drafter_ranks[0]
-    embed, head = embed_and_head(r.target.path, spec.dtype, spec.device)
-    drafter = build_drafter(spec)
-    engine, _ = build_drafter_engine(r, drafter, plan, groups.drafter, rank, spec.device)
-    # The checkpoint the lead chose (shared through the process group); without a RunControl, latest.json.
-    info = control.start if control is not None else (
-        None if r.checkpoint.resume == "restart" else checkpoint.latest(r.run.output_dir))
-    start = checkpoint.load(engine, r.run.output_dir, groups.drafter, info, r.checkpoint.universal, lead)
+
+def received_source(spec: RunSpec, data: PreparedData, rank: int, groups, start: int):
+    """Split mode: the held-out payloads first (lead only), then a Receiver in schedule order from `start`."""
+    plan, lay = spec.plan, spec.layout
     # Evaluation payloads are held on the host: 64 held-out rows of a 27B target are ~10 GB.
     eval_set: list[torch.Tensor] = []
-    if lay.colocated:
-        worker = TargetWorker.load(spec, data, rank, groups.target, eval_lead=lead)
-        if worker.eval_sequences is not None:
-            eval_set = [p.cpu() for p in worker.eval_payloads(lambda: spec.payload.empty(spec.device))]
-            eval_set = eval_set if lead else []  # ZeRO-3 ranks only joined the forwards
-        source = LocalSource(worker, rank, start)
-    else:
-        if wants_eval(spec, data) and lead:
-            n = eval_payload_count(spec, data)
-            rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n, groups.payload)
-            for _ in range(n):
-                buf = rx.get()
-                eval_set.append(buf.cpu())
-                rx.release(buf)
-        sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
-                   for g in range(plan.grad_accum))
-        source = Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, groups.payload)
-    from deepspeed.accelerator import get_accelerator
+    if wants_eval(spec, data) and rank == lay.drafter_ranks[0]:
+        n = eval_payload_count(spec, data)
+        rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n, groups.payload)
+        for _ in range(n):
+            buf = rx.get()
+            eval_set.append(buf.cpu())
+            rx.release(buf)
+    sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
+               for g in range(plan.grad_accum))
+    return Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, groups.payload), eval_set
 
-    syncs = SyncStallTimer(get_accelerator(), spec.device)
+
+def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control) -> None:
+    """A drafter (or colocated) rank from start to end."""
+    trainer = DrafterTrainer.load(spec, data, rank, groups, control)
     try:
-        trainer = DrafterTrainer(spec, engine, DraftModel(drafter, embed, head), source, groups.drafter, rank)
-        trainer.syncs = syncs
-        trainer.train(start, eval_set, control)
+        trainer.train()
     finally:
-        syncs.close()
-    source.close()
+        trainer.syncs.close()  # the accelerator's own synchronize back, however the loop ended
+    # Only after a complete run: every posted receive then has its payload (after a stop or a lost
+    # peer some never will).
+    trainer.source.close()

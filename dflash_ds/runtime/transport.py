@@ -80,6 +80,15 @@ class SyncStallTimer:
         self.accelerator.synchronize = self.original
 
 
+class NoSyncTimer:
+    """A sync-stall timer that measures nothing: for code that steps a trainer outside a run (the bench)."""
+
+    seconds = 0.0
+
+    def close(self) -> None:
+        pass
+
+
 class Sender:
     """Asynchronous sends with at most `max_in_flight` outstanding; buffers are recycled."""
 
@@ -87,7 +96,7 @@ class Sender:
         self.spec = spec
         self.device = device
         self.max_in_flight = max_in_flight
-        self.pending: deque[tuple[object, torch.Tensor, int]] = deque()
+        self.pending: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
         self.free: list[torch.Tensor] = [spec.empty(device) for _ in range(max_in_flight + 1)]
         self.timer = WaitTimer(device)
         self.sent = 0
@@ -140,7 +149,7 @@ class Receiver:
         self.spec = spec
         self.sources = iter(sources)
         self.group = group
-        self.posted: deque[tuple[object, torch.Tensor, int]] = deque()
+        self.posted: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
         self.free = [spec.empty(device) for _ in range(depth)]
         self.timer = WaitTimer(device)
         self.received = 0

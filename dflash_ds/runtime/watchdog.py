@@ -21,14 +21,12 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-EXIT_PEER = 3
-
+from dflash_ds.safety import Exit, PeerLost, alive, exit_now, say
 
 @dataclass(frozen=True)
 class Peer:
@@ -39,27 +37,6 @@ class Peer:
 
     def __str__(self) -> str:
         return f"rank {self.rank} ({self.role} on {self.host})"
-
-
-def process_gone(pid: int) -> bool:
-    """True once `pid` has exited (a zombie not yet reaped by its parent counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):  # no procfs: existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
-
-
-class PeerLost(RuntimeError):
-    """A peer died or stopped answering; the message is the one line to print."""
 
 
 class Watchdog:
@@ -125,14 +102,13 @@ class Watchdog:
         if self.leaving:  # this rank is finishing: peers may exit in any order now
             return
         for r, p in list(self.local.items()):
-            if not process_gone(p.pid):
+            if alive(p.pid):
                 continue
             if self.has_left(p):
                 del self.local[r]
                 continue
-            print(f"[dflash] {self.me}: lost {p}: its process (PID {p.pid}) ended without finishing (killed or "
-                  "crashed); stopping the job", file=sys.stderr, flush=True)
-            os._exit(EXIT_PEER)
+            exit_now(Exit.PEER, f"lost {p}: its process (PID {p.pid}) ended without finishing (killed or crashed); "
+                     "stopping the job", self.me)
 
     def _watch(self) -> None:
         while True:
@@ -149,16 +125,14 @@ class Watchdog:
                 self.expire(what, ranks, waited)
             if waited >= self.report_s and now - self.last_report >= self.report_s:
                 self.last_report = now
-                print(f"[dflash] {self.me} has waited {waited:.0f}s on {self.names(ranks)} for {what} (gives up after "
-                      f"topology.peer_timeout_s={self.timeout_s:g})", file=sys.stderr, flush=True)
+                say(f"{self.me} has waited {waited:.0f}s on {self.names(ranks)} for {what} (gives up after "
+                    f"topology.peer_timeout_s={self.timeout_s:g})")
 
     def expire(self, what: str, ranks: tuple[int, ...], waited: float) -> None:
         if self.stop is not None and self.stop.requested:
-            print(f"[dflash] {self.me}: stopped ({self.stop.name})", file=sys.stderr, flush=True)
-            os._exit(75)
-        print(f"[dflash] {self.me}: no progress from {self.names(ranks)} for {waited:.0f}s during {what} "
-              f"(topology.peer_timeout_s={self.timeout_s:g}); the peer is stalled or gone; stopping the job",
-              file=sys.stderr, flush=True)
+            exit_now(Exit.STOPPED, f"stopped ({self.stop.name})", self.me)
+        say(f"no progress from {self.names(ranks)} for {waited:.0f}s during {what} "
+            f"(topology.peer_timeout_s={self.timeout_s:g}); the peer is stalled or gone; stopping the job", self.me)
         here = socket.gethostname()
         for r in ranks:
             p = self.peers.get(r)
@@ -167,7 +141,7 @@ class Watchdog:
             if p is not None and p.host == here and p.pid > 0:
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, signal.SIGKILL)
-        os._exit(EXIT_PEER)
+        exit_now(Exit.PEER)
 
 
 _ACTIVE: Watchdog | None = None

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from transformers import PretrainedConfig
+
 
 @dataclass(frozen=True)
 class NamedGeometry:
     name: str
     description: str
-    make: Callable[[int | None], object]  # layers override -> transformers config
+    make: Callable[[int | None], PretrainedConfig]  # layers override -> transformers config
     drafter_layers: int
     mask_token_id: int
 

@@ -1,4 +1,4 @@
-"""Drafter checkpoint save and load (dflash_ds.checkpoint) on the drafter group; the target rank waits.
+"""Drafter checkpoint save and load (dflash_ds/runtime/checkpoint.py) on the drafter group; the target rank waits.
 
 Two drafters train a ZeRO-2 engine, save, train on, reload: the reloaded weights, fp32 master
 partitions and AdamW state equal the saved ones exactly, and training on from the reload repeats
