@@ -65,6 +65,15 @@ class DrafterSection:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    """Each layer's attention, full_attention or sliding_attention, one per layer; null = all full.
+    Exported as config.json's layer_types (docs/algorithm.md section 3)."""
+    sliding_window: int | None = None
+    """Window W of the sliding layers: a block query at position p sees context tokens at p - W + 1 .. p
+    (W counts the query itself, as SGLang and vLLM apply it); needed iff a layer slides, >= block_size."""
+    is_causal: bool | None = None
+    """Block slot k sees only slots <= k of its own block. null = the engines' default for a config
+    without it: sliding layers causal, full layers bidirectional; true/false = every layer (exported)."""
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
@@ -431,6 +440,7 @@ def validate(r: Recipe) -> None:
     need(r.target.dtype in ("bfloat16", "float32"), f"target.dtype must be bfloat16 or float32, got {r.target.dtype!r}")
     need(r.run.device in ("auto", "cuda", "cpu"), f"run.device must be auto, cuda or cpu, got {r.run.device!r}")
     need(r.drafter.block_size >= 2, f"drafter.block_size must be >= 2 (an anchor plus at least one mask), got {r.drafter.block_size}")
+    _validate_attention(r.drafter, need)
     need(r.drafter.mask_token_id >= 0, "drafter.mask_token_id is not set; use the target's reserved MASK id (Qwen3.5/3.6: 248070, Qwen3: 151669)")
     need(bool(r.data.path), "data.path is empty; set it to a hub dataset id or a local json/jsonl/parquet file")
     need(r.data.max_length >= 2 * r.drafter.block_size, f"data.max_length ({r.data.max_length}) must be at least 2 x drafter.block_size")
@@ -475,6 +485,23 @@ def validate(r: Recipe) -> None:
         need(functools.reduce(getattr, name.split("."), r) > 0, f"{name} must be > 0")
     need(r.log.profile_start >= 0, "log.profile_start must be >= 0 (a step number; 0 turns profiling off)")
     need(r.log.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")
+
+
+def _validate_attention(d: DrafterSection, need) -> None:
+    kinds = ("full_attention", "sliding_attention")
+    types = d.layer_types or ()
+    need(d.layer_types is None or len(types) == d.num_layers,
+         f"drafter.layer_types lists {len(types)} layers but drafter.num_layers is {d.num_layers}; give one type per layer")
+    need(all(t in kinds for t in types), f"drafter.layer_types: each entry must be full_attention or sliding_attention, "
+         f"got {[t for t in types if t not in kinds]}")
+    sliding = "sliding_attention" in types
+    need(not sliding or d.sliding_window is not None,
+         "drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set; set it (e.g. 2048)")
+    need(sliding or d.sliding_window is None, f"drafter.sliding_window={d.sliding_window} but no layer in "
+         "drafter.layer_types is sliding_attention; list the sliding layers or set drafter.sliding_window=null")
+    need(d.sliding_window is None or d.sliding_window >= d.block_size,
+         f"drafter.sliding_window ({d.sliding_window}) must be >= drafter.block_size ({d.block_size}): "
+         "the window must cover the whole block")
 
 
 def _validate_regenerate(g: RegenerateConfig, need) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_ds import bench
-from dflash_ds.model.attention import build_mask
+from dflash_ds.model.attention import LayerAttention, build_mask
 from dflash_ds.target.presets import GEOMETRIES, target_config
 from dflash_ds.model.objective import sample_anchors
 from dflash_ds.model.loss import anchor_generator
@@ -93,6 +93,9 @@ def test_visible_pairs_equals_dense_mask_count():
     valid[2, 0] = False  # an invalid block in the middle still sees its own block
     dense = build_mask(anchors, valid, doc_ids, block, kind="dense").dense
     assert bench.visible_pairs(anchors, valid, doc_ids, block) == int(dense.sum())
+    for att in (LayerAttention(5, True), LayerAttention(9, False), LayerAttention(None, True)):
+        dense = build_mask(anchors, valid, doc_ids, block, kind="dense", attention=att).dense
+        assert bench.visible_pairs(anchors, valid, doc_ids, block, att) == int(dense.sum()), att
 
 
 def test_drafter_flops_by_hand():

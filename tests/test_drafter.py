@@ -141,6 +141,8 @@ def test_every_consumer_reads_the_one_shape():
 def test_unknown_layer_types_are_refused():
     shape = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=2, block_size=8, mask_token_id=9))
     with pytest.raises(ValueError, match="not supported"):
+        shape.replace(layer_types=("full_attention", "chunked_attention"))
+    with pytest.raises(ValueError, match="sliding_window is not set"):
         shape.replace(layer_types=("full_attention", "sliding_attention"))
     with pytest.raises(ValueError, match="2 drafter layers"):
         shape.replace(layer_types=("full_attention",))

@@ -3,7 +3,8 @@
 flex_attention has no CPU backward, so the drafter through compiled flex_attention (a BlockMask)
 is compared here with the identical dense mask through SDPA; the fused lm_head loss is compared
 with the autograd path at the 27B drafter's sizes; fla's short convolution with transformers'
-fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
+fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone; sliding-window
+layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows). The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
 measured numbers are written there as JSON.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from dflash_ds.data.packing import position_ids_from_doc_ids
-from dflash_ds.model.attention import attend, build_mask
+from dflash_ds.model.attention import attend, build_layer_masks, build_mask
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import LossOptions, block_inputs, chunked_loss, sample_anchors
@@ -53,15 +54,23 @@ def packed_rows(b, s, docs, device, g):
 # Worst errors seen on an H200 (docs/gpu_checks_h200.json), with headroom: forward 9e-8 (fp32) and
 # 5e-4 (bf16); gradients 1.6e-2 (fp32: flex's backward uses TF32 dots) and 2.3e-2 (bf16, on the
 # smallest gradients). A wrong mask gives errors of order 1.
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("layout", [((), None, None), ((_SLIDING, _FULL), 200, None), ((_SLIDING, _SLIDING), 200, False)],
+                         ids=["full", "sliding-causal+full", "sliding-bidirectional"])
 @pytest.mark.parametrize("dtype, fwd_tol, grad_tol", [(torch.float32, 1e-5, 5e-2), (torch.bfloat16, 5e-3, 1e-1)])
-def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol, grad_tol):
-    """Three packed documents + padding blocks: forward and every parameter gradient."""
+def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol, grad_tol, layout):
+    """Three packed documents + padding blocks: forward and every parameter gradient, for full layers
+    and for sliding layers (window 200 over 1024-token rows: the window cuts most blocks' context)."""
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
+    layer_types, window, is_causal = layout
     cfg = DrafterShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
                         max_position_embeddings=8192, vocab_size=1000, num_target_layers=8,
-                        target_layer_ids=(1, 3, 5), block_size=16, mask_token_id=999, tie_word_embeddings=False)
+                        target_layer_ids=(1, 3, 5), block_size=16, mask_token_id=999, tie_word_embeddings=False,
+                        layer_types=layer_types, sliding_window=window, is_causal=is_causal)
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).to(device, dtype)
     b, s, n = 2, 1024, 64
@@ -78,15 +87,17 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
     out, grads = {}, {}
     for kind in ("dense", "flex"):
         model.zero_grad()
-        mask = build_mask(anchors, valid, doc_ids, 16, kind=kind)
-        assert (mask.block_mask is not None) is (kind == "flex")
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, mask)
+        masks = build_layer_masks(anchors, valid, doc_ids, 16, cfg.layer_attentions(), kind=kind)
+        assert all((m.block_mask is not None) is (kind == "flex") for m in masks)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
         h.float().pow(2).mean().backward()
         out[kind] = h.detach()
         grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     fwd = rel(out["flex"], out["dense"])
     worst = max(rel(grads["flex"][k], grads["dense"][k]) for k in grads["dense"])
-    record.setdefault("compare", []).append({"dtype": str(dtype), "forward_rel_err": fwd, "worst_grad_rel_err": worst,
+    record.setdefault("compare", []).append({"dtype": str(dtype), "layer_types": list(cfg.layer_types),
+                                             "sliding_window": window, "is_causal": is_causal,
+                                             "forward_rel_err": fwd, "worst_grad_rel_err": worst,
                                              "valid_blocks": int(valid.sum())})
     assert fwd < fwd_tol and worst < grad_tol, (fwd, worst)
 
@@ -128,6 +139,38 @@ def test_blockmask_builds_fast_at_the_real_size(record, s, n):
     # Most tiles are skipped (a block sees its own tiles and the context before its anchor only); the
     # mask has (S / 3072)^2 times the tiles of a 3,072-token row.
     assert sparsity > 50 and build_ms < 50 * (s // 3072) ** 2, record[key]
+
+
+def test_window_skips_work_at_long_rows(record):
+    """Rows of 12,288 tokens, 2,048 anchors, B = 16, the 27B head geometry: the window-2048 BlockMask
+    (causal block, as the published drafter's sliding layers) visits fewer tiles than the full one, and
+    flex forward + backward under it is not slower."""
+    from dflash_ds.model.attention import LayerAttention
+
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(2)
+    s, n, bsz = 12288, 2048, 16
+    doc_ids, loss_mask = packed_rows(1, s, 2, device, g)
+    anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
+    anchors, valid = anchors.to(device), valid.to(device)
+    q = torch.randn(1, 32, n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, s + n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    timing = {}
+    for name, att in (("full", LayerAttention()), ("window", LayerAttention(2048, True))):
+        mask = build_mask(anchors, valid, doc_ids, bsz, kind="flex", attention=att)
+        attend(q, k, v, mask, 128 ** -0.5).sum().backward()  # compile
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            attend(q, k, v, mask, 128 ** -0.5).sum().backward()
+        torch.cuda.synchronize()
+        bm = mask.block_mask
+        timing[name] = {"fwd_bwd_ms": (time.perf_counter() - t) / 5 * 1e3,
+                        "tiles": int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())}
+    record["window_12288"] = timing
+    assert timing["window"]["tiles"] < timing["full"]["tiles"], timing
+    assert timing["window"]["fwd_bwd_ms"] <= 1.05 * timing["full"]["fwd_bwd_ms"], timing
 
 
 def test_fused_loss_matches_autograd_at_27b_sizes(record):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_ds.model.attention import FULL, LayerAttention
+
 from .setup import Setup, setup_rows
 
 
@@ -24,20 +26,30 @@ def target_forward_flops(linear_params: int, full_attention_layers: int, heads: 
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 
-def visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> int:
-    """(query, key) pairs the DFlash mask allows, counted from the mask's definition.
+def visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int,
+                  attention: LayerAttention = FULL) -> int:
+    """(query, key) pairs the DFlash mask allows under one layer attention, counted from the mask's definition.
 
-    Per block: B queries x (context keys strictly before the anchor in its document + the B keys
-    of its own block); invalid (padding) blocks see their own block only.
+    Per block: for each slot k, the context keys strictly before the anchor in its document (and,
+    with a window W, at positions >= anchor + k - W + 1) + its own block's keys (all B, or k + 1 in a
+    causal layer); invalid (padding) blocks see their own block only.
     """
     anchors, valid, doc_ids = anchors.cpu().long(), valid.cpu().bool(), doc_ids.cpu().long()
     s = doc_ids.shape[1]
     doc_at = torch.gather(doc_ids, 1, anchors.clamp(0, s - 1))
     j = torch.arange(s)
     ctx = (j.view(1, 1, s) < anchors.unsqueeze(-1)) & (doc_ids.unsqueeze(1) == doc_at.unsqueeze(-1))
-    ctx_keys = (ctx.sum(-1) * valid).sum()
-    blocks = anchors.numel()
-    return int(block_size * ctx_keys + blocks * block_size * block_size)
+    ctx = ctx & valid.unsqueeze(-1)
+    slots = torch.arange(block_size)
+    if attention.window is None:
+        ctx_keys = int(ctx.sum()) * block_size
+    else:  # keys at or after the window start: all visible keys minus those below it (a prefix sum)
+        below = torch.zeros(*ctx.shape[:2], s + 1, dtype=torch.long)
+        below[..., 1:] = ctx.long().cumsum(-1)
+        lo = (anchors.unsqueeze(-1) + slots - attention.window + 1).clamp(0, s)  # [b, N, B]
+        ctx_keys = int((below[..., s:] - torch.gather(below, 2, lo)).sum())
+    own = int((slots + 1).sum()) if attention.causal else block_size * block_size
+    return ctx_keys + anchors.numel() * own
 
 
 def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> dict[str, int]:
@@ -45,8 +57,9 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
 
     6 x (q, o, MLP params x block tokens + k, v params x (context + block tokens)) per layer,
     4 x fc params x context tokens (no input gradient: the taps are data), attention
-    4 x pairs x heads x head_dim x 3 (forward + backward) per layer, and 4 x vocab x D x block
-    tokens for the frozen lm_head (forward + input gradient).
+    4 x pairs x heads x head_dim x 3 (forward + backward) per layer (`pairs`: the mean over the
+    layers when they attend differently), and 4 x vocab x D x block tokens for the frozen lm_head
+    (forward + input gradient).
     """
     d, h, hk, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     layers = cfg.num_hidden_layers
@@ -101,7 +114,9 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
             m = plan.layout.micro_index(step, g, plan.grad_accum, 0)
             anchors, valid = sample_anchors(loss_mask, doc_ids, r.objective.num_anchors,
                                             anchor_generator(r.run.seed, m))
-            p = visible_pairs(anchors, valid, doc_ids, r.drafter.block_size)
+            layers = setup.drafter_config.layer_attentions()
+            counts = {att: visible_pairs(anchors, valid, doc_ids, r.drafter.block_size, att) for att in set(layers)}
+            p = sum(counts[att] for att in layers) / len(layers)  # mean over the layers
             f = drafter_step_flops(setup.drafter_config, ctx_tokens, block_tokens, p)
             total = f if total is None else {k: total[k] + f[k] for k in f}
             pairs += p

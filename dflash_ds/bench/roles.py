@@ -158,7 +158,7 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
     Runs before the first training step, so the first build here is the process's first.
     """
-    from dflash_ds.model.attention import build_mask
+    from dflash_ds.model.attention import build_layer_masks
     from dflash_ds.model.objective import sample_anchors
     from dflash_ds.model.loss import anchor_generator, make_blocks
 
@@ -170,7 +170,7 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
     for _ in range(repeats + 1):
         synchronize(setup.device)
         t0 = time.perf_counter()
-        build_mask(anchors, valid, mb.doc_ids, s.block_size, kind=s.mask_kind)
+        build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
         synchronize(setup.device)
         times.append(time.perf_counter() - t0)
     synchronize(setup.device)

@@ -105,7 +105,10 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
 
     cuda = device.type == "cuda"
     recipe_path = Path(args.recipe) if args.recipe else DEFAULT_RECIPE
-    fill_row_defaults(args, load_recipe(recipe_path, list(args.set or [])))
+    # The rows follow the recipe and the --set overrides of its rows (the others may only be valid with
+    # the geometry's overrides below).
+    rows_set = [o for o in args.set or [] if o.split("=", 1)[0].split(".")[0] in ("data", "optim", "objective")]
+    fill_row_defaults(args, load_recipe(recipe_path, rows_set))
     total_steps = args.warmup + args.steps
     cfgs = REPO / "ds_configs"
     # The target and transport roles draw no anchors; keep the recipe valid at short --seq-len.
@@ -141,6 +144,11 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
         over += [f"drafter.num_layers={geo.drafter_layers}", f"drafter.mask_token_id={geo.mask_token_id}",
                  "drafter.target_layer_ids=null", "drafter.intermediate_size=null",
                  "drafter.num_attention_heads=null", "drafter.num_key_value_heads=null", "drafter.head_dim=null"]
+        types = load_recipe(recipe_path).drafter.layer_types
+        if types is not None and len(types) != geo.drafter_layers:
+            # The recipe's per-layer attention is for another layer count: this geometry's drafter runs
+            # full attention unless --set gives it a layout of its own.
+            over += ["drafter.layer_types=null", "drafter.sliding_window=null"]
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))

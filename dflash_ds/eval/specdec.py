@@ -46,13 +46,29 @@ def target_logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[
     return logits[0].argmax(-1), taps[0]
 
 
+def serving_masks(model: DraftModel, t: int, device) -> tuple[DFlashMask, ...]:
+    """Per-layer masks of one block at positions t .. t+B-1 over the context 0 .. t-1, written from
+    the engines' rule by position (docs/algorithm.md section 3): query p sees key q iff p - q < W
+    (sliding layers) and, in a causal layer, q <= p. Deliberately not `build_mask`, which the
+    offline path uses, so the two paths check each other."""
+    block_size = model.block_size
+    q_pos = torch.arange(t, t + block_size, device=device).view(-1, 1)
+    k_pos = torch.arange(t + block_size, device=device).view(1, -1)
+    masks = []
+    for att in model.config.layer_attentions():
+        allowed = torch.ones(block_size, t + block_size, dtype=torch.bool, device=device)
+        if att.window is not None:
+            allowed &= q_pos - k_pos < att.window
+        if att.causal:
+            allowed &= k_pos <= q_pos
+        masks.append(DFlashMask(query_len=block_size, kv_len=t + block_size, dense=allowed[None, None], attention=att))
+    return tuple(masks)
+
+
 @torch.no_grad()
 def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int) -> torch.Tensor:
-    """The B-1 drafted tokens of one block anchored right after `context_taps` [t, T*D].
-
-    The block sees the whole context and itself, so the mask is all True: deliberately not
-    `build_mask`, which the offline path uses, so the two paths check each other.
-    """
+    """The B-1 drafted tokens of one block anchored right after `context_taps` [t, T*D]: the block
+    sees the context (within each layer's window) and itself (`serving_masks`)."""
     drafter, block_size = model.drafter, model.block_size
     p = next(drafter.parameters())
     t = context_taps.shape[0]
@@ -62,9 +78,7 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     embeds = model.embed_tokens(block[None], p)
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
-    dense = torch.ones(1, 1, block_size, t + block_size, dtype=torch.bool, device=p.device)
-    mask = DFlashMask(query_len=block_size, kv_len=t + block_size, dense=dense)
-    hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask)
+    hidden = drafter(embeds, ctx, block_pos, ctx_pos, serving_masks(model, t, p.device))
     return draft_tokens(hidden[0, 1:], model.lm_head).cpu()
 
 

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.model.attention import build_mask
+from dflash_ds.model.attention import build_layer_masks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.objective import block_inputs
 
@@ -61,8 +61,8 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
 
     taps [S, T*D]: the target's tapped states of `input_ids` [S] (teacher-forced), S >= end - 1.
     All anchors go through the drafter in batches of `batch_anchors` blocks with the training
-    mask (context strictly before the anchor, own block bidirectional), so this exercises the
-    same drafter path as training. Returns a LongTensor [end - start] on the CPU.
+    masks (context strictly before the anchor and inside each layer's window, the own block as the
+    layer attends to it), so this exercises the same drafter path as training. Returns a LongTensor [end - start] on the CPU.
     """
     drafter, B, mask_id = model.drafter, model.block_size, model.mask_token_id
     ids = input_ids.reshape(-1)
@@ -88,8 +88,8 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
         # Context columns at or after the last anchor are masked for every block of the chunk.
         s_ctx = min(int(anchors[-1]) + 1, s_all)
         block_ids, block_pos = block_inputs(y[None], positions, anchors[None], B, mask_id)
-        mask = build_mask(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device),
-                          doc_ids[:, :s_ctx], B, kind="dense")
+        mask = build_layer_masks(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device),
+                                 doc_ids[:, :s_ctx], B, drafter.config.layer_attentions(), kind="dense")
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
         drafts = draft_tokens(hidden.view(n, B, -1)[:, 1:], model.lm_head)  # [n, B-1]

@@ -17,8 +17,12 @@ applied). One forward drafts one or more blocks:
   that order, for the S context tokens;
 - position_ids [b, S + Q]: absolute positions of the context tokens, then of the block tokens;
 - attention_mask: bool [b, 1, Q, S + Q], True = attend. None means one block that sees every
-  context token and itself bidirectionally (the serving case: the context is the verified prefix
-  before the anchor).
+  context token and itself (the serving case: the context is the verified prefix before the
+  anchor).
+Each layer then narrows the mask as SGLang and vLLM run that layer, from the positions: a
+`sliding_attention` layer (config `layer_types`) lets the query at position p see a key at
+position q only when p - q < `sliding_window`; a causal layer only when q <= p. A layer is causal
+when config `is_causal` says so and, without it, exactly when it is a sliding layer.
 Returns the drafter's final-norm hidden states [b, Q, D]; logits = hidden @ lm_head.T.
 """
 
@@ -39,11 +43,22 @@ class DFlashConfig(Qwen3Config):
 
     model_type = "qwen3"
 
-    def __init__(self, block_size=16, num_target_layers=36, dflash_config=None, **kwargs):
+    def __init__(self, block_size=16, num_target_layers=36, dflash_config=None, is_causal=None, **kwargs):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.dflash_config = dflash_config or {"mask_token_id": 0, "target_layer_ids": [1]}
+        self.is_causal = is_causal
         super().__init__(**kwargs)
+
+    def layer_window_and_causal(self, i: int) -> tuple[int | None, bool]:
+        """(sliding window or None, causal) of layer i, the way the serving engines read this config."""
+        sliding = (self.layer_types or ["full_attention"] * self.num_hidden_layers)[i] == "sliding_attention"
+        window = self.sliding_window if sliding else None
+        if sliding and window is None:
+            raise ValueError(f"layer {i} is sliding_attention but the config has no sliding_window "
+                             "(use_sliding_window must be true)")
+        causal = sliding if self.is_causal is None else bool(self.is_causal)
+        return window, causal
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -174,7 +189,22 @@ class DFlashDraftModel(PreTrainedModel):
         ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         rope_k = _rope(position_ids, cfg.head_dim, cfg.rope_base, dtype)
         rope_q = tuple(t[:, :, s_len:] for t in rope_k)
+        base = attention_mask
+        if base is None:
+            base = torch.ones(1, 1, q_len, s_len + q_len, dtype=torch.bool, device=noise_embedding.device)
+        # Query minus key position, [b, 1, Q, S + Q]: the engines' window and causality act on it.
+        distance = (position_ids[:, s_len:, None] - position_ids[:, None, :]).unsqueeze(1)
+        masks = {}
         x = noise_embedding
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, attention_mask)
+        for i, layer in enumerate(self.layers):
+            kind = cfg.layer_window_and_causal(i)
+            if kind not in masks:
+                window, causal = kind
+                mask = base
+                if window is not None:
+                    mask = mask & (distance < window)
+                if causal:
+                    mask = mask & (distance >= 0)
+                masks[kind] = mask
+            x = layer(x, ctx, rope_q, rope_k, masks[kind])
         return self.norm(x)

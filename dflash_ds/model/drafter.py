@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +159,19 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
+    def layer_masks(self, mask: DFlashMask | Sequence[DFlashMask]) -> tuple[DFlashMask, ...]:
+        """The mask of every layer, each checked against the layer's attention: a mask built for
+        another window or causality would train a drafter the engines do not run."""
+        attentions = self.config.layer_attentions()
+        masks = (mask,) * len(attentions) if isinstance(mask, DFlashMask) else tuple(mask)
+        if len(masks) != len(attentions):
+            raise ValueError(f"{len(masks)} masks for {len(attentions)} drafter layers")
+        for i, (m, att) in enumerate(zip(masks, attentions)):
+            if m.attention != att:
+                raise ValueError(f"layer {i} attends with {att} but its mask was built for {m.attention}; "
+                                 "build the masks with build_layer_masks(..., drafter.config.layer_attentions())")
+        return masks
+
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target states `[b, S, T*D]` -> context features `[b, S, D]` (computed once)."""
         return self.hidden_norm(self.fc(taps))
@@ -169,19 +182,24 @@ class DFlashDrafter(nn.Module):
         ctx: torch.Tensor,
         block_positions: torch.Tensor,
         ctx_positions: torch.Tensor,
-        mask: DFlashMask,
+        mask: DFlashMask | Sequence[DFlashMask],
     ) -> torch.Tensor:
-        """block_embeds `[b, Q, D]`, ctx `[b, S, D]` (from `fuse`) -> hidden `[b, Q, D]`."""
+        """block_embeds `[b, Q, D]`, ctx `[b, S, D]` (from `fuse`) -> hidden `[b, Q, D]`.
+
+        `mask`: one mask per layer (`attention.build_layer_masks` with `config.layer_attentions()`),
+        or one mask for every layer when they all attend alike.
+        """
         cfg = self.config
         dtype = block_embeds.dtype
+        masks = self.layer_masks(mask)
         cos_q, sin_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_c, sin_c = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta, dtype)
         cos_k, sin_k = torch.cat([cos_c, cos_q], dim=1), torch.cat([sin_c, sin_q], dim=1)
-        inputs = LayerInputs(ctx, cos_q, sin_q, cos_k, sin_k, mask)
+        tensors = (ctx, cos_q, sin_q, cos_k, sin_k)
         x = block_embeds
         for i, layer in enumerate(self.layers):
             if self.checkpoint_fn is not None and i < self.checkpoint_layers and torch.is_grad_enabled():
-                x = self.checkpoint_fn(functools.partial(_run_layer, layer, mask), x, *inputs[:-1])
+                x = self.checkpoint_fn(functools.partial(_run_layer, layer, masks[i]), x, *tensors)
             else:
-                x = layer(x, inputs)
+                x = layer(x, LayerInputs(*tensors, masks[i]))
         return self.norm(x)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.attention import DFlashMask, build_mask
+from dflash_ds.model.attention import DFlashMask, LayerAttention, build_layer_masks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
@@ -42,6 +42,11 @@ class StepSettings:
     def mask_token_id(self) -> int:
         return self.shape.mask_token_id
 
+    @property
+    def attentions(self) -> tuple[LayerAttention, ...]:
+        """Every drafter layer's attention; one mask is built per distinct one."""
+        return self.shape.layer_attentions()
+
     @classmethod
     def of(cls, shape: DrafterShape, objective, seed: int, device: torch.device) -> "StepSettings":
         """The settings of a run: `objective` is the recipe's objective section (read by attribute name)."""
@@ -70,7 +75,7 @@ class Blocks:
     ctx_positions: torch.Tensor  # [R, S]
     labels: torch.Tensor  # [R, N*B]
     weights: torch.Tensor  # [R, N*B] float32
-    mask: DFlashMask  # dense boolean (CPU) or flex BlockMask (GPU)
+    mask: tuple[DFlashMask, ...]  # one per drafter layer: dense boolean (CPU) or flex BlockMask (GPU)
 
 
 def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:
@@ -90,7 +95,7 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
     labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)
-    mask = build_mask(anchors, valid, mb.doc_ids, s.block_size, kind=s.mask_kind)
+    mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
     r = anchors.shape[0]
     return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,
                   labels.reshape(r, -1), weights.reshape(r, -1).float(), mask)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
+
+from dflash_ds.model.attention import LayerAttention
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
 ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
@@ -78,10 +80,34 @@ def _is_default_rope(rope_scaling: dict | None) -> bool:
     return kind == "default" and not extra
 
 
-# Attention kinds a drafter layer may have. Only full attention over the context and the block
-# exists today; a sliding-window kind is added here, honoured in model/attention.py, and its
-# window becomes a field of DrafterShape.
-LAYER_TYPES = ("full_attention",)
+# Attention kinds a drafter layer may have, with config.json's layer_types names: full attention
+# over the context and the block, or a sliding window over the context (docs/algorithm.md section 3).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def attention_layout(layer_types: Sequence[str], window: int | None, is_causal: bool | None) -> tuple[LayerAttention, ...]:
+    """Every layer's attention as SGLang and vLLM run it (docs/algorithm.md section 3): a sliding layer
+    has the window; causal = `is_causal` when set, else True exactly for the sliding layers."""
+    out = []
+    for kind in layer_types:
+        sliding = kind == SLIDING_ATTENTION
+        causal = sliding if is_causal is None else is_causal
+        out.append(LayerAttention(window=window if sliding else None, causal=bool(causal)))
+    return tuple(out)
+
+
+def _check_attention_layout(layer_types: tuple[str, ...], window: int | None, block_size: int) -> None:
+    sliding = SLIDING_ATTENTION in layer_types
+    if sliding and window is None:
+        raise ValueError("drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set; "
+                         "set it (2048 for the published Qwen3.6 drafters)")
+    if not sliding and window is not None:
+        raise ValueError(f"drafter.sliding_window={window} is set but no layer in drafter.layer_types is "
+                         "sliding_attention; list the sliding layers or unset the window")
+    if window is not None and window < block_size:
+        raise ValueError(f"drafter.sliding_window={window} is shorter than drafter.block_size={block_size}; "
+                         "the window must cover the whole block")
 
 
 @dataclass(frozen=True)
@@ -110,8 +136,15 @@ class DrafterShape:
     tie_word_embeddings: bool
     layer_types: tuple[str, ...] = ()
     """Attention kind of each layer (LAYER_TYPES); empty = full attention in every layer."""
-    # DFlash2 and sliding-window drafters add their fields here (window, conv kernel and group
-    # size, selector rank and top-k), each with a default that means "off".
+    sliding_window: int | None = None
+    """W of the sliding layers: a block query at position p sees context positions > p - W; None = no
+    sliding layer."""
+    is_causal: bool | None = None
+    """Block slot k sees only slots <= k of its own block. None = the engines' default for a config
+    without `is_causal` (sliding layers causal, full layers bidirectional); True/False = every layer.
+    Exported as config.json's `is_causal` only when set."""
+    # DFlash2 drafters add their fields here (conv kernel and group size, selector rank and top-k),
+    # each with a default that means "off".
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -153,6 +186,7 @@ class DrafterShape:
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"drafter layer types {unknown} are not supported; known: {list(LAYER_TYPES)}")
+        _check_attention_layout(self.layer_types, self.sliding_window, self.block_size)
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"drafter.head_dim must be even (rotary pairs), got {self.head_dim}")
         if not _is_default_rope(self.rope_scaling):
@@ -166,12 +200,17 @@ class DrafterShape:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    def layer_attentions(self) -> tuple[LayerAttention, ...]:
+        """Each layer's window and causality, as the serving engines run this config."""
+        return attention_layout(self.layer_types, self.sliding_window, self.is_causal)
+
     @classmethod
     def from_target(cls, target_config: Any, choices: Any) -> "DrafterShape":
         """The shape for a transformers target config (Qwen3, Qwen3.5/3.6, Llama-style) and the
         recipe's choices: `choices` is the recipe's `drafter` section (config.DrafterSection), read
         by attribute name (num_layers, block_size, mask_token_id, target_layer_ids,
-        intermediate_size, num_attention_heads, num_key_value_heads, head_dim; None = the target's).
+        intermediate_size, num_attention_heads, num_key_value_heads, head_dim; None = the target's;
+        layer_types, sliding_window, is_causal; None = every layer full, no window, the engines' default).
 
         A multimodal Qwen3.5 config is reduced to its `text_config`. Head geometry defaults to the
         target's, except for Qwen3.5/3.6 targets of a listed size (see `_QWEN35_DRAFTER_HEADS`);
@@ -223,6 +262,9 @@ class DrafterShape:
             block_size=int(choices.block_size),
             mask_token_id=int(choices.mask_token_id),
             tie_word_embeddings=bool(tie),
+            layer_types=tuple(choices.layer_types or ()),
+            sliding_window=choices.sliding_window,
+            is_causal=choices.is_causal,
         )
 
     def mismatches(self, other: "DrafterShape") -> list[tuple[str, Any, Any]]:
@@ -257,10 +299,13 @@ class DrafterShape:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": INIT_STD,
+            # Qwen3Config keeps `sliding_window` only with use_sliding_window; max_window_layers only
+            # matters without layer_types and is written as z-lab's configs write it (the layer count).
             "layer_types": list(self.layer_types),
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
             "max_window_layers": self.num_hidden_layers,
+            **({} if self.is_causal is None else {"is_causal": self.is_causal}),
         }
 
     @classmethod
@@ -275,6 +320,10 @@ class DrafterShape:
         if theta is None:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
+        layer_types = tuple(config.get("layer_types") or ())
+        is_causal = config.get("is_causal")
+        if is_causal is None:
+            is_causal = dflash.get("causal")  # vLLM's next place to look
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
@@ -292,7 +341,11 @@ class DrafterShape:
             block_size=int(config["block_size"]),
             mask_token_id=int(dflash["mask_token_id"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            layer_types=tuple(config.get("layer_types") or ()),
+            layer_types=layer_types,
+            # vLLM also takes the window from dflash_config.swa_window_size when the top level has none.
+            sliding_window=(config.get("sliding_window") or dflash.get("swa_window_size"))
+            if SLIDING_ATTENTION in layer_types else None,
+            is_causal=None if is_causal is None else bool(is_causal),
         )
 
     def replace(self, **changes: Any) -> "DrafterShape":
@@ -313,7 +366,9 @@ COMPARED = {
     "num_attention_heads": "drafter.num_attention_heads",
     "num_key_value_heads": "drafter.num_key_value_heads",
     "head_dim": "drafter.head_dim",
-    "layer_types": "drafter.num_layers (every layer full attention)",
+    "layer_types": "drafter.layer_types (null: every layer full attention)",
+    "sliding_window": "drafter.sliding_window",
+    "is_causal": "drafter.is_causal",
     "vocab_size": "target.path (the target's vocabulary)",
     "num_target_layers": "target.path (the target's layer count)",
 }
