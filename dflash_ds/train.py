@@ -17,7 +17,7 @@ from dflash_ds.config import load_recipe, ranks_per_node
 from dflash_ds.spec import contract
 from dflash_ds.spec.run import check_recipe
 from dflash_ds.spec.plan import describe
-from dflash_ds.safety import Exit, say
+from dflash_ds.safety import Exit, exit_now, say
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, _ = init_distributed(spec.device)
     # The run lock and the start point are settled before any data or model is loaded.
     control = RunControl.setup(recipe, spec.layout, rank)
-    if control.error:
-        return Exit.USER
+    if control.error:  # the lead printed it; every rank ends without tearing down its process groups,
+        exit_now(Exit.USER)  # whose destructors can abort (gloo) while a peer is already gone
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
         try:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # the data's, the user's to fix (launch.sh finds it before launch)
             say(f"error: {str(exc).strip().splitlines()[0]}")
             control.release()  # no lock left behind; the launcher ends the ranks waiting below
-            return Exit.USER
+            exit_now(Exit.USER)
     dist.barrier()
     if rank != 0:
         data = load_training_data(recipe)
