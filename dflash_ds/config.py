@@ -48,6 +48,12 @@ class TargetConfig:
     """DeepSpeed JSON for the target engine (full replica, or ZeRO-3 'ZeRO-Inference')."""
     attn_implementation: str = "sdpa"
     """transformers attention implementation for the target."""
+    quantization: str = "none"
+    """none, or fp8: the target's decoder linear layers run in FP8 on the GPU (H100/H200), ~1.4-1.5x the
+    bf16 target rate at the 27B geometry. From a bf16 checkpoint the weights are quantized once at load
+    (per-row scales); an FP8 checkpoint as published (config.json quantization_config: fp8, 128 x 128
+    blocks) is used as stored, the numerics it is served with. An FP8 checkpoint with `none` is
+    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,19 @@ class DrafterSection:
     is_causal: bool | None = None
     """Block slot k sees only slots <= k of its own block. null = the engines' default for a config
     without it: sliding layers causal, full layers bidirectional; true/false = every layer (exported)."""
+    architecture: str = "dflash"
+    """dflash (v1) or dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
+    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8).
+    The four fields below apply to dflash2 only; their defaults are the published DFlash2 shape."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of the block convolution (slot k reads slots k .. k-taps+1 of its own block)."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic coefficient; must divide the hidden size."""
+    selector_rank: int = 256
+    """dflash2: rank of the selector's pair scores (two [vocab, rank] codebooks: 127M parameters at a
+    248K vocabulary)."""
+    selector_top_k: int = 16
+    """dflash2: unary candidates the selector rescores per slot."""
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
@@ -186,6 +205,23 @@ class ObjectiveConfig:
     and run all their layers; drafter ranks compute the target's logits chunk by chunk."""
     kl_temperature: float = 1.0
     """Softens both distributions in the KL term (the term is scaled by T^2)."""
+    selector_alpha: float = 1.0
+    """dflash2: weight of the selector loss (a k-way cross-entropy over the unary top-k, teacher-forced
+    predecessor, the same slot weights) added to the base loss. Peers: 1.0 in SpecForge, speculators
+    and NeMo Automodel. 0 leaves the selector untrained (its successor codebook stays zero)."""
+    selector_inject_gold: bool = False
+    """dflash2: a gold token outside the unary top-k replaces the weakest candidate (speculators'
+    default: true); false = such slots add no selector loss, strict top-k (SpecForge's default,
+    which it reports gives the best serving acceptance)."""
+    selector_warmup_ratio: float = 0.0005
+    """dflash2: fraction of the optimizer steps with selector weight 0 (SpecForge: 0.0005; speculators
+    and Automodel: 0)."""
+    selector_ramp_ratio: float = 0.0005
+    """dflash2: fraction of the steps after the warm-up over which the weight rises linearly to
+    selector_alpha (SpecForge: 0.0005; speculators and Automodel: 0)."""
+    selector_detach: bool = False
+    """dflash2: the selector loss trains the selector's own parameters only, not the drafter's states
+    (SpecForge's dflash2_selector_stop_gradient, default false; speculators and Automodel: false)."""
 
 
 @dataclass(frozen=True)
@@ -438,6 +474,7 @@ def validate(r: Recipe) -> None:
 
     need(bool(r.target.path), "target.path is empty; set it to a hub id or a local model directory")
     need(r.target.dtype in ("bfloat16", "float32"), f"target.dtype must be bfloat16 or float32, got {r.target.dtype!r}")
+    need(r.target.quantization in ("none", "fp8"), f"target.quantization must be none or fp8, got {r.target.quantization!r}")
     need(r.run.device in ("auto", "cuda", "cpu"), f"run.device must be auto, cuda or cpu, got {r.run.device!r}")
     need(r.drafter.block_size >= 2, f"drafter.block_size must be >= 2 (an anchor plus at least one mask), got {r.drafter.block_size}")
     _validate_attention(r.drafter, need)
@@ -462,6 +499,16 @@ def validate(r: Recipe) -> None:
          "(null = 512 per 3,072 row tokens)")
     need(r.objective.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {r.objective.kl_weight}")
     need(r.objective.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {r.objective.kl_temperature}")
+    need(r.drafter.architecture in ("dflash", "dflash2"),
+         f"drafter.architecture must be dflash or dflash2, got {r.drafter.architecture!r}")
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        need(getattr(r.drafter, name) >= 1, f"drafter.{name} must be >= 1 (DFlash2 publishes 2, 16, 256, 16)")
+    need(r.drafter.conv_kernel_size <= r.drafter.block_size,
+         f"drafter.conv_kernel_size ({r.drafter.conv_kernel_size}) must not exceed drafter.block_size "
+         f"({r.drafter.block_size}): the convolution runs inside one block")
+    need(r.objective.selector_alpha >= 0, f"objective.selector_alpha must be >= 0, got {r.objective.selector_alpha}")
+    for name in ("selector_warmup_ratio", "selector_ramp_ratio"):
+        need(0 <= getattr(r.objective, name) <= 1, f"objective.{name} must be in [0, 1], got {getattr(r.objective, name)}")
     need(0 <= r.optim.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
     need(r.optim.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {r.optim.schedule!r}")
     need(0 <= r.optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {r.optim.min_lr_ratio}")

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from dflash_ds.io import replace_dir_atomic, write_text_atomic
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import ARCHITECTURE, DrafterShape
+from dflash_ds.model.shape import ARCHITECTURE, ARCHITECTURE_V2, ARCHITECTURES, DrafterShape
 from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
@@ -34,6 +34,7 @@ MODELING_NAME = "modeling_dflash.py"
 CARD_NAME = "README.md"
 MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
 AUTO_MAP = {"AutoConfig": "modeling_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
+AUTO_MAP_V2 = {"AutoConfig": "modeling_dflash.DFlash2Config", "AutoModel": "modeling_dflash.DFlash2DraftModel"}
 FILE_MODE, DIR_MODE = 0o644, 0o755
 
 _LAYER_TENSORS = (
@@ -85,6 +86,15 @@ def expected_shapes(cfg: DrafterShape) -> dict[str, tuple[int, ...]]:
     shapes["fc.weight"] = (d, len(cfg.target_layer_ids) * d)
     shapes["hidden_norm.weight"] = (d,)
     shapes["norm.weight"] = (d,)
+    if cfg.dflash2:
+        k, r, v = cfg.conv_kernel_size, cfg.selector_rank, cfg.vocab_size
+        for i in range(cfg.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, d)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * d // cfg.conv_group_size, d)
+        shapes["candidate_selector.hidden_projection.weight"] = (r, d)
+        shapes["candidate_selector.predecessor_codebook"] = (v, r)
+        shapes["candidate_selector.successor_codebook"] = (v, r)
     return shapes
 
 
@@ -115,7 +125,7 @@ def _is_export(path: Path) -> bool:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+    return isinstance(config, dict) and bool(set(ARCHITECTURES) & set(config.get("architectures") or []))
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
@@ -144,7 +154,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
-    config["auto_map"] = dict(AUTO_MAP)
+    config["auto_map"] = dict(AUTO_MAP_V2 if cfg.dflash2 else AUTO_MAP)
 
     # Staged next to out_dir and moved into place only when complete: a crash mid-save never
     # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
@@ -183,10 +193,10 @@ def read_export_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"{prefix}: {CONFIG_NAME} is not valid JSON ({e}); {_FIX}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{prefix}: {CONFIG_NAME} is not a JSON object; {_FIX}")
-    if ARCHITECTURE not in (config.get("architectures") or []):
+    if not set(ARCHITECTURES) & set(config.get("architectures") or []):
         raise ValueError(
             f"{prefix}: {CONFIG_NAME} architectures is {config.get('architectures')!r}, "
-            f"not [{ARCHITECTURE!r}] (a target model directory?); {_FIX}"
+            f"not [{ARCHITECTURE!r}] or [{ARCHITECTURE_V2!r}] (a target model directory?); {_FIX}"
         )
     dflash = config.get("dflash_config")
     if not isinstance(dflash, dict):
@@ -203,7 +213,7 @@ def load_drafter(
     path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
     shape: DrafterShape | None = None,
 ) -> DFlashDrafter:
-    """Read an export written by `save_drafter` (or any SGLang/vLLM-loadable DFlash drafter).
+    """Read an export written by `save_drafter` (or any SGLang/vLLM-loadable DFlash or DFlash2 drafter).
 
     `dtype=None` keeps the stored dtype, so a save/load round trip is bit-exact. With `shape` (a
     run's, already compared with the export's config by `run.check_init_from`) the module is built

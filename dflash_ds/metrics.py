@@ -80,6 +80,8 @@ def fmt_eta(seconds: float) -> str:
 def progress_line(r: dict, total_steps: int) -> str:
     parts = [f"step {r['step']}/{total_steps}", f"{r.get('tok_per_s', 0):,.0f} tok/s", f"ETA {fmt_eta(r.get('eta_s', 0))}",
              f"loss {r.get('loss', float('nan')):.4f}", f"accept {r.get('accept_proxy', float('nan')):.2f}"]
+    if "selector_loss" in r:
+        parts.append(f"selector {r['selector_loss']:.4f} (top-k recall {r['selector_recall']:.2f})")
     if "target_tok_per_s" in r:
         parts.append(f"target {r['target_tok_per_s']:,.0f} tok/s")
     parts.append(f"drafter {r.get('drafter_tok_per_s', 0):,.0f} tok/s")

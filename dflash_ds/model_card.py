@@ -23,10 +23,11 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     else:
         tau_line = f"{tau:.3f} (exact offline greedy acceptance length on {known(tau_prompts)})"
     vllm_cfg = json.dumps({"method": "dflash", "model": "DRAFTER_DIR", "num_speculative_tokens": cfg.block_size - 1})
+    name = "DFlash2" if cfg.dflash2 else "DFlash"
     lines = [
-        "# DFlash drafter",
+        f"# {name} drafter",
         "",
-        "A DFlash block-diffusion speculative-decoding drafter trained with dflash-ds.",
+        f"A {name} block-diffusion speculative-decoding drafter trained with dflash-ds.",
         "",
         "| | |",
         "|---|---|",
@@ -39,6 +40,10 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         f"| target layers tapped | {list(cfg.target_layer_ids)} of {cfg.num_target_layers} |",
         f"| mask token id | {cfg.mask_token_id} |",
     ]
+    if cfg.dflash2:
+        lines += [f"| block convolution | {cfg.conv_kernel_size} taps, groups of {cfg.conv_group_size} channels |",
+                  f"| candidate selector | top {cfg.selector_top_k} unary candidates, pair scores at rank "
+                  f"{cfg.selector_rank} |"]
     if position_acceptance:
         rates = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(position_acceptance, 1))
         lines.append(f"| acceptance by draft position | {rates} |")
@@ -49,6 +54,16 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "",
         "## Serving",
         "",
+    ]
+    if cfg.dflash2:
+        lines += [
+            "Both engines serve it with their DFlash method and select DFlash2 (the convolutions and the",
+            "candidate selector) from `architectures: [\"DFlash2DraftModel\"]` and the four DFlash2 fields of",
+            "`dflash_config`: SGLang from PR #35371 on, vLLM from PR #52816 on. Older releases would",
+            "silently run the backbone alone.",
+            "",
+        ]
+    lines += [
         "SGLang (`--speculative-num-draft-tokens` = block size):",
         "",
         "```",

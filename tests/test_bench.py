@@ -107,6 +107,14 @@ def test_drafter_flops_by_hand():
     f = bench.drafter_step_flops(dcfg, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     assert f["total"] == tiny_drafter_flops(1234)
     assert f["total"] == f["dense"] + f["fuse"] + f["attention"] + f["lm_head"]
+    # DFlash2: the kernel projections (2 per layer of 2 layers, 64 x 2*2*64/16), the selector's projection
+    # (32 x 64) and the unary scores from 16 gathered lm_head rows, per block token.
+    v2 = DrafterShape.from_target(target_config("tiny"), DrafterSection(
+        num_layers=2, block_size=BLOCK, mask_token_id=5, architecture="dflash2", selector_rank=32))
+    f2 = bench.drafter_step_flops(v2, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
+    per_token = 6 * (2 * 2 * 64 * 16 + 32 * 64) + 4 * 16 * 64
+    assert f2["dflash2"] == per_token * ROWS * ANCHORS * BLOCK
+    assert f2["total"] == tiny_drafter_flops(1234) + f2["dflash2"]
 
 
 # ----------------------------------------------------------------------------- planner

@@ -4,7 +4,8 @@ flex_attention has no CPU backward, so the drafter through compiled flex_attenti
 is compared here with the identical dense mask through SDPA; the fused lm_head loss is compared
 with the autograd path at the 27B drafter's sizes; fla's short convolution with transformers'
 fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone; sliding-window
-layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows). The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
+layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows); a DFlash2 drafter with
+compiled layers through flex vs eager dense. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
 measured numbers are written there as JSON.
 """
 
@@ -171,6 +172,53 @@ def test_window_skips_work_at_long_rows(record):
     record["window_12288"] = timing
     assert timing["window"]["tiles"] < timing["full"]["tiles"], timing
     assert timing["window"]["fwd_bwd_ms"] <= 1.05 * timing["full"]["fwd_bwd_ms"], timing
+
+
+def test_dflash2_compiled_flex_matches_eager_dense(record):
+    """A DFlash2 drafter (block convolutions with non-zero projections, every layer sliding and
+    bidirectional as published) with its layers compiled, through flex_attention, against the eager
+    layers through the dense mask: forward and every gradient, in bf16."""
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    B = 8
+    cfg = DrafterShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
+                       max_position_embeddings=8192, vocab_size=1000, num_target_layers=8,
+                       target_layer_ids=(1, 3, 5), block_size=B, mask_token_id=999, tie_word_embeddings=False,
+                       layer_types=(_SLIDING, _SLIDING), sliding_window=200, is_causal=False, conv_kernel_size=2,
+                       conv_group_size=16, selector_rank=64, selector_top_k=16)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.kernel_projection.weight.normal_(0, 0.02)
+                conv.base_kernel.add_(torch.randn_like(conv.base_kernel) * 0.1)
+    b, s, n = 2, 1024, 64
+    doc_ids, loss_mask = packed_rows(b, s, 3, device, g)
+    anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
+    anchors, valid = anchors.to(device), valid.to(device)
+    ids = torch.randint(0, 999, (b, s), generator=g).to(device)
+    pos = position_ids_from_doc_ids(doc_ids)
+    block_ids, block_pos = block_inputs(ids, pos, anchors, B, 999)
+    taps = torch.randn(b, s, 3 * 512, generator=g).to(device, torch.bfloat16)
+    emb = torch.randn(1000, 512, generator=g).to(device, torch.bfloat16)
+    out, grads = {}, {}
+    for kind in ("dense", "flex"):
+        if kind == "flex":
+            for layer in model.layers:
+                layer.compile(dynamic=False)
+        model.zero_grad()
+        masks = build_layer_masks(anchors, valid, doc_ids, B, cfg.layer_attentions(), kind=kind)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        h.float().pow(2).mean().backward()
+        out[kind] = h.detach()
+        grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert any("attention_conv" in k for k in grads["dense"]) and set(grads["flex"]) == set(grads["dense"])
+    fwd = rel(out["flex"], out["dense"])
+    worst = max(rel(grads["flex"][k], grads["dense"][k]) for k in grads["dense"])
+    record["dflash2_compiled_flex"] = {"forward_rel_err": fwd, "worst_grad_rel_err": worst}
+    assert fwd < 5e-3 and worst < 1e-1, (fwd, worst)
 
 
 def test_fused_loss_matches_autograd_at_27b_sizes(record):
@@ -360,3 +408,111 @@ def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(r
     assert torch.isfinite(varlen).all()
     assert found["varlen_bf16_vs_alone_fp32"] <= BF16_SLACK * floor, found
     assert found["masked_bf16_vs_alone_fp32"] <= BF16_SLACK * floor, found
+
+
+# ---------------------------------------------------------------------------- FP8 target
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_scaled_mm_matches_the_dequantized_product(record, blocks):
+    """torch._scaled_mm (rows: fast accumulation; blocks: 1x128 x 128x128) against the float64
+    product of the same e4m3 operands, at the 27B MLP's up-projection shape; the compiled input
+    quantization against the eager one."""
+    from dflash_ds.target import fp8
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3072, 5120, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(17408, 5120, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    front = fp8.quantize_groups if blocks else fp8.quantize_rows
+    xq, xs = front(x)
+    cq, cs = torch.compile(front, dynamic=False)(x)
+    compiled_err = rel(fp8.dequantize(cq, cs.t() if blocks else cs), fp8.dequantize(xq, xs.t() if blocks else xs))
+    wq, ws = fp8.quantize_blocks(w) if blocks else fp8.quantize_rows(w)
+    ws = ws if blocks else ws.reshape(1, -1).contiguous()
+    out = fp8.scaled_matmul(xq, xs, wq, ws, blocks, torch.bfloat16)
+    x64 = fp8.dequantize(xq, xs.t() if blocks else xs).double()
+    w64 = fp8.dequantize(wq, ws if blocks else ws.t()).double()
+    gemm_err = rel(out, x64 @ w64.t())
+    float_err = rel(out, x.double() @ w.double().t())
+    record.setdefault("fp8_gemm", []).append({"blocks": blocks, "gemm_vs_dequantized": gemm_err,
+                                              "compiled_vs_eager_quant": compiled_err, "vs_bf16_operands": float_err})
+    assert gemm_err < 5e-3  # bf16 output rounding + accumulation order; a wrong scale layout is O(1)
+    assert compiled_err < 1e-3  # only a rounding boundary here and there
+    assert 0.01 < float_err < 0.06  # FP8 accuracy: quantized, and not worse than e4m3 allows
+
+
+# Bounds for the random-weight 27B tower (docs/bench/fp8/): each layer on its own (fed the bf16
+# input) stays at FP8 accuracy; through the network the error grows layer by layer, as any small
+# perturbation does with random weights (1% noise on the bf16 embeddings grows alike: see
+# docs/performance.md). A wrong scale layout or a mis-fused SwiGLU gives errors of order 1 alone.
+FP8_OWN_BOUND = 0.2
+FP8_THROUGH_BOUND = 0.9
+
+
+def test_fp8_taps_error_at_the_27b_geometry(record):
+    """Random-weight Qwen3.6-27B text tower (cut after its last tap): every tapped layer's output
+    with the FP8 target (per-row scales) against the bf16 target on the same 3072 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ds.bench.quantized import layer_io
+    from dflash_ds.model.shape import build_target_layer_ids
+    from dflash_ds.runtime.engines import speed_up_target_kernels
+    from dflash_ds.target import fp8
+    from dflash_ds.target.model import TapCapture, forward_taps, truncate_after
+    from dflash_ds.target.presets import target_config
+
+    speed_up_target_kernels()
+    cfg = target_config("qwen3.6-27b")
+    taps = build_target_layer_ids(cfg.num_hidden_layers, 5)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    truncate_after(model, max(taps))
+    model.requires_grad_(False).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 3072), device="cuda")
+    positions = torch.arange(3072, device="cuda")[None]
+    cap = TapCapture(model, taps)
+    out = torch.empty(1, 3072, len(taps) * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        forward_taps(model, cap, ids, positions, out)
+
+    ref_in, ref_out = layer_io(model, forward)
+    ref_taps = out.clone()
+    fp8.quantize_model(model, fp8.ROWS)
+    fp8.compile_for(model, 3072)
+    forward()
+    d = cfg.hidden_size
+    through = {k: rel(out[..., i * d:(i + 1) * d], ref_taps[..., i * d:(i + 1) * d]) for i, k in enumerate(taps)}
+    own = {k: rel(o, r) for k, (o, r) in enumerate(zip(layer_io(model, forward, inputs=ref_in)[1], ref_out))}
+    record["fp8_taps_rel_rms"] = through
+    record["fp8_layers_own_rel_rms"] = own
+    del model, ref_in, ref_out
+    torch.cuda.empty_cache()
+    assert all(0.001 < e < FP8_OWN_BOUND for e in own.values()), own
+    assert all(0.001 < e < FP8_THROUGH_BOUND for e in through.values()), through
+    assert list(through.values()) == sorted(through.values())  # grows with depth, as measured
+
+
+def test_fp8_checkpoint_runs_as_stored_on_the_gpu(record, tmp_path):
+    """A fine-grained FP8 checkpoint loaded as published (transformers keeps the e4m3 weights on a
+    GPU) runs through the blockwise FP8 GEMM, and its taps match the dequantized checkpoint's."""
+    from tests.test_fp8 import random_target, taps_of, write_fp8_checkpoint
+
+    from dflash_ds.target import fp8
+    from dflash_ds.target.model import decoder_layers, load_target
+
+    # 512 wide: most projections take the block GEMM (fp8.block_gemm_shape); out_proj / o_proj (128
+    # in) are dequantized.
+    write_fp8_checkpoint(random_target(seed=6, dtype=torch.bfloat16, hidden=512), tmp_path)
+    model = load_target(str(tmp_path), dtype="bfloat16", device="cuda", keep_fp8=True)
+    plain = load_target(str(tmp_path), dtype="bfloat16", device="cuda", keep_fp8=False)
+    qkv = decoder_layers(model)[0].linear_attn.in_proj_qkv
+    assert isinstance(qkv, fp8.Fp8Linear) and qkv.blocks and qkv.weight.is_cuda
+    assert isinstance(decoder_layers(model)[0].mlp.gate_up_proj, fp8.Fp8Linear)
+    assert type(decoder_layers(model)[0].linear_attn.out_proj) is torch.nn.Linear
+    ids = torch.randint(0, 512, (2, 96), device="cuda")
+    got, want = taps_of(model, ids).float(), taps_of(plain, ids).float()
+    e = rel(got, want)
+    record["fp8_checkpoint_taps_rel_rms"] = e
+    assert 0.001 < e < 0.15

@@ -1,7 +1,9 @@
 """Performance harness: measured rates of each role, and the targets:drafters split they imply.
 
     python -m dflash_ds.bench --role target    [--geometry qwen3.6-27b] [--layers N] [--no-engine]
+    python -m dflash_ds.bench --role target --set target.quantization=fp8 [--compare-bf16] [--fp8-blocks]
     python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
+    python -m dflash_ds.bench --role drafter --recipe recipes/qwen27b-dflash2.yaml --block-size 8 [--architecture dflash]
     python -m dflash_ds.bench --role colocated
     python -m dflash_ds.bench --role target --lengths chat|long [--seq-len 3072] [--set data.pack=false]
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
@@ -121,6 +123,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=None,
                    help="anchors per row (default: the recipe's anchors per row token x the row length)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--architecture", default=None, choices=("dflash", "dflash2"),
+                   help="drafter.architecture (default: the recipe's): dflash2 adds the block convolutions, the "
+                        "candidate selector and its loss; dflash on a DFlash2 recipe is the same backbone without them")
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
     p.add_argument("--lengths", default=None, metavar="FILE|chat|long",
                    help="fill rows with conversations of these lengths ('chat', 'long' (long answers): built-in mixes, "
@@ -138,6 +143,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--masked-attention", action="store_true",
                    help="target, packed rows: full-attention layers through transformers' masked SDPA instead of "
                         "the FlashAttention varlen kernel (for comparison)")
+    p.add_argument("--compare-bf16", action="store_true",
+                   help="target with --set target.quantization=fp8: time the bf16 target first on the same weights, "
+                        "then the FP8 one, and report the error of every layer's output against bf16")
+    p.add_argument("--fp8-blocks", action="store_true",
+                   help="target, FP8: 128x128 weight blocks and 1x128 activation groups (a published FP8 "
+                        "checkpoint's format) instead of per-row scales")
     p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
@@ -194,9 +205,23 @@ def summary_lines(report: dict) -> list[str]:
     mem = r.get("memory", {})
     if "first_step_peak_gib" in mem:
         lines.append(f"  {'peak GiB (first/last timed step)':<34} {mem['first_step_peak_gib']:.2f} / {mem['last_step_peak_gib']:.2f}")
+    if "drafter_params" in r:
+        lines.append(f"  {'drafter parameters':<34} {r['drafter_params']:,} ({r.get('architecture', 'dflash')})")
     if "mask" in r:
         m = r["mask"]
         lines.append(f"  {'mask build s (first/warm)':<34} {m['first_build_s']:.4f} / {m['build_s']:.4f} ({m['kind']})")
+    if "fp8" in r:
+        q = r["fp8"]
+        lines.append(f"  {'FP8 (' + q['scheme'] + ') / bf16 tok/s':<34} {q['fp8_tok_s']:,.0f} / {q['bf16_tok_s']:,.0f} "
+                     f"= {q['speedup']:.3f}x")
+        taps = ", ".join(f"{k}: {v:.4f}" for k, v in q["taps_rel_rms"].items())
+        lines.append(f"  {'taps rel. RMS error vs bf16':<34} {taps}")
+        own = ", ".join(f"{k}: {v:.4f}" for k, v in q["taps_own_rel_rms"].items())
+        lines.append(f"  {'  each layer alone (bf16 input)':<34} {own}")
+        ctl = q["bf16_embedding_noise_1pct_rel_rms"]
+        lines.append(f"  {'  bf16, 1% embedding noise':<34} " + ", ".join(f"{k}: {ctl[int(k)]:.4f}" for k in q["taps_rel_rms"]))
+        lines.append(f"  {'FP8 linears / kept / fused MLPs':<34} {q['fp8_linears']} / {len(q['kept_linears'])} / "
+                     f"{q['fused_mlps']}")
     comp = r.get("compile", {})
     if comp.get("total", {}).get("unique_graphs"):
         lines.append(f"  {'graphs compiled (first/warmup/timed)':<34} {comp['first_step']['unique_graphs']} / "

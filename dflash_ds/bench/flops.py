@@ -14,8 +14,10 @@ from .setup import Setup, setup_rows
 
 
 def count_linear_params(module: nn.Module) -> int:
-    """Weights of every nn.Linear under `module` (the matmuls of a forward)."""
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    """Weights of every nn.Linear (or FP8 linear) under `module` (the matmuls of a forward)."""
+    from dflash_ds.target.fp8 import Fp8Linear
+
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Fp8Linear)))
 
 
 def target_forward_flops(linear_params: int, full_attention_layers: int, heads: int, head_dim: int, rows: int,
@@ -59,7 +61,11 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
     4 x fc params x context tokens (no input gradient: the taps are data), attention
     4 x pairs x heads x head_dim x 3 (forward + backward) per layer (`pairs`: the mean over the
     layers when they attend differently), and 4 x vocab x D x block tokens for the frozen lm_head
-    (forward + input gradient).
+    (forward + input gradient). A DFlash2 drafter adds "dflash2": 6 x the convolutions' kernel
+    projections (2 per layer, D x 2*K*D/group) x block tokens, 6 x the selector's hidden projection
+    (r x D) x block tokens, and 4 x top_k x D x block tokens for the unary scores from the gathered
+    lm_head rows (forward + input gradient); the elementwise convolutions and rank-r pair scores are
+    not matmuls and are not counted.
     """
     d, h, hk, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     layers = cfg.num_hidden_layers
@@ -69,8 +75,12 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
     fuse = 4 * (cfg.num_taps * d * d) * ctx_tokens
     attention = layers * 3 * 4 * pairs * h * hd
     lm_head = 4 * cfg.vocab_size * d * block_tokens
-    return {"dense": dense, "fuse": fuse, "attention": attention, "lm_head": lm_head,
-            "total": dense + fuse + attention + lm_head}
+    out = {"dense": dense, "fuse": fuse, "attention": attention, "lm_head": lm_head}
+    if getattr(cfg, "dflash2", False):
+        projection = 2 * layers * d * (2 * cfg.conv_kernel_size * d // cfg.conv_group_size)
+        out["dflash2"] = (6 * (projection + cfg.selector_rank * d) + 4 * cfg.selector_top_k * d) * block_tokens
+    out["total"] = sum(out.values())
+    return out
 
 
 # ---------------------------------------------------------------------------- counts of a bench run

@@ -16,7 +16,9 @@ import torch
 
 from .flops import drafter_flops_of_steps, target_flops_per_micro
 from .lengths import add_useful
+from .quantized import run_target_compared
 from .setup import Setup, free_port, init_single_process, setup_rows
+from .target_side import build_target_model, target_worker, time_target
 from .timing import drive, record_rates, synchronize
 
 MASK_METHODS = {
@@ -26,47 +28,6 @@ MASK_METHODS = {
 
 
 # ---------------------------------------------------------------------------- target side
-
-
-def build_target_model(setup: Setup, use_engine: bool):
-    """Random-weight target built on the device, truncated after the last tap, under its engine."""
-    from transformers import AutoModelForCausalLM
-
-    from dflash_ds.target.model import DTYPES, truncate_after
-
-    dtype = DTYPES[setup.recipe.target.dtype]
-    torch.manual_seed(setup.args.seed)
-    with torch.device(setup.device):
-        model = AutoModelForCausalLM.from_config(setup.target_config, dtype=dtype,
-                                                 attn_implementation=setup.recipe.target.attn_implementation)
-    truncate_after(model, max(setup.tap_ids))
-    model.requires_grad_(False)
-    model.eval()
-    kind = "none"
-    if use_engine:
-        model, kind = target_replica(setup, model)
-    return model, kind
-
-
-def target_replica(setup: Setup, model):
-    """The random-weight target as a replica under target.ds_config, with the target kernels the
-    flags leave in (--no-fla-conv, --no-fused-target)."""
-    from dflash_ds.runtime.engines import replica, speed_up_target_kernels
-    from dflash_ds.spec.ds_config import target_ds_config
-
-    speed_up_target_kernels(fla_short_conv=not getattr(setup.args, "no_fla_conv", False),
-                            fused_elementwise=not getattr(setup.args, "no_fused_target", False))
-    kind, cfg = target_ds_config(setup.recipe, setup.plan.layout.num_targets)
-    if kind == "zero3":
-        raise ValueError("the bench builds the target with random weights as a replica; a ZeRO-3 target.ds_config "
-                         "loads a checkpoint partitioned (training only): set target.ds_config to a replica JSON")
-    return replica(model, cfg, next(model.parameters()).device), kind
-
-
-def target_worker(setup: Setup, model):
-    from dflash_ds.runtime.target_worker import TargetWorker
-
-    return TargetWorker(setup.run, model, setup_rows(setup, setup.plan.num_rows))
 
 
 # ---------------------------------------------------------------------------- drafter side
@@ -186,26 +147,13 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
 def run_target(setup: Setup, ceiling: dict) -> dict:
     init_single_process(setup.device)
-    a = setup.args
+    if getattr(setup.args, "compare_bf16", False):
+        return run_target_compared(setup, ceiling)
     t_build = time.perf_counter()
-    model, kind = build_target_model(setup, not a.no_engine)
+    model, kind = build_target_model(setup, not setup.args.no_engine)
     worker = target_worker(setup, model)
-    buf = setup.spec.empty(setup.device)
     synchronize(setup.device)
-    build_s = time.perf_counter() - t_build
-    plan = setup.plan
-
-    def step(s: int) -> None:
-        for g in range(plan.grad_accum):
-            worker.fill(buf, plan.layout.micro_index(s, g, plan.grad_accum, 0))
-
-    result = drive(step, setup.device, a.warmup, a.steps, t_build, a.profile)
-    flops = target_flops_per_micro(setup, model)
-    result.update(build_s=build_s, engine=kind, taps=setup.tap_ids, flops_per_micro=flops,
-                  payload_bytes=setup.spec.nbytes)
-    record_rates(result, plan.grad_accum * setup.spec.rows * a.seq_len, plan.grad_accum * flops["total"], ceiling)
-    add_useful(result, worker.rows["doc_ids"])
-    return result
+    return time_target(setup, worker, ceiling, t_build, build_s=time.perf_counter() - t_build, engine=kind)
 
 
 def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
@@ -242,6 +190,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
         flops += setup.plan.grad_accum * extra["target_flops_per_micro"]["total"]
     result.update(build_s=build_s, mask=mask, drafter_flops=counted, taps=setup.tap_ids,
                   drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+                  architecture="dflash2" if drafter.config.dflash2 else "dflash",
                   checkpointed_layers=drafter.checkpoint_layers if drafter.checkpoint_fn is not None else 0,
                   compiled_layers=bool(a.compile_layers), zero_stage=ds_cfg.get("zero_optimization", {}).get("stage"),
                   loss_chunks=setup.recipe.objective.loss_chunks, **extra)

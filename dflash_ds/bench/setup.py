@@ -149,6 +149,8 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
             # The recipe's per-layer attention is for another layer count: this geometry's drafter runs
             # full attention unless --set gives it a layout of its own.
             over += ["drafter.layer_types=null", "drafter.sliding_window=null"]
+    if getattr(args, "architecture", None):
+        over.append(f"drafter.architecture={args.architecture}")
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))

@@ -25,7 +25,6 @@ import torch
 from dflash_ds.model.attention import DFlashMask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.generate import eos_ids
-from dflash_ds.eval.tau import draft_tokens
 from dflash_ds.target.model import TapCapture, text_config
 
 
@@ -79,7 +78,7 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
     hidden = drafter(embeds, ctx, block_pos, ctx_pos, serving_masks(model, t, p.device))
-    return draft_tokens(hidden[0, 1:], model.lm_head).cpu()
+    return model.draft(hidden[:, 1:], block[:1]).cpu()[0]
 
 
 @torch.no_grad()

@@ -8,7 +8,9 @@ Convention (the one `dflash_ds.eval.specdec.speculative_generate` runs online, c
 - A cycle is anchored at the position `t` of the last token the target emitted (its bonus).
   The drafter sees the target's tapped hidden states of positions `< t` and the block
   `[x[t], MASK x (B-1)]` at positions `t .. t+B-1`; block slot `k` proposes the token at `t + k`.
-- `a(t)` = the number of leading slots `k = 1 .. B-1` whose argmax equals `x[t + k]`, capped at
+- `a(t)` = the number of leading slots `k = 1 .. B-1` whose drafted token equals `x[t + k]` (the
+  argmax for v1; for DFlash2 the token on the candidate selector's greedy path, walked from the
+  anchor exactly as the engines walk it, `DraftModel.draft`), capped at
   `end - t - 2` so that the cycle's last token, the target's own token at `t + a(t) + 1`, lies in
   the response. The cycle emits `a(t) + 1` tokens; the next cycle is anchored at `t + a(t) + 1`.
 - The walk starts at `t = P` and stops at `t = end - 1` (the last response token, which anchors
@@ -37,21 +39,11 @@ from typing import Sequence
 import torch
 
 from dflash_ds.model.attention import build_layer_masks
-from dflash_ds.model.draft_model import DraftModel
+# draft_tokens (a v1 drafter's proposals) lives with DraftModel.draft; still importable from here.
+from dflash_ds.model.draft_model import DraftModel, draft_tokens  # noqa: F401
 from dflash_ds.model.objective import block_inputs
 
 DEFAULT_BATCH_ANCHORS = 64
-
-
-def draft_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
-    """Greedy tokens of drafter states [..., D] through the target lm_head, in chunks of rows so
-    the [rows, vocab] logits of a 248K vocabulary stay small."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    w = lm_head_weight.to(device=flat.device, dtype=flat.dtype)
-    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
-    for i in range(0, flat.shape[0], chunk):
-        out[i:i + chunk] = (flat[i:i + chunk] @ w.T).argmax(-1)
-    return out.view(hidden.shape[:-1])
 
 
 @torch.no_grad()
@@ -92,7 +84,8 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
                                  doc_ids[:, :s_ctx], B, drafter.config.layer_attentions(), kind="dense")
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
-        drafts = draft_tokens(hidden.view(n, B, -1)[:, 1:], model.lm_head)  # [n, B-1]
+        # The path the engines propose: argmax per slot (v1) or the selector's walk (DFlash2).
+        drafts = model.draft(hidden.view(n, B, -1)[:, 1:], block_ids.view(n, B)[:, 0])  # [n, B-1]
         where = anchors[:, None] + slots[None]
         inside = where < end
         match = (drafts == y[where.clamp(max=end - 1)]) & inside

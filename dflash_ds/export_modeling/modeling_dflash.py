@@ -24,6 +24,11 @@ Each layer then narrows the mask as SGLang and vLLM run that layer, from the pos
 position q only when p - q < `sliding_window`; a causal layer only when q <= p. A layer is causal
 when config `is_causal` says so and, without it, exactly when it is a sliding layer.
 Returns the drafter's final-norm hidden states [b, Q, D]; logits = hidden @ lm_head.T.
+
+A DFlash2 export (`architectures: ["DFlash2DraftModel"]`) loads as `DFlash2DraftModel`: the same
+forward with every attention and MLP sublayer wrapped in a grouped dynamic convolution along each
+block (Q must be a whole number of blocks), plus `propose(hidden, anchor_ids, lm_head)`, the
+candidate selector's greedy walk that picks the drafted tokens from the drafting slots' states.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ class DFlashConfig(Qwen3Config):
     @property
     def mask_token_id(self) -> int:
         return int(self.dflash_config["mask_token_id"])
+
+    def dflash_value(self, name: str, default=None):
+        """A DFlash field: dflash_config first, then the top level (v1 keeps block_size there)."""
+        return self.dflash_config.get(name, getattr(self, name, default))
 
     @property
     def rope_base(self) -> float:
@@ -142,17 +151,62 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BlockConv(nn.Module):
+    """DFlash2's convolution around one sublayer. Tap t of block slot k reads slot k - t of the same
+    block (zeros before slot 0) with weight base_kernel[side, t, c] + dynamic[t, c // group_size];
+    the dynamic coefficients of both sides come from one projection of the sublayer's input."""
+
+    def __init__(self, hidden: int, taps: int, group_size: int, block_size: int):
+        super().__init__()
+        self.taps, self.groups, self.block_size = taps, hidden // group_size, block_size
+        base = torch.zeros(2, taps, hidden)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def _convolve(self, x, dynamic, base):
+        b, q, d = x.shape
+        n = q // self.block_size
+        if n * self.block_size != q:
+            raise ValueError(f"DFlash2 runs whole blocks: {q} block tokens is not a multiple of {self.block_size}")
+        xs = x.view(b, n, self.block_size, self.groups, d // self.groups)
+        w = base.to(x.dtype).view(self.taps, self.groups, -1) + dynamic.reshape(
+            b, n, self.block_size, self.taps, self.groups, 1)
+        out = w[..., 0, :, :] * xs
+        for t in range(1, self.taps):
+            out = out + w[..., t, :, :] * F.pad(xs[:, :, :-t], (0, 0, 0, 0, t, 0))
+        return out.view(b, q, d)
+
+    def prepare(self, x):
+        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, x, dynamic):
+        return self._convolve(x, dynamic, self.base_kernel[1])
+
+
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, dflash2: bool = False):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
         self.mlp = DFlashMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if dflash2:
+            conv = (cfg.hidden_size, int(cfg.dflash_value("conv_kernel_size")),
+                    int(cfg.dflash_value("conv_group_size")), int(cfg.dflash_value("block_size")))
+            self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
     def forward(self, x, ctx, rope_q, rope_k, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, after = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_k, mask), after)
+        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), after)
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -160,10 +214,12 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = "dflash"
     _no_split_modules = ["DFlashDecoderLayer"]
 
+    dflash2 = False
+
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         n_taps = len(config.target_layer_ids)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, self.dflash2) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(n_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -208,3 +264,52 @@ class DFlashDraftModel(PreTrainedModel):
                 masks[kind] = mask
             x = layer(x, ctx, rope_q, rope_k, masks[kind])
         return self.norm(x)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        rank = int(cfg.dflash_value("selector_rank"))
+        self.top_k = int(cfg.dflash_value("selector_top_k"))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, rank))
+
+
+class DFlash2Config(DFlashConfig):
+    """The same fields; a class of its own so that transformers maps it to DFlash2DraftModel (a remote
+    config class is registered with one model class)."""
+
+    def __init__(self, block_size=16, num_target_layers=36, dflash_config=None, is_causal=None, **kwargs):
+        super().__init__(block_size, num_target_layers, dflash_config, is_causal, **kwargs)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: the DFlash forward with block convolutions, plus the candidate selector."""
+
+    config_class = DFlash2Config
+    dflash2 = True
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Drafted tokens [b, L] from the final states [b, L, D] of a block's drafting slots (slots
+        1 .. B-1) and its anchor token ids [b]: the unary logits' top-k per slot, rescored by
+        unary + <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[candidate]>,
+        walked greedily from the anchor (prev = the token chosen at the slot before)."""
+        sel = self.candidate_selector
+        work = torch.promote_types(hidden.dtype, torch.float32)
+        unary, candidates = torch.topk(hidden @ lm_head.to(hidden.dtype).T, sel.top_k, dim=-1)
+        projected = sel.hidden_projection(hidden).to(work)
+        prev, path = anchor_ids.long(), []
+        for slot in range(hidden.shape[1]):
+            query = sel.predecessor_codebook[prev].to(work) * projected[:, slot]
+            pair = (sel.successor_codebook[candidates[:, slot]].to(work) * query[:, None]).sum(-1)
+            pick = (unary[:, slot].to(work) + pair).argmax(-1, keepdim=True)
+            prev = candidates[:, slot].gather(1, pick).squeeze(1)
+            path.append(prev)
+        return torch.stack(path, dim=1)

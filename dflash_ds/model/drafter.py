@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.model.attention import DFlashMask, attend
+from dflash_ds.model.dflash2 import BlockConv, CandidateSelector
 from dflash_ds.model.shape import INIT_STD, DrafterShape
 
 
@@ -120,7 +121,12 @@ class SwiGLU(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP."""
+    """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP.
+
+    DFlash2 wraps both sublayers in a block convolution (dflash2.BlockConv): the normalised input
+    is convolved before the sublayer and its output after it, with coefficients from one projection
+    of that normalised input; the residual adds the convolved output.
+    """
 
     def __init__(self, cfg: DrafterShape):
         super().__init__()
@@ -128,10 +134,21 @@ class DFlashLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.dflash2:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            # Built on a side stream of random numbers: the backbone's init draws stay those of a v1 drafter.
+            with torch.random.fork_rng(devices=[]):
+                self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), inputs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), inputs)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, after = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, inputs), after)
+        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), after)
 
 
 class DFlashDrafter(nn.Module):
@@ -144,6 +161,12 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash2: read by the loss and the draft walk, not by forward (its input is the output).
+        self.candidate_selector = None
+        if cfg.dflash2:
+            with torch.random.fork_rng(devices=[]):
+                self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
+                                                            cfg.selector_top_k)
         # Set from outside: `fn(function, *tensors)` wrapping each of the first
         # `checkpoint_layers` layers (DeepSpeed's non_reentrant_checkpoint at runtime).
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
@@ -152,12 +175,21 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """HF-style init: linears N(0, 0.02), norms 1. Deterministic under torch.manual_seed."""
+        """HF-style init: linears N(0, 0.02), norms 1; then DFlash2's modules their own (the
+        convolutions an exact no-op, the selector adding nothing). Deterministic under
+        torch.manual_seed, and a DFlash2 drafter's backbone draws the same numbers as a v1 drafter's
+        of the same shape (the DFlash2 modules draw after it)."""
+        extra = [m for m in self.modules() if isinstance(m, (BlockConv, CandidateSelector))]
+        owned = {id(sub) for m in extra for sub in m.modules()}
         for module in self.modules():
+            if id(module) in owned:
+                continue
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, INIT_STD)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        for module in extra:
+            module.reset_parameters()
 
     def layer_masks(self, mask: DFlashMask | Sequence[DFlashMask]) -> tuple[DFlashMask, ...]:
         """The mask of every layer, each checked against the layer's attention: a mask built for

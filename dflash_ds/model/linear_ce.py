@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from dflash_ds.model.compile import compile_once
 
-__all__ = ["KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl"]
+__all__ = ["KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
 
 
 class KLTerm(NamedTuple):
@@ -45,6 +45,7 @@ class _Settings(NamedTuple):
     grad_hidden: bool
     grad_weight: bool
     kl: KLTerm | None
+    top_k: int = 0  # > 0: also return each row's top_k token ids, taken from the chunk's logits
 
 
 def _ce_stats(logits, labels, weights):
@@ -112,7 +113,7 @@ def _elementwise(fn, device: torch.device):
 def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     """The whole computation; the gradients are those of loss = sum(w * (CE + kl_weight * T^2 *
     KL)) / normaliser, the KL term's target states [n, D] being those of the same rows."""
-    num_chunks, grad_hidden, grad_weight, kl_term = settings
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k = settings
     target = kl_term.target_hidden if kl_term is not None else None
     kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
     n, d = hidden.shape
@@ -130,6 +131,8 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     # Sized for whole chunks, so every input-gradient matmul writes `size` rows in place.
     g_hidden = hidden.new_empty(chunks * size, d) if grad_hidden else None
     g_weight = torch.zeros_like(weight) if grad_weight else None
+    # DFlash2's selector rescores these: taken here, from logits that exist anyway.
+    top = hidden.new_empty(chunks * size, top_k, dtype=torch.long) if top_k else None
     kl = target is not None
     kl_total = hidden.new_zeros((), dtype=acc_dtype)
     if kl:
@@ -149,6 +152,8 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
             sc = F.pad(sc, (0, pad)) if want_grad else None
             tc = F.pad(tc, (0, 0, 0, pad)) if kl else None
         logits = torch.mm(hc, weight.t())
+        if top_k:
+            top[i * size:(i + 1) * size] = logits.topk(top_k, dim=-1, sorted=True).indices
         if kl:
             # The target's logits of the same rows: one more lm_head matmul per chunk, and only
             # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
@@ -174,20 +179,22 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
         if want_grad:
             del g_logits
     correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total
+    top = top[:n] if top_k else hidden.new_zeros(n, 0, dtype=torch.long)
+    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, top
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, normaliser, settings: _Settings):
-        ce_total, correct, g_hidden, g_weight, kl_total = _run(hidden, weight, labels, weights, normaliser, settings)
+        ce_total, correct, g_hidden, g_weight, kl_total, top = _run(hidden, weight, labels, weights, normaliser,
+                                                                    settings)
         ctx.save_for_backward(g_hidden, g_weight)
         loss = _total(ce_total, kl_total, settings.kl) / normaliser
-        ctx.mark_non_differentiable(ce_total, correct, kl_total)
-        return loss, ce_total, correct, kl_total
+        ctx.mark_non_differentiable(ce_total, correct, kl_total, top)
+        return loss, ce_total, correct, kl_total, top
 
     @staticmethod
-    def backward(ctx, g_loss, _g_ce, _g_correct, _g_kl):
+    def backward(ctx, g_loss, _g_ce, _g_correct, _g_kl, _g_top):
         if torch.is_grad_enabled():
             # create_graph=True: the saved gradients are constants here, so a second derivative
             # would silently come out as zero.
@@ -246,6 +253,24 @@ def linear_cross_entropy_kl(
     (three lm_head matmuls per chunk instead of two), never for more than one chunk at a time.
     `kl_sum` = sum(w * KL), detached (0 without the term).
     """
+    return linear_cross_entropy_top_k(hidden, weight, labels, weights, normaliser, (num_chunks, 0), kl)[:4]
+
+
+def linear_cross_entropy_top_k(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normaliser: float | torch.Tensor,
+    chunks_and_k: tuple[int, int],
+    kl: KLTerm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_cross_entropy_kl` that also returns each row's top-k token ids `[n, k]` (int64, best
+    first), taken from the logits each chunk computes anyway: `chunks_and_k` = (num_chunks, k),
+    k = 0 for none (a `[n, 0]` tensor). Returns (loss, ce_sum, correct, kl_sum, top_k_ids)."""
+    num_chunks, top_k = chunks_and_k
+    if not 0 <= top_k <= weight.shape[0]:
+        raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
     if num_chunks < 1:
         raise ValueError(f"objective.loss_chunks must be >= 1, got {num_chunks}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -265,9 +290,9 @@ def linear_cross_entropy_kl(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
-    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on)
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k)
     if not (grad_hidden or grad_weight):
-        ce_total, correct, _, _, kl_total = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
-                                                 settings)
-        return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total
+        ce_total, correct, _, _, kl_total, top = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
+                                                      settings)
+        return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total, top
     return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, settings)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dflash_ds.model.linear_ce import KLTerm, linear_cross_entropy_kl
+from dflash_ds.model.linear_ce import KLTerm, linear_cross_entropy_top_k
 
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -197,6 +197,12 @@ class LossOutput(NamedTuple):
     ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
     correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
     kl_sum: torch.Tensor | None = None  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
+    # LossOptions.top_k > 0: int64 [rows, k] top-k token ids of every projected slot, best first, in
+    # `slot_rows` order (taken from the loss's own logits); None otherwise.
+    candidates: torch.Tensor | None = None
+    # DFlash2 (model.loss.drafter_loss): detached (sum(w * selector CE), sum(w) of slots whose gold is
+    # among the candidates, sum(w) of slots the selector ranks the gold first); None otherwise.
+    selector: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -211,16 +217,28 @@ class LossOptions:
     """Each chunk under non-reentrant activation checkpointing (the unfused path)."""
     fused: bool = False
     """linear_ce: the lm_head's input gradient computed in the forward (objective.fused_loss)."""
+    top_k: int = 0
+    """> 0: also return each projected slot's top-k token ids (DFlash2's selector candidates)."""
 
 
-def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None):
+def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
+    """`[b, Q, ...]` -> `[rows, ...]`: the projected slots in the loss's row order (blocks without
+    their slot 0 when `block_size` is set), the order of `LossOutput.candidates`."""
+    b, q = t.shape[:2]
+    u = _units(t, b, q, block_size)
+    return u.reshape(u.shape[0] * u.shape[1], *t.shape[2:])
+
+
+def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None, top_k: int = 0):
     # One chunk of `c` units of `u` slots: hidden [c, u, D] (a strided view), the rest [c, u].
-    # The only lm_head matmul of the chunk; argmax and the KL reuse its logits. `kl`, when on,
-    # holds `target_logits_fn`.
+    # The only lm_head matmul of the chunk; argmax, the top-k and the KL reuse its logits. `kl`,
+    # when on, holds `target_logits_fn`.
     h = hidden.reshape(-1, hidden.shape[-1])
     lab = labels.reshape(-1)
     w = slot_weights.reshape(-1)
-    logits = F.linear(h, weight).to(w.dtype)
+    logits = F.linear(h, weight)
+    top = logits.topk(top_k, dim=-1, sorted=True).indices if top_k else lab.new_zeros(lab.shape[0], 0)
+    logits = logits.to(w.dtype)
     hit = (logits.argmax(-1) == lab) & (w > 0)
     if kl is not None:
         temperature = kl.temperature
@@ -234,7 +252,7 @@ def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None):
     else:
         ce = F.cross_entropy(logits, lab, reduction="none")
         kl_part = w.new_zeros(())
-    return (ce * w).sum(), kl_part, hit
+    return (ce * w).sum(), kl_part, hit, top
 
 
 def _units(t: torch.Tensor, b: int, q: int, block_size: int | None) -> torch.Tensor:
@@ -322,7 +340,7 @@ def chunked_loss(
     use_ckpt = checkpoint and torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
     ce_total = hidden.new_zeros((), dtype=acc_dtype)
     kl_total = hidden.new_zeros((), dtype=acc_dtype)
-    hits = []
+    hits, tops = [], []
     # What a chunk needs of the KL term: the (possibly just built) target_logits_fn.
     chunk_kl = KLTerm(kl_weight, kl_temperature, target_logits_fn=target_logits_fn) if kl_weight > 0 else None
     for chunk in zip(*(t.split(size) for t in parts)):
@@ -332,21 +350,23 @@ def chunked_loss(
             chunk = (F.pad(chunk[0], (0, 0, 0, 0, 0, pad)),) + tuple(F.pad(t, (0, 0, 0, pad)) for t in chunk[1:])
         hc, lc, wc = chunk[:3]
         ic = chunk[3] if kl_weight > 0 else None
-        args = (hc, lm_head_weight, lc, wc, ic, chunk_kl)
+        args = (hc, lm_head_weight, lc, wc, ic, chunk_kl, options.top_k)
         if use_ckpt:
             # The chunk draws no random numbers, so no RNG state needs saving (and none is read
             # from the device, which CUDA graph capture would not allow).
-            ce, kl, hit = _checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
+            ce, kl, hit, top = _checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
         else:
-            ce, kl, hit = _chunk_loss(*args)
+            ce, kl, hit, top = _chunk_loss(*args)
         ce_total = ce_total + ce
         kl_total = kl_total + kl
         hits.append(hit.view(size, per_unit))
+        tops.append(top)
     correct = torch.cat(hits)[:units]
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
     total = ce_total + (kl_weight * kl_temperature ** 2) * kl_total if kl_weight > 0 else ce_total
-    return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach())
+    candidates = torch.cat(tops)[:units * per_unit] if options.top_k else None
+    return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach(), candidates)
 
 
 def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: LossOptions,
@@ -368,12 +388,12 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: Lo
     if kl_weight > 0:
         t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
         rows_kl = KLTerm(kl_weight, kl.temperature, t)
-    loss, ce_sum, hit, kl_sum = linear_cross_entropy_kl(h, lm_head_weight, lab, w.reshape(-1), normaliser,
-                                                        options.num_chunks, rows_kl)
+    loss, ce_sum, hit, kl_sum, top = linear_cross_entropy_top_k(h, lm_head_weight, lab, w.reshape(-1), normaliser,
+                                                                (options.num_chunks, options.top_k), rows_kl)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
-    return LossOutput(loss, ce_sum, correct.view(b, q), kl_sum.to(acc_dtype))
+    return LossOutput(loss, ce_sum, correct.view(b, q), kl_sum.to(acc_dtype), top if options.top_k else None)
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):

@@ -29,12 +29,22 @@ from dflash_ds.model.attention import LayerAttention
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
 ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
+ARCHITECTURE_V2 = "DFlash2DraftModel"  # DFlash2: the same backbone plus the convolutions and the selector
+ARCHITECTURES = (ARCHITECTURE, ARCHITECTURE_V2)
+# DFlash2's fields, in dflash_config order; the published shape (z-lab's) is 2, 16, 256, 16.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 INIT_STD = 0.02
 
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
 # own full-attention layers (head_dim 256, partial rotary) are not what the published drafters
 # use; docs/algorithm.md section 1 gives the 27B geometry. Sizes not listed fall back to the target's values.
 _QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}}
+
+
+# Published taps that differ from build_target_layer_ids, keyed by (drafter.architecture, target layers,
+# taps): z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read [5, 19, 33, 47, 61] (v1 reads
+# [1, 16, 31, 46, 61] there). Used when drafter.target_layer_ids is null.
+TAP_PRESETS = {("dflash2", 64, 5): (5, 19, 33, 47, 61)}
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -143,8 +153,15 @@ class DrafterShape:
     """Block slot k sees only slots <= k of its own block. None = the engines' default for a config
     without `is_causal` (sliding layers causal, full layers bidirectional); True/False = every layer.
     Exported as config.json's `is_causal` only when set."""
-    # DFlash2 drafters add their fields here (conv kernel and group size, selector rank and top-k),
-    # each with a default that means "off".
+    # DFlash2 (docs/algorithm.md section 8): all four 0 = a v1 drafter, all four >= 1 = DFlash2.
+    conv_kernel_size: int = 0
+    """Taps of the block convolution around every attention and MLP sublayer."""
+    conv_group_size: int = 0
+    """Channels sharing one dynamic convolution coefficient."""
+    selector_rank: int = 0
+    """Rank of the candidate selector's pair scores."""
+    selector_top_k: int = 0
+    """Unary candidates the selector rescores per slot."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -195,6 +212,28 @@ class DrafterShape:
                 "served with plain RoPE; set rope_scaling to null"
             )
         object.__setattr__(self, "rope_scaling", None)  # {"rope_type": "default"} means the same
+        self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        values = [getattr(self, f) for f in DFLASH2_FIELDS]
+        if not any(values):
+            return
+        if min(values) < 1:
+            raise ValueError(f"a DFlash2 drafter needs drafter.{', drafter.'.join(DFLASH2_FIELDS)} >= 1, got {values}; "
+                             "set drafter.architecture: dflash for a v1 drafter")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"drafter.conv_kernel_size ({self.conv_kernel_size}) must not exceed drafter.block_size "
+                             f"({self.block_size}): the convolution runs inside one block")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"drafter.conv_group_size ({self.conv_group_size}) must divide the hidden size "
+                             f"{self.hidden_size}; DFlash2 uses 16")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"drafter.selector_top_k ({self.selector_top_k}) exceeds the vocabulary ({self.vocab_size})")
+
+    @property
+    def dflash2(self) -> bool:
+        """A DFlash2 drafter (block convolutions and the candidate selector)."""
+        return self.selector_rank > 0
 
     @property
     def num_taps(self) -> int:
@@ -210,7 +249,9 @@ class DrafterShape:
         recipe's choices: `choices` is the recipe's `drafter` section (config.DrafterSection), read
         by attribute name (num_layers, block_size, mask_token_id, target_layer_ids,
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim; None = the target's;
-        layer_types, sliding_window, is_causal; None = every layer full, no window, the engines' default).
+        layer_types, sliding_window, is_causal; None = every layer full, no window, the engines' default;
+        architecture and, for dflash2, the four DFLASH2_FIELDS; a section without `architecture`
+        means dflash).
 
         A multimodal Qwen3.5 config is reduced to its `text_config`. Head geometry defaults to the
         target's, except for Qwen3.5/3.6 targets of a listed size (see `_QWEN35_DRAFTER_HEADS`);
@@ -230,10 +271,14 @@ class DrafterShape:
         if str(getattr(text, "model_type", "")).startswith("qwen3_5"):
             defaults.update(_QWEN35_DRAFTER_HEADS.get(hidden, {}))
         num_target_layers = int(text.num_hidden_layers)
+        architecture = getattr(choices, "architecture", "dflash")
+        if architecture not in ("dflash", "dflash2"):
+            raise ValueError(f"drafter.architecture must be dflash or dflash2, got {architecture!r}")
         if target_layer_ids is None:
             if num_layers < 1:
                 raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}")
-            target_layer_ids = build_target_layer_ids(num_target_layers, num_layers)
+            target_layer_ids = TAP_PRESETS.get((architecture, num_target_layers, num_layers)) or \
+                build_target_layer_ids(num_target_layers, num_layers)
         if intermediate_size is None:
             # MoE targets (e.g. Qwen3.5-MoE) have no dense MLP width to copy.
             intermediate_size = getattr(text, "intermediate_size", None)
@@ -245,6 +290,7 @@ class DrafterShape:
         tie = getattr(text, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(target_config, "tie_word_embeddings", False)
+        v2 = {f: int(getattr(choices, f)) if architecture == "dflash2" else 0 for f in DFLASH2_FIELDS}
         return cls(
             hidden_size=hidden,
             intermediate_size=int(intermediate_size),
@@ -265,6 +311,7 @@ class DrafterShape:
             layer_types=tuple(choices.layer_types or ()),
             sliding_window=choices.sliding_window,
             is_causal=choices.is_causal,
+            **v2,
         )
 
     def mismatches(self, other: "DrafterShape") -> list[tuple[str, Any, Any]]:
@@ -274,15 +321,16 @@ class DrafterShape:
 
     def to_hf_config(self) -> dict:
         """The exported config.json (docs/algorithm.md section 6): a qwen3 model with a `dflash_config` section."""
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.dflash2:
+            # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
+            dflash.update({"block_size": self.block_size, **{f: getattr(self, f) for f in DFLASH2_FIELDS}})
         return {
-            "architectures": [ARCHITECTURE],
+            "architectures": [ARCHITECTURE_V2 if self.dflash2 else ARCHITECTURE],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": dflash,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -320,6 +368,20 @@ class DrafterShape:
         if theta is None:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
+        v2 = ARCHITECTURE_V2 in (config.get("architectures") or [])
+        if v2:
+            missing = [f for f in DFLASH2_FIELDS if f not in dflash]
+            if missing:
+                raise ValueError(f"a {ARCHITECTURE_V2} config.json needs dflash_config.{', '.join(missing)}")
+            # Optional logit transforms of the unary scores: this drafter trains and evaluates without them.
+            scaled = {k: dflash[k] for k in ("output_multiplier", "final_logit_softcapping")
+                      if dflash.get(k) not in (None, 0, 0.0) and not (k == "output_multiplier" and dflash[k] == 1.0)}
+            if scaled:
+                raise ValueError(f"dflash_config {scaled} is not supported: dflash-ds trains and evaluates "
+                                 "unscaled, uncapped unary logits")
+        block_size = dflash.get("block_size", config.get("block_size"))
+        if block_size is None:
+            raise ValueError("config.json has no block_size (top level or dflash_config)")
         layer_types = tuple(config.get("layer_types") or ())
         is_causal = config.get("is_causal")
         if is_causal is None:
@@ -338,7 +400,7 @@ class DrafterShape:
             vocab_size=int(config["vocab_size"]),
             num_target_layers=int(config["num_target_layers"]),
             target_layer_ids=tuple(dflash["target_layer_ids"]),
-            block_size=int(config["block_size"]),
+            block_size=int(block_size),
             mask_token_id=int(dflash["mask_token_id"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             layer_types=layer_types,
@@ -346,6 +408,7 @@ class DrafterShape:
             sliding_window=(config.get("sliding_window") or dflash.get("swa_window_size"))
             if SLIDING_ATTENTION in layer_types else None,
             is_causal=None if is_causal is None else bool(is_causal),
+            **{f: int(dflash[f]) if v2 else 0 for f in DFLASH2_FIELDS},
         )
 
     def replace(self, **changes: Any) -> "DrafterShape":
@@ -371,4 +434,8 @@ COMPARED = {
     "is_causal": "drafter.is_causal",
     "vocab_size": "target.path (the target's vocabulary)",
     "num_target_layers": "target.path (the target's layer count)",
+    "conv_kernel_size": "drafter.architecture / drafter.conv_kernel_size",
+    "conv_group_size": "drafter.architecture / drafter.conv_group_size",
+    "selector_rank": "drafter.architecture / drafter.selector_rank",
+    "selector_top_k": "drafter.architecture / drafter.selector_top_k",
 }

@@ -119,6 +119,7 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the
     target group at load time, gathered layer by layer each forward.
     """
+    from dflash_ds.target import fp8 as fp8_target
     from dflash_ds.target.model import load_target
     from dflash_ds.runtime.zero_inference import load_target_zero3
 
@@ -128,5 +129,25 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     if kind == "zero3":
         return load_target_zero3(t.path, cfg, group, dtype=t.dtype, attn_implementation=t.attn_implementation,
                                  adapter=t.adapter), kind
-    model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation)
-    return replica(model, cfg, device), kind
+    fp8 = t.quantization == "fp8"
+    if fp8:
+        fp8_target.check_device(device)
+    model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation,
+                        keep_fp8=fp8)
+    return quantized_replica(recipe, model, cfg, device), kind
+
+
+def quantized_replica(recipe: Recipe, model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn.Module:
+    """The replica, its linear layers in FP8 when target.quantization says so (quantized on the
+    device, after the move; an FP8 checkpoint's layers already are), compiled for the micro-batch
+    shape. The replica JSON's dtype equals target.dtype (checked before launch), which the model was
+    loaded in, so the FP8 weights are never cast."""
+    from dflash_ds.target import fp8 as fp8_target
+
+    if recipe.target.quantization != "fp8":
+        return replica(model, cfg, device)
+    model = model.to(device)
+    if not any(isinstance(m, fp8_target.Fp8Linear) for m in model.modules()):
+        fp8_target.quantize_model(model, fp8_target.ROWS)
+    fp8_target.compile_for(model, recipe.optim.rows_per_micro_batch * recipe.data.max_length)
+    return model

@@ -116,7 +116,9 @@ def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hi
                + receive_depth(plan.grad_accum) * payload
                + r * n * b * hidden * 2 * 12 * recipe.drafter.num_layers  # block activations
                + r * n * b * vocab * 4 / recipe.objective.loss_chunks * 2)  # one loss chunk's logits + grad
-    target = t_params * 2 + (recipe.topology.max_in_flight + 1) * payload + r * s * hidden * 2 * 16
+    # bf16 weights; FP8 projections take 1 byte a weight (the embedding stays bf16)
+    weights = t_params + vocab * hidden if recipe.target.quantization == "fp8" else t_params * 2
+    target = weights + (recipe.topology.max_in_flight + 1) * payload + r * s * hidden * 2 * 16
     return {"drafter": drafter / gib, "target": target / gib}
 
 

@@ -25,6 +25,7 @@ from dflash_ds.spec.dtypes import payload_dtype
 from dflash_ds.spec.payload import PayloadSpec
 from dflash_ds.spec.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.spec.topology import Layout, TopologyError
+from dflash_ds.target import fp8
 from dflash_ds.target.model import Geometry, load_config, target_geometry
 
 
@@ -92,6 +93,9 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
     tcfg = load_config(recipe.target.path)
+    refused = fp8.recipe_refusal(recipe.target, device.type, target_kind, tcfg)
+    if refused:
+        raise RecipeError(refused)
     geo = target_geometry(tcfg)
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
     if recipe.drafter.init_from:
@@ -152,6 +156,11 @@ def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: Geometr
     plan = resolve(recipe, world_size, num_rows)
     dp = drafter_params(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
                         c.num_key_value_heads, c.head_dim, c.num_taps)
+    if c.dflash2:
+        # The selector's two [vocab, rank] codebooks and projection, and the block convolutions.
+        d, k = c.hidden_size, c.conv_kernel_size
+        conv = 2 * k * d + (2 * k * d // c.conv_group_size) * d  # base kernel + kernel projection
+        dp += (2 * c.vocab_size + d) * c.selector_rank + c.num_hidden_layers * 2 * conv
     # The KL term keeps every target layer and sends one more tap (the final-norm state).
     kl = recipe.objective.kl_weight > 0
     last = g.num_layers if kl else max(c.target_layer_ids) + 1

@@ -96,15 +96,30 @@ def truncate_after(model: nn.Module, last_layer: int) -> None:
 
 
 def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16", device="cpu",
-                attn_implementation: str = "sdpa", last_layer: int | None = None) -> nn.Module:
-    """The frozen target as an eval-mode causal LM (text tower only)."""
+                attn_implementation: str = "sdpa", last_layer: int | None = None, keep_fp8: bool = False) -> nn.Module:
+    """The frozen target as an eval-mode causal LM (text tower only).
+
+    A fine-grained FP8 checkpoint (target.fp8) is loaded as stored and its FP8 linears become
+    target.fp8.Fp8Linear on `device` with `keep_fp8` (on a GPU), else nn.Linear with the
+    dequantized weights (transformers dequantizes them itself when no GPU is present)."""
     from transformers import AutoModelForCausalLM
 
-    load_config(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    from dflash_ds.target import fp8
+
+    config = load_config(path)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                                                       output_loading_info=True)
+    if fp8.checkpoint_fp8(config):
+        unscaled = [k for k in info.get("missing_keys", ()) if k.endswith("weight_scale_inv")]
+        if unscaled:
+            raise TargetError(f"target.path {path!r}: the FP8 checkpoint has no weight_scale_inv for {unscaled[0]} "
+                              f"(and {len(unscaled) - 1} more); its quantization_config.modules_to_not_convert must "
+                              "list the layers it stores unquantized")
     if adapter:
         model = merge_adapter(model, adapter)
-    return freeze(model, last_layer).to(device)
+    model = freeze(model, last_layer).to(device)
+    fp8.convert_checkpoint_linears(model, keep_fp8, DTYPES[dtype])
+    return model
 
 
 def freeze(model: nn.Module, last_layer: int | None = None) -> nn.Module:
@@ -231,5 +246,12 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
     out = []
     for name in (embed_name, head_name):
         with safe_open(str(root / weight_map[name]), "pt", device="cpu") as f:
-            out.append(f.get_tensor(name).to(dtype=dtype, device=device))
+            w = f.get_tensor(name)
+        scale_name = name + "_scale_inv"  # an FP8 checkpoint that quantized it too: dequantize
+        if scale_name in weight_map:
+            from dflash_ds.target.fp8 import dequantize
+
+            with safe_open(str(root / weight_map[scale_name]), "pt", device="cpu") as f:
+                w = dequantize(w, f.get_tensor(scale_name))
+        out.append(w.to(dtype=dtype, device=device))
     return out[0], out[1]

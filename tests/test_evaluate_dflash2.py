@@ -1,0 +1,122 @@
+"""A DFlash2 drafter's exact offline tau walks the selector's path (what the engines accept), and equals
+the online reference speculative loop cycle for cycle. The drafter is trained here with the project's
+drafter_loss (base CE plus the selector term) so that multi-token acceptance occurs and the selector's
+path differs from the per-slot argmax."""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ds.config import DrafterSection
+from dflash_ds.model.attention import DFlashMask
+from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
+from dflash_ds.eval.specdec import draft_block, speculative_generate
+from dflash_ds.eval.tau import accept_lengths
+from dflash_ds.model.draft_model import DraftModel, draft_tokens
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.loss import MicroBatch, SelectorSchedule, StepSettings, drafter_loss, make_blocks
+from dflash_ds.model.shape import DrafterShape
+
+VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
+
+
+@pytest.fixture(scope="module")
+def world():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                      rope_theta=1e6, tie_word_embeddings=False)
+    target = Qwen3ForCausalLM(cfg).double().eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 120, (PROMPT_LEN,), generator=gen) for _ in range(6)]
+    sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
+    section = DrafterSection(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
+                             architecture="dflash2", conv_group_size=16, selector_rank=16, selector_top_k=8)
+    shape = DrafterShape.from_target(target.config, section)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(shape).double()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    model = DraftModel(drafter, embed, head)
+    x = torch.stack(sequences)
+    loss_mask = torch.zeros_like(x, dtype=torch.bool)
+    loss_mask[:, PROMPT_LEN:] = True
+    mb = MicroBatch(torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences]), x, loss_mask,
+                    torch.zeros_like(x, dtype=torch.int32))
+    settings = StepSettings(shape=shape, num_anchors=24, gamma=4.0, loss_chunks=2, mask_kind="dense", seed=0,
+                            selector=SelectorSchedule(alpha=1.0, inject_gold=True))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(120):
+        blocks = make_blocks(mb, settings, step)
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.selector_term(step, 120))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    drafter.eval().requires_grad_(False)
+    return dict(target=target, prompts=prompts, sequences=sequences, model=model)
+
+
+def test_dflash2_online_loop_matches_the_offline_selector_walk(world):
+    w = world
+    sequences = []
+    report = offline_tau(w["target"], w["model"], w["prompts"], max_new_tokens=NEW, sequences=sequences)
+    for prompt, x, cycles in zip(w["prompts"], sequences, report.cycles):
+        ids, counts = speculative_generate(w["target"], w["model"], prompt, max_new_tokens=NEW)
+        assert ids.tolist() == x[prompt.numel():].tolist()
+        assert counts == cycles
+    accepted = [c - 1 for cycles in report.cycles for c in cycles]
+    assert max(accepted) >= 3 and report.tau_mean > 2.0
+
+
+def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
+    """a(t) of the batched offline pass equals drafting each anchor alone with the selector's walk, and
+    at some anchors of the trained drafter that walk differs from the per-slot argmax."""
+    w = world
+    model = w["model"]
+    x = w["sequences"][1]
+    taps = target_taps(w["target"], x, LAYER_IDS)
+    end = x.numel()
+    a = accept_lengths(model, taps, x, PROMPT_LEN, end, batch_anchors=7)
+    expected, differs = [], 0
+    drafter, p = model.drafter, next(model.drafter.parameters())
+    for t in range(PROMPT_LEN, end):
+        drafts = draft_block(model, taps[:t], int(x[t]))
+        n = 0
+        while n < B - 1 and t + n + 1 < end and int(drafts[n]) == int(x[t + n + 1]):
+            n += 1
+        expected.append(max(0, min(n, end - t - 2)))
+        # The same block's argmax proposal, from the same states.
+        block = torch.full((1, B), model.mask_token_id, dtype=torch.long)
+        block[0, 0] = x[t]
+        mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
+        with torch.no_grad():
+            hidden = drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]),
+                             torch.arange(t, t + B)[None], torch.arange(t)[None], mask)
+        differs += int(not torch.equal(draft_tokens(hidden[0, 1:], model.lm_head), drafts))
+    assert a.tolist() == expected
+    assert differs > 0
+
+
+def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
+    """The trained drafter's proposals at every anchor of the two prompts it never saw equal the
+    re-implementation of SGLang's lattice walk (tests/test_dflash2.py) on the same states."""
+    from .test_dflash2 import sglang_lattice_walk
+
+    w = world
+    model = w["model"]
+    drafter, p = model.drafter, next(model.drafter.parameters())
+    differs = 0
+    for prompt in w["prompts"][4:]:
+        x = greedy_continuation(w["target"], prompt, max_new_tokens=NEW)
+        taps = target_taps(w["target"], x, LAYER_IDS)
+        for t in range(PROMPT_LEN, x.numel() - 1, 3):
+            block = torch.full((1, B), model.mask_token_id, dtype=torch.long)
+            block[0, 0] = x[t]
+            mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
+            with torch.no_grad():
+                hidden = drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]),
+                                 torch.arange(t, t + B)[None], torch.arange(t)[None], mask)[:, 1:]
+                ours = model.draft(hidden, x[t:t + 1])
+                theirs = sglang_lattice_walk(drafter.candidate_selector, hidden, model.lm_head, x[t:t + 1])
+            assert torch.equal(ours, theirs), t
+            differs += int(not torch.equal(ours, draft_tokens(hidden, model.lm_head)))
+    assert differs > 0

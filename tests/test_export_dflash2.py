@@ -1,0 +1,230 @@
+"""A DFlash2 export: tensor names and shapes against the rules of z-lab's public DFlash2 header fixture
+(tests/fixtures/dflash2_header_rules.json, restated as formulas), config.json fields, a bit-exact round
+trip, AutoModel loading with outputs and proposals equal to the project's drafter, the model card."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import Qwen3Config
+
+import dflash_ds.export as export
+from dflash_ds.config import DrafterSection
+from dflash_ds.export import load_drafter, save_drafter
+from dflash_ds.model.attention import DFlashMask, build_mask
+from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.shape import DrafterShape
+
+RULES = json.loads((Path(__file__).parent / "fixtures" / "dflash2_header_rules.json").read_text())
+D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, B = 64, 4, 2, 16, 96, 128, 8
+
+
+def tiny_target_config():
+    return Qwen3Config(hidden_size=D, intermediate_size=INTER, num_hidden_layers=8, num_attention_heads=HEADS,
+                       num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB,
+                       max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def make_drafter(seed=0, num_layers=2):
+    section = DrafterSection(num_layers=num_layers, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
+                             architecture="dflash2", conv_group_size=16, selector_rank=12, selector_top_k=6)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    with torch.no_grad():  # every tensor distinct (the convolutions and selector included)
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return drafter
+
+
+def rule_shapes(symbols: dict, layers: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape the rules give for one configuration."""
+    def ev(expr):
+        return int(eval(expr, {"__builtins__": {}}, dict(symbols)))  # formulas of the rules file only
+
+    out = {name: tuple(ev(e) for e in r["shape"]) for name, r in RULES["global"].items()}
+    for name, r in RULES["per_layer"].items():
+        for i in range(layers):
+            out[name.format(i=i)] = tuple(ev(e) for e in r["shape"])
+    return out
+
+
+def test_rules_reproduce_the_public_fixture_shapes():
+    # The formulas, evaluated at the fixture's configuration, give the fixture's own shapes.
+    ex = RULES["example_config"]
+    shapes = rule_shapes(ex, ex["layers"])
+    for name, r in RULES["global"].items():
+        assert shapes[name] == tuple(r["example"]), name
+    for name, r in RULES["per_layer"].items():
+        assert shapes[name.format(i=ex["layers"] - 1)] == tuple(r["example"]), name
+    assert len(shapes) == len(RULES["global"]) + ex["layers"] * len(RULES["per_layer"])
+
+
+def test_expected_shapes_follow_the_public_rules_at_the_published_width():
+    # DFlash2's published geometry (z-lab's fixture), without its optional logit transforms.
+    ex = RULES["example_config"]
+    shape = DrafterShape(hidden_size=ex["D"], intermediate_size=ex["I"], num_hidden_layers=ex["layers"],
+                         num_attention_heads=ex["H"], num_key_value_heads=ex["KV"], head_dim=ex["HD"],
+                         rms_norm_eps=1e-5, rope_theta=5e5, rope_scaling=None, max_position_embeddings=131072,
+                         vocab_size=ex["V"], num_target_layers=52, target_layer_ids=(1, 13, 25, 37, 49),
+                         block_size=16, mask_token_id=201818, tie_word_embeddings=False, conv_kernel_size=ex["K"],
+                         conv_group_size=ex["G"], selector_rank=ex["R"], selector_top_k=16)
+    assert export.expected_shapes(shape) == rule_shapes(ex, ex["layers"])
+
+
+def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
+    drafter = make_drafter()
+    out = save_drafter(drafter, tmp_path / "export")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        got = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+        dtypes = {f.get_slice(n).get_dtype() for n in f.keys()}
+    cfg = drafter.config
+    symbols = dict(D=D, H=HEADS, KV=KV_HEADS, HD=HEAD_DIM, I=INTER, T=3, K=cfg.conv_kernel_size,
+                   G=cfg.conv_group_size, R=cfg.selector_rank, V=VOCAB)
+    assert got == rule_shapes(symbols, 2)
+    assert dtypes == {"BF16"}
+    config = json.loads((out / "config.json").read_text())
+    rules = RULES["config"]
+    assert config["architectures"] == rules["architectures"] and config["model_type"] == rules["model_type"]
+    assert sorted(config["dflash_config"]) == sorted(rules["dflash_config_keys"])
+    assert config["dflash_config"] == {"block_size": B, "conv_group_size": 16, "conv_kernel_size": 2,
+                                       "mask_token_id": VOCAB - 1, "selector_rank": 12, "selector_top_k": 6,
+                                       "target_layer_ids": [1, 3, 5]}
+    present = [k for k in rules["top_level_keys"] if k in config]
+    assert {"num_target_layers", "layer_types", "use_sliding_window", "sliding_window",
+            "max_window_layers"} <= set(present)
+    assert config["auto_map"] == export.AUTO_MAP_V2
+    card = (out / "README.md").read_text()
+    assert "# DFlash2 drafter" in card and '"num_speculative_tokens": 7' in card
+    assert "--speculative-num-draft-tokens 8" in card and "DFlash2DraftModel" in card
+
+
+def test_round_trip_is_bit_exact_and_a_v1_reader_refuses_nothing_silently(tmp_path):
+    drafter = make_drafter(seed=1)
+    out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    back = load_drafter(out)
+    assert back.config == drafter.config and back.config.dflash2
+    for n, t in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[n], t), n
+    # A DFlash2 config with a missing field or an unsupported logit transform is refused, naming it.
+    config = json.loads((out / "config.json").read_text())
+    broken = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != "selector_rank"})
+    with pytest.raises(ValueError, match="selector_rank"):
+        DrafterShape.from_hf_config(broken)
+    capped = dict(config, dflash_config=dict(config["dflash_config"], final_logit_softcapping=20.0))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        DrafterShape.from_hf_config(capped)
+    # Tensors that do not match the config are refused at load.
+    (out / "config.json").write_text(json.dumps(dict(config, dflash_config=dict(config["dflash_config"],
+                                                                                   selector_rank=13))))
+    with pytest.raises(ValueError, match="candidate_selector"):
+        load_drafter(out)
+
+
+def test_automodel_loads_dflash2_and_equals_the_drafter(tmp_path):
+    from transformers import AutoModel
+
+    drafter = make_drafter(seed=3)
+    sel = drafter.candidate_selector
+    with torch.no_grad():  # pair scores of the size of the unary logits, so that the path changes
+        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+            p.normal_(0, 1.0)
+    out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DFlash2DraftModel"
+    ours = load_drafter(out, dtype=torch.float32)
+    got_state = model.state_dict()
+    assert sorted(got_state) == sorted(ours.state_dict())
+    assert all(torch.equal(got_state[n], t) for n, t in ours.state_dict().items())
+
+    torch.manual_seed(0)
+    b, S, N = 2, 24, 3
+    taps = torch.randn(b, S, 3 * D)
+    anchors = torch.tensor([[3, 9, 15], [2, 14, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    doc_ids = torch.zeros(b, S, dtype=torch.int32)
+    ctx_pos = torch.arange(S)[None].expand(b, -1)
+    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(b, N * B)
+    embeds = torch.randn(b, N * B, D)
+    mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
+    with torch.no_grad():
+        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, mask)
+        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1), attention_mask=mask.dense)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Without its convolutions the output differs: the comparison sees them.
+    with torch.no_grad():
+        for layer in ours.layers:
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+        bare = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, mask)
+    assert not torch.allclose(bare, want, rtol=1e-3, atol=1e-3)
+    ours = load_drafter(out, dtype=torch.float32)
+
+    # The serving call: one block after the context, then the selector's proposals.
+    lm_head = torch.randn(VOCAB, D)
+    with torch.no_grad():
+        one = DFlashMask(query_len=B, kv_len=S + B, dense=torch.ones(1, 1, B, S + B, dtype=torch.bool))
+        bp = torch.arange(S, S + B)[None]
+        hidden = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], one)
+        hidden_remote = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
+        torch.testing.assert_close(hidden_remote, hidden, rtol=1e-5, atol=1e-5)
+        anchor = torch.tensor([7])
+        want_tokens = DraftModel(ours, torch.zeros(VOCAB, D), lm_head).draft(hidden[:, 1:], anchor)
+        got_tokens = model.propose(hidden[:, 1:], anchor, lm_head)
+    assert torch.equal(got_tokens, want_tokens)
+    assert not torch.equal(want_tokens, (hidden[:, 1:] @ lm_head.T).argmax(-1))  # the selector acts here
+
+
+@pytest.mark.parametrize("is_causal", [False, None])
+def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_causal):
+    """DFlash2 in its published layout (every layer sliding, is_causal false) and with the engines'
+    default causality: the remote code's windows and convolutions give the drafter's output."""
+    from transformers import AutoModel
+
+    from dflash_ds.eval.specdec import serving_masks
+    from dflash_ds.model.attention import build_layer_masks
+
+    W, S, N = 10, 24, 3  # a window of 10 over blocks of 8: the context is cut at every anchor
+    section = DrafterSection(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
+                             architecture="dflash2", selector_rank=12, selector_top_k=6,
+                             layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
+                             is_causal=is_causal)
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == W
+    assert config.get("is_causal") == is_causal
+    model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == "DFlash2DraftModel"
+    ours = load_drafter(out, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(2, S, 3 * D, generator=g)
+    anchors = torch.tensor([[3, 9, 15], [2, 14, 20]])
+    valid = torch.ones(2, N, dtype=torch.bool)
+    doc_ids = torch.zeros(2, S, dtype=torch.int32)
+    ctx_pos = torch.arange(S)[None].expand(2, -1)
+    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(2, N * B)
+    embeds = torch.randn(2, N * B, D, generator=g)
+    masks = build_layer_masks(anchors, valid, doc_ids, B, ours.config.layer_attentions())
+    with torch.no_grad():
+        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, masks)
+        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1),
+                    attention_mask=build_mask(anchors, valid, doc_ids, B).dense)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        bp = torch.arange(S, S + B)[None]
+        dm = DraftModel(ours, torch.zeros(1), torch.zeros(1))
+        want1 = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], serving_masks(dm, S, bp.device))
+        got1 = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
+        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+        # The windows matter here: the same weights with every layer full and bidirectional differ.
+        plain = DFlashDrafter(ours.config.replace(layer_types=("full_attention",) * 2, sliding_window=None,
+                                                  is_causal=None))
+        plain.load_state_dict(ours.state_dict())
+        other = plain(embeds, plain.fuse(taps), block_pos, ctx_pos, build_mask(anchors, valid, doc_ids, B))
+        assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)
