@@ -35,7 +35,7 @@ import numpy as np
 from dflash_ds.data.sources import (check_complete, load_rows, load_tokenizer, output_dir,  # noqa: F401
                                     release_freed_memory, source_identity)
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
-from dflash_ds.io import replace_dir_atomic
+from dflash_ds.io import file_sizes, replace_dir_atomic, size_mismatch
 from dflash_ds.data.packing import pack_documents
 from dflash_ds.safety import Exit
 
@@ -257,7 +257,7 @@ def report_text(report: dict) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    files = file_sizes(folder)
     (folder / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
 
 
@@ -273,13 +273,7 @@ def cache_damage(folder: Path) -> str | None:
     for name in (*(f"{k}.npy" for k in ROW_FIELDS), "eval.json", "report.json"):
         if name not in files:
             return f"{MANIFEST_FILE} does not list {name}"
-    for name, size in sorted(files.items()):
-        p = folder / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != size:
-            return f"{name} is truncated or damaged ({p.stat().st_size} bytes, {size} written)"
-    return None
+    return size_mismatch(folder, files)
 
 
 def _discard(folder: Path) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_ds.io import write_json_atomic
+from dflash_ds.io import file_sizes, size_mismatch, write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError
@@ -72,13 +72,7 @@ def verify(tag_dir: Path) -> str | None:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({type(exc).__name__}: {exc})"
-    for name, size in sorted(files.items()):
-        p = tag_dir / name
-        if not p.is_file():
-            return f"{p} is missing"
-        if p.stat().st_size != size:
-            return f"{p} is truncated or damaged ({p.stat().st_size} bytes, {size} written)"
-    return None
+    return size_mismatch(tag_dir, files)
 
 
 def latest(run_dir: str | Path) -> dict | None:
@@ -232,8 +226,7 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
     failed = _any(error is not None, group, engine.device)
     if not failed and is_lead:
         try:
-            files = {str(p.relative_to(ck / tag)): p.stat().st_size for p in (ck / tag).rglob("*") if p.is_file()
-                     and p.name != MANIFEST}
+            files = file_sizes(ck / tag, leave_out=MANIFEST)
             write_json_atomic(ck / tag / MANIFEST, {"step": step, "files": files}, indent=1)
             write_json_atomic(ck / LATEST, {"tag": tag, "step": step}, indent=1)
         except OSError as exc:
