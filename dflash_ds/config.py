@@ -145,13 +145,24 @@ class DataConfig:
     split: str = "train"
     max_samples: int | None = None
     max_length: int = 3072
-    """Row length S: every row holds exactly this many tokens (static shapes)."""
+    """Longest conversation in tokens (the paper's 3,072); longer ones are cut or dropped (data.truncation).
+    Position ids restart in every conversation, so the target never sees a position beyond this."""
+    row_length: int | None = None
+    """Row length S: every row holds exactly this many tokens (static shapes), whole conversations packed
+    into it, never split. null = data.max_length. A row several conversations long (e.g. 12,288 = one
+    row per micro-batch) wastes almost nothing on long answers; the attention kernels keep the
+    conversations of a row apart, so the row length only sets the packing granularity. With
+    data.pack false every row holds one conversation and is data.max_length long (this is unused)."""
     pack: bool = True
     """Pack several conversations per row (refused for hybrid targets without flash-linear-attention)."""
     truncation: str = "truncate"
     """Conversations longer than max_length: "truncate" or "drop"."""
     thinking: bool = False
     """Chat template enable_thinking; must match how the target will be served."""
+    max_drop_fraction: float = 0.05
+    """Samples preparation may drop (unreadable records, unknown roles, conversations too long with
+    truncation drop, nothing supervised...); above this fraction the run stops before launch naming
+    each reason with its count (the audit, report.txt, is kept: raising the setting reuses it)."""
     cache_dir: str = ".cache/dflash_data"
     seed: int = 0
     eval_path: str | None = None
@@ -162,11 +173,25 @@ class DataConfig:
     """Processes for tokenising; 0 = every core (os.cpu_count()), fewer for small datasets."""
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
+    def __post_init__(self):
+        if self.row_length is None or not self.pack:  # resolved once: every reader sees the row length in use
+            object.__setattr__(self, "row_length", self.max_length)
+
+
+ANCHORS_PER_TOKEN = 512 / 3072
+"""The paper's anchor density: 512 anchors per 3,072-token row."""
+
+
+def default_anchors(row_length: int) -> int:
+    """objective.num_anchors when null: the paper's density at this row length."""
+    return max(1, round(row_length * ANCHORS_PER_TOKEN))
+
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    num_anchors: int = 512
-    """Blocks per row (paper: 512 at S=3072); rows with fewer valid anchors are padded."""
+    num_anchors: int | None = None
+    """Blocks per row; rows with fewer valid anchors are padded. null = the paper's density, 512 per 3,072
+    row tokens (ANCHORS_PER_TOKEN x data.row_length: 512 at 3,072, 2,048 at 12,288)."""
     gamma: float | None = None
     """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8."""
     loss_chunks: int = 16
@@ -272,6 +297,9 @@ class WandbConfig:
     project: str = "dflash-ds"
     mode: str = "online"
     """online or offline (offline needs no network); the API key only from WANDB_API_KEY."""
+    offline_fallback: bool = False
+    """When wandb's service does not answer before launch (a few seconds): log offline instead of
+    stopping (false: stop with one line naming the choices)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +327,11 @@ class Recipe:
     source: str = ""
     """Path of the YAML this recipe came from (set by load_recipe; relative paths resolve against
     the working directory, not this file)."""
+
+    def __post_init__(self):
+        if self.objective.num_anchors is None:  # follows the row length at the paper's density
+            objective = dataclasses.replace(self.objective, num_anchors=default_anchors(self.data.row_length))
+            object.__setattr__(self, "objective", objective)
 
 
 # ----------------------------------------------------------------------------- building
@@ -367,6 +400,11 @@ def _build(cls, raw: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+def build_recipe(raw: dict) -> Recipe:
+    """A Recipe from a mapping of sections (types checked, unknown keys refused; not validated)."""
+    return _build(Recipe, raw)
+
+
 def _set_dotted(tree: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
     node = tree
@@ -387,8 +425,21 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise RecipeError(f"override '{item}' is not of the form key.sub=value")
         key, text = item.split("=", 1)
         # YAML parses the value so that numbers, booleans, null and [lists] work as in the file.
-        out.append((key.strip(), yaml.safe_load(text) if text != "" else ""))
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"override '{item}': the value is not valid YAML ({getattr(exc, 'problem', None) or exc}); "
+                              "quote it, e.g. key='[a, b]'") from None
+        out.append((key.strip(), value))
     return out
+
+
+def _yaml_error(path: str, exc: "yaml.YAMLError") -> str:
+    """One line for a recipe that is not valid YAML: file, line and column (1-based) and the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: the recipe is not valid YAML ({problem}); fix that line (indentation, a missing ':' or quote)"
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -396,7 +447,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(_yaml_error(str(path), exc)) from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: the recipe must be a mapping of sections (run, target, drafter, ...)")
     for key, value in parse_overrides(list(overrides)):
@@ -427,6 +481,10 @@ def validate(r: Recipe) -> None:
     need(r.drafter.mask_token_id >= 0, "drafter.mask_token_id is not set; use the target's reserved MASK id (Qwen3.5/3.6: 248070, Qwen3: 151669)")
     need(bool(r.data.path), "data.path is empty; set it to a hub dataset id or a local json/jsonl/parquet file")
     need(r.data.max_length >= 2 * r.drafter.block_size, f"data.max_length ({r.data.max_length}) must be at least 2 x drafter.block_size")
+    need(r.data.row_length >= r.data.max_length,
+         f"data.row_length ({r.data.row_length}) is shorter than data.max_length ({r.data.max_length}), the longest "
+         "conversation a row must hold; raise data.row_length or lower data.max_length")
+    need(0 <= r.data.max_drop_fraction <= 1, f"data.max_drop_fraction must be in [0, 1], got {r.data.max_drop_fraction}")
     need(r.data.truncation in ("truncate", "drop"), f"data.truncation must be truncate or drop, got {r.data.truncation!r}")
     _validate_regenerate(r.data.regenerate, need)
     for name in ("drafter.num_layers", "objective.num_anchors", "objective.loss_chunks", "optim.rows_per_micro_batch",
@@ -436,8 +494,9 @@ def validate(r: Recipe) -> None:
     need(0 <= r.topology.payload_ctas <= 64,
          f"topology.payload_ctas must be in [0, 64] (NCCL's limit; 0 = its default), got {r.topology.payload_ctas}")
     need(r.data.num_proc >= 0, f"data.num_proc must be >= 0 (0 = every core), got {r.data.num_proc}")
-    need(r.objective.num_anchors <= r.data.max_length,
-         f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.max_length ({r.data.max_length}); lower it")
+    need(r.objective.num_anchors <= r.data.row_length,
+         f"objective.num_anchors ({r.objective.num_anchors}) exceeds data.row_length ({r.data.row_length}); lower it "
+         "(null = 512 per 3,072 row tokens)")
     need(r.objective.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {r.objective.kl_weight}")
     need(r.objective.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {r.objective.kl_temperature}")
     need(r.drafter.architecture in ("dflash", "dflash2"),

@@ -91,3 +91,24 @@ def replace_dir_atomic(final: str | os.PathLike, *, keep_existing: bool = False)
             shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def file_sizes(folder: str | os.PathLike, leave_out: str = "") -> dict[str, int]:
+    """Every file under `folder` (relative path -> size in bytes), except those named `leave_out`:
+    what a manifest records so that a later reader can tell a complete folder from a damaged one."""
+    root = Path(folder)
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != leave_out}
+
+
+def size_mismatch(folder: str | os.PathLike, files: dict[str, int]) -> str | None:
+    """The first file of a manifest's `files` that is missing under `folder` or has another size than
+    recorded (a truncated write, a disk that filled up), said in words naming it; None when all match."""
+    root = Path(folder)
+    for name, size in sorted(files.items()):
+        p = root / name
+        if not p.is_file():
+            return f"{p} is missing"
+        if p.stat().st_size != size:
+            return f"{p} is truncated or damaged ({p.stat().st_size} bytes, {size} written)"
+    return None

@@ -25,7 +25,9 @@ class Metrics:
             import wandb
 
             # The API key is read by wandb from WANDB_API_KEY; nothing secret goes into the recipe.
-            self.wandb = wandb.init(project=wandb_cfg.project, name=run_name, mode=wandb_cfg.mode,
+            # WANDB_MODE wins: launch.sh sets it to offline when the service did not answer before launch.
+            mode = os.environ.get("WANDB_MODE", wandb_cfg.mode)
+            self.wandb = wandb.init(project=wandb_cfg.project, name=run_name, mode=mode,
                                     config=recipe_dict, dir=str(run_dir))
 
     def log(self, record: dict) -> None:

@@ -13,10 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from dflash_ds.config import dump_yaml, load_recipe, ranks_per_node
+from dflash_ds.config import load_recipe, ranks_per_node
+from dflash_ds.spec import contract
 from dflash_ds.spec.run import check_recipe
 from dflash_ds.spec.plan import describe
-from dflash_ds.safety import Exit, say
+from dflash_ds.safety import Exit, exit_now, say
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -55,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     rank, _ = init_distributed(spec.device)
     # The run lock and the start point are settled before any data or model is loaded.
     control = RunControl.setup(recipe, spec.layout, rank)
-    if control.error:
-        return Exit.USER
+    if control.error:  # the lead printed it; every rank ends without tearing down its process groups,
+        exit_now(Exit.USER)  # whose destructors can abort (gloo) while a peer is already gone
     # Rank 0 prepares (or validates the cache of) the data; the others then read the cache.
     if rank == 0:
-        data = load_training_data(recipe)
+        try:
+            data = load_training_data(recipe)
+        except ValueError as exc:  # the data's, the user's to fix (launch.sh finds it before launch)
+            say(f"error: {str(exc).strip().splitlines()[0]}")
+            control.release()  # no lock left behind; the launcher ends the ranks waiting below
+            exit_now(Exit.USER)
     dist.barrier()
     if rank != 0:
         data = load_training_data(recipe)
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         run_dir = Path(recipe.run.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+        contract.record(recipe, control.start_step)  # never over the recipe the run started with
         (run_dir / "plan.txt").write_text(describe(spec.plan, spec.memory) + "\n")
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.

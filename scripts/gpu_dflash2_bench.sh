@@ -1,6 +1,7 @@
 #!/bin/bash
 # DFlash2 drafter speed and memory beside v1 on one GPU, at the flagship width (Qwen3.6-27B geometry,
-# recipes/qwen27b-dflash2.yaml: block 8, 5 sliding layers of window 2048, 3072-token rows, 512 anchors).
+# recipes/qwen27b-dflash2.yaml: block 8, 5 sliding layers of window 2048; measured on 3,072-token rows with 512
+# anchors, the same anchors per token as the recipe's 12,288-token rows with 2,048).
 # Both runs use the same recipe, anchors and block size; only drafter.architecture differs, so the
 # ratio is the cost of the block convolutions, the selector and its loss (the 2 x 248,320 x 256
 # codebooks included).

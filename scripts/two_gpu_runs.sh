@@ -84,9 +84,9 @@ models() {
 
 benches() {  # the two single-GPU benches at once, one per GPU, then the planner on their JSON
   log "benches: python -m dflash_ds.bench --role target / --role drafter (GPU 0 / GPU 1)"
-  CUDA_VISIBLE_DEVICES=0 python -m dflash_ds.bench --role target --steps 10 --warmup 3 --out "$OUT/bench_target.json" > "$OUT/bench_target.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 python -m dflash_ds.bench --role target --seq-len 3072 --steps 10 --warmup 3 --out "$OUT/bench_target.json" > "$OUT/bench_target.log" 2>&1 &
   local p=$!
-  CUDA_VISIBLE_DEVICES=1 python -m dflash_ds.bench --role drafter --compile-layers --grad-accum 4 --steps 4 --warmup 2 --out "$OUT/bench_drafter.json" > "$OUT/bench_drafter.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 python -m dflash_ds.bench --role drafter --seq-len 3072 --compile-layers --grad-accum 4 --steps 4 --warmup 2 --out "$OUT/bench_drafter.json" > "$OUT/bench_drafter.log" 2>&1
   wait $p
   python -m dflash_ds.bench --role plan --from "$OUT/bench_target.json" "$OUT/bench_drafter.json" --gpus-per-node 2 > "$OUT/plan.txt" 2>&1
   tail -3 "$OUT/bench_target.log" "$OUT/bench_drafter.log"; cat "$OUT/plan.txt"

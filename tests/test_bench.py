@@ -169,7 +169,16 @@ def test_setup_27b_drafter_geometry_and_layers_override():
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
             c.mask_token_id, c.vocab_size) == (5, 32, 8, 128, 17408, 248070, 248320)
     assert s.tap_ids == [1, 16, 31, 46, 61]
-    assert s.spec.shape == (1, 3072, 5 * 5120 + 3)  # fp32 payload on CPU: 3 int32 metadata columns
+    # The recipe's rows: one 12,288-token row per micro-batch, 2,048 anchors, one micro-batch per step.
+    assert s.spec.shape == (1, 12288, 5 * 5120 + 3)  # fp32 payload on CPU: 3 int32 metadata columns
+    assert (s.recipe.objective.num_anchors, s.plan.grad_accum, s.recipe.data.max_length) == (2048, 1, 3072)
+    # A shorter row keeps the recipe's anchors per token and cuts conversations to the row.
+    args = bench.parse_args(["--role", "drafter", "--device", "cpu", "--seq-len", "3072", "--grad-accum", "4"])
+    s = bench.resolve_setup(args, torch.device("cpu"))
+    assert s.spec.shape[1] == 3072 and s.recipe.objective.num_anchors == 512 and s.plan.tokens_per_step == 4 * 3072
+    args = bench.parse_args(["--role", "drafter", "--device", "cpu", "--seq-len", "1024"])
+    s = bench.resolve_setup(args, torch.device("cpu"))
+    assert (s.recipe.data.row_length, s.recipe.data.max_length, s.recipe.objective.num_anchors) == (1024, 1024, 171)
     args = bench.parse_args(["--role", "target", "--device", "cpu", "--layers", "16"])
     assert bench.resolve_setup(args, torch.device("cpu")).tap_ids == [1, 4, 7, 10, 13]
 

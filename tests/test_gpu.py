@@ -106,13 +106,15 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
     assert fwd < fwd_tol and worst < grad_tol, (fwd, worst)
 
 
-def test_blockmask_builds_fast_at_the_real_size(record):
-    """S=3072, 512 anchors, B=16: the vectorised BlockMask (2 ms on an H200; `create_block_mask`
-    with a Python mask_mod took minutes) and flex forward+backward at the 27B head geometry."""
+@pytest.mark.parametrize("s, n", [(3072, 512), (12288, 2048)], ids=["rows3072", "row12288"])
+def test_blockmask_builds_fast_at_the_real_size(record, s, n):
+    """S=3072 with 512 anchors, and the recipes' 12,288-token rows with 2,048, B=16: the vectorised
+    BlockMask (2 ms on an H200 at 3,072; `create_block_mask` with a Python mask_mod took minutes) and
+    flex forward+backward at the 27B head geometry."""
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(1)
-    s, n, bsz = 3072, 512, 16
-    doc_ids, loss_mask = packed_rows(1, s, 2, device, g)
+    bsz = 16
+    doc_ids, loss_mask = packed_rows(1, s, 2 * s // 3072, device, g)  # documents of up to ~3,072 tokens
     anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
     anchors, valid = anchors.to(device), valid.to(device)
     build_mask(anchors, valid, doc_ids, bsz, kind="flex")  # warm the kernels
@@ -135,10 +137,12 @@ def test_blockmask_builds_fast_at_the_real_size(record):
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t) / 10 * 1e3
     sparsity = float(mask.block_mask.sparsity())
-    record["timing"] = {"blockmask_build_ms": build_ms, "flex_first_fwd_bwd_s": first_s, "flex_fwd_bwd_ms": step_ms,
-                        "sparsity": sparsity}
-    # Most tiles are skipped (a block sees its own tiles and the context before its anchor only).
-    assert sparsity > 50 and build_ms < 50, record["timing"]
+    key = "timing" if s == 3072 else f"timing_row{s}"
+    record[key] = {"blockmask_build_ms": build_ms, "flex_first_fwd_bwd_s": first_s, "flex_fwd_bwd_ms": step_ms,
+                   "sparsity": sparsity}
+    # Most tiles are skipped (a block sees its own tiles and the context before its anchor only); the
+    # mask has (S / 3072)^2 times the tiles of a 3,072-token row.
+    assert sparsity > 50 and build_ms < 50 * (s // 3072) ** 2, record[key]
 
 
 WINDOW_WARMUP, WINDOW_ROUNDS = 3, 15
@@ -334,6 +338,10 @@ def test_fla_short_conv_matches_the_fallback(record, monkeypatch):
 
 # Tokens per document of two 3072-token rows (the rest of each row is padding).
 PACKED_DOCS = [[700, 1210, 95, 880, 150], [2400, 500, 60]]
+# One 12,288-token row of long conversations (data.row_length 4 x data.max_length): segments up to the
+# longest conversation, many of them per row, the varlen kernels' cu_seqlens spanning the whole row.
+LONG_ROW = (12288, [[3072, 2900, 1700, 3000, 1600]])
+ROWS_3072 = (3072, PACKED_DOCS)
 # Pass rule. bf16 alone costs ~2.7e-2 relative L2 at this depth with random weights (each document alone
 # in bf16 vs the same weights in float32, recorded on an H200), so a fixed bf16-vs-bf16 bound says little:
 # the packed bf16 taps must be as close to the float32 reference as the stock bf16 forward of each
@@ -354,12 +362,13 @@ def _hybrid_target(layers: int):
     return model.eval().requires_grad_(False)
 
 
-def _packed_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids and doc ids [2, 3072] on the GPU: the documents of PACKED_DOCS, padding (-1) after."""
+def _packed_rows(vocab: int, rows=ROWS_3072) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids and doc ids [R, S] on the GPU for `rows` = (S, documents of each row), padding (-1) after."""
+    s, docs = rows
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (2, 3072), generator=g)
-    doc_ids = torch.full((2, 3072), -1, dtype=torch.int32)
-    for r, lengths in enumerate(PACKED_DOCS):
+    ids = torch.randint(1, vocab, (len(docs), s), generator=g)
+    doc_ids = torch.full((len(docs), s), -1, dtype=torch.int32)
+    for r, lengths in enumerate(docs):
         at = 0
         for k, n in enumerate(lengths):
             doc_ids[r, at:at + n] = k
@@ -367,7 +376,7 @@ def _packed_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.cuda(), doc_ids.cuda()
 
 
-def _all_layer_taps(model, ids, doc_ids, mode: str):
+def _all_layer_taps(model, ids, doc_ids, mode: str, docs=PACKED_DOCS):
     """Every layer's output [R, S, L*D]: 'packed' (target.packed), 'stock' (no document boundaries in
     the Gated DeltaNet layers) or 'alone' (each document through the stock forward on its own)."""
     from dflash_ds.target.model import TapCapture, forward_taps
@@ -377,7 +386,7 @@ def _all_layer_taps(model, ids, doc_ids, mode: str):
     cap = TapCapture(model, range(n))
     try:
         if mode == "alone":
-            for r, lengths in enumerate(PACKED_DOCS):
+            for r, lengths in enumerate(docs):
                 at = 0
                 for length in lengths:
                     forward_taps(model, cap, ids[r:r + 1, at:at + length], None, out[r:r + 1, at:at + length])
@@ -390,18 +399,18 @@ def _all_layer_taps(model, ids, doc_ids, mode: str):
     return out
 
 
-def _modes_and_fp32_reference(model, ids, doc_ids) -> dict:
+def _modes_and_fp32_reference(model, ids, doc_ids, docs=PACKED_DOCS) -> dict:
     """Every layer's taps in bf16 for each mode, then each document alone with the same weights in float32
     (the reference bf16 is measured against; the model is left in float32)."""
-    taps = {mode: _all_layer_taps(model, ids, doc_ids, mode) for mode in ("alone", "packed", "stock")}
+    taps = {mode: _all_layer_taps(model, ids, doc_ids, mode, docs) for mode in ("alone", "packed", "stock")}
     model.float()
-    taps["alone32"] = _all_layer_taps(model, ids, doc_ids, "alone")
+    taps["alone32"] = _all_layer_taps(model, ids, doc_ids, "alone", docs)
     return taps
 
 
-def _worst_doc_error(got, want) -> float:
+def _worst_doc_error(got, want, docs=PACKED_DOCS) -> float:
     worst = 0.0
-    for r, lengths in enumerate(PACKED_DOCS):
+    for r, lengths in enumerate(docs):
         at = 0
         for length in lengths:
             worst = max(worst, rel(got[r, at:at + length], want[r, at:at + length]))
@@ -429,7 +438,8 @@ def test_packed_hybrid_target_matches_documents_alone(record):
     assert found["stock_packed_vs_alone_leak"] >= LEAK_FACTOR * floor, found
 
 
-def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(record, monkeypatch):
+@pytest.mark.parametrize("rows", [ROWS_3072, LONG_ROW], ids=["rows3072", "row12288"])
+def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(record, monkeypatch, rows):
     """Qwen3-8B layer geometry, first 4 layers, random weights, bf16: packed rows go through
     FlashAttention's varlen kernel (every layer) and match each document alone as closely as bf16 allows;
     the masked-SDPA route on the same rows agrees."""
@@ -443,18 +453,19 @@ def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(r
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
-    ids, doc_ids = _packed_rows(cfg.vocab_size)
+    ids, doc_ids = _packed_rows(cfg.vocab_size, rows)
+    docs = rows[1]
     calls = []
     kernel = packed_mod.flash_varlen
     monkeypatch.setattr(packed_mod, "flash_varlen", lambda *a: calls.append(1) or kernel(*a))
-    t = _modes_and_fp32_reference(model, ids, doc_ids)  # "stock": position ids alone, transformers' mask
+    t = _modes_and_fp32_reference(model, ids, doc_ids, docs)  # "stock": position ids alone, transformers' mask
     assert len(calls) == 4, calls  # one kernel call per layer, only in the packed forward
     alone, varlen, masked, alone32 = t["alone"], t["packed"], t["stock"], t["alone32"]
-    found = {"varlen_vs_alone_bf16": _worst_doc_error(varlen, alone),
-             "alone_bf16_vs_alone_fp32": _worst_doc_error(alone, alone32),
-             "varlen_bf16_vs_alone_fp32": _worst_doc_error(varlen, alone32),
-             "masked_bf16_vs_alone_fp32": _worst_doc_error(masked, alone32)}
-    record["packed_dense_target"] = found
+    found = {"varlen_vs_alone_bf16": _worst_doc_error(varlen, alone, docs),
+             "alone_bf16_vs_alone_fp32": _worst_doc_error(alone, alone32, docs),
+             "varlen_bf16_vs_alone_fp32": _worst_doc_error(varlen, alone32, docs),
+             "masked_bf16_vs_alone_fp32": _worst_doc_error(masked, alone32, docs)}
+    record["packed_dense_target" + ("" if rows is ROWS_3072 else f"_row{rows[0]}")] = found
     floor = found["alone_bf16_vs_alone_fp32"]
     assert torch.isfinite(varlen).all()
     assert found["varlen_bf16_vs_alone_fp32"] <= BF16_SLACK * floor, found

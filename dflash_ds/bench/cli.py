@@ -5,11 +5,13 @@
     python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
     python -m dflash_ds.bench --role drafter --recipe recipes/qwen27b-dflash2.yaml --block-size 8 [--architecture dflash]
     python -m dflash_ds.bench --role colocated
-    python -m dflash_ds.bench --role target --lengths chat [--set data.pack=false]
+    python -m dflash_ds.bench --role target --lengths chat|long [--seq-len 3072] [--set data.pack=false]
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
     python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
 
+Rows are the recipe's (data.row_length, optim.rows_per_micro_batch, optim.grad_accum and its anchors
+per row token) unless the flags say otherwise.
 Rates are context tokens per second (rows x seq_len), the unit both sides share, so they can be
 balanced; every role also reports the useful (non-padding) rate and the padding share of its rows
 (`--lengths` fills rows from a conversation-length mix instead of one full-length document). MFU
@@ -52,6 +54,22 @@ def _rate_from(path: str) -> tuple[str, float, dict]:
     return role, float(data["result"]["tok_s"]), data
 
 
+def row_warnings(sources: dict, args: argparse.Namespace) -> list[str]:
+    """Rates measured on rows other than the recipe's (data.row_length) do not plan its run: a role's
+    rate depends on the row length (attention, anchors per row, padding)."""
+    from dflash_ds.config import load_recipe
+
+    recipe = load_recipe(Path(args.recipe) if args.recipe else DEFAULT_RECIPE, list(args.set or []))
+    out = []
+    for role, src in sources.items():
+        seq_len = src["args"].get("seq_len")
+        if seq_len and seq_len != recipe.data.row_length:
+            out.append(f"{src['file']}: {role} measured on {seq_len}-token rows, but {recipe.source} trains on "
+                       f"{recipe.data.row_length}-token rows (data.row_length); measure with the recipe's rows "
+                       "(leave --seq-len out)")
+    return out
+
+
 def run_plan(args: argparse.Namespace) -> dict:
     rates = {"target": args.target_rate, "drafter": args.drafter_rate}
     sources, warnings = {}, []
@@ -66,6 +84,7 @@ def run_plan(args: argparse.Namespace) -> dict:
                             "is not the training rate")
         if run_args.get("device") == "cpu" or data.get("env", {}).get("device") == "cpu":
             warnings.append(f"{path}: measured on CPU")
+    warnings += row_warnings(sources, args)
     missing = [k for k, v in rates.items() if v is None]
     if missing:
         raise ValueError(f"no {' and no '.join(missing)} rate: pass --{missing[0]}-rate TOK_S or --from a bench JSON "
@@ -97,18 +116,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "target geometry is used when target.path is a local directory")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra recipe override (repeatable)")
     p.add_argument("--layers", type=int, default=None, help="override the target's layer count (taps recomputed)")
-    p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--rows", type=int, default=1, help="rows per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=None, help="row length (default: the recipe's data.row_length)")
+    p.add_argument("--rows", type=int, default=None,
+                   help="rows per micro-batch (default: the recipe's optim.rows_per_micro_batch)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default: the recipe's)")
+    p.add_argument("--anchors", type=int, default=None,
+                   help="anchors per row (default: the recipe's anchors per row token x the row length)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--architecture", default=None, choices=("dflash", "dflash2"),
                    help="drafter.architecture (default: the recipe's): dflash2 adds the block convolutions, the "
                         "candidate selector and its loss; dflash on a DFlash2 recipe is the same backbone without them")
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
-    p.add_argument("--lengths", default=None, metavar="FILE|chat",
-                   help="fill rows with conversations of these lengths ('chat': built-in mix, see docs/performance.md; "
-                        "FILE: the lengths.json `python -m dflash_ds.data prepare` writes), packed per data.pack")
+    p.add_argument("--lengths", default=None, metavar="FILE|chat|long",
+                   help="fill rows with conversations of these lengths ('chat', 'long' (long answers): built-in mixes, "
+                        "see docs/performance.md; FILE: the lengths.json `python -m dflash_ds.data prepare` writes), "
+                        "cut to data.max_length and packed per data.pack")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before, the first one timed alone")
     p.add_argument("--seed", type=int, default=0)
@@ -139,7 +161,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
     for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 

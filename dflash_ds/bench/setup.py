@@ -75,6 +75,22 @@ def _resize_layers(config, layers: int):
     return type(config)(**{k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
 
 
+def fill_row_defaults(args: argparse.Namespace, recipe: Recipe) -> None:
+    """The recipe's rows where the flags leave them open: row length (--seq-len), rows per micro-batch,
+    grad_accum, and anchors at the recipe's anchors per row token (its own count at its own row length).
+    The longest conversation is the recipe's, cut to the row length."""
+    d, o = recipe.data, recipe.optim
+    if args.seq_len is None:
+        args.seq_len = d.row_length
+    if args.anchors is None:
+        args.anchors = max(1, round(recipe.objective.num_anchors * args.seq_len / d.row_length))
+    if args.rows is None:
+        args.rows = o.rows_per_micro_batch
+    if args.grad_accum is None:
+        args.grad_accum = o.grad_accum
+    args.max_length = min(d.max_length, args.seq_len)
+
+
 def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     """Target config, drafter config and the bench recipe from --geometry / --recipe and the flags.
 
@@ -89,6 +105,10 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
 
     cuda = device.type == "cuda"
     recipe_path = Path(args.recipe) if args.recipe else DEFAULT_RECIPE
+    # The rows follow the recipe and the --set overrides of its rows (the others may only be valid with
+    # the geometry's overrides below).
+    rows_set = [o for o in args.set or [] if o.split("=", 1)[0].split(".")[0] in ("data", "optim", "objective")]
+    fill_row_defaults(args, load_recipe(recipe_path, rows_set))
     total_steps = args.warmup + args.steps
     cfgs = REPO / "ds_configs"
     # The target and transport roles draw no anchors; keep the recipe valid at short --seq-len.
@@ -96,7 +116,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     # Nothing is written to the run directory (no metrics, no checkpoints); it only has to be valid.
     over = [f"run.output_dir={Path(tempfile.gettempdir()) / 'dflash_bench'}", f"run.seed={args.seed}",
             f"run.device={device.type}", "log.wandb.enabled=false", "log.progress=false",
-            f"data.max_length={args.seq_len}", f"objective.num_anchors={anchors}",
+            f"data.row_length={args.seq_len}", f"data.max_length={args.max_length}", f"objective.num_anchors={anchors}",
             f"drafter.block_size={args.block_size}", f"optim.rows_per_micro_batch={args.rows}",
             f"optim.grad_accum={args.grad_accum}", "optim.epochs=1", f"optim.max_steps={total_steps}",
             "topology.colocated=true", "topology.drafters_per_node=1", "topology.targets_per_node=0",
@@ -188,6 +208,6 @@ def setup_rows(setup: Setup, num_rows: int) -> dict[str, np.ndarray]:
     if getattr(a, "lengths", None):
         from .lengths import length_rows
 
-        return length_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, a.lengths, setup.recipe.data.pack,
-                           a.seed)
+        return length_rows(num_rows, a.seq_len, setup.recipe.data.max_length, setup.drafter_config.vocab_size, a.lengths,
+                           setup.recipe.data.pack, a.seed)
     return synthetic_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, prompt_tokens(a), a.seed)

@@ -88,9 +88,46 @@ def _text(content) -> str:
     raise SampleError("bad_message", f"content of type {type(content).__name__}")
 
 
+def record_schema(sample: dict, default: str) -> str:
+    """The format this record holds (a file may mix them record by record: the dataset then has the
+    fields of every format, None where a record lacks them), else `default`."""
+    if isinstance(sample.get("messages"), list):
+        return "messages"
+    if isinstance(sample.get("conversations"), list):
+        return "conversations"
+    if sample.get("prompt") is not None and sample.get("response") is not None:
+        return "prompt_response"
+    return default
+
+
+def _message(m: dict) -> dict:
+    """One message in either style ({role, content} or ShareGPT's {from, value}): a list may mix them."""
+    if m.get("role") is not None:
+        role = str(m["role"]).lower()
+        role = _SHAREGPT_ROLES.get(role, role)
+        out = {"role": role, "content": _text(m.get("content"))}
+        if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+            out["reasoning_content"] = m["reasoning_content"]
+    elif m.get("from") is not None:
+        role = _SHAREGPT_ROLES.get(str(m["from"]).lower(), str(m["from"]))
+        out = {"role": role, "content": _text(m.get("value"))}
+    else:
+        raise SampleError("bad_message", "a message has neither `role` nor `from`")
+    if role not in _ROLES:
+        raise SampleError("unknown_role", repr(role))
+    return out
+
+
 def normalize(sample: dict, schema: str) -> list[dict]:
-    """One row of the dataset -> list of {role, content[, reasoning_content]} messages."""
+    """One row of the dataset -> list of {role, content[, reasoning_content]} messages. The format is
+    the record's own (record_schema); `schema` is the dataset's, used when the record holds none."""
+    has_any = any(sample.get(k) is not None for k in ("messages", "conversations", "prompt", "response"))
+    schema = record_schema(sample, schema)
+    if not has_any:
+        raise SampleError("unknown_format", "no messages, conversations or prompt + response")
     if schema == "prompt_response":
+        if sample.get("prompt") is None or sample.get("response") is None:
+            raise SampleError("bad_message", "prompt or response missing")
         msgs = []
         if sample.get("system"):
             msgs.append({"role": "system", "content": _text(sample["system"])})
@@ -104,17 +141,7 @@ def normalize(sample: dict, schema: str) -> list[dict]:
     for m in raw:
         if not isinstance(m, dict):
             raise SampleError("bad_message", "message is not an object")
-        if schema == "messages":
-            role = str(m.get("role") or "").lower()
-            out = {"role": role, "content": _text(m.get("content"))}
-            if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
-                out["reasoning_content"] = m["reasoning_content"]
-        else:
-            role = _SHAREGPT_ROLES.get(str(m.get("from") or "").lower(), str(m.get("from")))
-            out = {"role": role, "content": _text(m.get("value"))}
-        if role not in _ROLES:
-            raise SampleError("unknown_role", repr(role))
-        msgs.append(out)
+        msgs.append(_message(m))
     return msgs
 
 

@@ -60,6 +60,17 @@ def _first_fit(lengths, capacity: int) -> array:
     return rows
 
 
+def first_fit_rows(lengths, capacity: int) -> list[list[int]]:
+    """Indices of the documents each row holds when `lengths` are packed first-fit into rows of
+    `capacity` tokens (every length in [1, capacity]), in their order within a row."""
+    rows: list[list[int]] = []
+    for i, r in enumerate(_first_fit(lengths, capacity)):
+        while len(rows) <= r:
+            rows.append([])
+        rows[r].append(i)
+    return rows
+
+
 def pack_documents(docs, max_length: int, pad_id: int, pack: bool = True, out_dir: str | None = None,
                    lengths=None) -> dict:
     """docs: sequence of (input_ids, loss_mask) with len <= max_length -> rows dict of [R, S] arrays

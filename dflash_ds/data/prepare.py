@@ -2,15 +2,18 @@
 
     python -m dflash_ds.data prepare RECIPE [key=value ...]
 
-Rows are `S = data.max_length` tokens holding whole documents (never split across rows):
+Rows are `S = data.row_length` tokens holding whole documents (never split across rows; each document
+at most `data.max_length` tokens, cut or dropped per data.truncation):
 `input_ids` int32 [S] (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens),
 `doc_ids` int32 [S] (document index inside the row, -1 on padding). Packing and the per-document
 position ids are in `dflash_ds/data/packing.py`; the attention mask a packed row needs is
 `dflash_ds/model/attention.py`'s.
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
-`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, and `lengths.json`: every conversation's
-token count, which `python -m dflash_ds.bench --lengths FILE` reads). The fingerprint covers the dataset's
+`doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, `lengths.json`: every conversation's
+token count, which `python -m dflash_ds.bench --lengths FILE` reads, and `manifest.json`: every
+file with its size, written last). An entry whose files do not match its manifest (truncated,
+missing, unreadable) is reported in one line naming its folder and rebuilt. The fingerprint covers the dataset's
 identity (local files' sizes and mtimes, or the hub dataset's fingerprint), the tokenizer, the chat
 template and every setting that changes the rows; anything else reuses the cache.
 """
@@ -32,13 +35,14 @@ import numpy as np
 from dflash_ds.data.sources import (check_complete, load_rows, load_tokenizer, output_dir,  # noqa: F401
                                     release_freed_memory, source_identity)
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
-from dflash_ds.io import replace_dir_atomic
+from dflash_ds.io import file_sizes, replace_dir_atomic, size_mismatch
 from dflash_ds.data.packing import pack_documents
 from dflash_ds.safety import Exit
 
-FORMAT_VERSION = 2  # 2: lengths.json beside the audit
+FORMAT_VERSION = 3  # 2: lengths.json beside the audit; 3: rows of data.row_length, manifest.json
 ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
 LENGTHS_FILE = "lengths.json"
+MANIFEST_FILE = "manifest.json"
 
 
 @dataclass
@@ -69,8 +73,14 @@ def tokenizer_digest(tokenizer) -> str:
     return h.hexdigest()
 
 
+def row_length(cfg) -> int:
+    """The packed row length: data.row_length, or data.max_length when that is null (or absent)."""
+    return int(getattr(cfg, "row_length", None) or cfg.max_length)
+
+
 def _settings(cfg) -> dict:
-    return {"max_samples": cfg.max_samples, "max_length": cfg.max_length, "pack": bool(cfg.pack),
+    return {"max_samples": cfg.max_samples, "max_length": cfg.max_length, "row_length": row_length(cfg),
+            "pack": bool(cfg.pack),
             "truncation": cfg.truncation, "thinking": bool(cfg.thinking), "seed": cfg.seed,
             "num_eval": cfg.num_eval, "split": cfg.split, "eval_split": cfg.eval_split}
 
@@ -211,7 +221,8 @@ def _eval_set(encoder: ChatEncoder, rows, schema: str, dropped: Counter):
 
 def _write_lengths(path: Path, cfg, lengths: np.ndarray) -> None:
     """lengths.json, written in chunks: no Python list or string the size of the dataset."""
-    head = json.dumps({"max_length": cfg.max_length, "pack": bool(cfg.pack), "lengths": []})
+    head = json.dumps({"max_length": cfg.max_length, "row_length": row_length(cfg), "pack": bool(cfg.pack),
+                       "lengths": []})
     with path.open("w") as f:
         f.write(head[:-2])  # up to and including "lengths": [
         for start in range(0, len(lengths), 65536):
@@ -233,7 +244,8 @@ def render_example(tokenizer, ids, mask, limit: int = 3000) -> str:
 
 def report_text(report: dict) -> str:
     lines = [f"prepared data {report['fingerprint']} from {report['source']}",
-             f"  samples {report['samples']}  documents {report['documents']}  rows {report['rows']} x {report['row_length']}",
+             f"  samples {report['samples']}  documents {report['documents']}  rows {report['rows']} x {report['row_length']}"
+             f"  (conversations up to {report.get('max_length', report['row_length'])} tokens)",
              f"  tokens {report['tokens']}  supervised {report['supervised_tokens']} "
              f"({report['supervised_fraction']:.1%} of tokens)  padding {report['padding_fraction']:.1%}",
              f"  assistant turns {report['assistant_turns']} (located by probe: {report['probe_located_turns']})"
@@ -242,6 +254,36 @@ def report_text(report: dict) -> str:
              f"  eval prompts {report['eval_prompts']} (dropped {report['eval_dropped'] or 'none'})",
              "  example (supervised text in [[ ]]):", report.get("example", "")]
     return "\n".join(lines) + "\n"
+
+
+def _write_manifest(folder: Path) -> None:
+    files = file_sizes(folder)
+    (folder / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
+
+
+def cache_damage(folder: Path) -> str | None:
+    """Why a cache entry cannot be used (a file missing, of another size than written, an unreadable
+    manifest), or None when every file matches its manifest."""
+    try:
+        files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST_FILE} is missing (the entry was never finished, or damaged)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})"
+    for name in (*(f"{k}.npy" for k in ROW_FIELDS), "eval.json", "report.json"):
+        if name not in files:
+            return f"{MANIFEST_FILE} does not list {name}"
+    return size_mismatch(folder, files)
+
+
+def _discard(folder: Path) -> None:
+    """Move a damaged entry aside and delete it (a reader holding it open keeps its files)."""
+    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _load_cached(final: Path, fp: str) -> PreparedData:
@@ -263,6 +305,8 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
     if cfg.max_length < 2:
         raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
+    if row_length(cfg) < cfg.max_length:
+        raise ValueError(f"data.row_length: {row_length(cfg)} is shorter than data.max_length ({cfg.max_length})")
     encoder = ChatEncoder(tokenizer, cfg.thinking)
     path, path_setting = _train_source(cfg, recipe)
     cache_dir = Path(cfg.cache_dir)
@@ -282,11 +326,20 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
                                "fingerprint": loaded["eval"]._fingerprint}
     fp = compute_fingerprint(sources, tokenizer, _settings(cfg))
     final = cache_dir / fp
-    if (final / "report.json").exists():
-        data = _load_cached(final, fp)
-        if verbose:
-            print(f"[data] reusing {final}", flush=True)
-        return data
+    if final.is_dir():
+        damage = cache_damage(final)
+        if damage is None:
+            try:
+                data = _load_cached(final, fp)
+            except (OSError, ValueError, KeyError, EOFError) as exc:  # right sizes, unreadable content
+                damage = f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            else:
+                check_drops(data.report, cfg, final)
+                if verbose:
+                    print(f"[data] reusing {final}", flush=True)
+                return data
+        print(f"[data] prepared data in {final} is damaged: {damage}; rebuilding it", flush=True)
+        _discard(final)
 
     ds = loaded["train"] if "train" in loaded else load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
     if len(ds) == 0:
@@ -326,16 +379,16 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
             raise ValueError(f"{path_setting}: no supervised (assistant) tokens in {path!r}: "
                              f"{len(train_idx)} samples, dropped {dict(dropped)}. Check the schema, "
                              "data.thinking and data.max_length")
-        rows = pack_documents(docs, cfg.max_length, _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
+        rows = pack_documents(docs, row_length(cfg), _pad_id(tokenizer), cfg.pack, out_dir=str(tmp),
                               lengths=lengths)
         num_rows = rows["input_ids"].shape[0]
         tokens = int(lengths.sum())
         report = {
             "fingerprint": fp, "source": path, "split": cfg.split, "settings": _settings(cfg),
             "samples": int(len(train_idx)), "documents": len(docs), "rows": int(num_rows),
-            "row_length": cfg.max_length, "tokens": tokens, "supervised_tokens": supervised,
-            "supervised_fraction": supervised / max(tokens, 1),
-            "padding_fraction": 1 - tokens / max(num_rows * cfg.max_length, 1),
+            "row_length": row_length(cfg), "max_length": cfg.max_length, "tokens": tokens,
+            "supervised_tokens": supervised, "supervised_fraction": supervised / max(tokens, 1),
+            "padding_fraction": 1 - tokens / max(num_rows * row_length(cfg), 1),
             "assistant_turns": stats["assistant_turns"], "probe_located_turns": stats["probe_located_turns"],
             "truncated": stats["truncated"], "dropped": dict(sorted(dropped.items())),
             "eval_prompts": len(prompts), "eval_dropped": dict(sorted(eval_dropped.items())),
@@ -349,10 +402,26 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         _write_lengths(tmp / LENGTHS_FILE, cfg, lengths)
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
+        _write_manifest(tmp)  # last: an entry without it was never finished
     data = _load_cached(final, fp)
     if verbose:
         print(report_text(data.report), end="", flush=True)
+    check_drops(data.report, cfg, final)
     return data
+
+
+def check_drops(report: dict, cfg, folder: Path) -> None:
+    """Stop (one line naming the reasons and counts) when more samples were dropped than
+    data.max_drop_fraction allows; the rows stay cached, so raising the setting reuses them."""
+    limit = getattr(cfg, "max_drop_fraction", None)
+    dropped = report.get("dropped") or {}
+    total = sum(dropped.values())
+    if limit is None or not report.get("samples") or total <= limit * report["samples"]:
+        return
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]))
+    raise ValueError(f"data.max_drop_fraction: {total} of {report['samples']} samples "
+                     f"({total / report['samples']:.1%}) were dropped ({reasons}), above {limit:g}; fix the data "
+                     f"(audit: {folder / 'report.txt'}) or raise data.max_drop_fraction")
 
 
 def load_training_data(recipe) -> PreparedData:

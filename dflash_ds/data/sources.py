@@ -72,12 +72,35 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
     except FileNotFoundError as e:
         raise ValueError(f"{path_setting}: {path!r} is neither a local file/directory nor a dataset "
                          f"on the hub: {e}") from e
-    except Exception as e:  # network, auth, malformed files
+    except Exception as e:  # network, auth, malformed files, files of different formats
+        mixed = _mixed_formats(p, path_setting)
+        if mixed:
+            raise ValueError(mixed) from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path_setting}: cannot load {path!r} (split {split!r}): "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{type(e).__name__}: {first}") from e
     if isinstance(ds, datasets.IterableDataset):
         raise ValueError(f"{path_setting}: streaming datasets are not supported")
     return ds
+
+
+def _mixed_formats(p: Path, setting: str) -> str | None:
+    """One line with the records of each chat format when local files mix formats that `datasets`
+    cannot load as one table (files with different fields), else None."""
+    from dflash_ds.data.validate import format_counts
+
+    if not p.exists():
+        return None
+    try:
+        counts = format_counts(_local_files(p))
+    except Exception:  # noqa: BLE001 - the loader's own error is then the better message
+        return None
+    if len(counts) < 2:
+        return None
+    listed = ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return (f"{setting}: {p} mixes chat formats that cannot be loaded as one table (records: {listed}); "
+            f"write each format to its own file and convert all but one (accepted: messages, conversations, "
+            f"prompt + response), or keep one format per {setting}")
 
 
 def release_freed_memory() -> None:

@@ -61,3 +61,36 @@ def check_local(files: list[Path], setting: str) -> None:
     for f in files:
         if f.suffix.lower() in (".json", ".jsonl"):
             check_json_file(f, setting)
+
+
+def record_format(fields) -> str:
+    """The chat format a record's (or a table's) fields hold: messages, conversations, prompt_response,
+    or `other`."""
+    present = {k for k in fields}
+    for name in ("messages", "conversations"):
+        if name in present:
+            return name
+    return "prompt_response" if {"prompt", "response"} <= present else "other"
+
+
+def format_counts(files: list[Path]) -> dict[str, int]:
+    """Records per chat format over local JSON / JSON Lines / Parquet files (Arrow files are not read)."""
+    counts: dict[str, int] = {}
+    for f in files:
+        suffix = f.suffix.lower()
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.read_metadata(f)
+            kind = record_format(meta.schema.to_arrow_schema().names)
+            counts[kind] = counts.get(kind, 0) + meta.num_rows
+        elif suffix in (".json", ".jsonl"):
+            text = f.read_text(encoding="utf-8", errors="replace").lstrip("\ufeff")
+            if suffix == ".json" and text.lstrip()[:1] == "[":
+                records = json.loads(text)
+            else:
+                records = (json.loads(line) for line in text.splitlines() if line.strip())
+            for r in records:
+                kind = record_format({k for k, v in r.items() if v is not None} if isinstance(r, dict) else ())
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -114,7 +114,7 @@ def sample_anchors(
         raise ValueError(f"objective.num_anchors must be >= 1, got {num_anchors}")
     if num_anchors > s:
         raise ValueError(
-            f"objective.num_anchors={num_anchors} exceeds the row length {s} (data.max_length); "
+            f"objective.num_anchors={num_anchors} exceeds the row length {s} (data.row_length); "
             "a row has fewer possible anchors than that: lower objective.num_anchors"
         )
     keys = torch.rand(b, s, generator=generator, device=generator.device).to(valid.device)

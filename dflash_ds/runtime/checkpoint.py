@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dflash_ds.io import write_json_atomic
+from dflash_ds.io import file_sizes, size_mismatch, write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError
@@ -71,13 +72,7 @@ def verify(tag_dir: Path) -> str | None:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({type(exc).__name__}: {exc})"
-    for name, size in sorted(files.items()):
-        p = tag_dir / name
-        if not p.is_file():
-            return f"{p} is missing"
-        if p.stat().st_size != size:
-            return f"{p} is truncated or damaged ({p.stat().st_size} bytes, {size} written)"
-    return None
+    return size_mismatch(tag_dir, files)
 
 
 def latest(run_dir: str | Path) -> dict | None:
@@ -126,6 +121,53 @@ def resolve(run_dir: str | Path, mode: str) -> dict | None:
                               "to start over from step 0")
     raise CheckpointError(f"{problem}; set checkpoint.resume=fallback to continue from the newest complete earlier "
                           "checkpoint, or checkpoint.resume=restart to start over from step 0")
+
+
+def mismatch(text: str) -> str | None:
+    """The parameters a model and a state dict disagree on, in one line, from torch's load_state_dict
+    error (missing keys, unexpected keys, shapes); None when `text` is not such an error."""
+    if "Error(s) in loading state_dict" not in text and "size mismatch for" not in text:
+        return None
+
+    def keys(label: str) -> list[str]:
+        m = re.search(label + r" key\(s\) in state_dict: (.*?)\.\s*(?:\n|$)", text)
+        return re.findall(r'"([^"]+)"', m.group(1)) if m else []
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+    parts = []
+    if missing := keys("Missing"):
+        parts.append(f"{len(missing)} missing from the checkpoint: {some(missing)}")
+    if unexpected := keys("Unexpected"):
+        parts.append(f"{len(unexpected)} unexpected: {some(unexpected)}")
+    shapes = re.findall(r"size mismatch for ([^:]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                        r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)", text)
+    if shapes:
+        shown = "; ".join(f"{n} {a} in the checkpoint, {b} now" for n, a, b in shapes[:3])
+        parts.append(f"{len(shapes)} of another shape: {shown}" + (f" (+{len(shapes) - 3} more)" if len(shapes) > 3 else ""))
+    return "; ".join(parts) or text.strip().splitlines()[0]
+
+
+def _earlier(run_dir: str | Path, tag: str) -> str:
+    """The way out after `tag` would not load: an earlier complete checkpoint when one exists."""
+    ck = checkpoint_dir(run_dir)
+    if any(t != tag and verify(ck / t) is None for t in tags(ck)):
+        return "set checkpoint.resume=fallback to use the newest complete earlier checkpoint"
+    return "no complete earlier checkpoint exists; set checkpoint.resume=restart to start over from step 0"
+
+
+def load_failure(exc: BaseException, run_dir: str | Path, tag: str) -> str:
+    """One line for a checkpoint that did not load. A drafter of another shape than the one that wrote
+    it (missing / unexpected parameters, other shapes) is a recipe change, which no earlier checkpoint
+    of the run can help with; a damaged file is, when an earlier complete checkpoint exists."""
+    where = checkpoint_dir(run_dir) / tag
+    why = mismatch(str(exc))
+    if why is not None:
+        return (f"checkpoint {where} does not fit the drafter this recipe builds ({why}): the recipe changed the "
+                f"drafter since the run started; resume with the settings recorded in {Path(run_dir) / 'recipe.yaml'}, "
+                "or start a new run (checkpoint.resume=restart or another run.output_dir)")
+    return f"could not load checkpoint {where}: {describe_error(exc)}; {_earlier(run_dir, tag)}"
 
 
 def describe_error(exc: BaseException) -> str:
@@ -184,8 +226,7 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
     failed = _any(error is not None, group, engine.device)
     if not failed and is_lead:
         try:
-            files = {str(p.relative_to(ck / tag)): p.stat().st_size for p in (ck / tag).rglob("*") if p.is_file()
-                     and p.name != MANIFEST}
+            files = file_sizes(ck / tag, leave_out=MANIFEST)
             write_json_atomic(ck / tag / MANIFEST, {"step": step, "files": files}, indent=1)
             write_json_atomic(ck / LATEST, {"tag": tag, "step": step}, indent=1)
         except OSError as exc:
@@ -231,11 +272,9 @@ def load(engine, run_dir: str | Path, group, info: dict | None, universal: bool 
             _, state = engine.load_checkpoint(str(ck), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
     except Exception as exc:  # noqa: BLE001  torch/pickle errors from a damaged file name no path
-        raise CheckpointError(f"could not load checkpoint {ck / tag}: {describe_error(exc)}; set "
-                              "checkpoint.resume=fallback to use an earlier checkpoint") from None
+        raise CheckpointError(load_failure(exc, run_dir, tag)) from None
     if state is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {ck / tag}; set checkpoint.resume=fallback to use an "
-                              "earlier checkpoint")
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {ck / tag}; {_earlier(run_dir, tag)}")
     torch.set_rng_state(state["rng_cpu"])
     if "rng_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng_cuda"])

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     try:
         from dflash_ds.runtime.prelaunch import prelaunch
 
-        prelaunch(recipe)
+        env = prelaunch(recipe)
         error = None
     except ValueError as exc:  # RecipeError, data and tokenizer errors: the user's to fix
         error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -53,6 +53,7 @@ def main(argv: list[str]) -> int:
         return _fail(error)
     lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={free_port()}",
              f"DFLASH_STOP_GRACE={recipe.run.stop_grace_s:g}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     import torch
 
     if recipe.run.device == "cpu" or not torch.cuda.is_available():

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from dflash_ds.config import Recipe, RecipeError, ranks_per_node
+from dflash_ds.runtime.preflight import check_locations, check_wandb_service
 from dflash_ds.safety import CheckpointError, LockError
 
 
@@ -43,15 +44,20 @@ def check_resume(recipe: Recipe) -> None:
     from dflash_ds.runtime.control import decide_start
 
     try:
-        decide_start(recipe)  # the same decision the run's lead makes at start-up
+        # The same decision the run's lead makes at start-up, the recipe's contract included (a resume
+        # that changes it raises RecipeError; the lead lists the settings that may change).
+        decide_start(recipe)
     except CheckpointError as exc:
         raise RecipeError(str(exc)) from None
 
 
-def prelaunch(recipe: Recipe) -> None:
-    """Raise ValueError (one line) for the first problem; prepares and caches the data on success."""
+def prelaunch(recipe: Recipe) -> dict[str, str]:
+    """Raise ValueError (one line) for the first problem; prepares and caches the data on success.
+    Returns environment variables the ranks need (wandb's offline fallback)."""
+    check_locations(recipe)
     check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
     check_wandb(recipe)
+    env = check_wandb_service(recipe)
     if Path(recipe.run.output_dir).exists():
         check_resume(recipe)
     from dflash_ds.data.prepare import load_training_data
@@ -59,3 +65,4 @@ def prelaunch(recipe: Recipe) -> None:
 
     check_recipe(recipe, ranks_per_node(recipe))
     load_training_data(recipe)
+    return env

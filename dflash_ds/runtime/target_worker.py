@@ -34,8 +34,23 @@ def wants_eval(spec: RunSpec, data: PreparedData) -> bool:
     return bool(data.eval_prompts) and (e.at_start or e.at_end or e.every_steps > 0)
 
 
+def eval_bounds(prompt_lens: list[int], max_new_tokens: int, seq_len: int) -> list[int]:
+    """The tokens each held-out sequence may take: its prompt plus eval.max_new_tokens, cut to the row.
+    Both sides know them before any generation, so the drafter knows how many payloads come."""
+    return [max(1, min(n + max_new_tokens, seq_len)) for n in prompt_lens]
+
+
+def eval_rows(spec: RunSpec, prompt_lens: list[int]) -> list[list[int]]:
+    """The held-out sequences each evaluation row holds: packed first-fit by their bounds, as
+    training rows are, instead of one per row (a row is several conversations long)."""
+    from dflash_ds.data.packing import first_fit_rows
+
+    bounds = eval_bounds(prompt_lens, spec.recipe.eval.max_new_tokens, spec.payload.seq_len)
+    return first_fit_rows(bounds, spec.payload.seq_len)
+
+
 def eval_payload_count(spec: RunSpec, data: PreparedData) -> int:
-    return math.ceil(len(data.eval_prompts) / spec.payload.rows)
+    return math.ceil(len(eval_rows(spec, [len(p) for p in data.eval_prompts])) / spec.payload.rows)
 
 
 class TargetWorker:
@@ -83,22 +98,30 @@ class TargetWorker:
         forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec.payload), doc_ids=doc_ids)
 
     def eval_payloads(self, new_buffer: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Yield the held-out (prompt + greedy continuation) sequences, R per payload, padded to S.
+        """Yield the held-out (prompt + greedy continuation) sequences packed into R rows per payload
+        (eval_rows; each sequence its own document, kept apart by the packed forward).
 
         A generator, so a caller that sends each payload frees its buffer before the next is filled.
         """
         sequences = self.eval_sequences or []
         r, s = self.spec.payload.rows, self.spec.payload.seq_len
         device = self.spec.device
-        for i in range(0, len(sequences), r):
+        lens = [seq["prompt_len"] for seq in sequences]
+        bounds = eval_bounds(lens, self.spec.recipe.eval.max_new_tokens, s)
+        rows = eval_rows(self.spec, lens)
+        for i in range(0, len(rows), r):
             ids = torch.zeros(r, s, dtype=torch.long)
             loss_mask = torch.zeros(r, s, dtype=torch.int32)
             doc_ids = torch.full((r, s), -1, dtype=torch.int32)
-            for j, seq in enumerate(sequences[i:i + r]):
-                toks = seq["ids"][:s]
-                ids[j, :len(toks)] = torch.tensor(toks)
-                loss_mask[j, seq["prompt_len"]:len(toks)] = 1
-                doc_ids[j, :len(toks)] = 0
+            for j, members in enumerate(rows[i:i + r]):
+                at = 0
+                for d, k in enumerate(members):
+                    # Cut to its bound: a continuation cached with a larger eval.max_new_tokens still fits.
+                    toks = sequences[k]["ids"][:bounds[k]]
+                    ids[j, at:at + len(toks)] = torch.tensor(toks)
+                    loss_mask[j, at + lens[k]:at + len(toks)] = 1
+                    doc_ids[j, at:at + len(toks)] = d
+                    at += len(toks)
             buf = new_buffer()
             self._forward(buf, ids.to(device), loss_mask.to(device), doc_ids.to(device))
             yield buf

@@ -285,11 +285,14 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], spec: Paylo
         for p in payloads:
             mb = unpack(p.to(device), spec, dtype)
             for j in range(mb.input_ids.shape[0]):
-                real = int((mb.doc_ids[j] >= 0).sum())
-                resp = torch.nonzero(mb.loss_mask[j]).flatten()
-                if real == 0 or resp.numel() == 0:
-                    continue
-                cycles.append(tau_from_taps(model, mb.taps[j, :real], mb.input_ids[j, :real], int(resp[0]), real))
+                # Each document of the row is one held-out sequence (target_worker.eval_rows).
+                for d in range(int(mb.doc_ids[j].max()) + 1):
+                    where = torch.nonzero(mb.doc_ids[j] == d).flatten()
+                    a, b = int(where[0]), int(where[-1]) + 1
+                    resp = torch.nonzero(mb.loss_mask[j, a:b]).flatten()
+                    if resp.numel() == 0:
+                        continue
+                    cycles.append(tau_from_taps(model, mb.taps[j, a:b], mb.input_ids[j, a:b], int(resp[0]), b - a))
     drafter.train(was_training)
     return TauReport(block_size=model.block_size, cycles=cycles)
 

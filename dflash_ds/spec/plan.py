@@ -68,7 +68,7 @@ def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:
     total = max(int(total), 1)
     warmup = int(round(o.warmup_ratio * total))
     decay = min(max(int(round(o.decay_ratio * total)), 1), total - warmup) if o.schedule == "wsd" else 0
-    return Plan(layout, o.rows_per_micro_batch, o.grad_accum, recipe.data.max_length, num_rows, steps_per_epoch,
+    return Plan(layout, o.rows_per_micro_batch, o.grad_accum, recipe.data.row_length, num_rows, steps_per_epoch,
                 total, warmup, o.schedule, decay)
 
 
@@ -108,7 +108,7 @@ def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hi
                     taps: int) -> dict[str, float]:
     """Rough GiB per rank by role (weights, optimizer, payload buffers, activations)."""
     gib = 1024 ** 3
-    s, r, n, b = recipe.data.max_length, plan.rows_per_micro, recipe.objective.num_anchors, recipe.drafter.block_size
+    s, r, n, b = recipe.data.row_length, plan.rows_per_micro, recipe.objective.num_anchors, recipe.drafter.block_size
     payload = r * s * (taps * hidden + 6) * 2
     nd = plan.layout.num_drafters
     drafter = (d_params * (2 + 2) + d_params * 12 / nd  # bf16 weights + grads, fp32 master + Adam split by ZeRO-2

@@ -123,7 +123,7 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
 def payload_spec(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> PayloadSpec:
     """One micro-batch on the wire: the shape's taps at its width (the target's hidden size), in
     `dtype`. With the KL term on, targets also send their final-norm states (one more tap)."""
-    return PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.max_length, shape.num_taps, shape.hidden_size,
+    return PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.row_length, shape.num_taps, shape.hidden_size,
                        dtype, final_norm=recipe.objective.kl_weight > 0)
 
 

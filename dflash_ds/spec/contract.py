@@ -1,0 +1,148 @@
+"""The run's recipe as a contract: what a run started with is recorded, and a resume may change only
+what does not change the drafter's shape, the data stream or the taps.
+
+`run.output_dir/recipe.yaml` is the recipe of the run's first start and is never overwritten; a later
+start whose recipe differs is recorded beside it (`recipe.resume-<step>.yaml`; after
+`checkpoint.resume=restart` the previous run's record moves to `recipe.before-restart-<n>.yaml` and the
+new run's becomes recipe.yaml). Before a resume, `compare` puts the recipe against the record:
+- CONTRACT keys (the drafter's shape, the rows and their order, the anchors' seed, what the target
+  taps) must be equal, else one line names each key with both values;
+- every other setting (learning rate and schedule, steps, checkpoints, evaluation, logging,
+  timeouts...) may change and is listed in one line.
+The drafter's shape keys are those `model.shape.COMPARED` names (the one structure defining it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import yaml
+
+from dflash_ds.config import Recipe, RecipeError, build_recipe, dump_yaml
+from dflash_ds.model.shape import COMPARED
+
+RECORD = "recipe.yaml"
+
+# The recipe keys behind the drafter's shape: the first word of each COMPARED entry (the setting),
+# plus the ones every shape field is built from.
+SHAPE_KEYS = tuple(sorted({v.split()[0] for v in COMPARED.values()}
+                          | {"drafter.num_layers", "drafter.block_size", "drafter.mask_token_id",
+                             "drafter.target_layer_ids", "drafter.intermediate_size", "drafter.num_attention_heads",
+                             "drafter.num_key_value_heads", "drafter.head_dim"}))
+# The rows, their order on every drafter rank, the anchors drawn from them.
+DATA_KEYS = ("data.path", "data.split", "data.max_samples", "data.max_length", "data.row_length", "data.pack",
+             "data.truncation", "data.thinking", "data.seed", "data.eval_path", "data.eval_split", "data.num_eval",
+             "data.regenerate.enabled", "data.regenerate.output_dir", "run.seed", "optim.rows_per_micro_batch",
+             "optim.grad_accum", "topology.drafters_per_node")
+# What the target sends: its weights and the hidden states it taps.
+TAP_KEYS = ("target.path", "target.adapter", "target.dtype", "objective.kl_weight")
+CONTRACT = tuple(dict.fromkeys(SHAPE_KEYS + DATA_KEYS + TAP_KEYS))
+# Changing the number of drafter ranks is what a universal checkpoint is for.
+UNIVERSAL_MAY_CHANGE = ("topology.drafters_per_node",)
+
+
+def flat(recipe: Recipe) -> dict[str, object]:
+    """Every setting by its dotted key (tuples as lists), `source` left out."""
+    out: dict[str, object] = {}
+
+    def walk(node, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+            elif key != "source":
+                out[key] = list(value) if isinstance(value, tuple) else value
+    walk(recipe, "")
+    return out
+
+
+def _known(raw, cls) -> dict:
+    """`raw` without the keys `cls` does not have (a record written by an older version)."""
+    if not isinstance(raw, dict):
+        return {}
+    hints = typing.get_type_hints(cls)
+    return {k: _known(v, hints[k]) if dataclasses.is_dataclass(hints[k]) else v
+            for k, v in raw.items() if k in hints and k != "source"}
+
+
+def recorded(run_dir: str | Path) -> Recipe | None:
+    """The recipe the run in `run_dir` started with, or None when there is none. Settings an older
+    version wrote and this one lacks are ignored; settings it lacks take their defaults."""
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        return None
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+        return build_recipe(_known(raw, Recipe))
+    except (yaml.YAMLError, RecipeError, TypeError, ValueError) as exc:
+        raise RecipeError(f"{path}: the run's recorded recipe cannot be read ({str(exc).splitlines()[0]}); restore it, "
+                          "or start a new run (checkpoint.resume=restart or another run.output_dir)") from None
+
+
+def _show(value) -> str:
+    """A value as the recipe would write it (null, true, [1,2])."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value).replace(" ", "")
+
+
+def compare(recipe: Recipe, before: Recipe) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
+    """(contract differences, allowed differences) as (key, recorded value, value now)."""
+    now, then = flat(recipe), flat(before)
+    may_change = UNIVERSAL_MAY_CHANGE if recipe.checkpoint.universal else ()
+    refused, allowed = [], []
+    for key in now:
+        if now[key] == then.get(key):
+            continue
+        entry = (key, then.get(key), now[key])
+        (refused if key in CONTRACT and key not in may_change else allowed).append(entry)
+    return refused, allowed
+
+
+def check_resume(recipe: Recipe, step: int) -> str | None:
+    """Before resuming at `step`: RecipeError (one line, every differing contract key with both values)
+    when the recipe changes the drafter's shape, the data stream or the taps; otherwise the one line
+    listing the settings that changed (None when none did)."""
+    before = recorded(recipe.run.output_dir)
+    if before is None:
+        return None
+    refused, allowed = compare(recipe, before)
+    if refused:
+        diffs = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in refused)
+        raise RecipeError(
+            f"resuming {recipe.run.output_dir} at step {step} with settings that change the drafter, its data or "
+            f"its taps (recorded in {Path(recipe.run.output_dir) / RECORD} -> now): {diffs}; set them back to the "
+            "recorded values, or start a new run (checkpoint.resume=restart or another run.output_dir)")
+    if not allowed:
+        return None
+    return (f"resuming at step {step} with changed settings (allowed on resume): "
+            + "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in allowed))
+
+
+def record(recipe: Recipe, start_step: int) -> Path:
+    """Write the recipe of this start into the run directory without overwriting an earlier record;
+    returns the file it is in."""
+    run_dir = Path(recipe.run.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    first = run_dir / RECORD
+    text = dump_yaml(recipe)
+    if first.is_file() and start_step == 0:  # a new run over the directory (restart): keep the old record
+        taken = [int(m.group(1)) for p in run_dir.glob("recipe.before-restart-*.yaml")
+                 if (m := re.fullmatch(r"recipe\.before-restart-(\d+)\.yaml", p.name))]
+        first.rename(run_dir / f"recipe.before-restart-{max(taken, default=0) + 1}.yaml")
+        # resumed records belong to the previous run too
+        for p in run_dir.glob("recipe.resume-*.yaml"):
+            p.rename(run_dir / f"recipe.before-restart-{max(taken, default=0) + 1}.{p.name}")
+    if not first.is_file():
+        first.write_text(text)
+        return first
+    if first.read_text() == text:
+        return first
+    later = run_dir / f"recipe.resume-{start_step}.yaml"
+    if not later.is_file() or later.read_text() != text:
+        later.write_text(text)
+    return later

@@ -1,0 +1,136 @@
+"""The run's recipe as a contract: recorded once and never overwritten, compared before every resume
+(the drafter's shape, the data stream and the taps must not change; the rest may, and is listed), and
+a checkpoint that still does not load says why without advising a fallback that cannot help."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash_ds.config import RecipeError, dump_yaml, load_recipe
+from dflash_ds.model.shape import COMPARED
+from dflash_ds.runtime import checkpoint
+from dflash_ds.spec import contract
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny.yaml"
+
+
+def tiny(run_dir, *over):
+    return load_recipe(TINY, [f"run.output_dir={run_dir}", *over])
+
+
+def test_every_drafter_shape_setting_is_in_the_contract():
+    for setting in COMPARED.values():  # the one structure that defines the drafter's shape
+        assert setting.split()[0] in contract.CONTRACT
+    for key in ("drafter.block_size", "drafter.num_layers", "drafter.target_layer_ids", "data.row_length",
+                "data.max_length", "data.path", "run.seed", "optim.grad_accum", "target.path", "objective.kl_weight"):
+        assert key in contract.CONTRACT
+    flat = contract.flat(load_recipe(TINY))
+    assert all(k in flat for k in contract.CONTRACT), [k for k in contract.CONTRACT if k not in flat]
+
+
+@pytest.mark.parametrize("changes, keys", [
+    (["drafter.block_size=4"], ["drafter.block_size 8 -> 4"]),
+    (["drafter.num_layers=3", "data.row_length=512"], ["drafter.num_layers 2 -> 3", "data.row_length 1024 -> 512"]),
+    (["drafter.target_layer_ids=[0,3]"], ["drafter.target_layer_ids null -> [0,3]"]),
+    (["optim.grad_accum=2", "run.seed=5"], ["run.seed 0 -> 5", "optim.grad_accum 1 -> 2"]),
+])
+def test_a_resume_that_changes_the_contract_stops_in_one_line_naming_each_key(tmp_path, changes, keys):
+    contract.record(tiny(tmp_path), 0)
+    with pytest.raises(RecipeError) as e:
+        contract.check_resume(tiny(tmp_path, *changes, "optim.lr=1e-3"), 40)
+    msg = str(e.value)
+    assert "\n" not in msg and "at step 40" in msg and str(tmp_path / "recipe.yaml") in msg
+    for k in keys:
+        assert k in msg, msg
+    assert "optim.lr" not in msg  # allowed changes are not part of the refusal
+
+
+def test_allowed_changes_are_listed_in_one_line_and_recorded_beside_the_first(tmp_path):
+    first = tiny(tmp_path)
+    assert contract.record(first, 0) == tmp_path / "recipe.yaml"
+    original = (tmp_path / "recipe.yaml").read_text()
+    assert contract.check_resume(first, 10) is None  # nothing changed
+    later = tiny(tmp_path, "optim.lr=1e-3", "optim.max_steps=99", "log.every_steps=5", "eval.every_steps=7")
+    line = contract.check_resume(later, 10)
+    assert "\n" not in line and line.startswith("resuming at step 10 with changed settings (allowed on resume): ")
+    for part in ("optim.lr 0.003 -> 0.001", "optim.max_steps null -> 99", "log.every_steps 10 -> 5",
+                 "eval.every_steps 0 -> 7"):
+        assert part in line
+    assert contract.record(later, 10) == tmp_path / "recipe.resume-10.yaml"
+    assert (tmp_path / "recipe.yaml").read_text() == original  # never overwritten
+    assert yaml.safe_load((tmp_path / "recipe.resume-10.yaml").read_text())["optim"]["lr"] == 1e-3
+    assert contract.record(first, 20) == tmp_path / "recipe.yaml"  # the same recipe again: nothing new
+
+
+def test_a_universal_checkpoint_may_change_the_number_of_drafter_ranks(tmp_path):
+    contract.record(tiny(tmp_path), 0)
+    with pytest.raises(RecipeError, match=r"topology\.drafters_per_node 1 -> 2"):
+        contract.check_resume(tiny(tmp_path, "topology.drafters_per_node=2"), 4)
+    line = contract.check_resume(tiny(tmp_path, "topology.drafters_per_node=2", "checkpoint.universal=true"), 4)
+    assert "topology.drafters_per_node 1 -> 2" in line and "checkpoint.universal false -> true" in line
+
+
+def test_restart_keeps_the_previous_runs_records(tmp_path):
+    contract.record(tiny(tmp_path), 0)
+    contract.record(tiny(tmp_path, "optim.lr=1e-3"), 8)
+    contract.record(tiny(tmp_path, "drafter.block_size=4", "checkpoint.resume=restart"), 0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["recipe.before-restart-1.recipe.resume-8.yaml", "recipe.before-restart-1.yaml", "recipe.yaml"]
+    assert yaml.safe_load((tmp_path / "recipe.yaml").read_text())["drafter"]["block_size"] == 4
+    assert yaml.safe_load((tmp_path / "recipe.before-restart-1.yaml").read_text())["drafter"]["block_size"] == 8
+
+
+def test_a_record_from_an_older_version_is_compared_on_what_both_know(tmp_path):
+    raw = yaml.safe_load(dump_yaml(tiny(tmp_path)))
+    del raw["data"]["row_length"]  # written before rows and conversations were separate settings
+    del raw["objective"]["num_anchors"]
+    raw["data"]["retired_setting"] = 1  # a key this version no longer has
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    # Its rows were its conversations (256 tokens): resuming it with 1,024-token rows changes the data stream.
+    with pytest.raises(RecipeError, match=r"data\.row_length 256 -> 1024"):
+        contract.check_resume(tiny(tmp_path), 4)
+    assert contract.check_resume(tiny(tmp_path, "data.row_length=256", "objective.num_anchors=43"), 4) is None
+    (tmp_path / "recipe.yaml").write_text("run: [unclosed")
+    with pytest.raises(RecipeError, match="recorded recipe cannot be read"):
+        contract.check_resume(tiny(tmp_path), 4)
+
+
+# ----------------------------------------------------------------------------- checkpoints that do not load
+
+
+def _state_dict_error(saved: torch.nn.Module, loading: torch.nn.Module) -> RuntimeError:
+    try:
+        loading.load_state_dict(saved.state_dict())
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("loaded")
+
+
+def test_a_checkpoint_of_another_drafter_names_keys_and_shapes_and_no_fallback(tmp_path):
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    line = checkpoint.load_failure(_state_dict_error(small, big), tmp_path, "step00000004")
+    assert "\n" not in line and "fallback" not in line
+    assert "2 missing from the checkpoint: 2.weight, 2.bias" in line
+    assert "1.weight [8, 4] in the checkpoint, [4, 4] now" in line and "recipe.yaml" in line
+    line = checkpoint.load_failure(_state_dict_error(big, small), tmp_path, "step00000004")
+    assert "2 unexpected: 2.weight, 2.bias" in line and "fallback" not in line
+
+
+def _complete(run_dir: Path, tag: str) -> None:
+    d = checkpoint.checkpoint_dir(run_dir) / tag
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+
+
+def test_a_damaged_checkpoint_advises_fallback_only_when_an_earlier_one_exists(tmp_path):
+    damaged = OSError(5, "Input/output error")
+    _complete(tmp_path, "step00000004")
+    line = checkpoint.load_failure(damaged, tmp_path, "step00000004")
+    assert "fallback" not in line and "checkpoint.resume=restart" in line
+    _complete(tmp_path, "step00000002")
+    line = checkpoint.load_failure(damaged, tmp_path, "step00000004")
+    assert "checkpoint.resume=fallback" in line

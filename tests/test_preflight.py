@@ -1,0 +1,135 @@
+"""User-caused failures found before launch, each in one line: a recipe that is not YAML, locations
+the run cannot write, wandb's service out of reach (or offline instead, when the recipe says so)."""
+
+import http.server
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.runtime import preflight
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "recipes" / "tiny.yaml"
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+@pytest.mark.parametrize("text, where", [
+    ("run:\n  name: x\n target: [\n", ":3:2:"),  # a section indented wrong
+    ("run:\n  name: \"x\n", ":3:1:"),  # an unclosed quote, found at the end
+    ("data:\n  path: a\n  pack true\n  num_eval: 2\n", ":4:"),  # a missing ':'
+])
+def test_a_recipe_that_is_not_yaml_is_one_line_with_file_line_and_column(tmp_path, text, where):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(bad)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{bad}{where}") and "not valid YAML" in msg
+
+
+def test_an_override_that_is_not_yaml_names_the_override():
+    with pytest.raises(RecipeError, match=r"override 'optim\.betas=\[0\.9': the value is not valid YAML"):
+        load_recipe(TINY, ["optim.betas=[0.9"])
+
+
+# ----------------------------------------------------------------------------- locations
+
+
+def tiny(run_dir, *over):
+    return load_recipe(TINY, [f"run.output_dir={run_dir}", *over])
+
+
+def test_locations_that_are_files_or_not_writable_are_named(tmp_path):
+    preflight.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(RecipeError, match=rf"^run\.output_dir: {afile} is a file, not a directory"):
+        preflight.check_locations(tiny(afile))
+    with pytest.raises(RecipeError, match=r"cannot be created \(.*afile is a file\)"):
+        preflight.check_locations(tiny(afile / "run"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "export").write_text("not a directory")
+    with pytest.raises(RecipeError, match=r"^run\.output_dir \(export\): .*export is a file"):
+        preflight.check_locations(tiny(run))
+    # /proc takes no new files, whoever asks (permissions would not stop root).
+    with pytest.raises(RecipeError, match=r"^run\.output_dir: /proc/dflash-test/run is not writable"):
+        preflight.check_locations(tiny("/proc/dflash-test/run"))
+    with pytest.raises(RecipeError, match=r"^data\.cache_dir: /proc/dflash-cache is not writable"):
+        preflight.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
+    assert not list(tmp_path.glob("**/.dflash-write-test-*"))  # the probes are gone
+
+
+# ----------------------------------------------------------------------------- wandb
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: connections are refused
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the handler's API
+        self.send_response(401)  # any answer means the service is there
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+WANDB = ["log.wandb.enabled=true", "log.wandb.mode=online"]
+
+
+def test_unreachable_wandb_stops_in_one_line_offering_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
+    t = time.monotonic()
+    with pytest.raises(RecipeError) as e:
+        preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=2)
+    msg = str(e.value)
+    assert time.monotonic() - t < 5 and "\n" not in msg
+    assert msg.startswith("log.wandb: http://127.0.0.1:") and "log.wandb.mode=offline" in msg
+    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
+                                         timeout=2) == {"WANDB_MODE": "offline"}
+
+
+def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypatch):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts, never answers
+    try:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
+        t = time.monotonic()
+        with pytest.raises(RecipeError, match="did not answer within 1 s"):
+            preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=1)
+        assert time.monotonic() - t < 4
+    finally:
+        listener.close()
+
+
+def test_reachable_offline_or_disabled_wandb_needs_nothing(tmp_path, monkeypatch, server):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", server)
+    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
+    assert preflight.check_wandb_service(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
+    assert preflight.check_wandb_service(tiny(tmp_path)) == {}  # not enabled
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
