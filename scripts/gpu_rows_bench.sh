@@ -4,15 +4,25 @@
 # of the longest conversation (3,072 tokens: data.max_length) against the recipe's rows (data.row_length,
 # 12,288 for recipes/qwen27b.yaml), at the same tokens per optimizer step; the full-row rate of
 # 3,072-token rows (no padding) is the reference every useful rate is divided by.
-#   bash scripts/gpu_rows_bench.sh OUT_DIR [RECIPE]
-# Writes OUT_DIR/<role>_<rows>_<mix>.json (the bench's JSON), .log, commands.txt and summary.json.
+#   PART=target  bash scripts/gpu_rows_bench.sh OUT_DIR [RECIPE]   full 3,072-token rows, then the recipe's rows on `long`
+#   PART=drafter bash scripts/gpu_rows_bench.sh OUT_DIR [RECIPE]   3,072-token rows, then the recipe's rows, both on `long`
+#   PART=chat    bash scripts/gpu_rows_bench.sh OUT_DIR [RECIPE]   the `chat` mix (recipe's rows, then 3,072) and target 3,072 `long`
+# Run the parts in this order into the same OUT_DIR, on the same machine: the first two hold the four runs
+# that decide the goals, the third reuses their full-row rates and the warm compile caches. Each part
+# ends within BUDGET_S (225 s) and OUT_DIR/summary.json always covers every run found in OUT_DIR.
+# Why three parts: the first run of each role on a fresh machine compiles its kernels from empty caches
+# (fla's autotuning on the target, flex_attention and the compiled layers on the drafter) and took longer
+# than 75 s on an H200 for both roles, where the same kind of run took 48 s once warm; so each part opens
+# with one cold run under COLD_TIMEOUT (130 s) and gives the next run what is left of the budget.
+# Writes OUT_DIR/<role>_<rows>_<mix>.json (the bench's JSON), .log, .rc.json, commands.txt and summary.json.
 # The drafter's step costs the same whatever its rows hold (static shapes), so its full-row rate is the
 # raw rate of its 3,072-token runs; the target's packed rows run another attention path, so it gets a
-# full-row run of its own. Nine runs, the most telling first; a run that would end past BUDGET_S is
-# skipped (and marked so in the summary), so the script ends within about 4 minutes.
-# Environment: TARGET_LAYERS (8: the target's first 8 layers, 6 Gated DeltaNet + 2 full attention; the
-# ratios are per layer), STEPS (5), WARMUP (2), DEVICE (auto; cpu runs the same plan as a smoke test, e.g.
-# with recipes/tiny.yaml), RUN_TIMEOUT (seconds per run, 75), BUDGET_S (225), COMPILE_LAYERS (1: --compile-layers).
+# full-row run of its own. A run that cannot get MIN_RUN_S (40 s) of the budget is skipped and marked so.
+# Environment: PART (target, drafter, chat or all: the three in one go, for a machine without a time
+# limit), TARGET_LAYERS (8: the target's first 8 layers, 6 Gated DeltaNet + 2 full attention; the ratios
+# are per layer), STEPS (5), WARMUP (2), DEVICE (auto; cpu runs the same plan as a smoke test, e.g. with
+# recipes/tiny.yaml), COLD_TIMEOUT (130), RUN_TIMEOUT (seconds for any later run, 100), BUDGET_S (225;
+# with PART=all, per part), MIN_RUN_S (40), COMPILE_LAYERS (1: --compile-layers).
 set -u
 OUT=$(realpath -m "$1")
 RECIPE=${2:-recipes/qwen27b.yaml}
@@ -25,9 +35,16 @@ STEPS=${STEPS:-5}
 WARMUP=${WARMUP:-2}
 DEVICE=${DEVICE:-auto}
 LAYERS=${TARGET_LAYERS:-8}
-RUN_TIMEOUT=${RUN_TIMEOUT:-75}
+PART=${PART:-}
+COLD_TIMEOUT=${COLD_TIMEOUT:-130}
+RUN_TIMEOUT=${RUN_TIMEOUT:-100}
 BUDGET_S=${BUDGET_S:-225}
-MIN_RUN_S=20
+MIN_RUN_S=${MIN_RUN_S:-40}
+case "$PART" in
+  target|drafter|chat|all) ;;
+  *) echo "gpu_rows_bench.sh: set PART=target, PART=drafter or PART=chat (run in that order into one OUT_DIR; PART=all runs the three)" >&2
+     exit 2 ;;
+esac
 
 # The recipe's rows: SHORT = the longest conversation, LONG = its row length; grad_accum on short rows
 # keeps the tokens of an optimizer step equal (4 x 3,072 = 1 x 12,288 for the flagship).
@@ -47,44 +64,61 @@ echo "recipe $RECIPE: conversations up to $SHORT tokens, rows of $LONG (grad_acc
 COMMON=(--recipe "$RECIPE" --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP")
 COMPILE=(--compile-layers)
 if [ "$DEVICE" = cpu ] || [ "${COMPILE_LAYERS:-1}" = 0 ]; then COMPILE=(); fi
-START=$(date +%s)
 
-bench() {  # NAME ARGS...: one bench run, its JSON and log under OUT; a failure is recorded, not fatal
-  local name=$1; shift
+bench() {  # CAP NAME ARGS...: one bench run of at most CAP s, its JSON and log under OUT; a failure is recorded, not fatal
+  local cap=$1 name=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - START) ))
+  rm -f "$OUT/$name.json"  # never summarise a result left by an earlier invocation
   if [ "$left" -lt "$MIN_RUN_S" ]; then
     echo "  $name skipped: ${left} s of the ${BUDGET_S} s budget left"
     echo "{\"rc\": \"skipped\", \"wall_s\": 0}" > "$OUT/$name.rc.json"
     return
   fi
-  local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
-  echo "[$(date +%T)] $name: python -m dflash_ds.bench ${COMMON[*]} $*" | tee -a "$OUT/commands.txt"
+  local limit=$(( left < cap ? left : cap ))
+  echo "[$(date +%T)] $name (at most $limit s): python -m dflash_ds.bench ${COMMON[*]} $*" | tee -a "$OUT/commands.txt"
   local t0=$SECONDS
   timeout "$limit" "$PY" -m dflash_ds.bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "{\"rc\": $rc, \"wall_s\": $((SECONDS - t0))}" > "$OUT/$name.rc.json"
-  if [ $rc -ne 0 ]; then echo "  $name failed (rc $rc): $(tail -1 "$OUT/$name.log")"; fi
+  echo "{\"rc\": $rc, \"wall_s\": $((SECONDS - t0)), \"cap_s\": $limit}" > "$OUT/$name.rc.json"
+  if [ $rc -eq 124 ]; then echo "  $name stopped at its $limit s cap (rc 124)"
+  elif [ $rc -ne 0 ]; then echo "  $name failed (rc $rc): $(tail -1 "$OUT/$name.log")"; fi
 }
 
 T=(--role target --layers "$LAYERS")
 D=(--role drafter "${COMPILE[@]}")
 S=(--seq-len "$SHORT" --grad-accum "$GA_SHORT")
-bench "target_${SHORT}_full" "${T[@]}" "${S[@]}"
-bench "target_${LONG}_long" "${T[@]}" --lengths long  # the recipe's rows (flags left to the recipe)
-bench "drafter_${SHORT}_long" "${D[@]}" "${S[@]}" --lengths long
-bench "drafter_${LONG}_long" "${D[@]}" --lengths long
-bench "target_${SHORT}_long" "${T[@]}" "${S[@]}" --lengths long
-bench "target_${LONG}_chat" "${T[@]}" --lengths chat
-bench "drafter_${LONG}_chat" "${D[@]}" --lengths chat
-bench "target_${SHORT}_chat" "${T[@]}" "${S[@]}" --lengths chat
-bench "drafter_${SHORT}_chat" "${D[@]}" "${S[@]}" --lengths chat
+# Each part: its first run may be cold (COLD_TIMEOUT), the later ones run on warm caches (RUN_TIMEOUT).
+run_part() {
+  START=$(date +%s)
+  echo "part $1 (budget $BUDGET_S s)"
+  case "$1" in
+    target)
+      bench "$COLD_TIMEOUT" "target_${SHORT}_full" "${T[@]}" "${S[@]}"
+      bench "$RUN_TIMEOUT" "target_${LONG}_long" "${T[@]}" --lengths long ;;  # the recipe's rows (flags left to the recipe)
+    drafter)
+      bench "$COLD_TIMEOUT" "drafter_${SHORT}_long" "${D[@]}" "${S[@]}" --lengths long
+      bench "$RUN_TIMEOUT" "drafter_${LONG}_long" "${D[@]}" --lengths long ;;
+    chat)
+      bench "$COLD_TIMEOUT" "target_${LONG}_chat" "${T[@]}" --lengths chat
+      bench "$COLD_TIMEOUT" "drafter_${LONG}_chat" "${D[@]}" --lengths chat
+      bench "$RUN_TIMEOUT" "target_${SHORT}_chat" "${T[@]}" "${S[@]}" --lengths chat
+      bench "$RUN_TIMEOUT" "drafter_${SHORT}_chat" "${D[@]}" "${S[@]}" --lengths chat
+      bench "$RUN_TIMEOUT" "target_${SHORT}_long" "${T[@]}" "${S[@]}" --lengths long ;;
+  esac
+}
+T0=$(date +%s)
+if [ "$PART" = all ]; then
+  for p in target drafter chat; do run_part "$p"; done
+else
+  run_part "$PART"
+fi
 
-"$PY" - "$OUT" "$SHORT" "$LONG" "$(( $(date +%s) - START ))" <<'EOF'
+"$PY" - "$OUT" "$SHORT" "$LONG" "$(( $(date +%s) - T0 ))" "$PART" <<'EOF'
 import json
 import sys
 from pathlib import Path
 
-out, short, long, wall = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, short, long, wall, part = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
 
 def read(name):
@@ -95,7 +129,7 @@ def read(name):
     return json.loads(f.read_text())["result"], status
 
 
-summary = {"rows": {"short": short, "recipe": long}, "wall_s": wall, "roles": {}, "goals": {},
+summary = {"rows": {"short": short, "recipe": long}, "part": part, "wall_s_this_part": wall, "roles": {}, "goals": {},
            "full_row_reference": {"target": "raw tok/s of full 3,072-token rows",
                                   "drafter": "raw tok/s of its 3,072-token runs (static shapes)"}}
 for role in ("target", "drafter"):
@@ -132,7 +166,8 @@ print(f"{'role':<8} {'rows':>6} {'mix':<5} {'useful tok/s':>13} {'padding':>8} {
 for role, s in summary["roles"].items():
     for e in s["runs"].values():
         if "useful_tok_s" not in e:
-            print(f"{role:<8} {e['rows']:>6} {e['mix']:<5} {'skipped' if e['rc'] == 'skipped' else 'failed'} (rc {e['rc']})")
+            why = {"skipped": "skipped (budget)", None: "not run yet (another PART)", 124: "stopped at its cap"}.get(e["rc"], "failed")
+            print(f"{role:<8} {e['rows']:>6} {e['mix']:<5} {why} (rc {e['rc']})")
             continue
         ratio = e["useful_vs_full_rows"]
         peak = e["peak_gib_first_last"][1]
@@ -141,5 +176,5 @@ for role, s in summary["roles"].items():
 print(f"goals (recipe rows: useful >= full 3,072-row rate, padding <= 3%, no compiles after warm-up): "
       + ", ".join(f"{k} {({True: 'met', False: 'NOT met', None: 'not measured'})[v['met']]}"
                   for k, v in summary["goals"].items()))
-print(f"total {wall} s; {out / 'summary.json'}")
+print(f"part {part}: {wall} s; {out / 'summary.json'} (every run found in {out})")
 EOF

@@ -97,3 +97,33 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+
+# GPU tests name themselves as they start and end, flushed at once: a tier stopped from outside (a time
+# limit around `pytest -m gpu`) still shows which test it was in, and a slow one shows its time, where
+# `-q` alone prints dots until the final summary that a killed run never reaches. (pytest-timeout's
+# `--timeout S` fails a test that runs past S seconds, by name, and lets the tier go on.)
+def _on_gpu(item) -> bool:
+    return item.get_closest_marker("gpu") is not None and torch.cuda.is_available()
+
+
+def _gpu_line(item, text: str) -> None:
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write(f"\n{text}\n", flush=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _on_gpu(item):
+        _gpu_line(item, f"gpu: start {item.nodeid}")
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _on_gpu(item) and (report.when == "call" or report.failed):
+        _gpu_line(item, f"gpu: {report.outcome.upper()} {item.nodeid} ({report.duration:.1f} s, {report.when})")

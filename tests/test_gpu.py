@@ -53,8 +53,10 @@ def packed_rows(b, s, docs, device, g):
 
 
 # Worst errors seen on an H200 (docs/gpu_checks_h200.json), with headroom: forward 9e-8 (fp32) and
-# 5e-4 (bf16); gradients 1.6e-2 (fp32: flex's backward uses TF32 dots) and 2.3e-2 (bf16, on the
-# smallest gradients). A wrong mask gives errors of order 1.
+# 5e-4 (bf16); gradients 1.6e-2 (fp32) and 2.3e-2 (bf16). Those gradient numbers were recorded with the
+# loss h.pow(2).mean(), whose gradients are rounding noise (see probe_like); the loss is now a fixed
+# random probe of the output, which can only make the gradients better conditioned. A wrong mask gives
+# errors of order 1.
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 
 
@@ -85,13 +87,14 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
     block_ids, block_pos = block_inputs(ids, pos, anchors, 16, 999)
     taps = torch.randn(b, s, 3 * 512, generator=g).to(device, dtype)
     emb = torch.randn(1000, 512, generator=g).to(device, dtype)
+    probe = probe_like(b, n * 16, 512, device)
     out, grads = {}, {}
     for kind in ("dense", "flex"):
         model.zero_grad()
         masks = build_layer_masks(anchors, valid, doc_ids, 16, cfg.layer_attentions(), kind=kind)
         assert all((m.block_mask is not None) is (kind == "flex") for m in masks)
         h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
-        h.float().pow(2).mean().backward()
+        (h.double() * probe).sum().backward()
         out[kind] = h.detach()
         grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     fwd = rel(out["flex"], out["dense"])
@@ -142,10 +145,23 @@ def test_blockmask_builds_fast_at_the_real_size(record, s, n):
     assert sparsity > 50 and build_ms < 50 * (s // 3072) ** 2, record[key]
 
 
+WINDOW_WARMUP, WINDOW_ROUNDS = 3, 15
+
+
+def _tiles(block_mask) -> int:
+    """Tiles a BlockMask visits: partial tiles plus full ones (`full_kv_num_blocks` is None when the mask
+    was built without a separate count of full tiles)."""
+    full = block_mask.full_kv_num_blocks
+    return int(block_mask.kv_num_blocks.sum()) + (int(full.sum()) if full is not None else 0)
+
+
 def test_window_skips_work_at_long_rows(record):
     """Rows of 12,288 tokens, 2,048 anchors, B = 16, the 27B head geometry: the window-2048 BlockMask
     (causal block, as the published drafter's sliding layers) visits fewer tiles than the full one, and
-    flex forward + backward under it is not slower."""
+    flex forward + backward under it is not slower. Timing: each mask warmed up on its own (compile and
+    autotune), then WINDOW_ROUNDS rounds alternating the two masks, compared by their medians, so a
+    clock or neighbour change during the run weighs on both alike (one 5-iteration mean per mask, run
+    one after the other, failed once in a full tier run and passed alone)."""
     from dflash_ds.model.attention import LayerAttention
 
     device = torch.device("cuda")
@@ -157,28 +173,41 @@ def test_window_skips_work_at_long_rows(record):
     q = torch.randn(1, 32, n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 8, s + n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    timing = {}
-    for name, att in (("full", LayerAttention()), ("window", LayerAttention(2048, True))):
-        mask = build_mask(anchors, valid, doc_ids, bsz, kind="flex", attention=att)
-        attend(q, k, v, mask, 128 ** -0.5).sum().backward()  # compile
+    masks = {name: build_mask(anchors, valid, doc_ids, bsz, kind="flex", attention=att)
+             for name, att in (("full", LayerAttention()), ("window", LayerAttention(2048, True)))}
+
+    def step_ms(mask) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(5):
-            attend(q, k, v, mask, 128 ** -0.5).sum().backward()
+        attend(q, k, v, mask, 128 ** -0.5).sum().backward()
         torch.cuda.synchronize()
-        bm = mask.block_mask
-        timing[name] = {"fwd_bwd_ms": (time.perf_counter() - t) / 5 * 1e3,
-                        "tiles": int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())}
+        return (time.perf_counter() - t) * 1e3
+
+    for mask in masks.values():
+        for _ in range(WINDOW_WARMUP):
+            step_ms(mask)
+    times = {name: [] for name in masks}
+    for _ in range(WINDOW_ROUNDS):
+        for name, mask in masks.items():
+            times[name].append(step_ms(mask))
+    timing = {name: {"fwd_bwd_ms_median": float(torch.tensor(t).median()), "fwd_bwd_ms_min": min(t),
+                     "fwd_bwd_ms_max": max(t), "tiles": _tiles(masks[name].block_mask)} for name, t in times.items()}
     record["window_12288"] = timing
     assert timing["window"]["tiles"] < timing["full"]["tiles"], timing
-    assert timing["window"]["fwd_bwd_ms"] <= 1.05 * timing["full"]["fwd_bwd_ms"], timing
+    assert timing["window"]["fwd_bwd_ms_median"] <= 1.05 * timing["full"]["fwd_bwd_ms_median"], timing
 
 
-def test_dflash2_compiled_flex_matches_eager_dense(record):
-    """A DFlash2 drafter (block convolutions with non-zero projections, every layer sliding and
-    bidirectional as published) with its layers compiled, through flex_attention, against the eager
-    layers through the dense mask: forward and every gradient, in bf16."""
-    device = torch.device("cuda")
+# bf16 rounding alone costs ~1e-2 relative L2 on every DFlash2 gradient at this size (eager layers, dense
+# mask, against the same weights in float32; 0.8e-2 to 1.5e-2 measured on CPU), so the compiled flex path
+# is held to a multiple of that floor per parameter, not to a fixed bf16-vs-bf16 bound. A wrong mask,
+# tap or gradient gives errors of order 1.
+FLEX_BF16_SLACK = 2.0
+
+
+def _dflash2_drafter_and_inputs(device):
+    """A 2-layer DFlash2 drafter (float32; block convolutions with non-zero projections, every layer
+    sliding and bidirectional as published), packed rows of 1024 tokens with 64 blocks of 8, and a fixed
+    random probe of the output."""
     g = torch.Generator().manual_seed(0)
     B = 8
     cfg = DrafterShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
@@ -188,7 +217,7 @@ def test_dflash2_compiled_flex_matches_eager_dense(record):
                        layer_types=(_SLIDING, _SLIDING), sliding_window=200, is_causal=False, conv_kernel_size=2,
                        conv_group_size=16, selector_rank=64, selector_top_k=16)
     torch.manual_seed(0)
-    model = DFlashDrafter(cfg).to(device, torch.bfloat16)
+    model = DFlashDrafter(cfg).to(device)
     with torch.no_grad():
         for layer in model.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):
@@ -197,28 +226,61 @@ def test_dflash2_compiled_flex_matches_eager_dense(record):
     b, s, n = 2, 1024, 64
     doc_ids, loss_mask = packed_rows(b, s, 3, device, g)
     anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
-    anchors, valid = anchors.to(device), valid.to(device)
     ids = torch.randint(0, 999, (b, s), generator=g).to(device)
     pos = position_ids_from_doc_ids(doc_ids)
-    block_ids, block_pos = block_inputs(ids, pos, anchors, B, 999)
-    taps = torch.randn(b, s, 3 * 512, generator=g).to(device, torch.bfloat16)
-    emb = torch.randn(1000, 512, generator=g).to(device, torch.bfloat16)
-    out, grads = {}, {}
-    for kind in ("dense", "flex"):
-        if kind == "flex":
-            for layer in model.layers:
-                layer.compile(dynamic=False)
-        model.zero_grad()
-        masks = build_layer_masks(anchors, valid, doc_ids, B, cfg.layer_attentions(), kind=kind)
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
-        h.float().pow(2).mean().backward()
-        out[kind] = h.detach()
-        grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-    assert any("attention_conv" in k for k in grads["dense"]) and set(grads["flex"]) == set(grads["dense"])
-    fwd = rel(out["flex"], out["dense"])
-    worst = max(rel(grads["flex"][k], grads["dense"][k]) for k in grads["dense"])
-    record["dflash2_compiled_flex"] = {"forward_rel_err": fwd, "worst_grad_rel_err": worst}
-    assert fwd < 5e-3 and worst < 1e-1, (fwd, worst)
+    block_ids, block_pos = block_inputs(ids, pos, anchors.to(device), B, 999)
+    inputs = {"embeds": torch.randn(1000, 512, generator=g).to(device)[block_ids], "taps": torch.randn(b, s, 3 * 512, generator=g).to(device),
+              "block_pos": block_pos, "pos": pos, "anchors": anchors.to(device), "valid": valid.to(device), "doc_ids": doc_ids,
+              "probe": probe_like(b, n * B, 512, device)}
+    return model, inputs
+
+
+def probe_like(b, q, d, device):
+    """A fixed random cotangent for the drafter's output. Not `h.pow(2).mean()`: the output is RMS-normalised
+    (final norm weight 1 at init), so the mean square is ~1 whatever the input and every gradient
+    upstream of the final norm is of order rms_norm_eps: rounding noise (5e-8 in float64 on this model)."""
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(b, q, d, generator=g, dtype=torch.float64) / (b * q * d) ** 0.5).to(device)
+
+
+def _drafter_output_and_grads(model, inputs, kind):
+    """Forward through masks of `kind` (dense: SDPA; flex: a BlockMask) in the model's dtype, backward of
+    <output, probe> -> (output, {parameter name: gradient})."""
+    dtype = next(model.parameters()).dtype
+    model.zero_grad()
+    masks = build_layer_masks(inputs["anchors"], inputs["valid"], inputs["doc_ids"], model.config.block_size,
+                              model.config.layer_attentions(), kind=kind)
+    h = model(inputs["embeds"].to(dtype), model.fuse(inputs["taps"].to(dtype)), inputs["block_pos"], inputs["pos"], masks)
+    (h.double() * inputs["probe"]).sum().backward()
+    return h.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_dflash2_compiled_flex_matches_eager_dense(record):
+    """A DFlash2 drafter with its layers compiled (dynamic=False), through flex_attention, in bf16: its
+    forward and every gradient are as close to the float32 reference (eager layers, dense mask) as the
+    eager bf16 layers through the dense mask are, within FLEX_BF16_SLACK per parameter."""
+    import copy
+
+    model, inputs = _dflash2_drafter_and_inputs(torch.device("cuda"))
+    ref_out, ref_grads = _drafter_output_and_grads(model, inputs, "dense")  # float32 reference
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    dense_out, dense_grads = _drafter_output_and_grads(model16, inputs, "dense")
+    for layer in model16.layers:
+        layer.compile(dynamic=False)
+    flex_out, flex_grads = _drafter_output_and_grads(model16, inputs, "flex")
+    assert any("attention_conv" in k for k in ref_grads) and set(flex_grads) == set(dense_grads) == set(ref_grads)
+    dense_err = {k: rel(dense_grads[k], ref_grads[k]) for k in ref_grads}
+    flex_err = {k: rel(flex_grads[k], ref_grads[k]) for k in ref_grads}
+    found = {"forward_dense_bf16_vs_fp32": rel(dense_out, ref_out), "forward_flex_bf16_vs_fp32": rel(flex_out, ref_out),
+             "worst_grad_dense_bf16_vs_fp32": max(dense_err.values()), "worst_grad_flex_bf16_vs_fp32": max(flex_err.values()),
+             "worst_grad_flex_over_dense": max(flex_err[k] / dense_err[k] for k in ref_grads),
+             "flex_vs_dense_bf16_worst_grad": max(rel(flex_grads[k], dense_grads[k]) for k in ref_grads)}
+    record["dflash2_compiled_flex"] = found
+    # The floor itself is bf16-sized (a broken float32 reference or an all-zero gradient is not).
+    assert found["forward_dense_bf16_vs_fp32"] < 2e-2 and found["worst_grad_dense_bf16_vs_fp32"] < 5e-2, found
+    assert found["forward_flex_bf16_vs_fp32"] <= FLEX_BF16_SLACK * found["forward_dense_bf16_vs_fp32"], found
+    bad = {k: (flex_err[k], dense_err[k]) for k in ref_grads if flex_err[k] > FLEX_BF16_SLACK * dense_err[k]}
+    assert not bad, (bad, found)
 
 
 def test_fused_loss_matches_autograd_at_27b_sizes(record):
