@@ -26,8 +26,8 @@ import torch
 
 from dflash_ds.eval.generate import eos_ids
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, anchor_drafts, matched_prefix, walk
+from dflash_ds.eval.specdec import logits_and_taps
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.target.model import TapCapture, text_config
 
 
 @dataclass(frozen=True)
@@ -86,23 +86,6 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         p = p.masked_fill(drop, 0.0)
         p = p / p.sum(-1, keepdim=True)
     return p
-
-
-@torch.no_grad()
-def logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's logits [S, V] and tapped states [S, T*D] of one cacheless, teacher-forced forward."""
-    p = next(target.parameters())
-    d = text_config(target.config).hidden_size
-    ids = input_ids.reshape(1, -1).to(p.device)
-    taps = torch.empty(1, ids.shape[1], len(layer_ids) * d, dtype=p.dtype, device=p.device)
-    capture = TapCapture(target, layer_ids)
-    capture.out = taps
-    try:
-        logits = target(input_ids=ids, use_cache=False).logits
-    finally:
-        capture.out = None
-        capture.remove()
-    return logits[0], taps[0]
 
 
 @torch.no_grad()

@@ -29,8 +29,9 @@ from dflash_ds.target.model import TapCapture, text_config
 
 
 @torch.no_grad()
-def target_logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]):
-    """Greedy next tokens [S] and tapped states [S, T*D] of one cacheless target forward."""
+def logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits [S, V] and tapped states [S, T*D] of one cacheless, teacher-forced forward
+    (the verification forward of both online loops, greedy and sampled)."""
     p = next(target.parameters())
     d = text_config(target.config).hidden_size
     ids = input_ids.reshape(1, -1).to(p.device)
@@ -42,7 +43,17 @@ def target_logits_and_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[
     finally:
         capture.out = None
         capture.remove()
-    return logits[0].argmax(-1), taps[0]
+    return logits[0], taps[0]
+
+
+def emitted(new: list[int], room: int, stop) -> list[int]:
+    """What a cycle emits of the tokens it verified: at most `room` (the token budget left), and
+    nothing after the first stop token (both loops end a response where the engines do)."""
+    new = new[:room]
+    for i, tok in enumerate(new):
+        if tok in stop:
+            return new[:i + 1]
+    return new
 
 
 def serving_masks(model: DraftModel, t: int, device) -> tuple[DFlashMask, ...]:
@@ -96,22 +107,19 @@ def speculative_generate(target, model: DraftModel, prompt_ids: torch.Tensor | S
     block_size, layer_ids = model.block_size, model.layer_ids
     stop = set(eos_ids(target, eos_token_id))
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).cpu()
-    greedy, taps = target_logits_and_taps(target, prompt, layer_ids)
+    logits, taps = logits_and_taps(target, prompt, layer_ids)
+    greedy = logits.argmax(-1)
     generated = [int(greedy[-1])]
     counts: list[int] = []
     while len(generated) < max_new_tokens and generated[-1] not in stop:
         t = prompt.numel() + len(generated) - 1  # position of the bonus token, the anchor
         drafts = draft_block(model, taps[:t], generated[-1])
         seq = torch.cat([prompt, torch.tensor(generated, dtype=torch.long), drafts])
-        greedy, taps = target_logits_and_taps(target, seq, layer_ids)
+        logits, taps = logits_and_taps(target, seq, layer_ids)
+        greedy = logits.argmax(-1)
         verified = greedy[t:t + block_size].cpu()  # verified[k - 1] = target's token at t + k
         a = int((drafts == verified[:-1]).long().cumprod(0).sum())
-        new = drafts[:a].tolist() + [int(verified[a])]
-        new = new[:max_new_tokens - len(generated)]
-        for i, tok in enumerate(new):
-            if tok in stop:
-                new = new[:i + 1]
-                break
+        new = emitted(drafts[:a].tolist() + [int(verified[a])], max_new_tokens - len(generated), stop)
         counts.append(len(new))
         generated.extend(new)
     return torch.tensor(generated, dtype=torch.long), counts

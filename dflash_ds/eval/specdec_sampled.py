@@ -16,8 +16,8 @@ from typing import Sequence
 import torch
 
 from dflash_ds.eval.generate import eos_ids
-from dflash_ds.eval.sampled import Sampling, logits_and_taps, target_probs
-from dflash_ds.eval.specdec import draft_block
+from dflash_ds.eval.sampled import Sampling, target_probs
+from dflash_ds.eval.specdec import draft_block, emitted, logits_and_taps
 from dflash_ds.model.draft_model import DraftModel
 
 
@@ -64,12 +64,8 @@ def speculative_sample(target, model: DraftModel, prompt_ids: torch.Tensor | Seq
         drafts = draft_block(model, taps[:t], generated[-1])
         seq = torch.cat([prompt, torch.tensor(generated, dtype=torch.long), drafts])
         logits, taps = logits_and_taps(target, seq, model.layer_ids)
-        new = verify_block(logits[t:t + model.block_size], drafts, sampling, generator)
-        new = new[:max_new_tokens - len(generated)]
-        for i, tok in enumerate(new):
-            if tok in stop:
-                new = new[:i + 1]
-                break
+        new = emitted(verify_block(logits[t:t + model.block_size], drafts, sampling, generator),
+                      max_new_tokens - len(generated), stop)
         counts.append(len(new))
         generated.extend(new)
     return torch.tensor(generated, dtype=torch.long), counts
