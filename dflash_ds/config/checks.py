@@ -1,0 +1,188 @@
+"""The recipe's value checks: one function per section, run in recipe order by `validate`.
+
+Only checks that need no files or GPUs live here; the checks that read files (the target config, the
+DeepSpeed JSONs, drafter.init_from, the data) are spec.run.check_recipe's and runtime/prelaunch.py's.
+A check that relates two sections sits with the section whose setting the message tells the user to
+change. Every failure is one RecipeError line naming the setting and the fix."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from dflash_ds.config.errors import RecipeError
+from dflash_ds.config.recipe import Recipe
+from dflash_ds.config.sections import BENCHMARK_SETS, RegenerateConfig
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def need(cond: bool, msg: str) -> None:
+    """Stop with `msg` unless `cond` holds."""
+    if not cond:
+        raise RecipeError(msg)
+
+
+def validate(r: Recipe) -> None:
+    """Checks that need no files or GPUs; the checks that read files (the target config, the DeepSpeed
+    JSONs, drafter.init_from, the data) are spec.run.check_recipe's and runtime/prelaunch.py's."""
+    check_target(r)  # first: a recipe without a target is the most common mistake, and names it first
+    check_run(r)
+    check_drafter(r)
+    check_data(r)
+    check_objective(r)
+    check_optim(r)
+    check_topology(r)
+    check_checkpoint(r)
+    check_eval(r)
+    check_log(r)
+
+
+def check_target(r: Recipe) -> None:
+    t = r.target
+    need(bool(t.path), "target.path is empty; set it to a hub id or a local model directory")
+    need(t.dtype in ("bfloat16", "float32"), f"target.dtype must be bfloat16 or float32, got {t.dtype!r}")
+    need(t.quantization in ("none", "fp8"), f"target.quantization must be none or fp8, got {t.quantization!r}")
+
+
+def check_run(r: Recipe) -> None:
+    need(r.run.device in ("auto", "cuda", "cpu"), f"run.device must be auto, cuda or cpu, got {r.run.device!r}")
+    need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
+
+
+def check_drafter(r: Recipe) -> None:
+    d = r.drafter
+    need(d.num_layers >= 1, "drafter.num_layers must be >= 1")
+    need(d.block_size >= 2, f"drafter.block_size must be >= 2 (an anchor plus at least one mask), got {d.block_size}")
+    check_attention(r)
+    need(d.mask_token_id >= 0, "drafter.mask_token_id is not set; use the target's reserved MASK id (Qwen3.5/3.6: 248070, Qwen3: 151669)")
+    need(d.architecture in ("dflash", "dflash2"), f"drafter.architecture must be dflash or dflash2, got {d.architecture!r}")
+    # The four DFlash2 settings share one message: it names the published values of all of them.
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        need(getattr(d, name) >= 1, f"drafter.{name} must be >= 1 (DFlash2 publishes 2, 16, 256, 16)")
+    need(d.conv_kernel_size <= d.block_size,
+         f"drafter.conv_kernel_size ({d.conv_kernel_size}) must not exceed drafter.block_size "
+         f"({d.block_size}): the convolution runs inside one block")
+
+
+def check_attention(r: Recipe) -> None:
+    """drafter.layer_types and sliding_window: one known type per layer, a window iff a layer slides."""
+    d = r.drafter
+    types = d.layer_types or ()
+    need(d.layer_types is None or len(types) == d.num_layers,
+         f"drafter.layer_types lists {len(types)} layers but drafter.num_layers is {d.num_layers}; give one type per layer")
+    need(all(t in ATTENTION_KINDS for t in types), f"drafter.layer_types: each entry must be full_attention or sliding_attention, "
+         f"got {[t for t in types if t not in ATTENTION_KINDS]}")
+    sliding = "sliding_attention" in types
+    need(not sliding or d.sliding_window is not None,
+         "drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set; set it (e.g. 2048)")
+    need(sliding or d.sliding_window is None, f"drafter.sliding_window={d.sliding_window} but no layer in "
+         "drafter.layer_types is sliding_attention; list the sliding layers or set drafter.sliding_window=null")
+    need(d.sliding_window is None or d.sliding_window >= d.block_size,
+         f"drafter.sliding_window ({d.sliding_window}) must be >= drafter.block_size ({d.block_size}): "
+         "the window must cover the whole block")
+
+
+def check_data(r: Recipe) -> None:
+    data = r.data
+    need(bool(data.path), "data.path is empty; set it to a hub dataset id or a local json/jsonl/parquet file")
+    need(data.max_length >= 2 * r.drafter.block_size, f"data.max_length ({data.max_length}) must be at least 2 x drafter.block_size")
+    need(data.row_length >= data.max_length,
+         f"data.row_length ({data.row_length}) is shorter than data.max_length ({data.max_length}), the longest "
+         "conversation a row must hold; raise data.row_length or lower data.max_length")
+    need(0 <= data.max_drop_fraction <= 1, f"data.max_drop_fraction must be in [0, 1], got {data.max_drop_fraction}")
+    need(data.truncation in ("truncate", "drop"), f"data.truncation must be truncate or drop, got {data.truncation!r}")
+    need(data.num_proc >= 0, f"data.num_proc must be >= 0 (0 = every core), got {data.num_proc}")
+    check_regenerate(data.regenerate)
+
+
+def check_regenerate(g: RegenerateConfig) -> None:
+    """data.regenerate: a backend that can run, server URLs that are URLs, sane sampling and retries."""
+    need(g.backend in ("auto", "server", "hf"),
+         f"data.regenerate.backend must be server, hf or auto, got {g.backend!r} (the in-process vllm backend was "
+         "replaced by server: run `vllm serve TARGET` and set data.regenerate.urls)")
+    need(g.backend != "server" or bool(g.urls),
+         "data.regenerate.backend is server but data.regenerate.urls is empty; set it to the servers' base URLs, "
+         "e.g. data.regenerate.urls=[http://127.0.0.1:8000]")
+    for k, url in enumerate(g.urls):
+        u = urlparse(url)
+        need(u.scheme in ("http", "https") and bool(u.netloc) and not u.query,
+             f"data.regenerate.urls[{k}]: {url!r} is not a server URL; use http://HOST:PORT (optionally ending in /v1)")
+    need(g.max_new_tokens >= 1, "data.regenerate.max_new_tokens must be >= 1")
+    need(g.temperature >= 0, "data.regenerate.temperature must be >= 0 (0 = greedy)")
+    need(0 < g.top_p <= 1, "data.regenerate.top_p must be in (0, 1]")
+    need(g.concurrency >= 1, f"data.regenerate.concurrency must be >= 1, got {g.concurrency}")
+    need(g.timeout_s > 0, f"data.regenerate.timeout_s must be > 0, got {g.timeout_s}")
+    need(g.max_retries >= 0, f"data.regenerate.max_retries must be >= 0, got {g.max_retries}")
+    need(g.backoff_s >= 0, f"data.regenerate.backoff_s must be >= 0, got {g.backoff_s}")
+    need(0 <= g.max_failed_fraction <= 1,
+         f"data.regenerate.max_failed_fraction must be in [0, 1], got {g.max_failed_fraction}")
+
+
+def check_objective(r: Recipe) -> None:
+    o = r.objective
+    need(o.num_anchors >= 1, "objective.num_anchors must be >= 1")
+    need(o.num_anchors <= r.data.row_length,
+         f"objective.num_anchors ({o.num_anchors}) exceeds data.row_length ({r.data.row_length}); lower it "
+         "(null = 512 per 3,072 row tokens)")
+    need(o.loss_chunks >= 1, "objective.loss_chunks must be >= 1")
+    need(o.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {o.kl_weight}")
+    need(o.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {o.kl_temperature}")
+    need(o.selector_alpha >= 0, f"objective.selector_alpha must be >= 0, got {o.selector_alpha}")
+    need(0 <= o.selector_warmup_ratio <= 1, f"objective.selector_warmup_ratio must be in [0, 1], got {o.selector_warmup_ratio}")
+    need(0 <= o.selector_ramp_ratio <= 1, f"objective.selector_ramp_ratio must be in [0, 1], got {o.selector_ramp_ratio}")
+
+
+def check_optim(r: Recipe) -> None:
+    o = r.optim
+    need(o.lr > 0, "optim.lr must be > 0")
+    need(0 <= o.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
+    need(o.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {o.schedule!r}")
+    need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    need(0 < o.decay_ratio <= 1, f"optim.decay_ratio must be in (0, 1], got {o.decay_ratio}")
+    need(o.schedule != "wsd" or o.warmup_ratio + o.decay_ratio <= 1,
+         f"optim.warmup_ratio ({o.warmup_ratio}) + optim.decay_ratio ({o.decay_ratio}) exceed 1; "
+         "lower one of them so the wsd phases fit in the run")
+    need(o.epochs > 0 or o.max_steps, "set optim.epochs > 0 or optim.max_steps")
+    need(o.max_steps is None or o.max_steps >= 1, "optim.max_steps must be >= 1 or null")
+    need(o.rows_per_micro_batch >= 1, "optim.rows_per_micro_batch must be >= 1")
+    need(o.grad_accum >= 1, "optim.grad_accum must be >= 1")
+
+
+def check_topology(r: Recipe) -> None:
+    t = r.topology
+    if t.colocated:
+        need(t.targets_per_node == 0 and t.drafters_per_node >= 1,
+             "topology.colocated: true puts both models on every rank; set topology.targets_per_node: 0 and drafters_per_node to the ranks per node")
+    else:
+        need(t.targets_per_node >= 1 and t.drafters_per_node >= 1,
+             "topology needs targets_per_node >= 1 and drafters_per_node >= 1 (or colocated: true)")
+    need(t.max_in_flight >= 1, "topology.max_in_flight must be >= 1")
+    need(0 <= t.payload_ctas <= 64,
+         f"topology.payload_ctas must be in [0, 64] (NCCL's limit; 0 = its default), got {t.payload_ctas}")
+    need(t.peer_timeout_s > 0, "topology.peer_timeout_s must be > 0")
+    need(t.peer_report_s > 0, "topology.peer_report_s must be > 0")
+
+
+def check_checkpoint(r: Recipe) -> None:
+    c = r.checkpoint
+    need(c.every_steps >= 1, "checkpoint.every_steps must be >= 1")
+    need(c.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+    need(c.resume in ("auto", "fallback", "restart"), f"checkpoint.resume must be auto, fallback or restart, got {c.resume!r}")
+
+
+def check_eval(r: Recipe) -> None:
+    e = r.eval
+    bad = [b for b in e.benchmarks if b not in BENCHMARK_SETS]
+    need(not bad, f"eval.benchmarks: unknown set(s) {bad}; known: {', '.join(BENCHMARK_SETS)}")
+    need(e.temperature >= 0, f"eval.temperature must be >= 0 (0 = greedy only), got {e.temperature}")
+    need(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1], got {e.top_p}")
+    need(e.top_k >= 0, f"eval.top_k must be >= 0 (0 = off), got {e.top_k}")
+    need(e.samples >= 1 and e.bench_limit >= 1, "eval.samples and eval.bench_limit must be >= 1")
+
+
+def check_log(r: Recipe) -> None:
+    g = r.log
+    need(g.every_steps >= 1, "log.every_steps must be >= 1")
+    need(g.profile_start >= 0, "log.profile_start must be >= 0 (a step number; 0 turns profiling off)")
+    need(g.profile_steps >= 1, "log.profile_steps must be >= 1")
+    need(g.wandb.mode in ("online", "offline", "disabled"), "log.wandb.mode must be online, offline or disabled")

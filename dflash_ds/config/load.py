@@ -1,0 +1,164 @@
+"""Reading a recipe: YAML text and `key.sub=value` overrides into a typed, validated Recipe, and back.
+
+Every value is coerced to its field's type as it is read, so a wrong type or an unknown key stops
+with one line naming its dotted path (and, for a key, the keys known there); YAML syntax errors name
+the file, line and column. The value checks run last (config/checks.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_ds.config.checks import validate
+from dflash_ds.config.errors import RecipeError
+from dflash_ds.config.recipe import Recipe
+
+
+def _coerce(value, tp, path: str):
+    """`value` read from YAML (or an override) as type `tp`; `path` is its dotted key for the error line.
+    Strings are accepted for booleans and numbers because overrides may arrive as text."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            return tp()
+        if not isinstance(value, dict):
+            raise RecipeError(f"{path}: expected a mapping of settings, got {value!r}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{path}: expected a list, got {value!r}")
+        item = args[0]
+        if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:
+            return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise RecipeError(f"{path}: expected {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise RecipeError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise RecipeError(f"{path}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise RecipeError(f"{path}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise RecipeError(f"{path}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise RecipeError(f"{path}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise RecipeError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls, raw: dict, prefix: str = ""):
+    """An instance of the dataclass `cls` from a mapping; a key it has no field for is refused, naming
+    the keys it does have (the fields left out keep their defaults)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            known = ", ".join(sorted(n for n in names if n != "source"))
+            raise RecipeError(f"unknown recipe key '{path}'; known keys here: {known}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def build_recipe(raw: dict) -> Recipe:
+    """A Recipe from a mapping of sections (types checked, unknown keys refused; not validated)."""
+    return _build(Recipe, raw)
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    """Set `a.b.c` in a nested mapping, creating the sections on the way (an override may name a
+    section the file leaves out)."""
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"override '{dotted}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`key.sub=value` strings as (dotted key, value) pairs, each value parsed as YAML."""
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override '{item}' is not of the form key.sub=value")
+        key, text = item.split("=", 1)
+        # YAML parses the value so that numbers, booleans, null and [lists] work as in the file.
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"override '{item}': the value is not valid YAML ({getattr(exc, 'problem', None) or exc}); "
+                              "quote it, e.g. key='[a, b]'") from None
+        out.append((key.strip(), value))
+    return out
+
+
+def _yaml_error(path: str, exc: "yaml.YAMLError") -> str:
+    """One line for a recipe that is not valid YAML: file, line and column (1-based) and the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: the recipe is not valid YAML ({problem}); fix that line (indentation, a missing ':' or quote)"
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `key.sub=value` overrides, validate and return it."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(_yaml_error(str(path), exc)) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: the recipe must be a mapping of sections (run, target, drafter, ...)")
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(raw, key, value)
+    recipe = _build(Recipe, raw)
+    recipe = dataclasses.replace(recipe, source=str(p))
+    # Recipes written when resume was a boolean keep working.
+    legacy = {"true": "auto", "false": "restart"}.get(recipe.checkpoint.resume.lower())
+    if legacy:
+        recipe = dataclasses.replace(recipe, checkpoint=dataclasses.replace(recipe.checkpoint, resume=legacy))
+    validate(recipe)
+    return recipe
+
+
+def dump_yaml(r: Recipe) -> str:
+    """The recipe as YAML, sections and keys in declaration order; load_recipe reads it back unchanged."""
+    d = dataclasses.asdict(r)
+    d.pop("source", None)
+    # Tuples are written as lists so the dump loads back through load_recipe.
+    return yaml.safe_dump(json.loads(json.dumps(d)), sort_keys=False)
