@@ -1,12 +1,15 @@
 """Test tiers and shared fixtures.
 
 Every test belongs to exactly one tier (see README, "Tests"):
-  unit      fast, in-process: no launcher, no subprocess, no worker processes (the default);
-  launcher  the real `deepspeed` launcher on gloo, or other spawned processes;
-  gpu       needs CUDA (skipped without it).
-A test is `unit` unless it is marked `launcher` or `gpu`. A unit test that starts a Python, shell or
-launcher process, or a multiprocessing worker, fails with a message saying to mark it `launcher`,
-so the fast tier cannot silently grow slow. (Other processes, such as wandb's service, are not
+  unit         fast, in-process: no launcher, no subprocess, no worker processes (the default);
+  integration  in-process end to end, seconds each: a tiny target, a drafter trained in the test, the
+               speculative loops and evaluation tables run on them, the report drawn, a regeneration
+               run through a fake server (no processes either);
+  launcher     the real `deepspeed` launcher on gloo, or other spawned processes;
+  gpu          needs CUDA (skipped without it).
+A test is `unit` unless it is marked `integration`, `launcher` or `gpu`. A unit or integration test that
+starts a Python, shell or launcher process, or a multiprocessing worker, fails with a message saying to
+mark it `launcher`, so the in-process tiers cannot silently grow slow. (Other processes, such as wandb's service, are not
 caught: mark those tests by hand.)
 """
 
@@ -18,7 +21,8 @@ import subprocess
 import pytest
 import torch
 
-TIERS = ("unit", "launcher", "gpu")
+TIERS = ("unit", "integration", "launcher", "gpu")
+IN_PROCESS = ("unit", "integration")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,7 +53,7 @@ def _no_processes(name: str):
     """Make starting a Python/launcher process or a worker pool fail, naming the test."""
 
     def refuse(what):
-        raise AssertionError(f"{name} is a unit test but starts {what}: mark it @pytest.mark.launcher")
+        raise AssertionError(f"{name} is an in-process test but starts {what}: mark it @pytest.mark.launcher")
 
     popen_init = subprocess.Popen.__init__
 
@@ -76,16 +80,20 @@ def _no_processes(name: str):
             setattr(obj, attr, old)
 
 
+def _in_process(item) -> bool:
+    return any(item.get_closest_marker(tier) for tier in IN_PROCESS)
+
+
 # Fixture set-up is guarded too: a module fixture that launches processes makes its tests launcher tests.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    with _no_processes(item.nodeid) if item.get_closest_marker("unit") else contextlib.nullcontext():
+    with _no_processes(item.nodeid) if _in_process(item) else contextlib.nullcontext():
         yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    with _no_processes(item.nodeid) if item.get_closest_marker("unit") else contextlib.nullcontext():
+    with _no_processes(item.nodeid) if _in_process(item) else contextlib.nullcontext():
         yield
 
 

@@ -12,6 +12,7 @@ from dflash_ds.export import save_drafter
 from dflash_ds.model_card import add_benchmarks_to_card, model_card, trained_thinking
 from tests.test_evaluate import make_tokenizer, world  # noqa: F401 - the module fixture
 
+
 BENCH_DIR = Path(__file__).resolve().parents[1] / "assets" / "bench"
 
 
@@ -66,6 +67,7 @@ def test_prompts_render_with_the_thinking_setting():
     assert tok.decode(off).endswith("<think>\n\n</think>\n\n") and not tok.decode(on).endswith("</think>\n\n")
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_cli_prints_one_row_per_set_and_setting_and_warns_on_thinking(world, tmp_path, capsys):
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
     world["target"].float().save_pretrained(target_dir)
@@ -140,6 +142,7 @@ def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
     assert text.index("## Acceptance by benchmark") < text.index("## Serving")
 
 
+@pytest.mark.integration  # end to end in process, seconds (README, "Tests")
 def test_report_shows_the_benchmark_table(tmp_path):
     pytest.importorskip("matplotlib")
     from dflash_ds.report import write_report
@@ -155,6 +158,7 @@ def test_report_shows_the_benchmark_table(tmp_path):
     assert "Acceptance by benchmark" in page and "humaneval" in page and "2.750 &plusmn; 0.100" in page
 
 
+@pytest.mark.integration  # end to end in process, seconds (README, "Tests")
 def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from dflash_ds.config import load_recipe

@@ -23,6 +23,7 @@ from dflash_ds.export import save_drafter
 from dflash_ds.model.objective import LossOptions, block_inputs, block_targets, chunked_loss, sample_anchors
 from dflash_ds.eval.specdec import draft_block, speculative_generate
 
+
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
 
 
@@ -129,6 +130,7 @@ def world():
                 untrained=untrained, embed=embed, head=head, model=DraftModel(drafter, embed, head))
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_objective_learns_offline_tau_above_3(world):
     w = world
     args = (w["target"],)
@@ -141,6 +143,7 @@ def test_objective_learns_offline_tau_above_3(world):
     assert all(sum(c) == NEW - 1 for c in after.cycles)  # the walk covers each response exactly
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_accept_lengths_match_one_block_at_a_time(world):
     """The batched, chunked forward with build_mask equals drafting each anchor on its own."""
     w = world
@@ -172,6 +175,7 @@ def online_equals_offline(w, prompts, max_new_tokens, eos_token_id=None):
     return report, sequences
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_online_loop_is_greedy_and_matches_offline_walk(world):
     report, _ = online_equals_offline(world, world["prompts"], NEW)
     accepted = [c - 1 for cycles in report.cycles for c in cycles]
@@ -179,6 +183,7 @@ def test_online_loop_is_greedy_and_matches_offline_walk(world):
     assert len(set(accepted)) >= 4  # a mix of acceptance lengths, not all-or-nothing
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_online_matches_offline_at_budget_and_eos(world):
     # A budget that ends responses inside accepted runs.
     report, sequences = online_equals_offline(world, world["prompts"], 13)
@@ -224,6 +229,7 @@ def test_read_prompts_renders_messages_and_prompts(tmp_path):
         read_prompts(str(f), tok)
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
     from dflash_ds.export import load_drafter
 

@@ -17,6 +17,7 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.loss import MicroBatch, SelectorSchedule, StepSettings, drafter_loss, make_blocks
 from dflash_ds.model.shape import DrafterShape
 
+
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
 
 
@@ -55,6 +56,7 @@ def world():
     return dict(target=target, prompts=prompts, sequences=sequences, model=model)
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_dflash2_online_loop_matches_the_offline_selector_walk(world):
     w = world
     sequences = []
@@ -67,6 +69,7 @@ def test_dflash2_online_loop_matches_the_offline_selector_walk(world):
     assert max(accepted) >= 3 and report.tau_mean > 2.0
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
     """a(t) of the batched offline pass equals drafting each anchor alone with the selector's walk, and
     at some anchors of the trained drafter that walk differs from the per-slot argmax."""
@@ -96,6 +99,7 @@ def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
     assert differs > 0
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
     """The trained drafter's proposals at every anchor of the two prompts it never saw equal the
     re-implementation of SGLang's lattice walk (tests/test_dflash2.py) on the same states."""
@@ -122,6 +126,7 @@ def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
     assert differs > 0
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_dflash2_sampled_walk_equals_online_with_coupled_draws(world, monkeypatch):
     """Under sampling too the offline walk follows the selector's path: with the coupled verifier of
     tests/test_sampled.py (the engines' rule, one draw per position) both paths give the same text and cycles."""

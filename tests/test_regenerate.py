@@ -95,6 +95,7 @@ def greedy(model, ids, stop, max_new):
     return out, False
 
 
+@pytest.mark.integration  # end to end in process, seconds (README, "Tests")
 def test_regenerate_end_to_end_interrupted_and_resumed(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(R, "SHARD_SIZE", 3)
     lines = CHAT.read_text().splitlines(keepends=True)

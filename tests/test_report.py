@@ -3,6 +3,8 @@
 import json
 import struct
 
+import pytest
+
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model_card import TauFacts
 from dflash_ds.report import finish_run, main, split_records, write_report
@@ -28,6 +30,7 @@ def write_metrics(run_dir, resumed=True):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
+@pytest.mark.integration  # end to end in process, seconds (README, "Tests")
 def test_report_pages_and_pictures(tmp_path, capsys):
     write_metrics(tmp_path)
     steps, taus = split_records([json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()])
@@ -48,6 +51,7 @@ def test_report_pages_and_pictures(tmp_path, capsys):
     assert "1:0.75 2:0.50 3:1.00" in page
 
 
+@pytest.mark.integration  # end to end in process, seconds (README, "Tests")
 def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     assert main([str(tmp_path / "nothing")]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from dflash_ds.eval.tau import TauReport
 from tests.test_evaluate import NEW, world  # noqa: F401 - the module fixture: tiny target + trained drafter
 
 
+
 def test_target_probs_match_transformers_warpers():
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
@@ -161,6 +162,7 @@ def test_standard_errors_hand_worked():
 LOGIT_SCALE, SAMPLING, SAMPLES = 60.0, Sampling(1.0, top_k=20), 8
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_online_sampled_loop_agrees_with_offline_within_error(world):
     w = world
     model, prompts = w["model"], w["trained_on"]
@@ -209,6 +211,7 @@ def coupled_verify(logits, drafts, sampling, generator):
     return out
 
 
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_online_loop_with_coupled_draws_reproduces_the_offline_walk_exactly(world, monkeypatch):
     """Cycle for cycle: the plumbing of both paths (draft positions, logit rows, the budget) agrees."""
     w = world
