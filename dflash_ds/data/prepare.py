@@ -35,14 +35,12 @@ import numpy as np
 from dflash_ds.data.sources import (check_complete, load_rows, load_tokenizer, output_dir,  # noqa: F401
                                     release_freed_memory, source_identity)
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
-from dflash_ds.io import file_sizes, replace_dir_atomic, size_mismatch
+from dflash_ds.data.cache import (FORMAT_VERSION, LENGTHS_FILE, MANIFEST_FILE, ROW_FIELDS,  # noqa: F401
+                                  cache_damage, discard, write_manifest)
+from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
 from dflash_ds.safety import Exit
 
-FORMAT_VERSION = 3  # 2: lengths.json beside the audit; 3: rows of data.row_length, manifest.json
-ROW_FIELDS = ("input_ids", "loss_mask", "doc_ids")
-LENGTHS_FILE = "lengths.json"
-MANIFEST_FILE = "manifest.json"
 
 
 @dataclass
@@ -256,36 +254,6 @@ def report_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_manifest(folder: Path) -> None:
-    files = file_sizes(folder)
-    (folder / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
-
-
-def cache_damage(folder: Path) -> str | None:
-    """Why a cache entry cannot be used (a file missing, of another size than written, an unreadable
-    manifest), or None when every file matches its manifest."""
-    try:
-        files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
-    except FileNotFoundError:
-        return f"{MANIFEST_FILE} is missing (the entry was never finished, or damaged)"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})"
-    for name in (*(f"{k}.npy" for k in ROW_FIELDS), "eval.json", "report.json"):
-        if name not in files:
-            return f"{MANIFEST_FILE} does not list {name}"
-    return size_mismatch(folder, files)
-
-
-def _discard(folder: Path) -> None:
-    """Move a damaged entry aside and delete it (a reader holding it open keeps its files)."""
-    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
-    try:
-        os.rename(folder, aside)
-    except FileNotFoundError:
-        return  # another process discarded it first
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _load_cached(final: Path, fp: str) -> PreparedData:
     # Copy-on-write memory maps: the rows stay file-backed pages the kernel can drop (resident memory
     # does not grow with the dataset), yet the arrays are writable; writes never reach the cache.
@@ -339,7 +307,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
                     print(f"[data] reusing {final}", flush=True)
                 return data
         print(f"[data] prepared data in {final} is damaged: {damage}; rebuilding it", flush=True)
-        _discard(final)
+        discard(final)
 
     ds = loaded["train"] if "train" in loaded else load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
     if len(ds) == 0:
@@ -402,7 +370,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         _write_lengths(tmp / LENGTHS_FILE, cfg, lengths)
         (tmp / "report.txt").write_text(report_text(report))
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
-        _write_manifest(tmp)  # last: an entry without it was never finished
+        write_manifest(tmp)  # last: an entry without it was never finished
     data = _load_cached(final, fp)
     if verbose:
         print(report_text(data.report), end="", flush=True)
