@@ -5,7 +5,8 @@ is compared here with the identical dense mask through SDPA; the fused lm_head l
 with the autograd path at the 27B drafter's sizes; fla's short convolution with transformers'
 fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone; sliding-window
 layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows); a DFlash2 drafter with
-compiled layers through flex vs eager dense. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
+compiled layers through flex vs eager dense; DFlash2's selector kernels (two-stage top-k, segmented-sum
+codebook gradients) at the flagship sizes. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
 measured numbers are written there as JSON.
 """
 
@@ -281,6 +282,74 @@ def test_dflash2_compiled_flex_matches_eager_dense(record):
     assert found["forward_flex_bf16_vs_fp32"] <= FLEX_BF16_SLACK * found["forward_dense_bf16_vs_fp32"], found
     bad = {k: (flex_err[k], dense_err[k]) for k in ref_grads if flex_err[k] > FLEX_BF16_SLACK * dense_err[k]}
     assert not bad, (bad, found)
+
+
+def _cuda_ms(fn, repeat=5):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / repeat * 1e3
+
+
+def test_dflash2_selector_kernels_at_27b_sizes(record):
+    """The selector's step at the flagship sizes in bf16 (512 anchors x 7 drafted slots, D 5120, vocabulary
+    248,320, top 16, rank 256): the two-stage top-k gives torch.topk's values; `take_rows`'s gradient is the
+    float64 segmented sum and the same bits twice; the selector loss fed the base loss's logits matches the
+    one that recomputes them. Timings of the old and new kernels are recorded."""
+    from dflash_ds.model.dflash2 import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
+    from dflash_ds.model.gather import take_rows
+    from dflash_ds.model.top_k import block_top_k
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, d, v, k, r = 3584, 5120, 248320, 16, 256
+    hidden = (torch.randn(n, d, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    head = (torch.randn(v, d, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    logits = hidden[:224] @ head.T  # one loss chunk at 16 chunks
+    values, ids = block_top_k(logits, k)
+    ref = torch.topk(logits, k)
+    found = {"top_k_values_equal": bool(torch.equal(values, ref.values)),
+             "top_k_ids_equal_frac": float((ids == ref.indices).float().mean()),
+             "top_k_ms_torch": _cuda_ms(lambda: torch.topk(logits, k)), "top_k_ms_two_stage": _cuda_ms(lambda: block_top_k(logits, k))}
+    # Hot tokens: most candidates among a few hundred ids, as real top-16 lists are.
+    index = torch.where(torch.rand(n, k, device="cuda", generator=g) < 0.6,
+                        torch.randint(0, 300, (n, k), device="cuda", generator=g),
+                        torch.randint(0, v, (n, k), device="cuda", generator=g))
+    table = (torch.randn(v, r, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    up = torch.randn(n, k, r, device="cuda", generator=g).to(torch.bfloat16)
+    ours = torch.autograd.grad((take_rows(table, index) * up).float().sum(), table)[0]
+    again = torch.autograd.grad((take_rows(table, index) * up).float().sum(), table)[0]
+    exact = torch.zeros(v, r, device="cuda", dtype=torch.float64).index_add_(0, index.flatten(), up.reshape(-1, r).double())
+    found |= {"take_rows_same_bits_twice": bool(torch.equal(ours, again)),
+              "take_rows_rel_err_vs_float64": rel(ours, exact),
+              "take_rows_backward_ms": _cuda_ms(lambda: torch.autograd.grad((take_rows(table, index) * up).float().sum(), table)),
+              "index_backward_ms": _cuda_ms(lambda: torch.autograd.grad((table[index] * up).float().sum(), table))}
+    sel = CandidateSelector(d, v, r, k).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0, 0.02, generator=g)
+    labels = torch.where(torch.rand(n, device="cuda", generator=g) < 0.5, ids.new_zeros(n), torch.randint(0, v, (n,), device="cuda", generator=g))
+    full = torch.cat([block_top_k(hidden[i:i + 224] @ head.T, k)[1] for i in range(0, n, 224)])
+    unary = torch.cat([block_top_k(hidden[i:i + 224] @ head.T, k)[0] for i in range(0, n, 224)])
+    labels = torch.where(labels == 0, full[:, 0], labels)  # half the golds are covered
+    prev, w = torch.randint(0, v, (n,), device="cuda", generator=g), torch.rand(n, device="cuda", generator=g)
+    grads = []
+    for given in (None, unary):
+        h = hidden.clone().requires_grad_()
+        for inject in (False, True):
+            stats = selector_loss(sel, head, SelectorRows(h, full, labels, prev, w, given), SelectorTerm(1.0, inject))
+            grads.append((float(stats.loss_sum), torch.autograd.grad(stats.loss_sum, [h, sel.successor_codebook, sel.predecessor_codebook])))
+    found["selector_given_vs_recomputed"] = {
+        f"inject_{inj}": {"loss_rel": abs(grads[i + 2][0] - grads[i][0]) / abs(grads[i][0]),
+                          "grad_rel": [rel(a, b) for a, b in zip(grads[i + 2][1], grads[i][1])]}
+        for i, inj in enumerate((False, True))}
+    record["dflash2_selector_kernels"] = found
+    assert found["top_k_values_equal"] and found["top_k_ids_equal_frac"] > 0.99, found
+    assert found["take_rows_same_bits_twice"] and found["take_rows_rel_err_vs_float64"] < 1e-2, found
+    for case in found["selector_given_vs_recomputed"].values():
+        # Given logits are the bf16 GEMM's, recomputed ones fp32 sums of bf16 products: rounding apart.
+        assert case["loss_rel"] < 1e-2 and max(case["grad_rel"]) < 5e-2, found
 
 
 def test_fused_loss_matches_autograd_at_27b_sizes(record):

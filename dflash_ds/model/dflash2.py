@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from dflash_ds.model.gather import take_rows
 
 _INIT_STD = 0.02
 
@@ -108,12 +109,14 @@ class CandidateSelector(nn.Module):
 
     def transition(self, projected: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """projected `[n, r]` (hidden_projection of the slot's state), predecessors `[n]`, candidates
-        `[n, k]` -> pair scores `[n, k]`, in at least fp32. Gathers k + 1 codebook rows per slot:
-        never a `[n, V, r]` tensor."""
+        `[n, k]` -> pair scores `[n, k]`, in at least fp32. Gathers k + 1 codebook rows per slot
+        (never a `[n, V, r]` tensor) through `take_rows`, whose gradient stays fast when a few tokens
+        are the candidates of most slots. The k dot products are a multiply and a sum over r, not a
+        batched matmul: a `[k, r] x [r, 1]` product per slot ran on badly aligned GEMM kernels."""
         work = torch.promote_types(projected.dtype, torch.float32)
-        query = self.predecessor_codebook[predecessors].to(work) * projected.to(work)
-        keys = self.successor_codebook[candidates].to(work)
-        return torch.bmm(keys, query.unsqueeze(-1)).squeeze(-1)
+        query = take_rows(self.predecessor_codebook, predecessors).to(work) * projected.to(work)
+        keys = take_rows(self.successor_codebook, candidates).to(work)
+        return (keys * query.unsqueeze(1)).sum(-1)
 
 
 def unary_top_k(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int, *, chunk: int = 1024):
@@ -160,19 +163,22 @@ class SelectorTerm(NamedTuple):
     detach: bool = False
     """The term trains the selector's own parameters only (no gradient into the drafter's states)."""
     chunk_bytes: int = 256 << 20
-    """Rows per chunk: as many as keep a chunk's gathered `[rows, k, D]` lm_head rows under this size."""
+    """Only when the candidates' logits are not given (`SelectorRows.unary` None): they are computed
+    in chunks of as many rows as keep a chunk's gathered `[rows, k, D]` lm_head rows under this size."""
 
 
 class SelectorRows(NamedTuple):
     """Flat rows of the supervised slots: states `[n, D]`, unary candidates `[n, k]` (sorted best
     first), gold labels `[n]`, teacher-forced predecessors `[n]` (the gold token one slot before;
-    the anchor for slot 1), loss weights `[n]`."""
+    the anchor for slot 1), loss weights `[n]`, and the candidates' logits `[n, k]` when the base
+    loss kept them (`LossOutput.candidate_logits`; None: computed here from the lm_head rows)."""
 
     hidden: torch.Tensor
     candidates: torch.Tensor
     labels: torch.Tensor
     predecessors: torch.Tensor
     weights: torch.Tensor
+    unary: torch.Tensor | None = None
 
 
 class SelectorStats(NamedTuple):
@@ -181,55 +187,77 @@ class SelectorStats(NamedTuple):
     correct: torch.Tensor  # sum(w) over covered rows whose best rescored candidate is the gold (detached)
 
 
-def _chunk_selector(selector, lm_head, rows: SelectorRows, inject_gold: bool):
-    # Unary logits of the k candidates from the k lm_head rows alone (the full-vocabulary logits
-    # of the chunk were computed once, by the base loss, which picked the candidates).
-    hidden, candidates, labels, predecessors, weights = rows
+class _CandidateLogits(torch.autograd.Function):
+    """The unary scores `unary[n, j] = <lm_head[candidates[n, j]], hidden[n]>`, given their values
+    (the base loss computed them with the full-vocabulary logits): the forward only passes them on,
+    the backward sends `sum_j grad[n, j] * lm_head[candidates[n, j]]` to the states through one
+    `embedding_bag` (a gather and weighted sum per row: no `[n, k, D]` tensor, no recompute).
+    `lm_head` is frozen: it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head, candidates, values):
+        ctx.save_for_backward(lm_head, candidates)
+        ctx.hidden_dtype = hidden.dtype
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        lm_head, candidates = ctx.saved_tensors
+        g = F.embedding_bag(candidates, lm_head, per_sample_weights=grad.to(lm_head.dtype), mode="sum")
+        return g.to(ctx.hidden_dtype), None, None, None
+
+
+@torch.no_grad()
+def candidate_logits(hidden: torch.Tensor, lm_head: torch.Tensor, candidates: torch.Tensor,
+                     chunk_bytes: int = 256 << 20) -> torch.Tensor:
+    """`[n, k]` logits of the candidates `[n, k]` of states `[n, D]`, in at least fp32, from the k
+    lm_head rows of each state, in chunks of at most `chunk_bytes` of gathered rows."""
     work = torch.promote_types(hidden.dtype, torch.float32)
-    gold_at = candidates == labels.unsqueeze(1)
-    covered = gold_at.any(1)
-    if inject_gold:
-        # The weakest unary candidate (last, the candidates being sorted) makes room for the gold.
-        last = torch.where(covered, candidates[:, -1], labels)
-        candidates = torch.cat([candidates[:, :-1], last.unsqueeze(1)], dim=1)
-        gold_at = candidates == labels.unsqueeze(1)
-    head_rows = lm_head[candidates]  # [n, k, D]
-    unary = torch.bmm(head_rows.to(hidden.dtype), hidden.unsqueeze(-1)).squeeze(-1).to(work)
-    scores = unary + selector.transition(selector.hidden_projection(hidden), predecessors, candidates)
-    target = gold_at.to(torch.int64).argmax(1)
-    ce = torch.logsumexp(scores, dim=1) - scores.gather(1, target.unsqueeze(1)).squeeze(1)
-    use = weights.to(work) * (gold_at.any(1)).to(work)
-    # Accuracy over the slots whose gold the unary top-k holds (an injected gold does not count).
-    hit = (scores.argmax(1) == target) & covered
-    return (ce * use).sum(), (weights.to(work) * covered.to(work)).sum(), (weights.to(work) * hit.to(work)).sum()
+    per_row = candidates.shape[1] * hidden.shape[1] * hidden.element_size()
+    size = max(1, chunk_bytes // max(1, per_row))
+    out = []
+    for lo in range(0, hidden.shape[0], size):
+        rows = lm_head[candidates[lo:lo + size]].to(work)
+        out.append((rows * hidden[lo:lo + size].to(work).unsqueeze(1)).sum(-1))
+    return torch.cat(out) if out else hidden.new_zeros(0, candidates.shape[1], dtype=work)
 
 
 def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: SelectorRows,
                   term: SelectorTerm) -> SelectorStats:
     """sum over rows of w * CE(selector scores over the k candidates, the gold's index).
 
-    The candidates are those of the base loss (no second lm_head pass). A row whose gold is not
-    among them adds nothing (`term.inject_gold` False) or takes the place of the weakest one. Rows
-    are cut into chunks of `[rows, k, D]` gathered lm_head rows of at most `term.chunk_bytes`, each under
-    activation checkpointing, so only one chunk's exist at a time (one chunk at small sizes, three
-    at 3,584 slots of width 5,120 in bf16). `lm_head` is frozen (no gradient).
+    The candidates are those of the base loss (no second lm_head pass), and so, when
+    `rows.unary` is given, are their unary logits. A row whose gold is not among them adds
+    nothing (`term.inject_gold` False) or takes the place of the weakest one (its logit computed
+    from its lm_head row). The whole micro-batch in one pass: besides the states, it keeps
+    `[n, k, r]` codebook rows (r = selector rank) for the backward, 235 MB in fp32 at 14,336
+    slots, k 16, r 256. `lm_head` is frozen (no gradient).
     """
     hidden = rows.hidden.detach() if term.detach else rows.hidden
-    n = hidden.shape[0]
-    per_row = rows.candidates.shape[1] * hidden.shape[1] * hidden.element_size()
-    size = max(1, term.chunk_bytes // max(1, per_row))
-    total = covered = correct = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     head = lm_head.detach()
-    grad = torch.is_grad_enabled()
-    for lo in range(0, n, size):
-        part = SelectorRows(hidden[lo:lo + size], *(t[lo:lo + size] for t in rows[1:]))
-        if grad:
-            out = _checkpoint(_chunk_selector, selector, head, part, term.inject_gold,
-                              use_reentrant=False, preserve_rng_state=False)
-        else:
-            out = _chunk_selector(selector, head, part, term.inject_gold)
-        total, covered, correct = total + out[0], covered + out[1].detach(), correct + out[2].detach()
-    return SelectorStats(total, covered, correct)
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    candidates, labels = rows.candidates, rows.labels
+    unary = rows.unary if rows.unary is not None else candidate_logits(hidden.detach(), head, candidates,
+                                                                      term.chunk_bytes)
+    gold_at = candidates == labels.unsqueeze(1)
+    covered = gold_at.any(1)
+    if term.inject_gold:
+        # The weakest unary candidate (last, the candidates being sorted) makes room for the gold;
+        # its logit rounded like the others' (the base loss's logits are in the lm_head's dtype).
+        with torch.no_grad():
+            gold = (head[labels].to(work) * hidden.detach().to(work)).sum(-1).to(unary.dtype)
+        candidates = torch.cat([candidates[:, :-1], torch.where(covered, candidates[:, -1], labels).unsqueeze(1)], 1)
+        unary = torch.cat([unary[:, :-1], torch.where(covered, unary[:, -1], gold).unsqueeze(1)], 1)
+        gold_at = candidates == labels.unsqueeze(1)
+    unary = _CandidateLogits.apply(hidden, head, candidates, unary.detach().to(work))
+    scores = unary + selector.transition(selector.hidden_projection(hidden), rows.predecessors, candidates)
+    target = gold_at.to(torch.int64).argmax(1)
+    ce = torch.logsumexp(scores, dim=1) - scores.gather(1, target.unsqueeze(1)).squeeze(1)
+    w = rows.weights.to(work)
+    use = w * gold_at.any(1).to(work)
+    # Accuracy over the slots whose gold the unary top-k holds (an injected gold does not count).
+    hit = (scores.argmax(1) == target) & covered
+    return SelectorStats((ce * use).sum(), (w * covered.to(work)).sum().detach(), (w * hit.to(work)).sum().detach())
 
 
 def selector_alpha(step: int, total_steps: int, alpha: float, warmup_ratio: float, ramp_ratio: float) -> float:

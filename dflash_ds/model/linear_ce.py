@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.compile import compile_once
+from dflash_ds.model.top_k import block_top_k
 
 __all__ = ["KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
 
@@ -45,7 +46,7 @@ class _Settings(NamedTuple):
     grad_hidden: bool
     grad_weight: bool
     kl: KLTerm | None
-    top_k: int = 0  # > 0: also return each row's top_k token ids, taken from the chunk's logits
+    top_k: int = 0  # > 0: also return each row's top_k token ids and logits, taken from the chunk's logits
 
 
 def _ce_stats(logits, labels, weights):
@@ -133,6 +134,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     g_weight = torch.zeros_like(weight) if grad_weight else None
     # DFlash2's selector rescores these: taken here, from logits that exist anyway.
     top = hidden.new_empty(chunks * size, top_k, dtype=torch.long) if top_k else None
+    top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
     kl = target is not None
     kl_total = hidden.new_zeros((), dtype=acc_dtype)
     if kl:
@@ -153,7 +155,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
             tc = F.pad(tc, (0, 0, 0, pad)) if kl else None
         logits = torch.mm(hc, weight.t())
         if top_k:
-            top[i * size:(i + 1) * size] = logits.topk(top_k, dim=-1, sorted=True).indices
+            top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
         if kl:
             # The target's logits of the same rows: one more lm_head matmul per chunk, and only
             # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
@@ -179,8 +181,11 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
         if want_grad:
             del g_logits
     correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    top = top[:n] if top_k else hidden.new_zeros(n, 0, dtype=torch.long)
-    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, top
+    if top_k:
+        top, top_logits = top[:n], top_logits[:n]
+    else:
+        top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
+    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, (top, top_logits)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -190,11 +195,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                                     settings)
         ctx.save_for_backward(g_hidden, g_weight)
         loss = _total(ce_total, kl_total, settings.kl) / normaliser
-        ctx.mark_non_differentiable(ce_total, correct, kl_total, top)
-        return loss, ce_total, correct, kl_total, top
+        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top)
+        return loss, ce_total, correct, kl_total, *top
 
     @staticmethod
-    def backward(ctx, g_loss, _g_ce, _g_correct, _g_kl, _g_top):
+    def backward(ctx, g_loss, _g_ce, _g_correct, _g_kl, _g_top, _g_top_logits):
         if torch.is_grad_enabled():
             # create_graph=True: the saved gradients are constants here, so a second derivative
             # would silently come out as zero.
@@ -264,10 +269,11 @@ def linear_cross_entropy_top_k(
     normaliser: float | torch.Tensor,
     chunks_and_k: tuple[int, int],
     kl: KLTerm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear_cross_entropy_kl` that also returns each row's top-k token ids `[n, k]` (int64, best
-    first), taken from the logits each chunk computes anyway: `chunks_and_k` = (num_chunks, k),
-    k = 0 for none (a `[n, 0]` tensor). Returns (loss, ce_sum, correct, kl_sum, top_k_ids)."""
+    first) and their logits `[n, k]` (the logits' dtype, detached), taken from the logits each chunk
+    computes anyway (`model.top_k.block_top_k`): `chunks_and_k` = (num_chunks, k), k = 0 for none
+    (`[n, 0]` tensors). Returns (loss, ce_sum, correct, kl_sum, top_k_ids, top_k_logits)."""
     num_chunks, top_k = chunks_and_k
     if not 0 <= top_k <= weight.shape[0]:
         raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
@@ -294,5 +300,5 @@ def linear_cross_entropy_top_k(
     if not (grad_hidden or grad_weight):
         ce_total, correct, _, _, kl_total, top = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
                                                       settings)
-        return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total, top
+        return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total, *top
     return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, settings)

@@ -160,7 +160,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     # Teacher forcing: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor).
     predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
     rows = SelectorRows(slot_rows(hidden, b), out.candidates, slot_rows(blocks.labels, b), slot_rows(predecessors, b),
-                        slot_rows(blocks.weights, b))
+                        slot_rows(blocks.weights, b), out.candidate_logits)
     stats = selector_loss(head, model.lm_head, rows, selector)
     loss = out.loss + (selector.alpha / normaliser) * stats.loss_sum
     return out._replace(loss=loss, selector=(stats.loss_sum.detach(), stats.covered, stats.correct))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from dflash_ds.model.linear_ce import KLTerm, linear_cross_entropy_top_k
+from dflash_ds.model.top_k import block_top_k
 
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -200,6 +201,8 @@ class LossOutput(NamedTuple):
     # LossOptions.top_k > 0: int64 [rows, k] top-k token ids of every projected slot, best first, in
     # `slot_rows` order (taken from the loss's own logits); None otherwise.
     candidates: torch.Tensor | None = None
+    # ... and their logits [rows, k] (the lm_head's dtype, detached): the selector's unary scores.
+    candidate_logits: torch.Tensor | None = None
     # DFlash2 (model.loss.drafter_loss): detached (sum(w * selector CE), sum(w) of slots whose gold is
     # among the candidates, sum(w) of slots the selector ranks the gold first); None otherwise.
     selector: tuple | None = None
@@ -218,7 +221,7 @@ class LossOptions:
     fused: bool = False
     """linear_ce: the lm_head's input gradient computed in the forward (objective.fused_loss)."""
     top_k: int = 0
-    """> 0: also return each projected slot's top-k token ids (DFlash2's selector candidates)."""
+    """> 0: also return each projected slot's top-k token ids and logits (DFlash2's selector candidates)."""
 
 
 def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -237,7 +240,10 @@ def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None, 
     lab = labels.reshape(-1)
     w = slot_weights.reshape(-1)
     logits = F.linear(h, weight)
-    top = logits.topk(top_k, dim=-1, sorted=True).indices if top_k else lab.new_zeros(lab.shape[0], 0)
+    if top_k:
+        top = block_top_k(logits.detach(), top_k)
+    else:
+        top = (logits.new_zeros(lab.shape[0], 0), lab.new_zeros(lab.shape[0], 0))
     logits = logits.to(w.dtype)
     hit = (logits.argmax(-1) == lab) & (w > 0)
     if kl is not None:
@@ -365,8 +371,11 @@ def chunked_loss(
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
     total = ce_total + (kl_weight * kl_temperature ** 2) * kl_total if kl_weight > 0 else ce_total
-    candidates = torch.cat(tops)[:units * per_unit] if options.top_k else None
-    return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach(), candidates)
+    candidates = logits = None
+    if options.top_k:
+        logits, candidates = (torch.cat(t)[:units * per_unit] for t in zip(*tops))
+    return LossOutput(total / normaliser, ce_total.detach(), correct.view(b, q), kl_total.detach(), candidates,
+                      logits)
 
 
 def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: LossOptions,
@@ -388,12 +397,13 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: Lo
     if kl_weight > 0:
         t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
         rows_kl = KLTerm(kl_weight, kl.temperature, t)
-    loss, ce_sum, hit, kl_sum, top = linear_cross_entropy_top_k(h, lm_head_weight, lab, w.reshape(-1), normaliser,
-                                                                (options.num_chunks, options.top_k), rows_kl)
+    loss, ce_sum, hit, kl_sum, top, top_logits = linear_cross_entropy_top_k(
+        h, lm_head_weight, lab, w.reshape(-1), normaliser, (options.num_chunks, options.top_k), rows_kl)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
-    return LossOutput(loss, ce_sum, correct.view(b, q), kl_sum.to(acc_dtype), top if options.top_k else None)
+    return LossOutput(loss, ce_sum, correct.view(b, q), kl_sum.to(acc_dtype), top if options.top_k else None,
+                      top_logits if options.top_k else None)
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):
