@@ -318,14 +318,22 @@ def test_dflash2_selector_kernels_at_27b_sizes(record):
                         torch.randint(0, 300, (n, k), device="cuda", generator=g),
                         torch.randint(0, v, (n, k), device="cuda", generator=g))
     table = (torch.randn(v, r, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
-    up = torch.randn(n, k, r, device="cuda", generator=g).to(torch.bfloat16)
-    ours = torch.autograd.grad((take_rows(table, index) * up).float().sum(), table)[0]
-    again = torch.autograd.grad((take_rows(table, index) * up).float().sum(), table)[0]
+    up = torch.randn(n, k, r, device="cuda", generator=g)
+    ours = torch.autograd.grad((take_rows(table, index, torch.float32) * up).sum(), table)[0]
+    again = torch.autograd.grad((take_rows(table, index, torch.float32) * up).sum(), table)[0]
     exact = torch.zeros(v, r, device="cuda", dtype=torch.float64).index_add_(0, index.flatten(), up.reshape(-1, r).double())
     found |= {"take_rows_same_bits_twice": bool(torch.equal(ours, again)),
               "take_rows_rel_err_vs_float64": rel(ours, exact),
-              "take_rows_backward_ms": _cuda_ms(lambda: torch.autograd.grad((take_rows(table, index) * up).float().sum(), table)),
-              "index_backward_ms": _cuda_ms(lambda: torch.autograd.grad((table[index] * up).float().sum(), table))}
+              "index_backward_rel_err_vs_float64": rel(torch.autograd.grad((table[index].float() * up).sum(), table)[0], exact)}
+    # Timings at the recipe's 14,336 slots, with the hot tokens of real top-16 lists and an extreme case.
+    for name, hot, ids_hot in (("hot60of300", 0.6, 300), ("hot90of20", 0.9, 20)):
+        big = torch.where(torch.rand(4 * n, k, device="cuda", generator=g) < hot,
+                          torch.randint(0, ids_hot, (4 * n, k), device="cuda", generator=g),
+                          torch.randint(0, v, (4 * n, k), device="cuda", generator=g))
+        up4 = torch.randn(4 * n, k, r, device="cuda", generator=g)
+        found[f"take_rows_backward_ms_{name}"] = _cuda_ms(
+            lambda: torch.autograd.grad((take_rows(table, big, torch.float32) * up4).sum(), table))
+        found[f"index_backward_ms_{name}"] = _cuda_ms(lambda: torch.autograd.grad((table[big].float() * up4).sum(), table))
     sel = CandidateSelector(d, v, r, k).cuda().to(torch.bfloat16)
     with torch.no_grad():
         sel.successor_codebook.normal_(0, 0.02, generator=g)
@@ -339,7 +347,7 @@ def test_dflash2_selector_kernels_at_27b_sizes(record):
         h = hidden.clone().requires_grad_()
         for inject in (False, True):
             stats = selector_loss(sel, head, SelectorRows(h, full, labels, prev, w, given), SelectorTerm(1.0, inject))
-            grads.append((float(stats.loss_sum), torch.autograd.grad(stats.loss_sum, [h, sel.successor_codebook, sel.predecessor_codebook])))
+            grads.append((float(stats.loss_sum.detach()), torch.autograd.grad(stats.loss_sum, [h, sel.successor_codebook, sel.predecessor_codebook])))
     found["selector_given_vs_recomputed"] = {
         f"inject_{inj}": {"loss_rel": abs(grads[i + 2][0] - grads[i][0]) / abs(grads[i][0]),
                           "grad_rel": [rel(a, b) for a, b in zip(grads[i + 2][1], grads[i][1])]}

@@ -114,8 +114,8 @@ class CandidateSelector(nn.Module):
         are the candidates of most slots. The k dot products are a multiply and a sum over r, not a
         batched matmul: a `[k, r] x [r, 1]` product per slot ran on badly aligned GEMM kernels."""
         work = torch.promote_types(projected.dtype, torch.float32)
-        query = take_rows(self.predecessor_codebook, predecessors).to(work) * projected.to(work)
-        keys = take_rows(self.successor_codebook, candidates).to(work)
+        query = take_rows(self.predecessor_codebook, predecessors, work) * projected.to(work)
+        keys = take_rows(self.successor_codebook, candidates, work)
         return (keys * query.unsqueeze(1)).sum(-1)
 
 

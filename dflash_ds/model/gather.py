@@ -3,18 +3,16 @@
 DFlash2's selector reads rows of two `[V, r]` codebooks (V = 248,320) at every candidate of every
 slot: 16 rows per slot, tens of thousands of slots per step, and the same few tokens (punctuation,
 common words) among the candidates of most slots. Autograd's gradient of `table[index]` is a
-sorted `index_put_` that adds the rows of one token one after another, so a token that appears
-thousands of times is a long serial loop; on an H200 those kernels took ~0.6 ms per call.
-`take_rows` gathers the same rows and computes the same gradient as a segmented sum:
-
-  sort the indices (stable), prefix-sum the incoming rows in that order in float64, and write each
-  token's total (the prefix sum at the end of its run minus the one just before its start) to its
-  row of the gradient.
-
-Every step is a parallel primitive (sort, scan, gather, one write per token), the result does not
-depend on the order of floating-point additions across threads (the same bits every run, as the
-sorted `index_put_` gives), and the float64 prefix sum keeps a rare token's total exact next to a
-large running sum. Memory: `[m, r]` float64 for m gathered rows, transient.
+sorted `index_put_` in which one thread group adds the rows of a token one after another, each
+add waiting for the previous one's store: a token among the candidates of thousands of slots is a
+long chain of dependent memory round trips. `take_rows` gathers the same rows and computes the
+gradient as a segmented sum instead: sort the indices (stable), count each token's rows (a binary
+search of the sorted indices, no host synchronisation), and sum each token's run of rows with
+`torch.segment_reduce`, whose loop over a run issues independent loads. Each token's total is
+summed in one fixed order, so the result is the same bits every run (as the sorted `index_put_`
+gives, and unlike atomic adds), in float32 (or wider), and cast to the table's dtype once.
+The forward can return the rows in a wider dtype (`dtype`), so the incoming gradient is not
+rounded to the table's dtype row by row before it is summed.
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -25,50 +23,42 @@ import torch
 
 
 def segment_sum_rows(index: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`out[t] = sum of rows[i] over i with index[i] == t`, `out` `[num_rows, r]` float64.
+    """`out[t] = sum of rows[i] over i with index[i] == t`, `out` `[num_rows, r]` in at least float32.
 
     index `[m]` int64 in [0, num_rows), rows `[m, r]`. Deterministic, no host synchronisation."""
-    m = index.numel()
-    out = rows.new_zeros(num_rows + 1, rows.shape[-1], dtype=torch.float64)
-    if m == 0:
-        return out[:num_rows]
-    order_index, order = torch.sort(index, stable=True)
-    sums = rows.index_select(0, order).to(torch.float64).cumsum(0)
-    position = torch.arange(m, device=index.device)
-    first = torch.ones(m, dtype=torch.bool, device=index.device)
-    first[1:] = order_index[1:] != order_index[:-1]
-    last = torch.ones_like(first)
-    last[:-1] = first[1:]
-    # For every position, where its run started; the prefix sum just before that start.
-    start = torch.cummax(torch.where(first, position, 0), dim=0).values
-    before = torch.where((start > 0).unsqueeze(1), sums[(start - 1).clamp(min=0)], 0.0)
-    # One write per token: the last position of its run; every other position writes the spare
-    # row `num_rows`, dropped below (its value is whichever write lands last, never read).
-    target = torch.where(last, order_index, num_rows)
-    out.index_put_((target,), sums - before)
-    return out[:num_rows]
+    work = torch.promote_types(rows.dtype, torch.float32)
+    if index.numel() == 0:
+        return rows.new_zeros(num_rows, rows.shape[-1], dtype=work)
+    ordered, order = torch.sort(index, stable=True)
+    bounds = torch.searchsorted(ordered, torch.arange(num_rows + 1, device=index.device, dtype=ordered.dtype))
+    lengths = bounds[1:] - bounds[:-1]
+    # unsafe: the lengths sum to the rows by construction; the check would read them on the host.
+    return torch.segment_reduce(rows.index_select(0, order).to(work), "sum", lengths=lengths, axis=0,
+                                unsafe=True, initial=0)
 
 
 class _TakeRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, table, index):
+    def forward(ctx, table, index, dtype):
         ctx.save_for_backward(index)
         ctx.table_shape, ctx.table_dtype = table.shape, table.dtype
-        return table[index]
+        return table[index].to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
         v, r = ctx.table_shape[0], ctx.table_shape[-1]
         total = segment_sum_rows(index.reshape(-1), grad.reshape(-1, r), v)
-        return total.to(ctx.table_dtype).view(ctx.table_shape), None
+        return total.to(ctx.table_dtype), None, None
 
 
-def take_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`table[index]` for a 2-D table and an integer index of any shape; the table's gradient is the
-    float64 segmented sum of `segment_sum_rows`, cast to the table's dtype."""
+def take_rows(table: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`table[index].to(dtype)` for a 2-D table and an integer index of any shape; the table's
+    gradient is the segmented sum of `segment_sum_rows` (the incoming gradient in `dtype`, summed in
+    at least float32), cast to the table's dtype once."""
     if table.dim() != 2:
         raise ValueError(f"take_rows needs a [rows, width] table, got {tuple(table.shape)}")
+    dtype = dtype or table.dtype
     if not (torch.is_grad_enabled() and table.requires_grad):
-        return table[index]
-    return _TakeRows.apply(table, index.long())
+        return table[index].to(dtype)
+    return _TakeRows.apply(table, index.long(), dtype)

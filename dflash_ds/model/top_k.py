@@ -22,7 +22,23 @@ from __future__ import annotations
 
 import torch
 
+from dflash_ds.model.compile import compile_once
+
 GROUP = 128
+
+
+def _group_max(x: torch.Tensor, group: int) -> torch.Tensor:
+    n, v = x.shape
+    return x.view(n, v // group, group).amax(-1)
+
+
+def group_maxima(x: torch.Tensor, group: int) -> torch.Tensor:
+    """`[n, V]` -> `[n, V / group]`, the maximum of every group of `group` consecutive entries.
+    Compiled on CUDA: the eager reduction over 128-wide groups read bf16 logits at ~0.6 TB/s on an
+    H200 (0.75 ms for 896 x 248,320), the generated one runs near the memory's rate."""
+    if x.device.type != "cuda":
+        return _group_max(x, group)
+    return compile_once(_group_max, dynamic=False, fullgraph=True)(x, group)
 
 
 def block_top_k(x: torch.Tensor, k: int, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +49,7 @@ def block_top_k(x: torch.Tensor, k: int, group: int = GROUP) -> tuple[torch.Tens
     if k < 1 or v % group or v <= 4 * k * group:
         return torch.topk(x, k, dim=-1, sorted=True)
     groups = x.view(n, v // group, group)
-    best_groups = groups.amax(-1).topk(k, dim=-1, sorted=False).indices  # [n, k]
+    best_groups = group_maxima(x, group).topk(k, dim=-1, sorted=False).indices  # [n, k]
     pool = groups.gather(1, best_groups.unsqueeze(-1).expand(n, k, group)).view(n, k * group)
     values, at = pool.topk(k, dim=-1, sorted=True)
     ids = best_groups.gather(1, at // group) * group + at % group
