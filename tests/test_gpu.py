@@ -28,6 +28,20 @@ from dflash_ds.model.objective import LossOptions, block_inputs, chunked_loss, s
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(scope="module", autouse=True)
+def room_to_recompile():
+    """The tier runs flex_attention (one compiled instance per process, as in training) at a dozen shapes,
+    dtypes and masks; past dynamo's recompile limit (8) a new one silently runs eager flex, which at 12,288
+    tokens materialises the score matrix and runs out of memory: the window test failed that way (0.4 s)
+    after the tests before it, and passed alone. Training runs one shape per process."""
+    import torch._dynamo
+
+    before = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 64
+    yield
+    torch._dynamo.config.recompile_limit = before
+
+
 @pytest.fixture(scope="module")
 def record():
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
