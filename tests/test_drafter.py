@@ -13,7 +13,8 @@ from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 from dflash_ds.model.attention import build_mask
 from dflash_ds.config import DrafterSection
 from dflash_ds.model.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
-from dflash_ds.model.shape import DrafterShape, build_target_layer_ids
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.taps import build_target_layer_ids
 from dflash_ds.model.objective import LossOptions, chunked_loss
 
 D, VOCAB = 64, 300

@@ -108,14 +108,23 @@ def test_round_trip_is_bit_exact_and_a_v1_reader_refuses_nothing_silently(tmp_pa
     assert back.config == drafter.config and back.config.dflash2
     for n, t in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[n], t), n
-    # A DFlash2 config with a missing field or an unsupported logit transform is refused, naming it.
+    # A DFlash2 config with a missing field is refused, naming it.
     config = json.loads((out / "config.json").read_text())
     broken = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != "selector_rank"})
     with pytest.raises(ValueError, match="selector_rank"):
         DrafterShape.from_hf_config(broken)
-    capped = dict(config, dflash_config=dict(config["dflash_config"], final_logit_softcapping=20.0))
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        DrafterShape.from_hf_config(capped)
+    # The target's logit and embedding scaling are read and written back under the reference's names;
+    # identity values are not written (a Qwen export carries none of them).
+    assert not {"output_multiplier", "final_logit_softcapping", "input_embedding_scale"} & set(config["dflash_config"])
+    scaled = dict(config, dflash_config=dict(config["dflash_config"], final_logit_softcapping=20.0,
+                                             output_multiplier=0.5, input_embedding_scale=8.0))
+    shape = DrafterShape.from_hf_config(scaled)
+    assert (shape.final_logit_softcapping, shape.output_multiplier, shape.input_embedding_scale) == (20.0, 0.5, 8.0)
+    assert shape.to_hf_config()["dflash_config"] == scaled["dflash_config"]
+    assert DrafterShape.from_hf_config(dict(config, dflash_config=dict(
+        config["dflash_config"], final_logit_softcapping=0.0))).final_logit_softcapping is None  # 0: none
+    with pytest.raises(ValueError, match="output_multiplier"):
+        DrafterShape.from_hf_config(dict(config, dflash_config=dict(config["dflash_config"], output_multiplier=-1.0)))
     # Tensors that do not match the config are refused at load.
     (out / "config.json").write_text(json.dumps(dict(config, dflash_config=dict(config["dflash_config"],
                                                                                    selector_rank=13))))

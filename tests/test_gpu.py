@@ -608,7 +608,7 @@ def test_fp8_taps_error_at_the_27b_geometry(record):
     from transformers import AutoModelForCausalLM
 
     from dflash_ds.bench.quantized import layer_io
-    from dflash_ds.model.shape import build_target_layer_ids
+    from dflash_ds.model.taps import build_target_layer_ids
     from dflash_ds.runtime.engines import speed_up_target_kernels
     from dflash_ds.target import fp8
     from dflash_ds.target.model import TapCapture, forward_taps, truncate_after

@@ -203,8 +203,10 @@ def test_elementwise_traces_as_one_graph():
     logits = hidden @ weight.T
     lab = torch.where(weights > 0, labels, 0)
     scale = weights / 3.0
-    for fn, args in ((_ce_forward_and_grad, (logits, lab, weights, scale)), (_ce_forward, (logits, lab, weights))):
-        torch._dynamo.reset()
-        traced = torch.compile(fn, dynamic=False, fullgraph=True, backend="eager")
-        for a, b in zip(traced(*args), fn(*args)):
-            torch.testing.assert_close(a, b)
+    for transform in ((1.0, 0.0), (0.5, 3.0)):  # identity; a target's scaling and softcap
+        for fn, args in ((_ce_forward_and_grad, (logits, lab, weights, scale, transform)),
+                         (_ce_forward, (logits, lab, weights, transform))):
+            torch._dynamo.reset()
+            traced = torch.compile(fn, dynamic=False, fullgraph=True, backend="eager")
+            for a, b in zip(traced(*args), fn(*args)):
+                torch.testing.assert_close(a, b)

@@ -23,7 +23,10 @@ Each layer then narrows the mask as SGLang and vLLM run that layer, from the pos
 `sliding_attention` layer (config `layer_types`) lets the query at position p see a key at
 position q only when p - q < `sliding_window`; a causal layer only when q <= p. A layer is causal
 when config `is_causal` says so and, without it, exactly when it is a sliding layer.
-Returns the drafter's final-norm hidden states [b, Q, D]; logits = hidden @ lm_head.T.
+Returns the drafter's final-norm hidden states [b, Q, D]; `compute_logits(hidden, lm_head)` gives
+the logits. A target that scales its embeddings or its logits (Gemma, Granite, Cohere) has the same
+scaling in `dflash_config` (`input_embedding_scale`: multiply the block token embeddings by it;
+`output_multiplier` and `final_logit_softcapping`: applied by `compute_logits`); absent = identity.
 
 A DFlash2 export (`architectures: ["DFlash2DraftModel"]`) loads as `DFlash2DraftModel`: the same
 forward with every attention and MLP sublayer wrapped in a grouped dynamic convolution along each
@@ -265,6 +268,18 @@ class DFlashDraftModel(PreTrainedModel):
             x = layer(x, ctx, rope_q, rope_k, masks[kind])
         return self.norm(x)
 
+    def compute_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Logits of final states through the target's lm_head `[V, D]`, scaled and capped as the
+        target scales and caps its own (dflash_config output_multiplier, final_logit_softcapping)."""
+        logits = (hidden @ lm_head.to(hidden.dtype).T).float()
+        multiplier = float(self.config.dflash_config.get("output_multiplier") or 1.0)
+        cap = float(self.config.dflash_config.get("final_logit_softcapping") or 0.0)
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
 
 class CandidateSelector(nn.Module):
     def __init__(self, cfg: DFlashConfig):
@@ -303,7 +318,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         walked greedily from the anchor (prev = the token chosen at the slot before)."""
         sel = self.candidate_selector
         work = torch.promote_types(hidden.dtype, torch.float32)
-        unary, candidates = torch.topk(hidden @ lm_head.to(hidden.dtype).T, sel.top_k, dim=-1)
+        unary, candidates = torch.topk(self.compute_logits(hidden, lm_head), sel.top_k, dim=-1)
         projected = sel.hidden_projection(hidden).to(work)
         prev, path = anchor_ids.long(), []
         for slot in range(hidden.shape[1]):

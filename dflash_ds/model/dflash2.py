@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.model.gather import take_rows
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 
 _INIT_STD = 0.02
 
@@ -136,11 +137,13 @@ def unary_top_k(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int, *, chun
 
 @torch.no_grad()
 def greedy_path(selector: CandidateSelector, hidden: torch.Tensor, lm_head: torch.Tensor,
-                anchors: torch.Tensor) -> torch.Tensor:
+                anchors: torch.Tensor, transform: LogitTransform = IDENTITY) -> torch.Tensor:
     """The drafted tokens `[n, L]` of blocks whose drafting slots have final states `[n, L, D]`
     (L = B - 1), each block following the token `anchors[n]`: the walk the engines run at
-    temperature 0 (slot 1's predecessor is the anchor, slot k's the token chosen at slot k - 1)."""
+    temperature 0 (slot 1's predecessor is the anchor, slot k's the token chosen at slot k - 1).
+    The unary scores are the target-transformed logits (`transform`, model/logit_transform.py)."""
     unary, candidates = unary_top_k(hidden, lm_head, selector.top_k)
+    unary = transform.apply(unary)
     projected = selector.hidden_projection(hidden)
     predecessor = anchors.to(candidates.device).long()
     path = []
@@ -188,23 +191,26 @@ class SelectorStats(NamedTuple):
 
 
 class _CandidateLogits(torch.autograd.Function):
-    """The unary scores `unary[n, j] = <lm_head[candidates[n, j]], hidden[n]>`, given their values
-    (the base loss computed them with the full-vocabulary logits): the forward only passes them on,
-    the backward sends `sum_j grad[n, j] * lm_head[candidates[n, j]]` to the states through one
-    `embedding_bag` (a gather and weighted sum per row: no `[n, k, D]` tensor, no recompute).
-    `lm_head` is frozen: it gets no gradient."""
+    """The unary scores `unary[n, j] = t(<lm_head[candidates[n, j]], hidden[n]>)` (t the target's logit
+    transform), given the raw logits (the base loss computed them with the full-vocabulary logits):
+    the forward only transforms them, the backward sends `sum_j grad[n, j] * t'[n, j] *
+    lm_head[candidates[n, j]]` to the states through one `embedding_bag` (a gather and weighted sum
+    per row: no `[n, k, D]` tensor, no recompute). `lm_head` is frozen: it gets no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, lm_head, candidates, values):
-        ctx.save_for_backward(lm_head, candidates)
-        ctx.hidden_dtype = hidden.dtype
-        return values.clone()
+    def forward(ctx, hidden, lm_head, candidates, raw, transform):
+        z = transform.apply(raw)
+        slope = transform.slope(z)
+        ctx.save_for_backward(lm_head, candidates, slope if torch.is_tensor(slope) else None)
+        ctx.hidden_dtype, ctx.slope = hidden.dtype, None if torch.is_tensor(slope) else slope
+        return z if z is not raw else raw.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        lm_head, candidates = ctx.saved_tensors
+        lm_head, candidates, slope = ctx.saved_tensors
+        grad = grad * (slope if slope is not None else ctx.slope)
         g = F.embedding_bag(candidates, lm_head, per_sample_weights=grad.to(lm_head.dtype), mode="sum")
-        return g.to(ctx.hidden_dtype), None, None, None
+        return g.to(ctx.hidden_dtype), None, None, None, None
 
 
 @torch.no_grad()
@@ -223,7 +229,7 @@ def candidate_logits(hidden: torch.Tensor, lm_head: torch.Tensor, candidates: to
 
 
 def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: SelectorRows,
-                  term: SelectorTerm) -> SelectorStats:
+                  term: SelectorTerm, transform: LogitTransform = IDENTITY) -> SelectorStats:
     """sum over rows of w * CE(selector scores over the k candidates, the gold's index).
 
     The candidates are those of the base loss (no second lm_head pass), and so, when
@@ -231,7 +237,8 @@ def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: Sele
     nothing (`term.inject_gold` False) or takes the place of the weakest one (its logit computed
     from its lm_head row). The whole micro-batch in one pass: besides the states, it keeps
     `[n, k, r]` codebook rows (r = selector rank) for the backward, 235 MB in fp32 at 14,336
-    slots, k 16, r 256. `lm_head` is frozen (no gradient).
+    slots, k 16, r 256. `lm_head` is frozen (no gradient). The unary scores are the candidates'
+    logits through the target's `transform` (model/logit_transform.py), as the engines score them.
     """
     hidden = rows.hidden.detach() if term.detach else rows.hidden
     head = lm_head.detach()
@@ -249,7 +256,7 @@ def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: Sele
         candidates = torch.cat([candidates[:, :-1], torch.where(covered, candidates[:, -1], labels).unsqueeze(1)], 1)
         unary = torch.cat([unary[:, :-1], torch.where(covered, unary[:, -1], gold).unsqueeze(1)], 1)
         gold_at = candidates == labels.unsqueeze(1)
-    unary = _CandidateLogits.apply(hidden, head, candidates, unary.detach().to(work))
+    unary = _CandidateLogits.apply(hidden, head, candidates, unary.detach().to(work), transform)
     scores = unary + selector.transition(selector.hidden_projection(hidden), rows.predecessors, candidates)
     target = gold_at.to(torch.int64).argmax(1)
     ce = torch.logsumexp(scores, dim=1) - scores.gather(1, target.unsqueeze(1)).squeeze(1)

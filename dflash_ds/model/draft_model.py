@@ -58,15 +58,21 @@ class DraftModel:
         return list(self.drafter.config.target_layer_ids)
 
     def embed_tokens(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Target embeddings of `ids`, on `like`'s device and in its dtype."""
-        return F.embedding(ids.to(self.embed.device), self.embed).to(device=like.device, dtype=like.dtype)
+        """Target embeddings of `ids`, scaled as the target scales them (`input_embedding_scale`,
+        model/logit_transform.py), on `like`'s device and in its dtype."""
+        out = F.embedding(ids.to(self.embed.device), self.embed)
+        scale = self.drafter.config.input_embedding_scale
+        if scale != 1.0:
+            out = out * scale
+        return out.to(device=like.device, dtype=like.dtype)
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The tokens the engines propose at temperature 0 from the final states `[n, B-1, D]` of the
         drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the argmax of
-        each slot (v1), or the candidate selector's greedy path (DFlash2)."""
+        each slot (v1; the target's logit transform is monotonic, so it does not change the argmax),
+        or the candidate selector's greedy path (DFlash2)."""
         selector = self.drafter.candidate_selector
         if selector is None:
             return draft_tokens(hidden, self.lm_head)
-        return greedy_path(selector, hidden, self.lm_head, anchors.to(hidden.device))
+        return greedy_path(selector, hidden, self.lm_head, anchors.to(hidden.device), self.config.logit_transform)

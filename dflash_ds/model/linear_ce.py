@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.compile import compile_once
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 from dflash_ds.model.top_k import block_top_k
 
-__all__ = ["KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
+__all__ = ["ChunkPlan", "KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
 
 
 class KLTerm(NamedTuple):
@@ -38,6 +39,17 @@ class KLTerm(NamedTuple):
     target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+class ChunkPlan(NamedTuple):
+    """How `linear_cross_entropy_top_k` projects the rows (a plain `(num_chunks, top_k)` tuple works too)."""
+
+    num_chunks: int
+    """At most this many chunks of rows; only one chunk's logits ever exist."""
+    top_k: int = 0
+    """> 0: also return each row's top-k token ids and raw logits."""
+    transform: LogitTransform = IDENTITY
+    """The target's logit scaling / softcap (model/logit_transform.py), applied before the softmax."""
+
+
 class _Settings(NamedTuple):
     # Everything but the rows: one argument for the autograd Function. `kl` is None when the term
     # is off, else it holds the target's states, detached and in the drafter's dtype: a constant of
@@ -46,61 +58,67 @@ class _Settings(NamedTuple):
     grad_hidden: bool
     grad_weight: bool
     kl: KLTerm | None
-    top_k: int = 0  # > 0: also return each row's top_k token ids and logits, taken from the chunk's logits
+    top_k: int = 0  # > 0: also return each row's top_k token ids and raw logits, taken from the chunk's logits
+    # The target's logit transform (model/logit_transform.py) as plain floats: multiplier, softcap (0 = none).
+    transform: tuple[float, float] = (1.0, 0.0)
 
 
-def _ce_stats(logits, labels, weights):
+def _ce_stats(logits, labels, weights, transform):
     # fp32 (or wider) statistics of bf16 logits; under torch.compile these fuse into one pass.
-    x = logits.to(weights.dtype)
+    # x: the logits the target's distribution is made of (scaled / capped as the target does).
+    x = scale_logits(logits.to(weights.dtype), *transform)
     m = x.amax(-1, keepdim=True)
     e = (x - m).exp()
     s = e.sum(-1, keepdim=True)
     target = x.gather(1, labels.unsqueeze(1))
     ce = (m + s.log() - target).squeeze(1)
     hit = (x.argmax(-1) == labels) & (weights > 0)
-    return (ce * weights).sum(), hit, e, s
+    return (ce * weights).sum(), hit, e, s, x
 
 
-def _ce_forward(logits, labels, weights):
-    ce_sum, hit, _, _ = _ce_stats(logits, labels, weights)
+def _ce_forward(logits, labels, weights, transform):
+    ce_sum, hit, _, _, _ = _ce_stats(logits, labels, weights, transform)
     return ce_sum, hit
 
 
-def _ce_forward_and_grad(logits, labels, weights, scale):
-    # d(sum(scale * CE)) / d(logits) = (softmax - onehot(label)) * scale, in the logits' dtype
-    # (what autograd would hand the lm_head matmul's backward).
-    ce_sum, hit, e, s = _ce_stats(logits, labels, weights)
+def _ce_forward_and_grad(logits, labels, weights, scale, transform):
+    # d(sum(scale * CE)) / d(logits) = (softmax - onehot(label)) * scale * dz/dx (the transform's
+    # slope; 1 without one), in the logits' dtype (what autograd would hand the lm_head matmul's backward).
+    ce_sum, hit, e, s, x = _ce_stats(logits, labels, weights, transform)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     onehot = vocab == labels.unsqueeze(1)
-    grad = ((e / s - onehot.to(e.dtype)) * scale.unsqueeze(1)).to(logits.dtype)
-    return ce_sum, hit, grad
+    grad = (e / s - onehot.to(e.dtype)) * logit_slope(x, *transform) * scale.unsqueeze(1)
+    return ce_sum, hit, grad.to(logits.dtype)
 
 
-def _ce_kl_stats(logits, t_logits, labels, weights, temperature):
-    # KL(p || q) of the temperature-softened target (p) and drafter (q) distributions, per row.
-    ce_sum, hit, e, s = _ce_stats(logits, labels, weights)
-    x = logits.to(weights.dtype) / temperature
+def _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform):
+    # KL(p || q) of the temperature-softened target (p) and drafter (q) distributions, per row; both
+    # through the target's logit transform (the target's distribution is made of it).
+    ce_sum, hit, e, s, z = _ce_stats(logits, labels, weights, transform)
+    x = z / temperature
     log_q = x - x.amax(-1, keepdim=True)
     log_q = log_q - log_q.exp().sum(-1, keepdim=True).log()
-    log_p = torch.log_softmax(t_logits.to(weights.dtype) / temperature, dim=-1)
+    log_p = torch.log_softmax(scale_logits(t_logits.to(weights.dtype), *transform) / temperature, dim=-1)
     p = log_p.exp()
     kl = (p * (log_p - log_q)).sum(-1)
-    return ce_sum, hit, e, s, (kl * weights).sum(), log_q, p
+    return ce_sum, hit, e, s, (kl * weights).sum(), log_q, p, z
 
 
-def _ce_kl_forward(logits, t_logits, labels, weights, temperature):
-    ce_sum, hit, _, _, kl_sum, _, _ = _ce_kl_stats(logits, t_logits, labels, weights, temperature)
+def _ce_kl_forward(logits, t_logits, labels, weights, kl, transform):
+    # kl: (kl_coef, temperature)
+    ce_sum, hit, _, _, kl_sum, _, _, _ = _ce_kl_stats(logits, t_logits, labels, weights, kl[1], transform)
     return ce_sum, hit, kl_sum
 
 
-def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl_coef, temperature):
-    # loss = sum(scale * (CE + kl_coef * T^2 * KL)): d/d(logits) = scale * ((softmax - onehot)
-    # + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL gradient's size independent of T.
-    ce_sum, hit, e, s, kl_sum, log_q, p = _ce_kl_stats(logits, t_logits, labels, weights, temperature)
+def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl, transform):
+    # loss = sum(scale * (CE + kl_coef * T^2 * KL)), kl = (kl_coef, T): d/d(logits) = scale * dz/dx *
+    # ((softmax - onehot) + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL gradient's size independent of T.
+    kl_coef, temperature = kl
+    ce_sum, hit, e, s, kl_sum, log_q, p, z = _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     onehot = vocab == labels.unsqueeze(1)
     g = e / s - onehot.to(e.dtype) + (kl_coef * temperature) * (log_q.exp() - p)
-    return ce_sum, hit, kl_sum, (g * scale.unsqueeze(1)).to(logits.dtype)
+    return ce_sum, hit, kl_sum, (g * logit_slope(z, *transform) * scale.unsqueeze(1)).to(logits.dtype)
 
 
 def _elementwise(fn, device: torch.device):
@@ -114,7 +132,7 @@ def _elementwise(fn, device: torch.device):
 def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     """The whole computation; the gradients are those of loss = sum(w * (CE + kl_weight * T^2 *
     KL)) / normaliser, the KL term's target states [n, D] being those of the same rows."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k = settings
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform = settings
     target = kl_term.target_hidden if kl_term is not None else None
     kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
     n, d = hidden.shape
@@ -161,15 +179,15 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
             # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
             t_logits = torch.mm(tc, weight.t())
             if want_grad:
-                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, kl_weight, temperature)
+                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, (kl_weight, temperature), transform)
             else:
-                ce, hit, kl_c = fn(logits, t_logits, lc, wc, temperature)
+                ce, hit, kl_c = fn(logits, t_logits, lc, wc, (kl_weight, temperature), transform)
             del t_logits
             kl_total = kl_total + kl_c
         elif want_grad:
-            ce, hit, g_logits = fn(logits, lc, wc, sc)
+            ce, hit, g_logits = fn(logits, lc, wc, sc, transform)
         else:
-            ce, hit = fn(logits, lc, wc)
+            ce, hit = fn(logits, lc, wc, transform)
         del logits
         ce_total = ce_total + ce
         hits.append(hit)
@@ -258,7 +276,7 @@ def linear_cross_entropy_kl(
     (three lm_head matmuls per chunk instead of two), never for more than one chunk at a time.
     `kl_sum` = sum(w * KL), detached (0 without the term).
     """
-    return linear_cross_entropy_top_k(hidden, weight, labels, weights, normaliser, (num_chunks, 0), kl)[:4]
+    return linear_cross_entropy_top_k(hidden, weight, labels, weights, normaliser, ChunkPlan(num_chunks), kl)[:4]
 
 
 def linear_cross_entropy_top_k(
@@ -267,14 +285,18 @@ def linear_cross_entropy_top_k(
     labels: torch.Tensor,
     weights: torch.Tensor,
     normaliser: float | torch.Tensor,
-    chunks_and_k: tuple[int, int],
+    plan: ChunkPlan | tuple,
     kl: KLTerm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear_cross_entropy_kl` that also returns each row's top-k token ids `[n, k]` (int64, best
-    first) and their logits `[n, k]` (the logits' dtype, detached), taken from the logits each chunk
-    computes anyway (`model.top_k.block_top_k`): `chunks_and_k` = (num_chunks, k), k = 0 for none
-    (`[n, 0]` tensors). Returns (loss, ce_sum, correct, kl_sum, top_k_ids, top_k_logits)."""
-    num_chunks, top_k = chunks_and_k
+    first) and their raw logits `[n, k]` (the logits' dtype, detached), taken from the logits each
+    chunk computes anyway (`model.top_k.block_top_k`): `plan` = ChunkPlan(num_chunks, k, transform),
+    k = 0 for none (`[n, 0]` tensors). Returns (loss, ce_sum, correct, kl_sum, top_k_ids, top_k_logits).
+
+    `plan.transform`: the target's logit scaling / softcap (model/logit_transform.py), applied to the
+    drafter's logits (and the target's, for the KL term) before the softmax; the top-k logits are
+    the raw ones (the transform is monotonic, so the ids are the same)."""
+    num_chunks, top_k, transform = ChunkPlan(*plan)
     if not 0 <= top_k <= weight.shape[0]:
         raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
     if num_chunks < 1:
@@ -296,7 +318,8 @@ def linear_cross_entropy_top_k(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
-    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k)
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k,
+                         (float(transform.multiplier), float(transform.softcap or 0.0)))
     if not (grad_hidden or grad_weight):
         ce_total, correct, _, _, kl_total, top = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
                                                       settings)

@@ -148,7 +148,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
                     slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
     head = model.drafter.candidate_selector
     options = LossOptions(settings.loss_chunks, settings.block_size, checkpoint=True, fused=settings.fused_loss,
-                          top_k=head.top_k if head is not None else 0)
+                          top_k=head.top_k if head is not None else 0, logits=settings.shape.logit_transform)
     out = chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, options, kl)
     if head is None:
         return out
@@ -161,7 +161,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
     rows = SelectorRows(slot_rows(hidden, b), out.candidates, slot_rows(blocks.labels, b), slot_rows(predecessors, b),
                         slot_rows(blocks.weights, b), out.candidate_logits)
-    stats = selector_loss(head, model.lm_head, rows, selector)
+    stats = selector_loss(head, model.lm_head, rows, selector, settings.shape.logit_transform)
     loss = out.loss + (selector.alpha / normaliser) * stats.loss_sum
     return out._replace(loss=loss, selector=(stats.loss_sum.detach(), stats.covered, stats.correct))
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dflash_ds.model.linear_ce import KLTerm, linear_cross_entropy_top_k
+from dflash_ds.model.linear_ce import ChunkPlan, KLTerm, linear_cross_entropy_top_k
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.top_k import block_top_k
 
 # The paper's decay constants; other block sizes interpolate between them (see default_gamma).
@@ -201,7 +202,8 @@ class LossOutput(NamedTuple):
     # LossOptions.top_k > 0: int64 [rows, k] top-k token ids of every projected slot, best first, in
     # `slot_rows` order (taken from the loss's own logits); None otherwise.
     candidates: torch.Tensor | None = None
-    # ... and their logits [rows, k] (the lm_head's dtype, detached): the selector's unary scores.
+    # ... and their raw lm_head logits [rows, k] (before the target's transform; the lm_head's dtype,
+    # detached): the selector's unary scores.
     candidate_logits: torch.Tensor | None = None
     # DFlash2 (model.loss.drafter_loss): detached (sum(w * selector CE), sum(w) of slots whose gold is
     # among the candidates, sum(w) of slots the selector ranks the gold first); None otherwise.
@@ -222,6 +224,9 @@ class LossOptions:
     """linear_ce: the lm_head's input gradient computed in the forward (objective.fused_loss)."""
     top_k: int = 0
     """> 0: also return each projected slot's top-k token ids and logits (DFlash2's selector candidates)."""
+    logits: LogitTransform = IDENTITY
+    """The target's scaling / softcap of its logits (model/logit_transform.py), applied to the drafter's
+    logits (and the target's, for the KL term) before the softmax."""
 
 
 def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -232,7 +237,7 @@ def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
     return u.reshape(u.shape[0] * u.shape[1], *t.shape[2:])
 
 
-def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None, top_k: int = 0):
+def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None, options: LossOptions):
     # One chunk of `c` units of `u` slots: hidden [c, u, D] (a strided view), the rest [c, u].
     # The only lm_head matmul of the chunk; argmax, the top-k and the KL reuse its logits. `kl`,
     # when on, holds `target_logits_fn`.
@@ -240,11 +245,12 @@ def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None, 
     lab = labels.reshape(-1)
     w = slot_weights.reshape(-1)
     logits = F.linear(h, weight)
+    top_k, transform = options.top_k, options.logits
     if top_k:
         top = block_top_k(logits.detach(), top_k)
     else:
         top = (logits.new_zeros(lab.shape[0], 0), lab.new_zeros(lab.shape[0], 0))
-    logits = logits.to(w.dtype)
+    logits = transform.apply(logits.to(w.dtype))
     hit = (logits.argmax(-1) == lab) & (w > 0)
     if kl is not None:
         temperature = kl.temperature
@@ -252,7 +258,8 @@ def _chunk_loss(hidden, weight, labels, slot_weights, index, kl: KLTerm | None, 
         ce = -logp.gather(1, lab.unsqueeze(1)).squeeze(1)
         logp_t = logp if temperature == 1.0 else F.log_softmax(logits / temperature, dim=-1)
         # The target is frozen: its distribution is a constant of the drafter's loss.
-        target = F.log_softmax(kl.target_logits_fn(index.reshape(-1)).detach().to(w.dtype) / temperature, dim=-1)
+        target_logits = transform.apply(kl.target_logits_fn(index.reshape(-1)).detach().to(w.dtype))
+        target = F.log_softmax(target_logits / temperature, dim=-1)
         kl_rows = F.kl_div(logp_t, target, reduction="none", log_target=True).sum(-1)
         kl_part = (kl_rows * w).sum()
     else:
@@ -356,7 +363,7 @@ def chunked_loss(
             chunk = (F.pad(chunk[0], (0, 0, 0, 0, 0, pad)),) + tuple(F.pad(t, (0, 0, 0, pad)) for t in chunk[1:])
         hc, lc, wc = chunk[:3]
         ic = chunk[3] if kl_weight > 0 else None
-        args = (hc, lm_head_weight, lc, wc, ic, chunk_kl, options.top_k)
+        args = (hc, lm_head_weight, lc, wc, ic, chunk_kl, options)
         if use_ckpt:
             # The chunk draws no random numbers, so no RNG state needs saving (and none is read
             # from the device, which CUDA graph capture would not allow).
@@ -398,7 +405,8 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: Lo
         t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
         rows_kl = KLTerm(kl_weight, kl.temperature, t)
     loss, ce_sum, hit, kl_sum, top, top_logits = linear_cross_entropy_top_k(
-        h, lm_head_weight, lab, w.reshape(-1), normaliser, (options.num_chunks, options.top_k), rows_kl)
+        h, lm_head_weight, lab, w.reshape(-1), normaliser, ChunkPlan(options.num_chunks, options.top_k, options.logits),
+        rows_kl)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)

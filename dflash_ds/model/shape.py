@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dflash_ds.model.attention import LayerAttention
+from dflash_ds.model.logit_transform import LogitTransform, target_scales
+from dflash_ds.model.taps import TAP_PRESETS, build_target_layer_ids
 
 # Engines read these fields; anything the drafter does not honour must not be exported.
 ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
@@ -33,34 +35,14 @@ ARCHITECTURE_V2 = "DFlash2DraftModel"  # DFlash2: the same backbone plus the con
 ARCHITECTURES = (ARCHITECTURE, ARCHITECTURE_V2)
 # DFlash2's fields, in dflash_config order; the published shape (z-lab's) is 2, 16, 256, 16.
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# dflash_config names of the target's scaling (model/logit_transform.py) and their identity values.
+SCALE_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 INIT_STD = 0.02
 
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
 # own full-attention layers (head_dim 256, partial rotary) are not what the published drafters
 # use; docs/algorithm.md section 1 gives the 27B geometry. Sizes not listed fall back to the target's values.
 _QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}}
-
-
-# Published taps that differ from build_target_layer_ids, keyed by (drafter.architecture, target layers,
-# taps): z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read [5, 19, 33, 47, 61] (v1 reads
-# [1, 16, 31, 46, 61] there). Used when drafter.target_layer_ids is null.
-TAP_PRESETS = {("dflash2", 64, 5): (5, 19, 33, 47, 61)}
-
-
-def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (docs/algorithm.md section 2).
-
-    Id k is the output of decoder layer k, i.e. HF `output_hidden_states[k + 1]`. Python's
-    `round` (half to even) is deliberate: the serving engines compute the same list with it.
-    """
-    if num_target_layers < 1:
-        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
-    if num_taps < 1:
-        raise ValueError(f"the number of target taps must be >= 1, got {num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
 
 
 def _rope_theta(text_config: Any) -> float:
@@ -162,6 +144,13 @@ class DrafterShape:
     """Rank of the candidate selector's pair scores."""
     selector_top_k: int = 0
     """Unary candidates the selector rescores per slot."""
+    # The target's own scaling around its embedding and lm_head (model/logit_transform.py).
+    output_multiplier: float = 1.0
+    """Logits = output_multiplier * hidden @ lm_head.T (before any softcap)."""
+    final_logit_softcapping: float | None = None
+    """Logits capped to cap * tanh(logits / cap); None = uncapped."""
+    input_embedding_scale: float = 1.0
+    """Block token embeddings = input_embedding_scale * embed[ids]."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -212,6 +201,11 @@ class DrafterShape:
                 "served with plain RoPE; set rope_scaling to null"
             )
         object.__setattr__(self, "rope_scaling", None)  # {"rope_type": "default"} means the same
+        if not (self.output_multiplier > 0 and self.input_embedding_scale > 0
+                and (self.final_logit_softcapping is None or self.final_logit_softcapping > 0)):
+            raise ValueError(f"output_multiplier ({self.output_multiplier}), input_embedding_scale "
+                             f"({self.input_embedding_scale}) and final_logit_softcapping "
+                             f"({self.final_logit_softcapping}) must be > 0 (the cap may be null)")
         self._check_dflash2()
 
     def _check_dflash2(self) -> None:
@@ -238,6 +232,10 @@ class DrafterShape:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def logit_transform(self) -> LogitTransform:
+        return LogitTransform(self.output_multiplier, self.final_logit_softcapping)
 
     def layer_attentions(self) -> tuple[LayerAttention, ...]:
         """Each layer's window and causality, as the serving engines run this config."""
@@ -312,6 +310,7 @@ class DrafterShape:
             sliding_window=choices.sliding_window,
             is_causal=choices.is_causal,
             **v2,
+            **target_scales(text),
         )
 
     def mismatches(self, other: "DrafterShape") -> list[tuple[str, Any, Any]]:
@@ -325,6 +324,7 @@ class DrafterShape:
         if self.dflash2:
             # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
             dflash.update({"block_size": self.block_size, **{f: getattr(self, f) for f in DFLASH2_FIELDS}})
+        dflash.update({k: v for k, v in self.scales().items() if v != SCALE_DEFAULTS[k]})
         return {
             "architectures": [ARCHITECTURE_V2 if self.dflash2 else ARCHITECTURE],
             "model_type": "qwen3",
@@ -373,12 +373,6 @@ class DrafterShape:
             missing = [f for f in DFLASH2_FIELDS if f not in dflash]
             if missing:
                 raise ValueError(f"a {ARCHITECTURE_V2} config.json needs dflash_config.{', '.join(missing)}")
-            # Optional logit transforms of the unary scores: this drafter trains and evaluates without them.
-            scaled = {k: dflash[k] for k in ("output_multiplier", "final_logit_softcapping")
-                      if dflash.get(k) not in (None, 0, 0.0) and not (k == "output_multiplier" and dflash[k] == 1.0)}
-            if scaled:
-                raise ValueError(f"dflash_config {scaled} is not supported: dflash-ds trains and evaluates "
-                                 "unscaled, uncapped unary logits")
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise ValueError("config.json has no block_size (top level or dflash_config)")
@@ -409,7 +403,15 @@ class DrafterShape:
             if SLIDING_ATTENTION in layer_types else None,
             is_causal=None if is_causal is None else bool(is_causal),
             **{f: int(dflash[f]) if v2 else 0 for f in DFLASH2_FIELDS},
+            # A cap of 0 means none, as the reference reads it.
+            output_multiplier=float(dflash.get("output_multiplier") or 1.0),
+            final_logit_softcapping=float(dflash["final_logit_softcapping"]) if dflash.get("final_logit_softcapping") else None,
+            input_embedding_scale=float(dflash.get("input_embedding_scale") or 1.0),
         )
+
+    def scales(self) -> dict[str, float | None]:
+        """The target's scaling around the embedding and lm_head, by their dflash_config names."""
+        return {k: getattr(self, k) for k in SCALE_DEFAULTS}
 
     def replace(self, **changes: Any) -> "DrafterShape":
         return dataclasses.replace(self, **changes)
@@ -438,4 +440,7 @@ COMPARED = {
     "conv_group_size": "drafter.architecture / drafter.conv_group_size",
     "selector_rank": "drafter.architecture / drafter.selector_rank",
     "selector_top_k": "drafter.architecture / drafter.selector_top_k",
+    "output_multiplier": "target.path (the target's logit scaling)",
+    "final_logit_softcapping": "target.path (the target's logit softcap)",
+    "input_embedding_scale": "target.path (the target's embedding scaling)",
 }
