@@ -173,8 +173,9 @@ class SelectorTerm(NamedTuple):
 class SelectorRows(NamedTuple):
     """Flat rows of the supervised slots: states `[n, D]`, unary candidates `[n, k]` (sorted best
     first), gold labels `[n]`, teacher-forced predecessors `[n]` (the gold token one slot before;
-    the anchor for slot 1), loss weights `[n]`, and the candidates' logits `[n, k]` when the base
-    loss kept them (`LossOutput.candidate_logits`; None: computed here from the lm_head rows)."""
+    the anchor for slot 1), loss weights `[n]`, and the candidates' raw lm_head logits `[n, k]` (before
+    the target's transform) when the base loss kept them (`LossOutput.candidate_logits`; None: computed
+    here from the lm_head rows)."""
 
     hidden: torch.Tensor
     candidates: torch.Tensor
