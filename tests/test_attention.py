@@ -11,20 +11,31 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 
 
-def naive_mask(anchors, valid, doc_ids, B):
-    """Written from the definition, one element at a time."""
+def naive_layer_mask(anchors, valid, doc_ids, B, window, causal):
+    """The serving rule, one element at a time: the query of slot k of the block anchored at a sits at
+    position a + k; a context key at position j is visible iff the block is valid, j < a, j is in the
+    anchor's document and (a + k) - j < window; an own-block key of slot m iff m <= k in a causal layer."""
     b, n = anchors.shape
     S = doc_ids.shape[1]
     Q = n * B
     m = torch.zeros(b, 1, Q, S + Q, dtype=torch.bool)
     for r in range(b):
         for q in range(Q):
-            blk, a = q // B, int(anchors[r, q // B])
+            blk, k = q // B, q % B
+            a = int(anchors[r, blk])
             for j in range(S):
-                m[r, 0, q, j] = bool(valid[r, blk]) and j < a and int(doc_ids[r, j]) == int(doc_ids[r, a])
-            for j in range(Q):
-                m[r, 0, q, S + j] = j // B == blk
+                seen = bool(valid[r, blk]) and j < a and int(doc_ids[r, j]) == int(doc_ids[r, a])
+                if window is not None:
+                    seen = seen and (a + k) - j < window
+                m[r, 0, q, j] = seen
+            for key in range(Q):
+                m[r, 0, q, S + key] = key // B == blk and (not causal or key % B <= k)
     return m
+
+
+def naive_mask(anchors, valid, doc_ids, B):
+    """Written from the definition, one element at a time: every layer full and bidirectional."""
+    return naive_layer_mask(anchors, valid, doc_ids, B, None, False)
 
 
 def packed_case(S=37, B=4):

@@ -19,6 +19,7 @@ from dflash_ds.config import DrafterSection
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.linear_ce import linear_cross_entropy_top_k
+from dflash_ds.model.logit_transform import IDENTITY
 from dflash_ds.model.loss import Blocks, MicroBatch, StepSettings, drafter_loss
 from dflash_ds.model.objective import block_inputs, block_targets
 
@@ -287,9 +288,10 @@ def test_unary_top_k_is_chunked_and_sorted():
 
 # ---------------------------------------------------------------------------------- selector loss
 
-def reference_selector_loss(sel, lm_head, hidden, labels, prev, weights, inject_gold):
-    """float64, from the full-vocabulary logits: top-k, strict or gold-injected k-way CE."""
-    logits = hidden @ lm_head.T
+def reference_selector_loss(sel, lm_head, hidden, labels, prev, weights, inject_gold, transform=IDENTITY):
+    """float64, from the full-vocabulary logits (through the target's logit `transform`): top-k, strict or
+    gold-injected k-way CE."""
+    logits = transform.apply(hidden @ lm_head.T)
     cand = logits.topk(sel.top_k).indices
     total = hidden.new_zeros(())
     for i in range(hidden.shape[0]):

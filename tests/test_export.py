@@ -16,6 +16,7 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model_card import TauFacts
+from tests.remote_case import block_case, serving_call, training_call
 
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 128
 
@@ -240,30 +241,16 @@ def test_automodel_loads_the_export_and_computes_the_drafter(tmp_path):
 
     # Two rows, two documents in the second, three blocks each (one invalid): the training mask.
     torch.manual_seed(0)
-    b, S, B, N = 2, 24, 8, 3
-    taps = torch.randn(b, S, 3 * D)
-    anchors = torch.tensor([[3, 9, 15], [2, 14, 0]])
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    doc_ids = torch.zeros(b, S, dtype=torch.int32)
-    doc_ids[1, 12:] = 1
-    ctx_pos = torch.arange(S)[None].expand(b, -1)
-    ctx_pos = torch.where(doc_ids == 1, ctx_pos - 12, ctx_pos)
-    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(b, N * B)
-    embeds = torch.randn(b, N * B, D)
-    mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
-    with torch.no_grad():
-        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, mask)
-        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1), attention_mask=mask.dense)
+    b, B, N = 2, 8, 3
+    case = block_case(D, B)
+    mask = build_mask(case.anchors, case.valid, case.doc_ids, B, kind="dense")
+    got, want = training_call(model, ours, case, mask, mask.dense)
     assert got.shape == want.shape == (b, N * B, D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()  # not a trivially small output
 
     # The serving call: one block after the whole context, no mask (everything visible).
-    with torch.no_grad():
-        one = DFlashMask(query_len=B, kv_len=S + B, dense=torch.ones(1, 1, B, S + B, dtype=torch.bool))
-        bp = torch.arange(S, S + B)[None]
-        want1 = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], one)
-        got1 = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
+    got1, want1 = serving_call(model, ours, case, B)
     torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
 
 

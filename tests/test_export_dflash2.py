@@ -13,10 +13,11 @@ from transformers import Qwen3Config
 import dflash_ds.export as export
 from dflash_ds.config import DrafterSection
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.attention import DFlashMask, build_mask
+from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
+from tests.remote_case import block_case, serving_call, training_call
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "dflash2_header_rules.json").read_text())
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, B = 64, 4, 2, 16, 96, 128, 8
@@ -149,36 +150,24 @@ def test_automodel_loads_dflash2_and_equals_the_drafter(tmp_path):
     assert all(torch.equal(got_state[n], t) for n, t in ours.state_dict().items())
 
     torch.manual_seed(0)
-    b, S, N = 2, 24, 3
-    taps = torch.randn(b, S, 3 * D)
-    anchors = torch.tensor([[3, 9, 15], [2, 14, 0]])
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    doc_ids = torch.zeros(b, S, dtype=torch.int32)
-    ctx_pos = torch.arange(S)[None].expand(b, -1)
-    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(b, N * B)
-    embeds = torch.randn(b, N * B, D)
-    mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
-    with torch.no_grad():
-        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, mask)
-        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1), attention_mask=mask.dense)
+    case = block_case(D, B, two_docs=False)
+    mask = build_mask(case.anchors, case.valid, case.doc_ids, B, kind="dense")
+    got, want = training_call(model, ours, case, mask, mask.dense)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Without its convolutions the output differs: the comparison sees them.
     with torch.no_grad():
         for layer in ours.layers:
             layer.attention_conv.reset_parameters()
             layer.mlp_conv.reset_parameters()
-        bare = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, mask)
+        bare = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, mask)
     assert not torch.allclose(bare, want, rtol=1e-3, atol=1e-3)
     ours = load_drafter(out, dtype=torch.float32)
 
     # The serving call: one block after the context, then the selector's proposals.
     lm_head = torch.randn(VOCAB, D)
+    hidden_remote, hidden = serving_call(model, ours, case, B)
+    torch.testing.assert_close(hidden_remote, hidden, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        one = DFlashMask(query_len=B, kv_len=S + B, dense=torch.ones(1, 1, B, S + B, dtype=torch.bool))
-        bp = torch.arange(S, S + B)[None]
-        hidden = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], one)
-        hidden_remote = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
-        torch.testing.assert_close(hidden_remote, hidden, rtol=1e-5, atol=1e-5)
         anchor = torch.tensor([7])
         want_tokens = DraftModel(ours, torch.zeros(VOCAB, D), lm_head).draft(hidden[:, 1:], anchor)
         got_tokens = model.propose(hidden[:, 1:], anchor, lm_head)
@@ -195,7 +184,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
     from dflash_ds.eval.specdec import serving_masks
     from dflash_ds.model.attention import build_layer_masks
 
-    W, S, N = 10, 24, 3  # a window of 10 over blocks of 8: the context is cut at every anchor
+    W, S = 10, 24  # a window of 10 over blocks of 8: the context is cut at every anchor
     section = DrafterSection(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
                              architecture="dflash2", selector_rank=12, selector_top_k=6,
                              layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
@@ -212,28 +201,18 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
     model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(model).__name__ == "DFlash2DraftModel"
     ours = load_drafter(out, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(2, S, 3 * D, generator=g)
-    anchors = torch.tensor([[3, 9, 15], [2, 14, 20]])
-    valid = torch.ones(2, N, dtype=torch.bool)
-    doc_ids = torch.zeros(2, S, dtype=torch.int32)
-    ctx_pos = torch.arange(S)[None].expand(2, -1)
-    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(2, N * B)
-    embeds = torch.randn(2, N * B, D, generator=g)
-    masks = build_layer_masks(anchors, valid, doc_ids, B, ours.config.layer_attentions())
+    case = block_case(D, B, seq=S, two_docs=False, all_valid=True, generator=torch.Generator().manual_seed(0))
+    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, ours.config.layer_attentions())
+    training = build_mask(case.anchors, case.valid, case.doc_ids, B)
+    got, want = training_call(model, ours, case, masks, training.dense)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dm = DraftModel(ours, torch.zeros(1), torch.zeros(1))
+    got1, want1 = serving_call(model, ours, case, B, serving_masks(dm, S, torch.device("cpu")))
+    torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+    # The windows matter here: the same weights with every layer full and bidirectional differ.
     with torch.no_grad():
-        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, masks)
-        got = model(embeds, taps, torch.cat([ctx_pos, block_pos], 1),
-                    attention_mask=build_mask(anchors, valid, doc_ids, B).dense)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        bp = torch.arange(S, S + B)[None]
-        dm = DraftModel(ours, torch.zeros(1), torch.zeros(1))
-        want1 = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], serving_masks(dm, S, bp.device))
-        got1 = model(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
-        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
-        # The windows matter here: the same weights with every layer full and bidirectional differ.
         plain = DFlashDrafter(ours.config.replace(layer_types=("full_attention",) * 2, sliding_window=None,
                                                   is_causal=None))
         plain.load_state_dict(ours.state_dict())
-        other = plain(embeds, plain.fuse(taps), block_pos, ctx_pos, build_mask(anchors, valid, doc_ids, B))
+        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, training)
         assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)

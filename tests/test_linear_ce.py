@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.linear_ce import _ce_forward, _ce_forward_and_grad, linear_cross_entropy
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.objective import KLTerm, LossOptions, chunked_loss
 from tests.test_objective import B, NoHostSync, Q, ROWS, loss_case
 
@@ -203,7 +204,7 @@ def test_elementwise_traces_as_one_graph():
     logits = hidden @ weight.T
     lab = torch.where(weights > 0, labels, 0)
     scale = weights / 3.0
-    for transform in ((1.0, 0.0), (0.5, 3.0)):  # identity; a target's scaling and softcap
+    for transform in (IDENTITY, LogitTransform(0.5, 3.0)):  # identity; a target's scaling and softcap
         for fn, args in ((_ce_forward_and_grad, (logits, lab, weights, scale, transform)),
                          (_ce_forward, (logits, lab, weights, transform))):
             torch._dynamo.reset()

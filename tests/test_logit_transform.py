@@ -15,6 +15,8 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales
 from dflash_ds.model.objective import KLTerm, LossOptions, chunked_loss
 from dflash_ds.model.shape import DrafterShape
+from tests.test_dflash2 import reference_selector_loss
+from tests.test_selector_kernels import selector_case
 
 TRANSFORM = LogitTransform(0.5, 3.0)  # strong enough that a missing or misplaced transform shows
 
@@ -87,33 +89,13 @@ def test_loss_applies_the_transform_to_the_drafter_and_the_target_logits(fused, 
 
 @pytest.mark.parametrize("inject_gold", [False, True])
 def test_selector_scores_transformed_logits(inject_gold):
-    g = torch.Generator().manual_seed(1)
-    sel = CandidateSelector(8, 40, 6, 5).double()
-    with torch.no_grad():
-        sel.successor_codebook.normal_(0, 0.5, generator=g)
-    lm_head = torch.randn(40, 8, generator=g, dtype=torch.float64) * 2
-    hidden = torch.randn(30, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    raw = hidden.detach() @ lm_head.T
-    top = raw.topk(5)
-    labels = torch.where(torch.rand(30, generator=g) < 0.5, raw.argmax(-1), torch.randint(0, 40, (30,), generator=g))
-    prev = torch.randint(0, 40, (30,), generator=g)
-    w = torch.rand(30, generator=g, dtype=torch.float64)
+    sel, lm_head, hidden, top, labels, prev, w = selector_case(1, head_scale=2.0)
     stats = selector_loss(sel, lm_head, SelectorRows(hidden, top.indices, labels, prev, w, top.values),
                           SelectorTerm(1.0, inject_gold), TRANSFORM)
     (grad,) = torch.autograd.grad(stats.loss_sum, hidden)
     # Reference: the candidates' transformed logits from the full logits, autograd through everything.
     href = hidden.detach().clone().requires_grad_()
-    z = TRANSFORM.apply(href @ lm_head.T)
-    total = href.new_zeros(())
-    for i in range(30):
-        c = top.indices[i].tolist()
-        if int(labels[i]) not in c:
-            if not inject_gold:
-                continue
-            c[-1] = int(labels[i])
-        proj = sel.hidden_projection.weight @ href[i]
-        s = torch.stack([z[i, t] + (sel.predecessor_codebook[prev[i]] * proj) @ sel.successor_codebook[t] for t in c])
-        total = total + w[i] * (torch.logsumexp(s, 0) - s[c.index(int(labels[i]))])
+    total = reference_selector_loss(sel, lm_head, href, labels, prev, w, inject_gold, TRANSFORM)
     (ref_grad,) = torch.autograd.grad(total, href)
     torch.testing.assert_close(stats.loss_sum, total, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)

@@ -96,19 +96,27 @@ def test_segment_sum_rows_edge_cases():
 
 # ----------------------------------------------------------------------- selector with given logits
 
-@pytest.mark.parametrize("inject_gold", [False, True])
-def test_selector_loss_with_the_base_losss_logits_equals_computing_them(inject_gold):
-    g = torch.Generator().manual_seed(5)
+def selector_case(seed: int, head_scale: float = 1.0):
+    """A float64 selector (vocabulary 40, width 8, rank 6, top 5) with a non-zero successor codebook, and
+    30 slots: states (requiring grad), lm_head, the states' top-5 (ids and raw logits), gold labels (half
+    of them the argmax), predecessors and weights."""
+    g = torch.Generator().manual_seed(seed)
     sel = CandidateSelector(8, 40, 6, 5).double()
     with torch.no_grad():
         sel.successor_codebook.normal_(0, 0.5, generator=g)
-    lm_head = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    lm_head = torch.randn(40, 8, generator=g, dtype=torch.float64) * head_scale
     hidden = torch.randn(30, 8, generator=g, dtype=torch.float64, requires_grad=True)
     logits = hidden.detach() @ lm_head.T
     top = logits.topk(5)
     labels = torch.where(torch.rand(30, generator=g) < 0.5, logits.argmax(-1), torch.randint(0, 40, (30,), generator=g))
     prev = torch.randint(0, 40, (30,), generator=g)
     w = torch.rand(30, generator=g, dtype=torch.float64)
+    return sel, lm_head, hidden, top, labels, prev, w
+
+
+@pytest.mark.parametrize("inject_gold", [False, True])
+def test_selector_loss_with_the_base_losss_logits_equals_computing_them(inject_gold):
+    sel, lm_head, hidden, top, labels, prev, w = selector_case(5)
     torch.testing.assert_close(candidate_logits(hidden.detach(), lm_head, top.indices, chunk_bytes=64), top.values)
     params = [hidden, sel.hidden_projection.weight, sel.predecessor_codebook, sel.successor_codebook]
     results = []

@@ -13,31 +13,10 @@ from dflash_ds.config import DrafterSection, RecipeError, load_recipe
 from dflash_ds.model.attention import FLEX_BLOCK, FULL, LayerAttention, build_layer_masks, build_mask
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape, attention_layout
-from tests.test_attention import emulate_block_mask, packed_case
+from tests.remote_case import block_case, serving_call, training_call
+from tests.test_attention import emulate_block_mask, naive_layer_mask, packed_case
 
 S_, F_ = "sliding_attention", "full_attention"
-
-
-def naive_layer_mask(anchors, valid, doc_ids, B, window, causal):
-    """The serving rule, one element at a time: the query of slot k of the block anchored at a sits at
-    position a + k; a context key at position j is visible iff the block is valid, j < a, j is in the
-    anchor's document and (a + k) - j < window; an own-block key of slot m iff m <= k in a causal layer."""
-    b, n = anchors.shape
-    S = doc_ids.shape[1]
-    Q = n * B
-    m = torch.zeros(b, 1, Q, S + Q, dtype=torch.bool)
-    for r in range(b):
-        for q in range(Q):
-            blk, k = q // B, q % B
-            a = int(anchors[r, blk])
-            for j in range(S):
-                seen = bool(valid[r, blk]) and j < a and int(doc_ids[r, j]) == int(doc_ids[r, a])
-                if window is not None:
-                    seen = seen and (a + k) - j < window
-                m[r, 0, q, j] = seen
-            for key in range(Q):
-                m[r, 0, q, S + key] = key // B == blk and (not causal or key % B <= k)
-    return m
 
 
 ATTENTIONS = [LayerAttention(4, True), LayerAttention(4, False), LayerAttention(7, True), LayerAttention(11, False),
@@ -278,31 +257,19 @@ def test_automodel_applies_the_windows(tmp_path, layer_types, is_causal):
         [(a.window, a.causal) for a in ours.config.layer_attentions()]
     ours = load_drafter(out, dtype=torch.float32)  # the export is bf16: compare the same weights
     assert ours.config == windowed_drafter(layer_types, window=W, is_causal=is_causal).config
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(2, S, 3 * 32, generator=g)
-    anchors = torch.tensor([[3, 9, 15], [2, 14, 0]])
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    doc_ids = torch.zeros(2, S, dtype=torch.int32)
-    doc_ids[1, 12:] = 1
-    ctx_pos = torch.arange(S)[None].expand(2, -1)
-    ctx_pos = torch.where(doc_ids == 1, ctx_pos - 12, ctx_pos)
-    block_pos = (torch.gather(ctx_pos, 1, anchors)[..., None] + torch.arange(B)).reshape(2, -1)
-    embeds = torch.randn(2, 3 * B, 32, generator=g)
-    masks = build_layer_masks(anchors, valid, doc_ids, B, ours.config.layer_attentions())
-    training = build_mask(anchors, valid, doc_ids, B).dense  # the un-windowed bidirectional mask
+    case = block_case(32, B, seq=S, generator=torch.Generator().manual_seed(0))
+    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, ours.config.layer_attentions())
+    training = build_mask(case.anchors, case.valid, case.doc_ids, B)  # the un-windowed bidirectional mask
+    got, want = training_call(remote, ours, case, masks, training.dense)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dm = DraftModel(ours, torch.zeros(1), torch.zeros(1))
+    got1, want1 = serving_call(remote, ours, case, B, serving_masks(dm, S, torch.device("cpu")))
+    torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+    # The windows matter here: the same weights with every layer full and bidirectional differ.
     with torch.no_grad():
-        want = ours(embeds, ours.fuse(taps), block_pos, ctx_pos, masks)
-        got = remote(embeds, taps, torch.cat([ctx_pos, block_pos], 1), attention_mask=training)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        bp = torch.arange(S, S + B)[None]
-        dm = DraftModel(ours, torch.zeros(1), torch.zeros(1))
-        want1 = ours(embeds[:1, :B], ours.fuse(taps[:1]), bp, torch.arange(S)[None], serving_masks(dm, S, bp.device))
-        got1 = remote(embeds[:1, :B], taps[:1], torch.cat([torch.arange(S)[None], bp], 1))
-        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
-        # The windows matter here: the same weights with every layer full and bidirectional differ.
         plain = DFlashDrafter(ours.config.replace(layer_types=(F_, F_), sliding_window=None, is_causal=None))
         plain.load_state_dict(ours.state_dict())
-        other = plain(embeds, plain.fuse(taps), block_pos, ctx_pos, build_mask(anchors, valid, doc_ids, B))
+        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, training)
         assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)
     assert json.loads((out / "config.json").read_text())["layer_types"] == list(layer_types)
 

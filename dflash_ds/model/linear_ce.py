@@ -59,8 +59,7 @@ class _Settings(NamedTuple):
     grad_weight: bool
     kl: KLTerm | None
     top_k: int = 0  # > 0: also return each row's top_k token ids and raw logits, taken from the chunk's logits
-    # The target's logit transform (model/logit_transform.py) as plain floats: multiplier, softcap (0 = none).
-    transform: tuple[float, float] = (1.0, 0.0)
+    transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
 
 
 def _ce_stats(logits, labels, weights, transform):
@@ -318,8 +317,7 @@ def linear_cross_entropy_top_k(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
-    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k,
-                         (float(transform.multiplier), float(transform.softcap or 0.0)))
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform)
     if not (grad_hidden or grad_weight):
         ce_total, correct, _, _, kl_total, top = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
                                                       settings)

@@ -39,16 +39,16 @@ class LogitTransform(NamedTuple):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Transformed logits, in `x`'s dtype (pass fp32 or wider: tanh of bf16 loses the top digits)."""
-        return scale_logits(x, self.multiplier, self.softcap or 0.0)
+        return scale_logits(x, *self)
 
     def slope(self, z: torch.Tensor) -> torch.Tensor | float:
         """dz/dx at transformed values `z` (monotonic: always > 0)."""
-        return logit_slope(z, self.multiplier, self.softcap or 0.0)
+        return logit_slope(z, *self)
 
 
-def scale_logits(x: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor:
-    """`LogitTransform.apply` on plain floats (cap 0 = none), for compiled kernels: the branches
-    are on Python numbers, so a compiled graph holds only the arithmetic that applies."""
+def scale_logits(x: torch.Tensor, multiplier: float, cap: float | None) -> torch.Tensor:
+    """`LogitTransform.apply` on its two numbers (cap None or 0 = none), for compiled kernels: the
+    branches are on Python numbers, so a compiled graph holds only the arithmetic that applies."""
     if multiplier != 1.0:
         x = x * multiplier
     if cap:
@@ -56,7 +56,7 @@ def scale_logits(x: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor
     return x
 
 
-def logit_slope(z: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor | float:
+def logit_slope(z: torch.Tensor, multiplier: float, cap: float | None) -> torch.Tensor | float:
     """dz/dx of `scale_logits` at its output z, without the raw logits:
     multiplier * (1 - tanh^2) = multiplier * (1 - (z / cap)^2); a plain float without a cap."""
     if not cap:
