@@ -141,7 +141,7 @@ def trained_thinking(export_dir: str | os.PathLike) -> bool | None:
 
 
 def benchmark_section(rows: list[dict]) -> str:
-    """Markdown: one row per benchmark set and sampling setting (eval.bench_run.bench_row)."""
+    """Markdown: one row per benchmark set and sampling setting (eval.benchmark_table.bench_row)."""
     def pm(x, se):
         return "-" if x is None else f"{x:.2f}" + (f" ± {se:.2f}" if se is not None else "")
 

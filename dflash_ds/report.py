@@ -181,7 +181,7 @@ def _summary(steps: list[dict], taus: list[dict]) -> list[tuple[str, str]]:
 
 
 def bench_html(run_dir: Path) -> str:
-    """The benchmark table of <run_dir>/benchmarks.json (python -m dflash_ds.eval.bench_run), or nothing."""
+    """The benchmark table of <run_dir>/benchmarks.json (python -m dflash_ds.eval.benchmark_table), or nothing."""
     try:
         rows = json.loads((run_dir / "benchmarks.json").read_text())
     except (OSError, ValueError):

@@ -1,6 +1,6 @@
 """Entry point: `deepspeed launch.sh RECIPE [key=value ...]` runs main() on every rank.
 
-Each rank checks the recipe (`spec.run.check_recipe`), joins the process groups, prepares (rank 0) or
+Each rank checks the recipe (`resolve.run.resolve_run`), joins the process groups, prepares (rank 0) or
 loads the data, and runs its role: target ranks fill and send payloads
 (`runtime.target_worker`), drafter ranks receive and train (`runtime.trainer`), a colocated rank
 does both in memory.
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from dflash_ds.config import load_recipe, ranks_per_node
-from dflash_ds.spec import contract
-from dflash_ds.spec.run import check_recipe
-from dflash_ds.spec.plan import describe
+from dflash_ds.resolve import contract
+from dflash_ds.resolve.run import resolve_run
+from dflash_ds.resolve.plan import describe
 from dflash_ds.safety import Exit, exit_now, say
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
-        spec = check_recipe(recipe, world)
+        spec = resolve_run(recipe, world)
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
         say(f"error: {exc}")
         return Exit.USER
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     control.release()
     dist.destroy_process_group()
     if code == Exit.OK and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks:
-        from dflash_ds.eval.bench_run import after_training
+        from dflash_ds.eval.benchmark_table import after_training
         from dflash_ds.report import finish_run
 
         code = after_training(recipe)  # the other ranks have gone: the devices are free

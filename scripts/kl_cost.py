@@ -16,11 +16,11 @@ from dflash_ds.config import load_recipe
 from dflash_ds.data.prepare import load_training_data
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import drafter_loss, make_blocks
-from dflash_ds.spec.run import check_recipe
+from dflash_ds.resolve.run import resolve_run
 from dflash_ds.runtime.target_worker import TargetWorker
 from dflash_ds.runtime.trainer import build_drafter
-from dflash_ds.spec.payload import unpack
-from dflash_ds.target.model import embed_and_head, load_target, truncate_after
+from dflash_ds.resolve.payload import unpack
+from dflash_ds.target_model.model import embed_and_head, load_target, truncate_after
 
 
 def main(repeats: int = 20) -> None:
@@ -28,7 +28,7 @@ def main(repeats: int = 20) -> None:
     specs = {}
     for k, extra in (("ce", []), ("kl", ["objective.kl_weight=0.5"])):
         recipe = load_recipe("recipes/tiny.yaml", extra + ["run.output_dir=/tmp/kl_cost"])
-        spec = check_recipe(recipe, world_size=2)
+        spec = resolve_run(recipe, world_size=2)
         data = load_training_data(recipe)
         specs[k] = spec.with_rows(data.num_rows)
     ids = specs["ce"].drafter.target_layer_ids

@@ -36,7 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def write_model(geometry: str, layers: int | None, out: Path, device: str, shard: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_ds.target.presets import target_config
+    from dflash_ds.target_model.presets import target_config
 
     src = ROOT / "assets" / "tiny-target"
     tok = AutoTokenizer.from_pretrained(src)
@@ -88,7 +88,7 @@ def write_chats(out: Path, n: int, tokens: int, seed: int = 0) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--geometry", default="qwen3.6-27b", help="a name from dflash_ds/target/presets.py")
+    p.add_argument("--geometry", default="qwen3.6-27b", help="a name from dflash_ds/target_model/presets.py")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the geometry's own)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

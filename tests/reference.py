@@ -13,10 +13,10 @@ import torch
 
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import drafter_loss, make_blocks
-from dflash_ds.spec.run import RunSpec
-from dflash_ds.spec.plan import lr_factor
+from dflash_ds.resolve.run import RunSpec
+from dflash_ds.resolve.plan import lr_factor
 from dflash_ds.runtime.target_worker import TargetWorker
-from dflash_ds.spec.payload import unpack
+from dflash_ds.resolve.payload import unpack
 
 
 def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, np.ndarray], steps: int,

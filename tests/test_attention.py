@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_ds.model.attention import FLEX_BLOCK, attend, build_mask
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 
@@ -129,7 +129,7 @@ def test_flex_block_mask_equals_dense(S, B, anchors_row0):
 def tiny_model(block_size=4, seed=0):
     tgt = Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=50, rope_theta=1e4)
-    shape = DrafterSection(num_layers=2, block_size=block_size, mask_token_id=49, target_layer_ids=[1, 4])
+    shape = DrafterConfig(num_layers=2, block_size=block_size, mask_token_id=49, target_layer_ids=[1, 4])
     cfg = DrafterShape.from_target(tgt, shape)
     torch.manual_seed(seed)
     return DFlashDrafter(cfg).eval()

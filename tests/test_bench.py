@@ -12,7 +12,7 @@ import torch
 
 from dflash_ds import bench
 from dflash_ds.model.attention import LayerAttention, build_mask
-from dflash_ds.target.presets import GEOMETRIES, target_config
+from dflash_ds.target_model.presets import GEOMETRIES, target_config
 from dflash_ds.model.objective import sample_anchors
 from dflash_ds.model.loss import anchor_generator
 
@@ -68,7 +68,7 @@ def tiny_drafter_flops(pairs: int) -> float:
 def test_target_flops_by_hand():
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.target.model import truncate_after
+    from dflash_ds.target_model.model import truncate_after
 
     cfg = target_config("tiny")
     with torch.device("meta"):
@@ -99,17 +99,17 @@ def test_visible_pairs_equals_dense_mask_count():
 
 
 def test_drafter_flops_by_hand():
-    from dflash_ds.config import DrafterSection
+    from dflash_ds.config import DrafterConfig
     from dflash_ds.model.shape import DrafterShape
 
     dcfg = DrafterShape.from_target(target_config("tiny"),
-                                     DrafterSection(num_layers=2, block_size=BLOCK, mask_token_id=5))
+                                     DrafterConfig(num_layers=2, block_size=BLOCK, mask_token_id=5))
     f = bench.drafter_step_flops(dcfg, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     assert f["total"] == tiny_drafter_flops(1234)
     assert f["total"] == f["dense"] + f["fuse"] + f["attention"] + f["lm_head"]
     # DFlash2: the kernel projections (2 per layer of 2 layers, 64 x 2*2*64/16), the selector's projection
     # (32 x 64) and the unary scores from 16 gathered lm_head rows, per block token.
-    v2 = DrafterShape.from_target(target_config("tiny"), DrafterSection(
+    v2 = DrafterShape.from_target(target_config("tiny"), DrafterConfig(
         num_layers=2, block_size=BLOCK, mask_token_id=5, architecture="dflash2", selector_rank=32))
     f2 = bench.drafter_step_flops(v2, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     per_token = 6 * (2 * 2 * 64 * 16 + 32 * 64) + 4 * 16 * 64
@@ -170,12 +170,12 @@ def test_setup_27b_drafter_geometry_and_layers_override():
             c.mask_token_id, c.vocab_size) == (5, 32, 8, 128, 17408, 248070, 248320)
     assert s.tap_ids == [1, 16, 31, 46, 61]
     # The recipe's rows: one 12,288-token row per micro-batch, 2,048 anchors, one micro-batch per step.
-    assert s.spec.shape == (1, 12288, 5 * 5120 + 3)  # fp32 payload on CPU: 3 int32 metadata columns
+    assert s.payload.shape == (1, 12288, 5 * 5120 + 3)  # fp32 payload on CPU: 3 int32 metadata columns
     assert (s.recipe.objective.num_anchors, s.plan.grad_accum, s.recipe.data.max_length) == (2048, 1, 3072)
     # A shorter row keeps the recipe's anchors per token and cuts conversations to the row.
     args = bench.parse_args(["--role", "drafter", "--device", "cpu", "--seq-len", "3072", "--grad-accum", "4"])
     s = bench.resolve_setup(args, torch.device("cpu"))
-    assert s.spec.shape[1] == 3072 and s.recipe.objective.num_anchors == 512 and s.plan.tokens_per_step == 4 * 3072
+    assert s.payload.shape[1] == 3072 and s.recipe.objective.num_anchors == 512 and s.plan.tokens_per_step == 4 * 3072
     args = bench.parse_args(["--role", "drafter", "--device", "cpu", "--seq-len", "1024"])
     s = bench.resolve_setup(args, torch.device("cpu"))
     assert (s.recipe.data.row_length, s.recipe.data.max_length, s.recipe.objective.num_anchors) == (1024, 1024, 171)
@@ -268,12 +268,12 @@ def test_drafter_role(runs):
     assert r["mfu"] == pytest.approx(expected * r["tok_s"] / (ROWS * SEQ) / 1e12 / report["ceiling"]["tflops"])
     assert r["drafter_flops"]["valid_blocks_per_micro"] == ROWS * ANCHORS
     assert r["mask"]["kind"] == "dense" and r["mask"]["first_build_s"] > 0 and r["mask"]["build_s"] > 0
-    from dflash_ds.config import DrafterSection
+    from dflash_ds.config import DrafterConfig
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model.shape import DrafterShape
 
     dcfg = DrafterShape.from_target(target_config("tiny"),
-                                     DrafterSection(num_layers=2, block_size=BLOCK, mask_token_id=5))
+                                     DrafterConfig(num_layers=2, block_size=BLOCK, mask_token_id=5))
     assert r["drafter_params"] == sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
     assert r["zero_stage"] == 2 and r["compiled_layers"] is False
     assert report["recipe"]["drafter_ds_config"].endswith("drafter_zero2_cpu.json")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ds.eval.benchmarks import BENCHMARKS, MATH_SUFFIX, load_conversations, parse_names, render_prompt
-from dflash_ds.eval.bench_run import table_lines
+from dflash_ds.eval.benchmark_table import table_lines
 from dflash_ds.eval.cli import main
 from dflash_ds.export import save_drafter
 from dflash_ds.model_card import add_benchmarks_to_card, model_card, trained_thinking
@@ -120,14 +120,14 @@ def _row(bench, sampling, tau):
 def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
     from transformers import Qwen3Config
 
-    from dflash_ds.config import DrafterSection
+    from dflash_ds.config import DrafterConfig
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model.shape import DrafterShape
 
     cfg = DrafterShape.from_target(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                                vocab_size=64),
-                                   DrafterSection(num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=(1,)))
+                                   DrafterConfig(num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=(1,)))
     card = model_card(cfg, thinking=False)
     assert "| chat template | `enable_thinking: false`" in card
     assert """--default-chat-template-kwargs '{"enable_thinking": false}'""" in card
@@ -162,15 +162,15 @@ def test_report_shows_the_benchmark_table(tmp_path):
 def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from dflash_ds.config import load_recipe
-    from dflash_ds.eval.bench_run import after_training
+    from dflash_ds.eval.benchmark_table import after_training
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model_card import card_info
-    from dflash_ds.spec.run import check_recipe
+    from dflash_ds.resolve.run import resolve_run
 
     recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}", "eval.benchmarks=[gsm8k,mt_bench]",
                                                f"eval.bench_dir={BENCH_DIR}", "eval.bench_limit=1",
                                                "eval.max_new_tokens=6", "eval.samples=2"])
-    spec = check_recipe(recipe, world_size=2)
+    spec = resolve_run(recipe, world_size=2)
     save_drafter(DFlashDrafter(spec.drafter), tmp_path / "export", card=card_info(recipe, 0))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 1e-3, "tok_per_s": 1.0}) + "\n")
     assert after_training(recipe) == 0

@@ -4,8 +4,8 @@ import math
 import pytest
 
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
-from dflash_ds.spec.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
-from dflash_ds.spec.plan import lr_factor, resolve
+from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
+from dflash_ds.resolve.plan import lr_factor, resolve
 
 TINY = "recipes/tiny.yaml"
 

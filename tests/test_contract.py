@@ -11,7 +11,7 @@ import yaml
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
 from dflash_ds.model.shape import COMPARED
 from dflash_ds.runtime import checkpoint
-from dflash_ds.spec import contract
+from dflash_ds.resolve import contract
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"

@@ -15,7 +15,7 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.model.dflash2 import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.linear_ce import linear_cross_entropy_top_k
@@ -33,7 +33,7 @@ def target_config():
 
 
 def drafter(architecture="dflash2", seed=0, dtype=torch.float64, **kw):
-    shape = DrafterSection(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4, 6],
+    shape = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4, 6],
                          architecture=architecture, conv_group_size=kw.pop("conv_group_size", 8),
                          selector_rank=kw.pop("selector_rank", 12), selector_top_k=kw.pop("selector_top_k", 5), **kw)
     torch.manual_seed(seed)

@@ -27,12 +27,12 @@ def reference(tmp_path, overrides):
     from dflash_ds.model.draft_model import DraftModel
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
-    from dflash_ds.spec.run import check_recipe
-    from dflash_ds.target.model import embed_and_head, load_target
+    from dflash_ds.resolve.run import resolve_run
+    from dflash_ds.target_model.model import embed_and_head, load_target
 
     recipe = load_recipe(RECIPE, FAST + overrides + [f"run.output_dir={tmp_path}"])
     data = load_training_data(recipe)
-    spec = check_recipe(recipe, world_size=2).with_rows(data.num_rows)
+    spec = resolve_run(recipe, world_size=2).with_rows(data.num_rows)
     target = load_target(recipe.target.path, dtype="float32")
     embed, head = embed_and_head(recipe.target.path, torch.float32)
     return reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4)

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from dflash_ds.config import DrafterSection, RecipeError, load_recipe
+from dflash_ds.config import DrafterConfig, RecipeError, load_recipe
 from dflash_ds.export import save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.spec.run import check_recipe
-from dflash_ds.target.presets import target_config
+from dflash_ds.resolve.run import resolve_run
+from dflash_ds.target_model.presets import target_config
 
 TINY2 = "recipes/tiny-dflash2.yaml"
 SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]
@@ -43,12 +43,12 @@ def test_dflash2_tap_preset_for_the_64_layer_geometry():
     base = dict(num_layers=5, block_size=8, mask_token_id=248070, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=17408)
     cfg = target_config("qwen3.6-27b")
-    v2 = DrafterShape.from_target(cfg, DrafterSection(**base, architecture="dflash2"))
-    v1 = DrafterShape.from_target(cfg, DrafterSection(**base))
+    v2 = DrafterShape.from_target(cfg, DrafterConfig(**base, architecture="dflash2"))
+    v1 = DrafterShape.from_target(cfg, DrafterConfig(**base))
     assert v2.target_layer_ids == (5, 19, 33, 47, 61)
     assert v1.target_layer_ids == (1, 16, 31, 46, 61)
     # Other geometries keep the general rule.
-    small = DrafterShape.from_target(target_config("qwen3.6-27b", layers=36), DrafterSection(**base, architecture="dflash2"))
+    small = DrafterShape.from_target(target_config("qwen3.6-27b", layers=36), DrafterConfig(**base, architecture="dflash2"))
     assert small.target_layer_ids == (1, 9, 17, 25, 33)
 
 
@@ -67,12 +67,12 @@ def test_bad_dflash2_settings_stop_with_one_line(override, words):
 
 def test_a_group_size_that_does_not_divide_the_width_is_refused_before_launch():
     with pytest.raises((RecipeError, ValueError)) as e:
-        check_recipe(load_recipe(TINY2, SMALL + ["drafter.conv_group_size=48"]), world_size=2)
+        resolve_run(load_recipe(TINY2, SMALL + ["drafter.conv_group_size=48"]), world_size=2)
     assert "drafter.conv_group_size" in str(e.value)
 
 
 def _export(tmp_path, recipe, overrides=()):
-    spec = check_recipe(load_recipe(recipe, SMALL + list(overrides)), world_size=2)
+    spec = resolve_run(load_recipe(recipe, SMALL + list(overrides)), world_size=2)
     torch.manual_seed(7)
     drafter = DFlashDrafter(spec.drafter)
     if drafter.candidate_selector is not None:
@@ -86,17 +86,17 @@ def test_init_from_a_dflash2_export(tmp_path):
 
     exported, path = _export(tmp_path, TINY2)
     recipe = load_recipe(TINY2, SMALL + [f"drafter.init_from={path}", f"run.output_dir={tmp_path / 'run'}"])
-    spec = check_recipe(recipe, world_size=2)
+    spec = resolve_run(recipe, world_size=2)
     drafter = build_drafter(spec)
     assert drafter.config == spec.drafter and drafter.config.dflash2
     sel = drafter.candidate_selector.successor_codebook
     assert torch.allclose(sel, exported.candidate_selector.successor_codebook, atol=1e-2) and sel.abs().sum() > 0
     # A v1 recipe cannot continue it, nor a DFlash2 recipe a v1 export: one line naming the setting.
     with pytest.raises(RecipeError) as e:
-        check_recipe(load_recipe("recipes/tiny.yaml", SMALL + [f"drafter.init_from={path}"]), world_size=2)
+        resolve_run(load_recipe("recipes/tiny.yaml", SMALL + [f"drafter.init_from={path}"]), world_size=2)
     assert "selector" in str(e.value) or "drafter.architecture" in str(e.value)
     _, v1 = _export(tmp_path / "v1", TINY2, ["drafter.architecture=dflash"])
     with pytest.raises(RecipeError) as e:
-        check_recipe(load_recipe(TINY2, SMALL + [f"drafter.init_from={v1}"]), world_size=2)
+        resolve_run(load_recipe(TINY2, SMALL + [f"drafter.init_from={v1}"]), world_size=2)
     assert "drafter.architecture" in str(e.value)
     assert json.loads((path / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]

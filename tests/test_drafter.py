@@ -11,7 +11,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
 from dflash_ds.model.attention import build_mask
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.taps import build_target_layer_ids
@@ -29,7 +29,7 @@ def qwen3_target(**kw):
 
 
 def tiny_drafter(num_layers=2, block_size=4, seed=0, dtype=torch.float64, **kw):
-    shape = DrafterSection(num_layers=num_layers, block_size=block_size, mask_token_id=VOCAB - 1,
+    shape = DrafterConfig(num_layers=num_layers, block_size=block_size, mask_token_id=VOCAB - 1,
                          target_layer_ids=[1, 4, 6], **kw)
     cfg = DrafterShape.from_target(qwen3_target(), shape)
     torch.manual_seed(seed)
@@ -55,7 +55,7 @@ def test_build_target_layer_ids():
 # ---------------------------------------------------------------------------------- config
 
 def test_from_qwen3_config():
-    cfg = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=5, block_size=16, mask_token_id=VOCAB - 1))
+    cfg = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=5, block_size=16, mask_token_id=VOCAB - 1))
     # 8 layers, 5 taps -> ids round(1 + i*4/4) = 1..5
     assert cfg.target_layer_ids == (1, 2, 3, 4, 5)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) \
@@ -70,9 +70,9 @@ def test_from_qwen3_5_text_and_multimodal_config():
                              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=VOCAB,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-    a = DrafterShape.from_target(text, DrafterSection(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
+    a = DrafterShape.from_target(text, DrafterConfig(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
     b = DrafterShape.from_target(Qwen3_5Config(text_config=text.to_dict()),
-                                  DrafterSection(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
+                                  DrafterConfig(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
     assert a == b
     # Unlisted size: the target's own head geometry; theta from rope_parameters, full rotary.
     assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.intermediate_size) == (4, 2, 32, 128)
@@ -86,14 +86,14 @@ def test_from_qwen3_6_27b_geometry():
                              num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
     cfg = DrafterShape.from_target(Qwen3_5Config(text_config=text.to_dict()),
-                                    DrafterSection(num_layers=5, block_size=16, mask_token_id=248070))
+                                    DrafterConfig(num_layers=5, block_size=16, mask_token_id=248070))
     geometry = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
     assert geometry == (32, 8, 128, 17408)
     assert cfg.target_layer_ids == (1, 16, 31, 46, 61) and cfg.rope_theta == 1e7 and cfg.vocab_size == 248320
     per_layer = 5120 * 128 * (32 + 8 + 8 + 32) + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
     total = 5 * per_layer + 5 * 5120 * 5120 + 2 * 5120
     assert abs(total / 1e9 - 1.73) < 0.01  # docs/algorithm.md section 1: ~1.73B trainable parameters
-    over = DrafterShape.from_target(text, DrafterSection(num_layers=5, block_size=16, mask_token_id=248070,
+    over = DrafterShape.from_target(text, DrafterConfig(num_layers=5, block_size=16, mask_token_id=248070,
                                                         num_attention_heads=40, num_key_value_heads=4, head_dim=64,
                                                         intermediate_size=1000))
     geometry = (over.num_attention_heads, over.num_key_value_heads, over.head_dim, over.intermediate_size)
@@ -105,13 +105,13 @@ def test_from_moe_config_needs_intermediate_size():
     moe = Qwen3_5MoeTextConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"drafter\.intermediate_size"):
-        DrafterShape.from_target(moe, DrafterSection(num_layers=2, block_size=16, mask_token_id=1))
-    assert DrafterShape.from_target(moe, DrafterSection(num_layers=2, block_size=16, mask_token_id=1,
+        DrafterShape.from_target(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1))
+    assert DrafterShape.from_target(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1,
                                                        intermediate_size=256)).intermediate_size == 256
 
 
 def test_shape_from_the_recipe_section():
-    section = DrafterSection(num_layers=3, target_layer_ids=(1, 5), block_size=8, mask_token_id=9, head_dim=8,
+    section = DrafterConfig(num_layers=3, target_layer_ids=(1, 5), block_size=8, mask_token_id=9, head_dim=8,
                              num_attention_heads=6, num_key_value_heads=3, intermediate_size=40)
     cfg = DrafterShape.from_target(qwen3_target(), section)
     assert (cfg.num_hidden_layers, cfg.target_layer_ids, cfg.block_size, cfg.mask_token_id) == (3, (1, 5), 8, 9)
@@ -125,13 +125,13 @@ def test_every_consumer_reads_the_one_shape():
 
     from dflash_ds.config import ObjectiveConfig, Recipe
     from dflash_ds.model.loss import StepSettings
-    from dflash_ds.spec.run import payload_spec
+    from dflash_ds.resolve.run import payload_layout
 
-    shape = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=2, block_size=8, mask_token_id=9,
+    shape = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9,
                                                                     target_layer_ids=(1, 2, 3)))
     settings = StepSettings.of(shape, ObjectiveConfig(), 0, torch.device("cpu"))
     assert (settings.block_size, settings.mask_token_id, settings.shape) == (8, 9, shape)
-    payload = payload_spec(Recipe(), shape, torch.float32)
+    payload = payload_layout(Recipe(), shape, torch.float32)
     assert (payload.num_taps, payload.hidden) == (3, shape.hidden_size)
     assert DrafterShape.from_hf_config(shape.to_hf_config()) == shape
     assert shape.mismatches(shape) == []
@@ -140,7 +140,7 @@ def test_every_consumer_reads_the_one_shape():
 
 
 def test_unknown_layer_types_are_refused():
-    shape = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=2, block_size=8, mask_token_id=9))
+    shape = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9))
     with pytest.raises(ValueError, match="not supported"):
         shape.replace(layer_types=("full_attention", "chunked_attention"))
     with pytest.raises(ValueError, match="sliding_window is not set"):
@@ -154,13 +154,13 @@ def test_from_llama_config():
                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16384, rope_theta=5e5,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    cfg = DrafterShape.from_target(tgt, DrafterSection(num_layers=1, block_size=8, mask_token_id=0))
+    cfg = DrafterShape.from_target(tgt, DrafterConfig(num_layers=1, block_size=8, mask_token_id=0))
     assert cfg.head_dim == 8 and cfg.num_attention_heads == 8 and cfg.num_key_value_heads == 2
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling is None and cfg.target_layer_ids == (3,)
 
 
 def test_hf_config_exact_and_round_trip():
-    cfg = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=2, block_size=16, mask_token_id=7,
+    cfg = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=16, mask_token_id=7,
                                                                  target_layer_ids=[1, 4, 6]))
     hf = cfg.to_hf_config()
     expected = {
@@ -200,11 +200,11 @@ def test_config_errors_name_the_setting(kwargs, setting):
     args = dict(num_layers=2, block_size=16, mask_token_id=5)
     args.update(kwargs)
     with pytest.raises(ValueError, match=setting.replace(".", r"\.")):
-        DrafterShape.from_target(qwen3_target(), DrafterSection(**args))
+        DrafterShape.from_target(qwen3_target(), DrafterConfig(**args))
 
 
 def test_rope_scaling_other_than_default_is_refused():
-    cfg = DrafterShape.from_target(qwen3_target(), DrafterSection(num_layers=1, block_size=4, mask_token_id=5))
+    cfg = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=1, block_size=4, mask_token_id=5))
     hf = cfg.to_hf_config()
     with pytest.raises(ValueError, match="rope_scaling"):
         DrafterShape.from_hf_config(dict(hf, rope_scaling={"rope_type": "yarn", "factor": 4.0}))

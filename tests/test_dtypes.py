@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.spec.run import check_recipe
-from dflash_ds.spec.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.spec.dtypes import payload_dtype
+from dflash_ds.resolve.run import resolve_run
+from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.runtime.target_worker import TargetWorker
-from dflash_ds.spec.payload import PayloadSpec, unpack
+from dflash_ds.resolve.payload import PayloadLayout, unpack
 
 from .test_target import tiny_qwen3
 
@@ -46,7 +46,7 @@ def test_payload_dtype_is_the_drafter_compute_dtype(overrides, device, want):
 def test_unworkable_dtypes_are_refused_before_launch(overrides, needle):
     r = load_recipe(TINY, overrides)
     with pytest.raises(RecipeError, match=needle) as info:
-        check_recipe(r, 2)
+        resolve_run(r, 2)
     assert "\n" not in str(info.value)
 
 
@@ -58,37 +58,37 @@ def test_both_half_sections_refused(tmp_path):
 
 
 def test_run_spec_carries_the_payload_dtype():
-    spec = check_recipe(load_recipe(TINY, []), 2)
+    spec = resolve_run(load_recipe(TINY, []), 2)
     assert spec.dtype == spec.payload.dtype == torch.float32
 
 
 def test_float32_target_taps_are_cast_once_at_the_sender():
     """A float32 target fills a bf16 payload: taps equal its float32 states rounded to bf16, the
     metadata survives, and a bf16 drafter consumes them (the uncast float32 taps raise in its fc)."""
-    from dflash_ds.config import DrafterSection
+    from dflash_ds.config import DrafterConfig
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model.shape import DrafterShape
 
     target = tiny_qwen3()
     taps = [0, 2]
-    spec = PayloadSpec(rows=2, seq_len=9, num_taps=2, hidden=32, dtype=torch.bfloat16)
+    layout = PayloadLayout(rows=2, seq_len=9, num_taps=2, hidden=32, dtype=torch.bfloat16)
     from types import SimpleNamespace
 
-    run = SimpleNamespace(drafter=SimpleNamespace(target_layer_ids=taps), payload=spec, device=torch.device("cpu"))
+    run = SimpleNamespace(drafter=SimpleNamespace(target_layer_ids=taps), payload=layout, device=torch.device("cpu"))
     worker = TargetWorker(run, target, None)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
     loss_mask = (torch.arange(9) >= 4).int().expand(2, 9).contiguous()
     doc_ids = torch.zeros(2, 9, dtype=torch.int32)
-    buf = spec.empty("cpu")
+    buf = layout.empty("cpu")
     with torch.no_grad():
         worker._forward(buf, ids, loss_mask, doc_ids)  # what fill() does with a micro-batch's rows
         hs = target(input_ids=ids, output_hidden_states=True).hidden_states
-    mb = unpack(buf, spec, spec.dtype)
+    mb = unpack(buf, layout, layout.dtype)
     assert mb.taps.dtype == torch.bfloat16
     want = torch.cat([hs[k + 1] for k in taps], -1).to(torch.bfloat16)
     assert torch.equal(mb.taps, want)
     assert torch.equal(mb.input_ids, ids) and torch.equal(mb.loss_mask, loss_mask.bool())
-    shape = DrafterSection(num_layers=1, block_size=4, mask_token_id=1, target_layer_ids=taps)
+    shape = DrafterConfig(num_layers=1, block_size=4, mask_token_id=1, target_layer_ids=taps)
     cfg = DrafterShape.from_target(target.config, shape)
     drafter = DFlashDrafter(cfg).to(torch.bfloat16)
     assert drafter.fuse(mb.taps).dtype == torch.bfloat16

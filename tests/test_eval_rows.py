@@ -12,8 +12,8 @@ from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.runtime.target_worker import TargetWorker, eval_bounds, eval_payload_count, eval_rows
 from dflash_ds.runtime.trainer import tau_of_payloads
-from dflash_ds.spec.payload import unpack
-from dflash_ds.spec.run import check_recipe
+from dflash_ds.resolve.payload import unpack
+from dflash_ds.resolve.run import resolve_run
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -26,7 +26,7 @@ def test_first_fit_rows_and_bounds():
 
 
 def spec_for(max_new_tokens: int):
-    return check_recipe(load_recipe(TINY, COLOCATED + [f"eval.max_new_tokens={max_new_tokens}"]), 1)
+    return resolve_run(load_recipe(TINY, COLOCATED + [f"eval.max_new_tokens={max_new_tokens}"]), 1)
 
 
 @pytest.fixture(scope="module")

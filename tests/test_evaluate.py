@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.eval.cli import main, read_prompts
@@ -87,7 +87,7 @@ def tiny_target():
 
 def train_drafter(target, sequences, steps, seed=0):
     """Plain single-process training with the objective's functions (dense mask, AdamW)."""
-    cfg = DrafterShape.from_target(target.config, DrafterSection(num_layers=2, block_size=B, mask_token_id=MASK,
+    cfg = DrafterShape.from_target(target.config, DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK,
                                                                 target_layer_ids=LAYER_IDS))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()
@@ -273,7 +273,7 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
 def test_greedy_generation_leaves_compiled_target_kernels_alone():
     """Generation's many shapes must not use up the recompile budget of the target's fixed-shape
     compiled kernels (past it they stay eager for the training shape too)."""
-    from dflash_ds.target.model import TapCapture, forward_taps
+    from dflash_ds.target_model.model import TapCapture, forward_taps
 
     from .test_target import tiny_qwen3
 

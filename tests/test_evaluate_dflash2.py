@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.model.attention import DFlashMask
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.specdec import draft_block, speculative_generate
@@ -31,7 +31,7 @@ def world():
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 120, (PROMPT_LEN,), generator=gen) for _ in range(6)]
     sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
-    section = DrafterSection(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
+    section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                              architecture="dflash2", conv_group_size=16, selector_rank=16, selector_top_k=8)
     shape = DrafterShape.from_target(target.config, section)
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def test_dflash2_sampled_walk_equals_online_with_coupled_draws(world, monkeypatc
     import copy
 
     from dflash_ds.eval import specdec_sampled
-    from dflash_ds.eval.bench_run import BenchOptions, Responder
+    from dflash_ds.eval.benchmark_table import BenchOptions, Responder
     from tests.test_sampled import LOGIT_SCALE, SAMPLING, coupled_verify
 
     target = copy.deepcopy(world["target"])

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import Qwen3Config
 
 import dflash_ds.export as export
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
@@ -30,7 +30,7 @@ def tiny_target_config():
 
 
 def make_drafter(seed=0, num_layers=2):
-    section = DrafterSection(num_layers=num_layers, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
+    section = DrafterConfig(num_layers=num_layers, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
                              architecture="dflash2", conv_group_size=16, selector_rank=12, selector_top_k=6)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
@@ -185,7 +185,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
     from dflash_ds.model.attention import build_layer_masks
 
     W, S = 10, 24  # a window of 10 over blocks of 8: the context is cut at every anchor
-    section = DrafterSection(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
+    section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
                              architecture="dflash2", selector_rank=12, selector_top_k=6,
                              layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
                              is_causal=is_causal)

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.spec.run import check_recipe
-from dflash_ds.target import fp8
-from dflash_ds.target.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
+from dflash_ds.resolve.run import resolve_run
+from dflash_ds.target_model import fp8
+from dflash_ds.target_model.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
 
 TINY = "recipes/tiny.yaml"
 E4M3_STEP = 2.0 ** -3  # spacing of e4m3 mantissas: rounding moves a normal value by at most half of it
@@ -292,14 +292,14 @@ def test_cpu_run_with_fp8_stops_before_launch_in_one_line(tmp_path):
     wide_config().save_pretrained(tmp_path)
     r = load_recipe(TINY, [f"target.path={tmp_path}", "target.quantization=fp8"])
     with pytest.raises(RecipeError, match=r"^target\.quantization: fp8 needs an FP8 GPU.*set target\.quantization=none$"):
-        check_recipe(r, world_size=2)
-    assert check_recipe(load_recipe(TINY, [f"target.path={tmp_path}"]), world_size=2).recipe.target.quantization == "none"
+        resolve_run(r, world_size=2)
+    assert resolve_run(load_recipe(TINY, [f"target.path={tmp_path}"]), world_size=2).recipe.target.quantization == "none"
     with pytest.raises(RecipeError, match="target.quantization must be none or fp8"):
         load_recipe(TINY, ["target.quantization=int8"])
 
 
 def test_zero3_with_fp8_stops_before_launch(tmp_path, monkeypatch):
-    import dflash_ds.spec.run as run
+    import dflash_ds.resolve.run as run
 
     wide_config().save_pretrained(tmp_path)
     monkeypatch.setattr(run, "resolve_device", lambda name, setting: torch.device("cuda"))
@@ -307,7 +307,7 @@ def test_zero3_with_fp8_stops_before_launch(tmp_path, monkeypatch):
     r = load_recipe(TINY, [f"target.path={tmp_path}", "target.quantization=fp8", "data.pack=false",
                            "target.ds_config=ds_configs/target_zero3_cpu.json"])
     with pytest.raises(RecipeError, match="needs a full target replica per GPU.*target_replica.json"):
-        check_recipe(r, world_size=2)
+        resolve_run(r, world_size=2)
 
 
 def test_generation_runs_through_the_fp8_layers():
@@ -323,7 +323,7 @@ def test_generation_runs_through_the_fp8_layers():
 
 
 def test_dry_run_memory_counts_fp8_weights_at_one_byte():
-    from dflash_ds.spec.plan import memory_estimate, resolve
+    from dflash_ds.resolve.plan import memory_estimate, resolve
 
     r = load_recipe(TINY)
     q = load_recipe(TINY, ["target.quantization=fp8"])

@@ -411,7 +411,7 @@ def test_fla_short_conv_matches_the_fallback(record, monkeypatch):
     pytest.importorskip("fla", reason="flash-linear-attention is not installed")
     import transformers.models.qwen3_5.modeling_qwen3_5 as qwen35
 
-    from dflash_ds.target.kernels import use_fla_short_conv
+    from dflash_ds.target_model.kernels import use_fla_short_conv
 
     fallback = qwen35.causal_conv1d_fn
     monkeypatch.setattr(qwen35, "causal_conv1d_fn", fallback)  # restored after the test
@@ -443,7 +443,7 @@ BF16_SLACK, LEAK_FACTOR = 1.25, 10.0
 def _hybrid_target(layers: int):
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash_ds.target.presets import target_config
+    from dflash_ds.target_model.presets import target_config
 
     cfg = target_config("qwen3.6-27b", layers=layers)
     cfg._attn_implementation = "sdpa"
@@ -470,7 +470,7 @@ def _packed_rows(vocab: int, rows=ROWS_3072) -> tuple[torch.Tensor, torch.Tensor
 def _all_layer_taps(model, ids, doc_ids, mode: str, docs=PACKED_DOCS):
     """Every layer's output [R, S, L*D]: 'packed' (target.packed), 'stock' (no document boundaries in
     the Gated DeltaNet layers) or 'alone' (each document through the stock forward on its own)."""
-    from dflash_ds.target.model import TapCapture, forward_taps
+    from dflash_ds.target_model.model import TapCapture, forward_taps
 
     n, d = len(model.model.layers), model.config.hidden_size
     out = torch.zeros(*ids.shape, n * d, dtype=next(model.parameters()).dtype, device=ids.device)
@@ -536,8 +536,8 @@ def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(r
     the masked-SDPA route on the same rows agrees."""
     from transformers import Qwen3ForCausalLM
 
-    from dflash_ds.target import packed as packed_mod
-    from dflash_ds.target.presets import target_config
+    from dflash_ds.target_model import packed as packed_mod
+    from dflash_ds.target_model.presets import target_config
 
     cfg = target_config("qwen3-8b", layers=4)
     cfg._attn_implementation = "sdpa"
@@ -571,7 +571,7 @@ def test_fp8_scaled_mm_matches_the_dequantized_product(record, blocks):
     """torch._scaled_mm (rows: fast accumulation; blocks: 1x128 x 128x128) against the float64
     product of the same e4m3 operands, at the 27B MLP's up-projection shape; the compiled input
     quantization against the eager one."""
-    from dflash_ds.target import fp8
+    from dflash_ds.target_model import fp8
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3072, 5120, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -610,9 +610,9 @@ def test_fp8_taps_error_at_the_27b_geometry(record):
     from dflash_ds.bench.quantized import layer_io
     from dflash_ds.model.taps import build_target_layer_ids
     from dflash_ds.runtime.engines import speed_up_target_kernels
-    from dflash_ds.target import fp8
-    from dflash_ds.target.model import TapCapture, forward_taps, truncate_after
-    from dflash_ds.target.presets import target_config
+    from dflash_ds.target_model import fp8
+    from dflash_ds.target_model.model import TapCapture, forward_taps, truncate_after
+    from dflash_ds.target_model.presets import target_config
 
     speed_up_target_kernels()
     cfg = target_config("qwen3.6-27b")
@@ -652,8 +652,8 @@ def test_fp8_checkpoint_runs_as_stored_on_the_gpu(record, tmp_path):
     GPU) runs through the blockwise FP8 GEMM, and its taps match the dequantized checkpoint's."""
     from tests.test_fp8 import random_target, taps_of, write_fp8_checkpoint
 
-    from dflash_ds.target import fp8
-    from dflash_ds.target.model import decoder_layers, load_target
+    from dflash_ds.target_model import fp8
+    from dflash_ds.target_model.model import decoder_layers, load_target
 
     # 512 wide: most projections take the block GEMM (fp8.block_gemm_shape); out_proj / o_proj (128
     # in) are dequantized.

@@ -8,7 +8,7 @@ import torch
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.spec.run import check_recipe
+from dflash_ds.resolve.run import resolve_run
 
 TINY = "recipes/tiny.yaml"
 SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false", "optim.rows_per_micro_batch=1",
@@ -17,7 +17,7 @@ SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false", "optim.ro
 
 def _export(tmp_path, overrides=(), seed=123):
     """An export of the drafter the tiny recipe (plus `overrides`) describes, with weights of its own."""
-    spec = check_recipe(load_recipe(TINY, SMALL + list(overrides)), world_size=2)
+    spec = resolve_run(load_recipe(TINY, SMALL + list(overrides)), world_size=2)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(spec.drafter)
     return drafter, save_drafter(drafter, tmp_path / "export")
@@ -28,12 +28,12 @@ def test_a_matching_export_passes_and_the_run_trains_from_its_weights(tmp_path):
     from dflash_ds.model.draft_model import DraftModel
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
-    from dflash_ds.target.model import embed_and_head, load_target
+    from dflash_ds.target_model.model import embed_and_head, load_target
 
     exported, path = _export(tmp_path)
     recipe = load_recipe(TINY, SMALL + [f"drafter.init_from={path}", f"run.output_dir={tmp_path / 'run'}"])
     data = load_training_data(recipe)
-    spec = check_recipe(recipe, world_size=2).with_rows(data.num_rows)
+    spec = resolve_run(recipe, world_size=2).with_rows(data.num_rows)
     drafter = build_drafter(spec)
     # The module is the export's weights under the run's shape (so later exports carry the run's shape).
     assert drafter.config == spec.drafter
@@ -44,7 +44,7 @@ def test_a_matching_export_passes_and_the_run_trains_from_its_weights(tmp_path):
     target = load_target(recipe.target.path, dtype="float32")
     embed, head = embed_and_head(recipe.target.path, torch.float32)
     got = reference_losses(spec, target, DraftModel(drafter, embed, head), data.rows, steps=3)
-    fresh_spec = check_recipe(load_recipe(TINY, SMALL + [f"run.output_dir={tmp_path / 'fresh'}"]), 2).with_rows(data.num_rows)
+    fresh_spec = resolve_run(load_recipe(TINY, SMALL + [f"run.output_dir={tmp_path / 'fresh'}"]), 2).with_rows(data.num_rows)
     fresh = reference_losses(fresh_spec, target, DraftModel(build_drafter(fresh_spec), embed, head), data.rows, steps=1)
     assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0], got
     assert got[0] != fresh[0]  # it really started from the export, not from run.seed's weights
@@ -61,7 +61,7 @@ def test_a_mismatched_export_is_refused_naming_both_values(tmp_path, override, f
     _, path = _export(tmp_path)
     recipe = load_recipe(TINY, SMALL + [f"drafter.init_from={path}", override])
     with pytest.raises(RecipeError) as err:
-        check_recipe(recipe, world_size=2)
+        resolve_run(recipe, world_size=2)
     msg = str(err.value)
     assert "\n" not in msg and "drafter.init_from" in msg and f"recipe gives {field}={ours}" in msg, msg
     assert theirs is None or f"has {field}={theirs}" in msg, msg
@@ -79,4 +79,4 @@ def test_a_mismatch_stops_the_entry_point_with_exit_2(tmp_path, capsys):
 def test_init_from_that_is_not_an_export_is_refused(tmp_path):
     recipe = load_recipe(TINY, SMALL + [f"drafter.init_from={tmp_path}"])
     with pytest.raises(RecipeError, match="drafter.init_from: .* is not a DFlash drafter export"):
-        check_recipe(recipe, world_size=2)
+        resolve_run(recipe, world_size=2)

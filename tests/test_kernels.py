@@ -6,7 +6,7 @@ import torch
 import transformers.models.qwen3.modeling_qwen3 as q3
 import transformers.models.qwen3_5.modeling_qwen3_5 as q35
 
-from dflash_ds.target import kernels
+from dflash_ds.target_model import kernels
 
 # Everything fuse_target_elementwise / use_fla_short_conv may replace.
 PATCHABLE = [(q35.Qwen3_5RMSNorm, "forward"), (q35.Qwen3_5RMSNormGated, "forward"), (q35.Qwen3_5MLP, "forward"),

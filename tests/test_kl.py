@@ -135,25 +135,25 @@ def test_slot_target_states_map_slot_k_to_position_a_plus_k_minus_1():
 def test_target_final_norm_tap_equals_transformers_last_hidden_state():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_ds.spec.payload import PayloadSpec, final_hidden, layer_taps
-    from dflash_ds.target.model import TapCapture, TargetError, forward_taps, truncate_after
+    from dflash_ds.resolve.payload import PayloadLayout, final_hidden, layer_taps
+    from dflash_ds.target_model.model import TapCapture, TargetError, forward_taps, truncate_after
 
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=V, tie_word_embeddings=False)
     model = Qwen3ForCausalLM(cfg).double().eval().requires_grad_(False)
     ids = torch.randint(0, V, (2, 12))
-    spec = PayloadSpec(2, 12, 2, 32, torch.float64, final_norm=True)
-    buf = spec.empty("cpu")
+    layout = PayloadLayout(2, 12, 2, 32, torch.float64, final_norm=True)
+    buf = layout.empty("cpu")
     capture = TapCapture(model, [0, 2], final_norm=True)
-    forward_taps(model, capture, ids, None, buf[..., :spec.tap_cols])
+    forward_taps(model, capture, ids, None, buf[..., :layout.tap_cols])
     ref = model(ids, output_hidden_states=True)
     hs = ref.hidden_states
-    torch.testing.assert_close(layer_taps(buf, spec), torch.cat([hs[1], hs[3]], -1))
+    torch.testing.assert_close(layer_taps(buf, layout), torch.cat([hs[1], hs[3]], -1))
     # The final-norm state is what the lm_head reads: its logits are the target's.
-    torch.testing.assert_close(final_hidden(buf, spec), hs[-1])
-    torch.testing.assert_close(final_hidden(buf, spec) @ model.lm_head.weight.T, ref.logits)
-    assert final_hidden(buf, PayloadSpec(2, 12, 2, 32, torch.float64)) is None
+    torch.testing.assert_close(final_hidden(buf, layout), hs[-1])
+    torch.testing.assert_close(final_hidden(buf, layout) @ model.lm_head.weight.T, ref.logits)
+    assert final_hidden(buf, PayloadLayout(2, 12, 2, 32, torch.float64)) is None
     # A target cut after its last tap has no final norm worth sending: refused, not silently wrong.
     capture.remove()
     truncate_after(model, 2)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, Qwen3Config
 
-from dflash_ds.config import DrafterSection
+from dflash_ds.config import DrafterConfig
 from dflash_ds.model.dflash2 import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
@@ -130,7 +130,7 @@ def test_greedy_walk_uses_transformed_unary_scores():
 
 def gemma_like_drafter(architecture):
     target = small(Gemma2Config, final_logit_softcapping=3.0)
-    section = DrafterSection(num_layers=2, block_size=4, mask_token_id=127, target_layer_ids=[1, 3, 5],
+    section = DrafterConfig(num_layers=2, block_size=4, mask_token_id=127, target_layer_ids=[1, 3, 5],
                              architecture=architecture, selector_rank=6, selector_top_k=8)
     torch.manual_seed(0)
     return DFlashDrafter(DrafterShape.from_target(target, section))

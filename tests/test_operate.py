@@ -285,7 +285,7 @@ def test_only_drafter_ranks_create_the_stop_group(monkeypatch, tmp_path, rank):
     group never join: the split topology hung at start-up. Target ranks must stay out of the
     drafters' stop-vote group, and the drafters create it among themselves."""
     from dflash_ds.runtime import control
-    from dflash_ds.spec.topology import Layout
+    from dflash_ds.resolve.topology import Layout
 
     calls = []
     monkeypatch.setattr(control.StopRequest, "install", lambda self: self)

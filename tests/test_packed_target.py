@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from dflash_ds.data.packing import position_ids_from_doc_ids
-from dflash_ds.target.model import TapCapture, decoder_layers, forward_taps
-from dflash_ds.target.packed import Packing, cu_seqlens_from_doc_ids, masked_causal_conv
+from dflash_ds.target_model.model import TapCapture, decoder_layers, forward_taps
+from dflash_ds.target_model.packed import Packing, cu_seqlens_from_doc_ids, masked_causal_conv
 
 
 def tiny_hybrid(dtype=torch.float32, layers=None):
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash_ds.target.presets import target_config
+    from dflash_ds.target_model.presets import target_config
 
     torch.manual_seed(0)
     cfg = target_config("tiny", layers=layers)
@@ -145,7 +145,7 @@ def test_varlen_attention_route_equals_each_document_alone(monkeypatch, make):
     """The CUDA route for full-attention layers (the varlen kernel, no mask), with the kernel replaced by
     per-segment SDPA: the model switches to it for the packed forward only, gets no mask, and its taps
     equal each document alone; afterwards the config is back on SDPA."""
-    from dflash_ds.target import packed
+    from dflash_ds.target_model import packed
 
     calls, masks = [], []
     real = packed.varlen_attention
@@ -171,7 +171,7 @@ def test_varlen_attention_route_equals_each_document_alone(monkeypatch, make):
 
 
 def test_varlen_applies_only_to_half_precision_sdpa_on_cuda_without_sliding_windows():
-    from dflash_ds.target.packed import varlen_usable
+    from dflash_ds.target_model.packed import varlen_usable
 
     cfg = tiny_dense().config
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -37,14 +37,14 @@ def reference_run(tmp_path_factory):
     """Single-process losses and gradient norms for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.spec.run import check_recipe
+    from dflash_ds.resolve.run import resolve_run
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
-    from dflash_ds.target.model import embed_and_head, load_target
+    from dflash_ds.target_model.model import embed_and_head, load_target
 
     out = tmp_path_factory.mktemp("ref")
     recipe = load_recipe(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2", f"run.output_dir={out}"])
-    spec = check_recipe(recipe, world_size=3)
+    spec = resolve_run(recipe, world_size=3)
     data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
     target = load_target(recipe.target.path, dtype="float32")
@@ -101,14 +101,14 @@ def test_kl_term_end_to_end_split_and_colocated(tmp_path):
     colocated runtime train exactly like the single-process reference, and differently from CE alone."""
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.spec.run import check_recipe
+    from dflash_ds.resolve.run import resolve_run
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
-    from dflash_ds.target.model import embed_and_head, load_target
+    from dflash_ds.target_model.model import embed_and_head, load_target
 
     base = FAST + KL + ["topology.drafters_per_node=2", "optim.grad_accum=2"]
     recipe = load_recipe(TINY, base + [f"run.output_dir={tmp_path / 'ref'}"])
-    spec = check_recipe(recipe, world_size=3)
+    spec = resolve_run(recipe, world_size=3)
     data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
     p = spec.payload
@@ -118,7 +118,7 @@ def test_kl_term_end_to_end_split_and_colocated(tmp_path):
     ref = reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4)
     ce_recipe = load_recipe(TINY, FAST + ["topology.drafters_per_node=2", "optim.grad_accum=2",
                                           f"run.output_dir={tmp_path / 'ref_ce'}"])
-    ce_spec = check_recipe(ce_recipe, world_size=3).with_rows(data.num_rows)
+    ce_spec = resolve_run(ce_recipe, world_size=3).with_rows(data.num_rows)
     ce_only = reference_losses(ce_spec, target, DraftModel(build_drafter(ce_spec), embed, head), data.rows, steps=4)
     assert ref[0] == pytest.approx(ce_only[0], rel=1e-6)  # the first loss is before any update
     assert abs(ref[-1] - ce_only[-1]) > 1e-4  # the KL gradient changed the training

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_ds.eval.generate import offline_tau
-from dflash_ds.eval.bench_run import BenchOptions, Responder, tau_on_prompts
+from dflash_ds.eval.benchmark_table import BenchOptions, Responder, tau_on_prompts
 from dflash_ds.eval.sampled import (Sampling, draft_probabilities, mean_se, ratio_se, target_probs,
                                     walk_with_probs)
 from dflash_ds.eval import specdec_sampled

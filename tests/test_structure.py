@@ -6,7 +6,7 @@
 - no import cycle among dflash_ds modules, counting module-level and function-level imports;
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
-  import never climbs back up (the resolve step in spec/ never reaches into runtime/).
+  import never climbs back up (the resolve step in resolve/ never reaches into runtime/).
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -171,10 +171,10 @@ LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.export_modeling"),
     ("dflash_ds.data", "dflash_ds.metrics"),
     ("dflash_ds.model",),
-    ("dflash_ds.model_card", "dflash_ds.target"),
+    ("dflash_ds.model_card", "dflash_ds.target_model"),
     ("dflash_ds.export",),
     ("dflash_ds.eval", "dflash_ds.report"),
-    ("dflash_ds.spec",),
+    ("dflash_ds.resolve",),
     ("dflash_ds.runtime",),
     ("dflash_ds.train", "dflash_ds.regenerate"),
     ("dflash_ds.bench",),
@@ -247,7 +247,7 @@ def test_no_import_cycles():
 
 def test_folders_have_no_cycle_and_no_arrow_up():
     folders = folder_graph(import_graph(ROOT))
-    assert {"dflash_ds.spec", "dflash_ds.runtime", "dflash_ds.model"} <= set(folders)
+    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.model"} <= set(folders)
     cycles = import_cycles(folders)
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_ds.target.model import (TapCapture, TargetError, decoder_layers, embed_and_head, forward_taps, load_config,
+from dflash_ds.target_model.model import (TapCapture, TargetError, decoder_layers, embed_and_head, forward_taps, load_config,
                               load_target, target_geometry, truncate_after)
 
 

@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from dflash_ds.spec.topology import Layout, TopologyError
+from dflash_ds.resolve.topology import Layout, TopologyError
 
 
 @pytest.mark.parametrize("world,d,t,gas", [(2, 1, 1, 1), (3, 1, 2, 2), (3, 2, 1, 3), (16, 4, 4, 2), (16, 3, 5, 4), (8, 5, 3, 1)])

@@ -7,46 +7,46 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_ds.runtime.launch_env import free_port
-from dflash_ds.spec.payload import PayloadSpec, read_meta, taps_view, write_meta
+from dflash_ds.resolve.payload import PayloadLayout, read_meta, taps_view, write_meta
 from dflash_ds.runtime.transport import Receiver, Sender, SyncStallTimer, WaitTimer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_meta_round_trip_is_exact(dtype):
-    spec = PayloadSpec(rows=2, seq_len=7, num_taps=3, hidden=4, dtype=dtype)
-    buf = spec.empty("cpu")
+    layout = PayloadLayout(rows=2, seq_len=7, num_taps=3, hidden=4, dtype=dtype)
+    buf = layout.empty("cpu")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 248_320, (2, 7), generator=g)  # ids beyond bf16's exact integer range
     lm = torch.randint(0, 2, (2, 7), generator=g).bool()
     docs = torch.randint(-1, 5, (2, 7), generator=g).int()
     taps = torch.randn(2, 7, 12, generator=g).to(dtype)
-    taps_view(buf, spec).copy_(taps)
-    write_meta(buf, spec, ids, lm, docs)
-    i2, l2, d2 = read_meta(buf, spec)
+    taps_view(buf, layout).copy_(taps)
+    write_meta(buf, layout, ids, lm, docs)
+    i2, l2, d2 = read_meta(buf, layout)
     assert torch.equal(i2, ids) and torch.equal(l2, lm) and torch.equal(d2, docs)
-    assert torch.equal(taps_view(buf, spec), taps)  # metadata never overwrites the taps
+    assert torch.equal(taps_view(buf, layout), taps)  # metadata never overwrites the taps
 
 
 def _worker(rank, port, n, depth, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    spec = PayloadSpec(rows=1, seq_len=5, num_taps=2, hidden=3, dtype=torch.bfloat16)
+    layout = PayloadLayout(rows=1, seq_len=5, num_taps=2, hidden=3, dtype=torch.bfloat16)
     if rank == 1:  # target: sends payload i filled with value i
-        tx = Sender(spec, "cpu", max_in_flight=depth)
+        tx = Sender(layout, "cpu", max_in_flight=depth)
         for i in range(n):
             buf = tx.buffer()
-            taps_view(buf, spec).fill_(float(i))
-            write_meta(buf, spec, torch.full((1, 5), 1000 + i), torch.ones(1, 5), torch.zeros(1, 5))
+            taps_view(buf, layout).fill_(float(i))
+            write_meta(buf, layout, torch.full((1, 5), 1000 + i), torch.ones(1, 5), torch.zeros(1, 5))
             tx.send(buf, dst=0)
             assert tx.in_flight <= depth
         tx.flush()
     else:
-        rx = Receiver(spec, "cpu", depth, [1] * n)
+        rx = Receiver(layout, "cpu", depth, [1] * n)
         got = []
         for _ in range(n):
             buf = rx.get()
-            ids, _, _ = read_meta(buf, spec)
-            got.append((float(taps_view(buf, spec)[0, 0, 0]), int(ids[0, 0])))
+            ids, _, _ = read_meta(buf, layout)
+            got.append((float(taps_view(buf, layout)[0, 0, 0]), int(ids[0, 0])))
             rx.release(buf)
         q.put(got)
     dist.barrier()
@@ -121,7 +121,7 @@ def test_in_flight_counts_sends_not_completed():
         def is_completed(self):
             return self.done
 
-    tx = Sender(PayloadSpec(1, 4, 1, 8, torch.float32), "cpu", max_in_flight=3)
+    tx = Sender(PayloadLayout(1, 4, 1, 8, torch.float32), "cpu", max_in_flight=3)
     tx.pending.extend([(Work(True), None), (Work(False), None), (Work(False), None)])
     assert tx.in_flight == 2
     tx.pending[1][0].done = True
@@ -133,7 +133,7 @@ def test_drafter_posts_the_next_steps_receives_while_a_step_runs(monkeypatch):
     and releases them at its end. The receives for the next step must be posted before that, or
     the target's sends of the next step wait, holding NCCL's thread blocks beside its GEMMs."""
     from dflash_ds.runtime import transport
-    from dflash_ds.spec.plan import receive_depth
+    from dflash_ds.resolve.plan import receive_depth
 
     posted = []
 
@@ -147,8 +147,8 @@ def test_drafter_posts_the_next_steps_receives_while_a_step_runs(monkeypatch):
 
     monkeypatch.setattr(transport.dist, "irecv", irecv)
     grad_accum, steps = 4, 5
-    spec = PayloadSpec(1, 4, 1, 8, torch.float32)
-    rx = Receiver(spec, "cpu", receive_depth(grad_accum), [1] * (grad_accum * steps))
+    layout = PayloadLayout(1, 4, 1, 8, torch.float32)
+    rx = Receiver(layout, "cpu", receive_depth(grad_accum), [1] * (grad_accum * steps))
     for step in range(steps):
         held = [rx.get() for _ in range(grad_accum)]  # the step runs with these
         consumed = (step + 1) * grad_accum

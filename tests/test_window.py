@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_ds.config import DrafterSection, RecipeError, load_recipe
+from dflash_ds.config import DrafterConfig, RecipeError, load_recipe
 from dflash_ds.model.attention import FLEX_BLOCK, FULL, LayerAttention, build_layer_masks, build_mask
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape, attention_layout
@@ -118,7 +118,7 @@ def tgt_config():
 
 
 def windowed_drafter(layer_types, window, is_causal=None, block_size=4, seed=0, dtype=torch.float64):
-    choices = DrafterSection(num_layers=len(layer_types), block_size=block_size, mask_token_id=63,
+    choices = DrafterConfig(num_layers=len(layer_types), block_size=block_size, mask_token_id=63,
                              target_layer_ids=(1, 4, 6), layer_types=tuple(layer_types), sliding_window=window,
                              is_causal=is_causal)
     cfg = DrafterShape.from_target(tgt_config(), choices)

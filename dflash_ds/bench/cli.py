@@ -110,7 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    p.add_argument("--geometry", default="qwen3.6-27b", help="named target geometry (dflash_ds/target/presets.py)")
+    p.add_argument("--geometry", default="qwen3.6-27b", help="named target geometry (dflash_ds/target_model/presets.py)")
     p.add_argument("--recipe", default=None,
                    help=f"recipe for engine/optimiser settings (default {DEFAULT_RECIPE.relative_to(REPO)}); its "
                         "target geometry is used when target.path is a local directory")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.masked_attention:
-            from dflash_ds.target import packed
+            from dflash_ds.target_model import packed
 
             packed.varlen_usable = lambda config, dtype, device: False  # bench-only A/B switch
         report = run(args)

@@ -15,7 +15,7 @@ from .setup import Setup, setup_rows
 
 def count_linear_params(module: nn.Module) -> int:
     """Weights of every nn.Linear (or FP8 linear) under `module` (the matmuls of a forward)."""
-    from dflash_ds.target.fp8 import Fp8Linear
+    from dflash_ds.target_model.fp8 import Fp8Linear
 
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Fp8Linear)))
 
@@ -87,7 +87,7 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
 
 
 def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
-    from dflash_ds.target.model import decoder_layers
+    from dflash_ds.target_model.model import decoder_layers
 
     layers = decoder_layers(model)
     tc = setup.target_config
@@ -95,7 +95,7 @@ def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
     full = sum(1 for t in types[:len(layers)] if t == "full_attention")
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     out = target_forward_flops(count_linear_params(layers), full, tc.num_attention_heads, head_dim,
-                               setup.spec.rows, setup.spec.seq_len)
+                               setup.payload.rows, setup.payload.seq_len)
     out["layers_run"] = len(layers)
     out["full_attention_layers_run"] = full
     out["linear_params_run"] = count_linear_params(layers)
@@ -113,11 +113,11 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     from dflash_ds.model.loss import anchor_generator
 
     a, r, plan = setup.args, setup.recipe, setup.plan
-    rows = setup_rows(setup, setup.spec.rows)
+    rows = setup_rows(setup, setup.payload.rows)
     loss_mask = torch.from_numpy(rows["loss_mask"]).bool()
     doc_ids = torch.from_numpy(rows["doc_ids"])
-    ctx_tokens = setup.spec.rows * a.seq_len
-    block_tokens = setup.spec.rows * r.objective.num_anchors * r.drafter.block_size
+    ctx_tokens = setup.payload.rows * a.seq_len
+    block_tokens = setup.payload.rows * r.objective.num_anchors * r.drafter.block_size
     total, pairs, valid_blocks, n = None, 0, 0, 0
     for step in steps:
         for g in range(plan.grad_accum):

@@ -37,7 +37,7 @@ def layer_io(model, forward, inputs: list[torch.Tensor] | None = None,
     inputs: layer i runs on inputs[i] instead of what the layer before it produced, so each layer's
     own error is seen apart from what it inherits. noise: relative Gaussian noise of that RMS added
     to the embedding output (how much the network itself amplifies a small perturbation)."""
-    from dflash_ds.target.model import base_model, decoder_layers
+    from dflash_ds.target_model.model import base_model, decoder_layers
 
     ins: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
@@ -76,7 +76,7 @@ def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_target_compared(setup: Setup, ceiling: dict) -> dict:
-    from dflash_ds.target.fp8 import BLOCKS, ROWS, compile_for, quantize_model
+    from dflash_ds.target_model.fp8 import BLOCKS, ROWS, compile_for, quantize_model
 
     from .target_side import build_target_model, target_worker, time_target
 
@@ -89,7 +89,7 @@ def run_target_compared(setup: Setup, ceiling: dict) -> dict:
     worker = target_worker(plain, model)
     synchronize(setup.device)
     bf16 = time_target(plain, worker, ceiling, t_build, build_s=time.perf_counter() - t_build, engine=kind)
-    buf = setup.spec.empty(setup.device)
+    buf = setup.payload.empty(setup.device)
 
     def forward():
         worker.fill(buf, 0)
@@ -100,7 +100,7 @@ def run_target_compared(setup: Setup, ceiling: dict) -> dict:
     scheme = BLOCKS if a.fp8_blocks else ROWS
     t_quant = time.perf_counter()
     report = quantize_model(model, scheme)
-    compile_for(model, setup.spec.rows * setup.spec.seq_len)
+    compile_for(model, setup.payload.rows * setup.payload.seq_len)
     synchronize(setup.device)
     quant_s = time.perf_counter() - t_quant
     result = time_target(setup, worker, ceiling, t_quant, build_s=quant_s, engine=kind)

@@ -59,17 +59,17 @@ def payload_count(setup: Setup) -> int:
 
 
 def synthetic_payloads(setup: Setup, count: int = 2, rows: dict | None = None) -> list[torch.Tensor]:
-    from dflash_ds.spec.payload import taps_view, write_meta
+    from dflash_ds.resolve.payload import taps_view, write_meta
 
-    a, spec = setup.args, setup.spec
-    rows = setup_rows(setup, count * spec.rows) if rows is None else rows
+    a, layout = setup.args, setup.payload
+    rows = setup_rows(setup, count * layout.rows) if rows is None else rows
     g = torch.Generator(device=setup.device).manual_seed(a.seed)
     out = []
     for k in range(count):
-        buf = spec.empty(setup.device)
-        taps_view(buf, spec).normal_(generator=g)
-        sl = slice(k * spec.rows, (k + 1) * spec.rows)
-        write_meta(buf, spec, *(torch.from_numpy(rows[f][sl]) for f in ("input_ids", "loss_mask", "doc_ids")))
+        buf = layout.empty(setup.device)
+        taps_view(buf, layout).normal_(generator=g)
+        sl = slice(k * layout.rows, (k + 1) * layout.rows)
+        write_meta(buf, layout, *(torch.from_numpy(rows[f][sl]) for f in ("input_ids", "loss_mask", "doc_ids")))
         out.append(buf)
     return out
 
@@ -109,9 +109,9 @@ def drafter_step(setup: Setup, engine, model, source, group):
 
 
 def micro_batch_of(setup: Setup, payload: torch.Tensor):
-    from dflash_ds.spec.payload import unpack
+    from dflash_ds.resolve.payload import unpack
 
-    return unpack(payload, setup.spec, setup.run.dtype)
+    return unpack(payload, setup.payload, setup.run.dtype)
 
 
 def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
@@ -173,7 +173,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
         probe = synthetic_payloads(setup, 1)[0]
         row_doc_ids = worker.rows["doc_ids"]
     else:
-        rows = setup_rows(setup, payload_count(setup) * setup.spec.rows)
+        rows = setup_rows(setup, payload_count(setup) * setup.payload.rows)
         payloads = synthetic_payloads(setup, payload_count(setup), rows)
         row_doc_ids = rows["doc_ids"]
         source = SyntheticSource(payloads)
@@ -194,15 +194,15 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
                   checkpointed_layers=drafter.checkpoint_layers if drafter.checkpoint_fn is not None else 0,
                   compiled_layers=bool(a.compile_layers), zero_stage=ds_cfg.get("zero_optimization", {}).get("stage"),
                   loss_chunks=setup.recipe.objective.loss_chunks, **extra)
-    record_rates(result, setup.plan.grad_accum * setup.spec.rows * a.seq_len, flops, ceiling)
+    record_rates(result, setup.plan.grad_accum * setup.payload.rows * a.seq_len, flops, ceiling)
     add_useful(result, row_doc_ids)
     return result
 
 
-def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
+def _transport_worker(rank: int, port: int, layout, args: dict, queue) -> None:
     import torch.distributed as dist
 
-    from dflash_ds.spec.payload import write_meta
+    from dflash_ds.resolve.payload import write_meta
     from dflash_ds.runtime.transport import Receiver, Sender
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -214,16 +214,16 @@ def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
     total = args["warmup"] + args["steps"]
     try:
         if rank == 1:  # target: sends the same buffers over and over (the fill is not what is measured)
-            tx = Sender(spec, device, args["in_flight"])
-            zeros = torch.zeros(spec.rows, spec.seq_len, dtype=torch.long)
+            tx = Sender(layout, device, args["in_flight"])
+            zeros = torch.zeros(layout.rows, layout.seq_len, dtype=torch.long)
             for buf in tx.free:
-                write_meta(buf, spec, zeros, zeros, zeros)
+                write_meta(buf, layout, zeros, zeros, zeros)
             for _ in range(total):
                 tx.send(tx.buffer(), dst=0)
             tx.flush()
             queue.put({"rank": 1, "send_wait_s": tx.wait_seconds})
         else:
-            rx = Receiver(spec, device, args["depth"], [1] * total)
+            rx = Receiver(layout, device, args["depth"], [1] * total)
             for _ in range(args["warmup"]):
                 rx.release(rx.get())
             synchronize(device)
@@ -243,10 +243,10 @@ def _transport_worker(rank: int, port: int, spec, args: dict, queue) -> None:
 def run_transport(setup: Setup, ceiling: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from dflash_ds.spec.payload import PayloadSpec
+    from dflash_ds.resolve.payload import PayloadLayout
 
     a = setup.args
-    spec = PayloadSpec(setup.spec.rows, setup.spec.seq_len, setup.spec.num_taps, setup.spec.hidden, torch.bfloat16)
+    layout = PayloadLayout(setup.payload.rows, setup.payload.seq_len, setup.payload.num_taps, setup.payload.hidden, torch.bfloat16)
     if a.transport_backend == "nccl" and torch.cuda.device_count() < 2:
         raise ValueError("--transport-backend nccl needs 2 visible GPUs; use gloo (the host path) on this machine")
     if a.warmup < 1 or a.steps < 1:
@@ -256,7 +256,7 @@ def run_transport(setup: Setup, ceiling: dict) -> dict:
     port = free_port()
     wargs = {"backend": a.transport_backend, "warmup": a.warmup, "steps": a.steps, "in_flight": a.in_flight,
              "depth": a.recv_depth}
-    procs = [ctx.Process(target=_transport_worker, args=(r, port, spec, wargs, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_transport_worker, args=(r, port, layout, wargs, queue)) for r in range(2)]
     for p in procs:
         p.start()
     reports = {}
@@ -274,7 +274,7 @@ def run_transport(setup: Setup, ceiling: dict) -> dict:
         raise RuntimeError(f"transport worker exited with {bad}")
     seconds = reports[0]["seconds"]
     per_s = a.steps / seconds
-    return {"backend": a.transport_backend, "payload_shape": list(spec.shape), "payload_bytes": spec.nbytes,
-            "payloads": a.steps, "seconds": seconds, "payloads_per_s": per_s, "gb_s": per_s * spec.nbytes / 1e9,
-            "tok_s": per_s * spec.rows * spec.seq_len, "in_flight": a.in_flight, "recv_depth": a.recv_depth,
+    return {"backend": a.transport_backend, "payload_shape": list(layout.shape), "payload_bytes": layout.nbytes,
+            "payloads": a.steps, "seconds": seconds, "payloads_per_s": per_s, "gb_s": per_s * layout.nbytes / 1e9,
+            "tok_s": per_s * layout.rows * layout.seq_len, "in_flight": a.in_flight, "recv_depth": a.recv_depth,
             "send_wait_s": reports[1]["send_wait_s"], "recv_wait_s": reports[0]["recv_wait_s"]}

@@ -18,10 +18,10 @@ import torch
 
 from dflash_ds.config import Recipe
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.spec.run import RunSpec
+from dflash_ds.resolve.run import RunSpec
 from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
-from dflash_ds.spec.plan import Plan
-from dflash_ds.spec.payload import PayloadSpec
+from dflash_ds.resolve.plan import Plan
+from dflash_ds.resolve.payload import PayloadLayout
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"
@@ -51,7 +51,7 @@ class Setup:
         return self.run.plan
 
     @property
-    def spec(self) -> PayloadSpec:
+    def payload(self) -> PayloadLayout:
         return self.run.payload
 
     @property
@@ -60,7 +60,7 @@ class Setup:
 
 
 def pick_device(name: str) -> torch.device:
-    from dflash_ds.spec.run import resolve_device
+    from dflash_ds.resolve.run import resolve_device
 
     return resolve_device(name, "--device")
 
@@ -99,9 +99,9 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     output directory are overridden for a single-rank colocated layout, the one every role fits.
     """
     from dflash_ds.config import load_recipe
-    from dflash_ds.spec.run import payload_spec, plan_and_memory
-    from dflash_ds.target.model import DTYPES, load_config, target_geometry, text_config
-    from dflash_ds.target.presets import get_geometry, target_config
+    from dflash_ds.resolve.run import payload_layout, plan_and_memory
+    from dflash_ds.target_model.model import DTYPES, load_config, target_geometry, text_config
+    from dflash_ds.target_model.presets import get_geometry, target_config
 
     cuda = device.type == "cuda"
     recipe_path = Path(args.recipe) if args.recipe else DEFAULT_RECIPE
@@ -159,9 +159,9 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     geo = target_geometry(tcfg)
     plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)
     # The bench's dtype: target.dtype on a GPU, float32 on CPU (its drafter JSON agrees with it);
-    # training runs take the payload dtype from spec.dtypes.payload_dtype (check_recipe).
+    # training runs take the payload dtype from resolve.dtypes.payload_dtype (resolve_run).
     dtype = DTYPES[recipe.target.dtype] if cuda else torch.float32
-    payload = payload_spec(recipe, dcfg, dtype)
+    payload = payload_layout(recipe, dcfg, dtype)
     run = RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, rows_known=True)
     return Setup(args, tcfg, geometry_name, run)
 

@@ -15,7 +15,7 @@ def build_target_model(setup: Setup, use_engine: bool):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.target.model import DTYPES, truncate_after
+    from dflash_ds.target_model.model import DTYPES, truncate_after
 
     dtype = DTYPES[setup.recipe.target.dtype]
     torch.manual_seed(setup.args.seed)
@@ -26,7 +26,7 @@ def build_target_model(setup: Setup, use_engine: bool):
     model.requires_grad_(False)
     model.eval()
     if setup.recipe.target.quantization == "fp8" and getattr(setup.args, "fp8_blocks", False):
-        from dflash_ds.target.fp8 import BLOCKS, quantize_model
+        from dflash_ds.target_model.fp8 import BLOCKS, quantize_model
 
         quantize_model(model, BLOCKS)  # as a published FP8 checkpoint stores it; the engine keeps these
     kind = "none"
@@ -40,7 +40,7 @@ def target_replica(setup: Setup, model):
     target.quantization: fp8), with the target kernels the flags leave in (--no-fla-conv,
     --no-fused-target)."""
     from dflash_ds.runtime.engines import quantized_replica, speed_up_target_kernels
-    from dflash_ds.spec.ds_config import target_ds_config
+    from dflash_ds.resolve.ds_config import target_ds_config
 
     speed_up_target_kernels(fla_short_conv=not getattr(setup.args, "no_fla_conv", False),
                             fused_elementwise=not getattr(setup.args, "no_fused_target", False))
@@ -60,7 +60,7 @@ def target_worker(setup: Setup, model):
 def time_target(setup: Setup, worker, ceiling: dict, t_build: float, **extra) -> dict:
     """The timed fill loop of a target rank (every micro-batch of each step), its rates and MFU."""
     a, plan = setup.args, setup.plan
-    buf = setup.spec.empty(setup.device)
+    buf = setup.payload.empty(setup.device)
 
     def step(s: int) -> None:
         for g in range(plan.grad_accum):
@@ -68,7 +68,7 @@ def time_target(setup: Setup, worker, ceiling: dict, t_build: float, **extra) ->
 
     result = drive(step, setup.device, a.warmup, a.steps, t_build, a.profile)
     flops = target_flops_per_micro(setup, worker.model)
-    result.update(taps=setup.tap_ids, flops_per_micro=flops, payload_bytes=setup.spec.nbytes, **extra)
-    record_rates(result, plan.grad_accum * setup.spec.rows * a.seq_len, plan.grad_accum * flops["total"], ceiling)
+    result.update(taps=setup.tap_ids, flops_per_micro=flops, payload_bytes=setup.payload.nbytes, **extra)
+    record_rates(result, plan.grad_accum * setup.payload.rows * a.seq_len, plan.grad_accum * flops["total"], ceiling)
     add_useful(result, worker.rows["doc_ids"])
     return result

@@ -1,7 +1,7 @@
 """Typed recipe: frozen dataclasses mirroring the YAML sections.
 
 Unknown keys are errors naming their dotted path; `key.sub=value` overrides go through the same
-validation; nothing mutates a recipe afterwards (spec.run.check_recipe resolves it into a RunSpec).
+validation; nothing mutates a recipe afterwards (resolve.run.resolve_run resolves it into a RunSpec).
 
 One concern per module, importing nothing else from dflash_ds:
   errors.py    RecipeError, the one error a user's recipe raises before launch
@@ -15,12 +15,12 @@ from dflash_ds.config.checks import validate
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.load import build_recipe, dump_yaml, load_recipe, parse_overrides
 from dflash_ds.config.recipe import Recipe, ranks_per_node
-from dflash_ds.config.sections import (ANCHORS_PER_TOKEN, BENCHMARK_SETS, CheckpointConfig, DataConfig, DrafterSection,
+from dflash_ds.config.sections import (ANCHORS_PER_TOKEN, BENCHMARK_SETS, CheckpointConfig, DataConfig, DrafterConfig,
                                        EvalConfig, LogConfig, ObjectiveConfig, OptimConfig, RegenerateConfig, RunConfig,
                                        TargetConfig, TopologyConfig, WandbConfig, default_anchors)
 
 __all__ = [
-    "ANCHORS_PER_TOKEN", "BENCHMARK_SETS", "CheckpointConfig", "DataConfig", "DrafterSection", "EvalConfig", "LogConfig",
+    "ANCHORS_PER_TOKEN", "BENCHMARK_SETS", "CheckpointConfig", "DataConfig", "DrafterConfig", "EvalConfig", "LogConfig",
     "ObjectiveConfig", "OptimConfig", "Recipe", "RecipeError", "RegenerateConfig", "RunConfig", "TargetConfig",
     "TopologyConfig", "WandbConfig", "build_recipe", "default_anchors", "dump_yaml", "load_recipe", "parse_overrides",
     "ranks_per_node", "validate",

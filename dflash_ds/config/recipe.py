@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from dflash_ds.config.sections import (CheckpointConfig, DataConfig, DrafterSection, EvalConfig, LogConfig,
+from dflash_ds.config.sections import (CheckpointConfig, DataConfig, DrafterConfig, EvalConfig, LogConfig,
                                        ObjectiveConfig, OptimConfig, RunConfig, TargetConfig, TopologyConfig,
                                        default_anchors)
 
@@ -17,7 +17,7 @@ from dflash_ds.config.sections import (CheckpointConfig, DataConfig, DrafterSect
 class Recipe:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: DrafterSection = field(default_factory=DrafterSection)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -45,7 +45,7 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
-class DrafterSection:
+class DrafterConfig:
     num_layers: int = 5
     """Drafter decoder layers (5 for dense targets in the paper)."""
     target_layer_ids: tuple[int, ...] | None = None

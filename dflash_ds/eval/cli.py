@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ds.eval.bench_run import (BenchOptions, Responder, bench_row, settings_of, table_lines,
+from dflash_ds.eval.benchmark_table import (BenchOptions, Responder, bench_row, settings_of, table_lines,
                                       tau_on_conversations, tau_on_prompts)
 from dflash_ds.eval.benchmarks import BENCHMARKS, HELDOUT, load_conversations, parse_names
 from dflash_ds.eval.generate import offline_tau

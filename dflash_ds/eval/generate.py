@@ -8,7 +8,7 @@ import torch
 
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
-from dflash_ds.target.model import TapCapture, forward_taps, text_config
+from dflash_ds.target_model.model import TapCapture, forward_taps, text_config
 
 
 def eos_ids(target, eos_token_id=None) -> list[int]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.target.model import load_config, text_config
+from dflash_ds.target_model.model import load_config, text_config
 
 
-def load_target(path: str, device: torch.device):
+def load_eval_target(path: str, device: torch.device):
+    """The whole causal LM (with its lm_head, unlike target_model.load_target) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -34,7 +35,7 @@ def load_pair(target_path: str, drafter_path: str):
         drafter = load_drafter(drafter_path, device=device)
     except ValueError as e:
         raise ValueError(f"--drafter: {e}") from None
-    target, tokenizer = load_target(target_path, device)
+    target, tokenizer = load_eval_target(target_path, device)
     drafter = drafter.to(next(target.parameters()).dtype)
     model = DraftModel.from_target(drafter, target)
     check_pair(model, target, drafter_path)

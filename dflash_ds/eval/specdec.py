@@ -25,7 +25,7 @@ import torch
 from dflash_ds.model.attention import DFlashMask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.generate import eos_ids
-from dflash_ds.target.model import TapCapture, text_config
+from dflash_ds.target_model.model import TapCapture, text_config
 
 
 @torch.no_grad()

@@ -4,11 +4,11 @@
 target's config (`DrafterShape.from_target`), or read back from an export (`from_hf_config`). The
 drafter module (`model.drafter.DFlashDrafter`), the per-micro-batch step settings
 (`model.loss.StepSettings`: block size, mask id), the payload on the wire (`runtime.transport.
-PayloadSpec`: the number of taps and their width) and the exported config.json (`to_hf_config`)
+PayloadLayout`: the number of taps and their width) and the exported config.json (`to_hf_config`)
 all read it; none of them keeps a copy of these values of its own.
 
 Adding a field (e.g. a per-layer window, a convolution, a selector):
-  1. the recipe key in `config.DrafterSection` (with its docstring);
+  1. the recipe key in `config.DrafterConfig` (with its docstring);
   2. the field here, set in `from_target` from the recipe section (model code never imports the
      recipe: the section is read by attribute name), validated in `__post_init__`;
   3. written by `to_hf_config` and read by `from_hf_config` (the export round-trips it);
@@ -244,7 +244,7 @@ class DrafterShape:
     @classmethod
     def from_target(cls, target_config: Any, choices: Any) -> "DrafterShape":
         """The shape for a transformers target config (Qwen3, Qwen3.5/3.6, Llama-style) and the
-        recipe's choices: `choices` is the recipe's `drafter` section (config.DrafterSection), read
+        recipe's choices: `choices` is the recipe's `drafter` section (config.DrafterConfig), read
         by attribute name (num_layers, block_size, mask_token_id, target_layer_ids,
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim; None = the target's;
         layer_types, sliding_window, is_causal; None = every layer full, no window, the engines' default;

@@ -1,3 +1,3 @@
 """The distributed run: what needs processes and groups. Process groups and DeepSpeed engines, the
 payload transport, the target and drafter roles, checkpoints, the run's safety. The resolve step
-(recipe -> RunSpec) is spec/, which imports nothing from here."""
+(recipe -> RunSpec) is resolve/, which imports nothing from here."""

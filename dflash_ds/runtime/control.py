@@ -27,7 +27,7 @@ from dflash_ds.runtime.signals import StopRequest
 from dflash_ds.runtime.watchdog import Peer, Watchdog
 from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, exit_now, say, \
     transport_failure
-from dflash_ds.spec import contract
+from dflash_ds.resolve import contract
 
 LEFT_DIR = ".left"  # under run.output_dir: ranks that exited on purpose (see watchdog.Watchdog.mark_left)
 
@@ -36,7 +36,7 @@ def decide_start(recipe) -> dict | None:
     """Where a run starts: the checkpoint `checkpoint.resume` picks in run.output_dir (latest.json's,
     or with `fallback` the newest complete one), None for step 0. Raises CheckpointError.
 
-    A resume must keep the run's contract (spec/contract.py): one that changes the drafter's shape,
+    A resume must keep the run's contract (resolve/contract.py): one that changes the drafter's shape,
     the data stream or the taps raises RecipeError naming each key; the settings it may change and
     does are in the result's "changed" line."""
     start = checkpoint.resolve(recipe.run.output_dir, recipe.checkpoint.resume)

@@ -17,7 +17,7 @@ transformers 5.17):
 |                        | unloaded weights when rank 0 is a drafter)                             |
 
 Checkpoint tag validation (a WORLD all-reduce in save_checkpoint) is switched off in the JSON
-instead: spec/ds_config.py's drafter_ds_config writes `"checkpoint": {"tag_validation": "Ignore"}`.
+instead: resolve/ds_config.py's drafter_ds_config writes `"checkpoint": {"tag_validation": "Ignore"}`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from dflash_ds.runtime import deepspeed_patches as patches
 from dflash_ds.config import Recipe
-from dflash_ds.spec.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
-from dflash_ds.spec.plan import Plan, lr_factor
-from dflash_ds.spec.topology import Layout
+from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
+from dflash_ds.resolve.plan import Plan, lr_factor
+from dflash_ds.resolve.topology import Layout
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
 
 
 def speed_up_target_kernels(fla_short_conv: bool = True, fused_elementwise: bool = True) -> None:
-    """Swap in the faster target kernels of target/kernels.py (GPU only). Training always uses both;
+    """Swap in the faster target kernels of target_model/kernels.py (GPU only). Training always uses both;
     the bench's --no-fla-conv and --no-fused-target leave them out for A/B runs."""
-    from dflash_ds.target.kernels import fuse_target_elementwise, use_fla_short_conv
+    from dflash_ds.target_model.kernels import fuse_target_elementwise, use_fla_short_conv
 
     if fla_short_conv:
         use_fla_short_conv()
@@ -119,8 +119,8 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the
     target group at load time, gathered layer by layer each forward.
     """
-    from dflash_ds.target import fp8 as fp8_target
-    from dflash_ds.target.model import load_target
+    from dflash_ds.target_model import fp8 as fp8_target
+    from dflash_ds.target_model.model import load_target
     from dflash_ds.runtime.zero_inference import load_target_zero3
 
     speed_up_target_kernels()
@@ -142,7 +142,7 @@ def quantized_replica(recipe: Recipe, model: torch.nn.Module, cfg: dict, device:
     device, after the move; an FP8 checkpoint's layers already are), compiled for the micro-batch
     shape. The replica JSON's dtype equals target.dtype (checked before launch), which the model was
     loaded in, so the FP8 weights are never cast."""
-    from dflash_ds.target import fp8 as fp8_target
+    from dflash_ds.target_model import fp8 as fp8_target
 
     if recipe.target.quantization != "fp8":
         return replica(model, cfg, device)

@@ -61,9 +61,9 @@ def prelaunch(recipe: Recipe) -> dict[str, str]:
     if Path(recipe.run.output_dir).exists():
         check_resume(recipe)
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.spec.run import check_recipe
+    from dflash_ds.resolve.run import resolve_run
 
-    check_recipe(recipe, ranks_per_node(recipe))
+    resolve_run(recipe, ranks_per_node(recipe))
     load_training_data(recipe)
     check_benchmarks(recipe)
     return env

@@ -22,11 +22,11 @@ from dflash_ds.data.packing import position_ids_from_doc_ids
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import target_counters, write_status
-from dflash_ds.spec.run import RunSpec
+from dflash_ds.resolve.run import RunSpec
 from dflash_ds.runtime.profiling import StepProfiler
-from dflash_ds.spec.payload import taps_view, write_meta
+from dflash_ds.resolve.payload import taps_view, write_meta
 from dflash_ds.runtime.transport import Sender
-from dflash_ds.target.model import TapCapture, forward_taps, truncate_after
+from dflash_ds.target_model.model import TapCapture, forward_taps, truncate_after
 
 
 def wants_eval(spec: RunSpec, data: PreparedData) -> bool:

@@ -32,9 +32,9 @@ from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wa
 from dflash_ds.runtime.transport import NoSyncTimer, Receiver, SyncStallTimer
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped
-from dflash_ds.spec.payload import PayloadSpec, unpack
-from dflash_ds.spec.plan import receive_depth
-from dflash_ds.spec.run import RunSpec
+from dflash_ds.resolve.payload import PayloadLayout, unpack
+from dflash_ds.resolve.plan import receive_depth
+from dflash_ds.resolve.run import RunSpec
 
 
 @dataclass
@@ -115,7 +115,7 @@ class DrafterTrainer:
         (fresh or drafter.init_from) under its engine, resumed at the step `control` decided, the
         held-out payloads, and the payload source."""
         from dflash_ds.runtime.engines import build_drafter_engine
-        from dflash_ds.target.model import embed_and_head
+        from dflash_ds.target_model.model import embed_and_head
 
         r, lay = spec.recipe, spec.layout
         lead = rank == lay.drafter_ranks[0]
@@ -273,7 +273,7 @@ class DrafterTrainer:
 
 
 @torch.no_grad()
-def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], spec: PayloadSpec, dtype: torch.dtype) -> TauReport:
+def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], layout: PayloadLayout, dtype: torch.dtype) -> TauReport:
     """Exact offline tau of the held-out payloads (loss_mask marks each response)."""
     drafter = model.drafter
     was_training = drafter.training
@@ -283,7 +283,7 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], spec: Paylo
     with torch.compiler.set_stance("force_eager"):
         device = next(drafter.parameters()).device
         for p in payloads:
-            mb = unpack(p.to(device), spec, dtype)
+            mb = unpack(p.to(device), layout, dtype)
             for j in range(mb.input_ids.shape[0]):
                 # Each document of the row is one held-out sequence (target_worker.eval_rows).
                 for d in range(int(mb.doc_ids[j].max()) + 1):

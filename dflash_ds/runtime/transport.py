@@ -1,4 +1,4 @@
-"""Point-to-point transport of payloads (spec/payload.py: their layout) between target and drafter ranks.
+"""Point-to-point transport of payloads (resolve/payload.py: their layout) between target and drafter ranks.
 
 One send per micro-batch keeps NCCL/gloo overheads to a minimum; the waits on peers are timed
 (`WaitTimer`, `SyncStallTimer`) and guarded by the watchdog.
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.runtime.watchdog import waiting_on
-from dflash_ds.spec.payload import PayloadSpec
+from dflash_ds.resolve.payload import PayloadLayout
 
 
 class WaitTimer:
@@ -92,12 +92,12 @@ class NoSyncTimer:
 class Sender:
     """Asynchronous sends with at most `max_in_flight` outstanding; buffers are recycled."""
 
-    def __init__(self, spec: PayloadSpec, device, max_in_flight: int):
-        self.spec = spec
+    def __init__(self, layout: PayloadLayout, device, max_in_flight: int):
+        self.layout = layout
         self.device = device
         self.max_in_flight = max_in_flight
         self.pending: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
-        self.free: list[torch.Tensor] = [spec.empty(device) for _ in range(max_in_flight + 1)]
+        self.free: list[torch.Tensor] = [layout.empty(device) for _ in range(max_in_flight + 1)]
         self.timer = WaitTimer(device)
         self.sent = 0
 
@@ -145,12 +145,12 @@ class Receiver:
     `depth` receives are posted ahead so the next payload lands while the current one is used.
     """
 
-    def __init__(self, spec: PayloadSpec, device, depth: int, sources, group=None):
-        self.spec = spec
+    def __init__(self, layout: PayloadLayout, device, depth: int, sources, group=None):
+        self.layout = layout
         self.sources = iter(sources)
         self.group = group
         self.posted: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
-        self.free = [spec.empty(device) for _ in range(depth)]
+        self.free = [layout.empty(device) for _ in range(depth)]
         self.timer = WaitTimer(device)
         self.received = 0
         self._fill()

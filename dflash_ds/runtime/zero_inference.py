@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dflash_ds.runtime import deepspeed_patches as patches
-from dflash_ds.target.model import DTYPES, TargetError, base_model, freeze, load_config
+from dflash_ds.target_model.model import DTYPES, TargetError, base_model, freeze, load_config
 
 
 def config_dtype(ds_config: dict) -> torch.dtype:

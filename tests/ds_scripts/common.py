@@ -124,7 +124,7 @@ LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.01, 0.5
 def drafter_ds_config(num_drafters: int, rows: int, grad_accum: int) -> dict:
     """The runtime's drafter JSON (ds_configs/drafter_zero2_cpu.json) with the recipe's values injected."""
     from dflash_ds.config import load_recipe
-    from dflash_ds.spec.ds_config import drafter_ds_config as build
+    from dflash_ds.resolve.ds_config import drafter_ds_config as build
 
     recipe = load_recipe(str(ROOT / "recipes" / "tiny.yaml"), [
         f"optim.rows_per_micro_batch={rows}", f"optim.grad_accum={grad_accum}",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.runtime import deepspeed_patches as patches
-from dflash_ds.target.model import TapCapture, forward_taps, load_target
+from dflash_ds.target_model.model import TapCapture, forward_taps, load_target
 from dflash_ds.runtime.zero_inference import load_target_zero3
 
 LAYER_IDS = [0, 2]

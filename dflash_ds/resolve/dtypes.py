@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.spec.ds_config import replica_dtype
-from dflash_ds.target.model import DTYPES
+from dflash_ds.resolve.ds_config import replica_dtype
+from dflash_ds.target_model.model import DTYPES
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")

@@ -19,7 +19,7 @@ META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 
 
 @dataclass(frozen=True)
-class PayloadSpec:
+class PayloadLayout:
     rows: int
     seq_len: int
     num_taps: int
@@ -50,34 +50,34 @@ class PayloadSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
-def taps_view(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
-    return payload[..., : spec.tap_cols]
+def taps_view(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
+    return payload[..., : layout.tap_cols]
 
 
-def layer_taps(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor:
+def layer_taps(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
     """The tapped layers' states [..., T*D] (what the drafter fuses)."""
-    return payload[..., : spec.num_taps * spec.hidden]
+    return payload[..., : layout.num_taps * layout.hidden]
 
 
-def final_hidden(payload: torch.Tensor, spec: PayloadSpec) -> torch.Tensor | None:
+def final_hidden(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor | None:
     """The target's final-norm states [..., D] when the payload carries them, else None."""
-    return payload[..., spec.num_taps * spec.hidden: spec.tap_cols] if spec.final_norm else None
+    return payload[..., layout.num_taps * layout.hidden: layout.tap_cols] if layout.final_norm else None
 
 
-def write_meta(payload: torch.Tensor, spec: PayloadSpec, input_ids, loss_mask, doc_ids) -> None:
+def write_meta(payload: torch.Tensor, layout: PayloadLayout, input_ids, loss_mask, doc_ids) -> None:
     meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
-    payload[..., spec.tap_cols:] = meta.view(spec.dtype).to(payload.device)
+    payload[..., layout.tap_cols:] = meta.view(layout.dtype).to(payload.device)
 
 
-def read_meta(payload: torch.Tensor, spec: PayloadSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def read_meta(payload: torch.Tensor, layout: PayloadLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A last-dim slice cannot be reinterpreted in place, so the (tiny) metadata is copied out.
-    meta = payload[..., spec.tap_cols:].contiguous().view(torch.int32)
+    meta = payload[..., layout.tap_cols:].contiguous().view(torch.int32)
     return meta[..., 0].long(), meta[..., 1].bool(), meta[..., 2]
 
 
-def unpack(payload: torch.Tensor, spec: PayloadSpec, dtype: torch.dtype) -> MicroBatch:
+def unpack(payload: torch.Tensor, layout: PayloadLayout, dtype: torch.dtype) -> MicroBatch:
     """A received payload as the drafter's micro-batch, taps cast to the compute dtype."""
-    ids, loss_mask, doc_ids = read_meta(payload, spec)
-    final = final_hidden(payload, spec)
-    return MicroBatch(layer_taps(payload, spec).to(dtype), ids, loss_mask, doc_ids,
+    ids, loss_mask, doc_ids = read_meta(payload, layout)
+    final = final_hidden(payload, layout)
+    return MicroBatch(layer_taps(payload, layout).to(dtype), ids, loss_mask, doc_ids,
                       None if final is None else final.to(dtype))

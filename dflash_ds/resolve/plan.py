@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.spec.topology import Layout
+from dflash_ds.resolve.topology import Layout
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 At the end of a training run the lead drafter rank evaluates the export on `eval.benchmarks`
 (`after_training`, called by train.py, which then redraws the report; `python -m
-dflash_ds.eval.bench_run RECIPE [key=value ...]` does the same on its own): it writes
+dflash_ds.eval.benchmark_table RECIPE [key=value ...]` does the same on its own): it writes
 `<run.output_dir>/benchmarks.json` and adds the table to the export's model card.
 """
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python -m dflash_ds.eval.bench_run RECIPE [key=value ...]", file=sys.stderr)
+        print("usage: python -m dflash_ds.eval.benchmark_table RECIPE [key=value ...]", file=sys.stderr)
         return Exit.USER
     try:
         recipe = load_recipe(argv[0], argv[1:])

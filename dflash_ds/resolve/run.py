@@ -1,6 +1,6 @@
 """The run spec: everything about a run that follows from the recipe and the world size, resolved once.
 
-`check_recipe` runs every check that needs no GPU and no process group, on every rank before the
+`resolve_run` runs every check that needs no GPU and no process group, on every rank before the
 process group exists, so a bad recipe stops all ranks at once with one message naming the setting
 at fault and the fix. What it returns is frozen: nothing fills fields in later. What belongs to a
 process rather than to the run (its rank, its process groups, the loaded rows) is held by the
@@ -20,13 +20,13 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.loss import StepSettings
 from dflash_ds.model.shape import COMPARED, DrafterShape
-from dflash_ds.spec.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.spec.dtypes import payload_dtype
-from dflash_ds.spec.payload import PayloadSpec
-from dflash_ds.spec.plan import Plan, drafter_params, memory_estimate, resolve
-from dflash_ds.spec.topology import Layout, TopologyError
-from dflash_ds.target import fp8
-from dflash_ds.target.model import Geometry, load_config, target_geometry
+from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
+from dflash_ds.resolve.dtypes import payload_dtype
+from dflash_ds.resolve.payload import PayloadLayout
+from dflash_ds.resolve.plan import Plan, drafter_params, memory_estimate, resolve
+from dflash_ds.resolve.topology import Layout, TopologyError
+from dflash_ds.target_model import fp8
+from dflash_ds.target_model.model import TargetShape, load_config, target_geometry
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class RunSpec:
     recipe: Recipe
     device: torch.device  # this rank's device (cuda:LOCAL_RANK or cpu)
     dtype: torch.dtype  # taps on the wire, the frozen embedding / lm_head, the drafter's inputs
-    geometry: Geometry  # the target's
+    geometry: TargetShape  # the target's
     drafter: DrafterShape  # the one source of the drafter's shape (module, step settings, payload, export)
-    payload: PayloadSpec  # one micro-batch on the wire
+    payload: PayloadLayout  # one micro-batch on the wire
     plan: Plan  # batch arithmetic, step counts, the schedule
     memory: dict[str, float]  # rough GiB per rank by role
     rows_known: bool  # False: the plan assumes one step per epoch (data not prepared yet)
@@ -78,7 +78,7 @@ def check_world(recipe: Recipe, world_size: int) -> Layout:
         raise RecipeError(str(exc)) from None
 
 
-def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -> RunSpec:
+def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) -> RunSpec:
     """Every pre-launch check, then the resolved spec. Without `num_rows` (the data is prepared
     after the process group starts) the plan assumes one step per epoch: `RunSpec.with_rows` then
     gives the exact one."""
@@ -108,7 +108,7 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
               "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
-    payload = payload_spec(recipe, dcfg, dtype)
+    payload = payload_layout(recipe, dcfg, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()
     if rows is None:
@@ -120,10 +120,10 @@ def check_recipe(recipe: Recipe, world_size: int, num_rows: int | None = None) -
     return RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, num_rows is not None, notes)
 
 
-def payload_spec(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> PayloadSpec:
+def payload_layout(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> PayloadLayout:
     """One micro-batch on the wire: the shape's taps at its width (the target's hidden size), in
     `dtype`. With the KL term on, targets also send their final-norm states (one more tap)."""
-    return PayloadSpec(recipe.optim.rows_per_micro_batch, recipe.data.row_length, shape.num_taps, shape.hidden_size,
+    return PayloadLayout(recipe.optim.rows_per_micro_batch, recipe.data.row_length, shape.num_taps, shape.hidden_size,
                        dtype, final_norm=recipe.objective.kl_weight > 0)
 
 
@@ -150,7 +150,7 @@ def _plain(value) -> str:
     return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
-def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: Geometry,
+def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetShape,
                     num_rows: int) -> tuple[Plan, dict[str, float]]:
     """The plan for `num_rows` prepared rows and the rough memory per rank it implies."""
     plan = resolve(recipe, world_size, num_rows)

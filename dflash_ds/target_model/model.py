@@ -28,7 +28,7 @@ def text_config(config):
 
 
 @dataclass(frozen=True)
-class Geometry:
+class TargetShape:
     num_layers: int
     hidden_size: int
     vocab_size: int
@@ -49,9 +49,9 @@ def is_hybrid(config) -> bool:
         ("qwen3_5", "qwen3_next"))
 
 
-def target_geometry(config) -> Geometry:
+def target_geometry(config) -> TargetShape:
     tc = text_config(config)
-    return Geometry(
+    return TargetShape(
         num_layers=tc.num_hidden_layers,
         hidden_size=tc.hidden_size,
         vocab_size=tc.vocab_size,
@@ -104,7 +104,7 @@ def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16
     dequantized weights (transformers dequantizes them itself when no GPU is present)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.target import fp8
+    from dflash_ds.target_model import fp8
 
     config = load_config(path)
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
@@ -195,7 +195,7 @@ def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor,
     Gated DeltaNet state and convolution restart per document, and on CUDA the full-attention
     layers run FlashAttention's varlen kernel per document instead of a masked SDPA.
     """
-    from dflash_ds.target.packed import packed_documents
+    from dflash_ds.target_model.packed import packed_documents
 
     capture.out = out
     base = base_model(model)
@@ -249,7 +249,7 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
             w = f.get_tensor(name)
         scale_name = name + "_scale_inv"  # an FP8 checkpoint that quantized it too: dequantize
         if scale_name in weight_map:
-            from dflash_ds.target.fp8 import dequantize
+            from dflash_ds.target_model.fp8 import dequantize
 
             with safe_open(str(root / weight_map[scale_name]), "pt", device="cpu") as f:
                 w = dequantize(w, f.get_tensor(scale_name))
