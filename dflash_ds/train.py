@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         code = after_training(recipe)  # the other ranks have gone: the devices are free
         if code == Exit.OK:
             finish_run(recipe.run.output_dir, None)  # the report again, now with the table
+    from dflash_ds.runtime.profiling import profiled
+
+    if profiled():  # everything is written; the teardown it skips can crash (runtime.profiling.profiled)
+        sys.stderr.flush()
+        exit_now(code)
     return code
 
 

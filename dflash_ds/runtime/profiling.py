@@ -119,6 +119,17 @@ def _kernel_entry(name: str, seconds: float, calls: int, beside) -> dict:
     return entry
 
 
+# Set once a window opens in this process: see `profiled`.
+_opened = False
+
+
+def profiled() -> bool:
+    """Whether this process ran the profiler. Such a process ends without interpreter teardown: the
+    profiler's global state and gloo's worker threads are destroyed in no fixed order at finalisation,
+    which now and then ends a finished rank with SIGSEGV after its last file is written."""
+    return _opened
+
+
 class StepProfiler:
     """Call `before(n)` and `after(n)` around step n (1-based); inactive unless log.profile_start > 0."""
 
@@ -139,6 +150,9 @@ class StepProfiler:
         if self.first <= 0 or step != self.first:
             return
         from torch.profiler import ProfilerActivity, profile
+
+        global _opened
+        _opened = True
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._sync()
