@@ -39,7 +39,7 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
         opt.zero_grad()
         total = 0.0
-        term = settings.selector_term(step, plan.total_steps)
+        term = settings.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(model, mb, bl, weight, settings, term)
             out.loss.backward()

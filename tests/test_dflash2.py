@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.model.attention import build_mask
-from dflash_ds.model.dflash2 import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
+from dflash_ds.model.variants.dflash2_parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
@@ -417,8 +417,8 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
                                       bl.weights.view(-1, B)[:, 1:].reshape(-1).double(), inject)
     torch.testing.assert_close(out.loss, base.loss + 0.7 * ref / w, rtol=1e-9, atol=1e-9)
     assert (float(out.kl_sum) > 0) == (kl > 0)
-    torch.testing.assert_close(out.selector[0], ref, rtol=1e-9, atol=1e-9)
-    assert float(ref) > 0 and (inject or float(out.selector[1]) > 0)
+    torch.testing.assert_close(out.extra[0], ref, rtol=1e-9, atol=1e-9)
+    assert float(ref) > 0 and (inject or float(out.extra[1]) > 0)
     out.loss.backward()
     assert m.candidate_selector.predecessor_codebook.grad.abs().sum() > 0
 

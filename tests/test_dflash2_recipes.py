@@ -36,7 +36,7 @@ def test_qwen27b_dflash2_recipe_is_the_published_shape():
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
             config["num_key_value_heads"], config["head_dim"]) == (5, 5120, 32, 8, 128)
     # Parameters: the two codebooks are 2 * V * r = 127M at V = 248,320, r = 256.
-    assert 2 * shape.vocab_size * shape.selector_rank == 127_139_840
+    assert 2 * shape.vocab_size * shape.arch_fields.selector_rank == 127_139_840
 
 
 def test_dflash2_tap_preset_for_the_64_layer_geometry():
@@ -61,12 +61,12 @@ def test_dflash2_tap_preset_for_the_64_layer_geometry():
 ])
 def test_bad_dflash2_settings_stop_with_one_line(override, words):
     with pytest.raises(RecipeError) as e:
-        load_recipe(TINY2, [override])
+        resolve_run(load_recipe(TINY2, SMALL + [override]), world_size=2)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_group_size_that_does_not_divide_the_width_is_refused_before_launch():
-    with pytest.raises((RecipeError, ValueError)) as e:
+    with pytest.raises(RecipeError) as e:
         resolve_run(load_recipe(TINY2, SMALL + ["drafter.conv_group_size=48"]), world_size=2)
     assert "drafter.conv_group_size" in str(e.value)
 
@@ -75,7 +75,7 @@ def _export(tmp_path, recipe, overrides=()):
     spec = resolve_run(load_recipe(recipe, SMALL + list(overrides)), world_size=2)
     torch.manual_seed(7)
     drafter = DFlashDrafter(spec.drafter)
-    if drafter.candidate_selector is not None:
+    if hasattr(drafter, "candidate_selector"):
         with torch.no_grad():  # a selector that has learnt something, so loading it is visible
             drafter.candidate_selector.successor_codebook.normal_()
     return drafter, save_drafter(drafter, tmp_path / "export")
@@ -88,7 +88,7 @@ def test_init_from_a_dflash2_export(tmp_path):
     recipe = load_recipe(TINY2, SMALL + [f"drafter.init_from={path}", f"run.output_dir={tmp_path / 'run'}"])
     spec = resolve_run(recipe, world_size=2)
     drafter = build_drafter(spec)
-    assert drafter.config == spec.drafter and drafter.config.dflash2
+    assert drafter.config == spec.drafter and drafter.config.architecture == "dflash2"
     sel = drafter.candidate_selector.successor_codebook
     assert torch.allclose(sel, exported.candidate_selector.successor_codebook, atol=1e-2) and sel.abs().sum() > 0
     # A v1 recipe cannot continue it, nor a DFlash2 recipe a v1 export: one line naming the setting.

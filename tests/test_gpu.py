@@ -23,6 +23,7 @@ from dflash_ds.data.packing import position_ids_from_doc_ids
 from dflash_ds.model.attention import attend, build_layer_masks, build_mask
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from dflash_ds.model.objective import LossOptions, block_inputs, chunked_loss, sample_anchors
 
 pytestmark = pytest.mark.gpu
@@ -229,8 +230,8 @@ def _dflash2_drafter_and_inputs(device):
                        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
                        max_position_embeddings=8192, vocab_size=1000, num_target_layers=8,
                        target_layer_ids=(1, 3, 5), block_size=B, mask_token_id=999, tie_word_embeddings=False,
-                       layer_types=(_SLIDING, _SLIDING), sliding_window=200, is_causal=False, conv_kernel_size=2,
-                       conv_group_size=16, selector_rank=64, selector_top_k=16)
+                       layer_types=(_SLIDING, _SLIDING), sliding_window=200, is_causal=False, architecture="dflash2",
+                       arch_fields=DFlash2Fields(2, 16, 64, 16))
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).to(device)
     with torch.no_grad():
@@ -313,7 +314,7 @@ def test_dflash2_selector_kernels_at_27b_sizes(record):
     248,320, top 16, rank 256): the two-stage top-k gives torch.topk's values; `take_rows`'s gradient is the
     float64 segmented sum and the same bits twice; the selector loss fed the base loss's logits matches the
     one that recomputes them. Timings of the old and new kernels are recorded."""
-    from dflash_ds.model.dflash2 import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
+    from dflash_ds.model.variants.dflash2_parts import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
     from dflash_ds.model.gather import take_rows
     from dflash_ds.model.top_k import block_top_k
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, Qwen3Config
 
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.dflash2 import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
+from dflash_ds.model.variants.dflash2_parts import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales

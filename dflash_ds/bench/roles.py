@@ -190,7 +190,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
         flops += setup.plan.grad_accum * extra["target_flops_per_micro"]["total"]
     result.update(build_s=build_s, mask=mask, drafter_flops=counted, taps=setup.tap_ids,
                   drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-                  architecture="dflash2" if drafter.config.dflash2 else "dflash",
+                  architecture=drafter.config.architecture,
                   checkpointed_layers=drafter.checkpoint_layers if drafter.checkpoint_fn is not None else 0,
                   compiled_layers=bool(a.compile_layers), zero_stage=ds_cfg.get("zero_optimization", {}).get("stage"),
                   loss_chunks=setup.recipe.objective.loss_chunks, **extra)

@@ -23,7 +23,8 @@ from dflash_ds.model.compile import compile_once
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 from dflash_ds.model.top_k import block_top_k
 
-__all__ = ["ChunkPlan", "KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
+__all__ = ["ChunkPlan", "ChunkTerm", "ChunkView", "KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl",
+           "linear_cross_entropy_top_k"]
 
 
 class KLTerm(NamedTuple):
@@ -48,6 +49,44 @@ class ChunkPlan(NamedTuple):
     """> 0: also return each row's top-k token ids and raw logits."""
     transform: LogitTransform = IDENTITY
     """The target's logit scaling / softcap (model/logit_transform.py), applied before the softmax."""
+    term: "ChunkTerm | None" = None
+    """An architecture's term on each chunk's logits (ChunkTerm); with `KLTerm.target_hidden` and a KL
+    weight of 0 it still sees the target's logits."""
+
+
+class ChunkView(NamedTuple):
+    """One chunk's rows as a `ChunkTerm` sees them."""
+
+    z: torch.Tensor
+    """[c, V] the drafter's logits, biased and through the target's transform, in fp32 or wider (differentiable)."""
+    target_z: torch.Tensor | None
+    """[c, V] the target's logits of the same rows through its transform (a constant), when the
+    target's final-norm states are given; None otherwise."""
+    labels: torch.Tensor  # [c] (0 where the weight is 0)
+    weights: torch.Tensor  # [c] slot weights, fp32 or wider (0 on the padding rows)
+    rows: tuple[torch.Tensor, ...]  # the chunk's slices of `ChunkTerm.rows` (differentiable where they were)
+    params: tuple[torch.Tensor, ...]  # `ChunkTerm.params` (differentiable where they were)
+
+
+class ChunkTerm(NamedTuple):
+    """A term an architecture evaluates inside the fused loss, on each chunk's logits while they exist.
+
+    `bias(rows, params) -> [c, V]` is added to the drafter's raw logits before the target's transform
+    (the CE, the KL, the argmax hit and `loss` all see the biased logits; the top-k candidates are the
+    unbiased ones). `loss(view) -> (loss_sum, sums)`: a differentiable scalar added to the chunk's
+    sum(w * CE) (so it is divided by the same normaliser) and `num_sums` detached values summed over
+    the chunks for the logs. Gradients reach the drafter's states through the logits and the
+    tensors of `rows` and `params` that require them; both functions run under autograd on the
+    chunk alone, so only one chunk's graph ever exists. Padding rows have weight 0, rows of zeros
+    (a term must weight what it adds by `view.weights`)."""
+
+    rows: tuple[torch.Tensor, ...] = ()
+    """Per-row tensors `[n, ...]` in the loss's row order (`objective.slot_rows`)."""
+    params: tuple[torch.Tensor, ...] = ()
+    """Tensors read whole by every chunk (e.g. a head's weights)."""
+    bias: Callable | None = None
+    loss: Callable | None = None
+    num_sums: int = 0
 
 
 class _Settings(NamedTuple):
@@ -60,6 +99,8 @@ class _Settings(NamedTuple):
     kl: KLTerm | None
     top_k: int = 0  # > 0: also return each row's top_k token ids and raw logits, taken from the chunk's logits
     transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
+    term: ChunkTerm | None = None  # an architecture's term (its tensors travel as the Function's inputs)
+    target: torch.Tensor | None = None  # the target's final-norm states [n, D] for `term` (detached), KL off
 
 
 def _ce_stats(logits, labels, weights, transform):
@@ -128,11 +169,12 @@ def _elementwise(fn, device: torch.device):
     return compile_once(fn, dynamic=False, fullgraph=True)
 
 
-def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
-    """The whole computation; the gradients are those of loss = sum(w * (CE + kl_weight * T^2 *
-    KL)) / normaliser, the KL term's target states [n, D] being those of the same rows."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform = settings
-    target = kl_term.target_hidden if kl_term is not None else None
+def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_tensors=()):
+    """The whole computation; the gradients are those of loss = (sum(w * (CE + kl_weight * T^2 * KL))
+    + the chunk term's loss) / normaliser, the KL term's target states [n, D] being those of the same
+    rows. `term_tensors`: the chunk term's rows then params (their gradients come back last)."""
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target = settings
+    target = kl_term.target_hidden if kl_term is not None else term_target
     kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
     n, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -140,7 +182,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their CE finite and
     # lets their labels be anything (padding, out-of-vocabulary ids).
     lab = torch.where(w > 0, labels, torch.zeros_like(labels))
-    want_grad = grad_hidden or grad_weight
+    want_grad = grad_hidden or grad_weight or any(t.requires_grad for t in term_tensors)
     scale = w / normaliser if want_grad else None
     size = max(1, -(-n // num_chunks))
     chunks = -(-n // size)
@@ -152,8 +194,9 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     # DFlash2's selector rescores these: taken here, from logits that exist anyway.
     top = hidden.new_empty(chunks * size, top_k, dtype=torch.long) if top_k else None
     top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
-    kl = target is not None
+    kl = kl_term is not None
     kl_total = hidden.new_zeros((), dtype=acc_dtype)
+    runner = _TermRunner(chunk_term, term_tensors, n, size, normaliser) if chunk_term is not None else None
     if kl:
         fn = _elementwise(_ce_kl_forward_and_grad if want_grad else _ce_kl_forward, hidden.device)
     else:
@@ -162,32 +205,37 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
         lo, hi = i * size, min(n, (i + 1) * size)
         hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
         sc = scale[lo:hi] if want_grad else None
-        tc = target[lo:hi] if kl else None
+        tc = target[lo:hi] if target is not None else None
         pad = size - (hi - lo)
         if pad:
             # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
             hc = F.pad(hc, (0, 0, 0, pad))
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
             sc = F.pad(sc, (0, pad)) if want_grad else None
-            tc = F.pad(tc, (0, 0, 0, pad)) if kl else None
+            tc = F.pad(tc, (0, 0, 0, pad)) if tc is not None else None
         logits = torch.mm(hc, weight.t())
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
+        # The target's logits of the same rows: one more lm_head matmul per chunk, and only
+        # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
+        t_logits = torch.mm(tc, weight.t()) if tc is not None else None
+        if runner is not None:
+            logits = runner.biased(logits, lo, hi, acc_dtype)
         if kl:
-            # The target's logits of the same rows: one more lm_head matmul per chunk, and only
-            # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
-            t_logits = torch.mm(tc, weight.t())
             if want_grad:
                 ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, (kl_weight, temperature), transform)
             else:
                 ce, hit, kl_c = fn(logits, t_logits, lc, wc, (kl_weight, temperature), transform)
-            del t_logits
             kl_total = kl_total + kl_c
         elif want_grad:
             ce, hit, g_logits = fn(logits, lc, wc, sc, transform)
         else:
             ce, hit = fn(logits, lc, wc, transform)
-        del logits
+        if runner is not None:
+            g_logits = runner.chunk(logits, t_logits, ChunkView(None, None, lc, wc, (), ()), transform,
+                                    g_logits if want_grad else None)
+            g_logits = g_logits.to(weight.dtype) if want_grad else None
+        del logits, t_logits
         ce_total = ce_total + ce
         hits.append(hit)
         if grad_hidden:
@@ -202,30 +250,125 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
         top, top_logits = top[:n], top_logits[:n]
     else:
         top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
-    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, (top, top_logits)
+    extra = runner.result(ce_total) if runner is not None else _TermResult(0.0, ce_total.new_zeros(0), ())
+    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, (top, top_logits), extra
+
+
+class _TermResult(NamedTuple):
+    loss: torch.Tensor | float  # the term's loss summed over the chunks (detached), before the normaliser
+    sums: torch.Tensor  # [num_sums] detached
+    grads: tuple  # one per term tensor (None where it needs none)
+
+
+
+class _TermRunner:
+    """A ChunkTerm on each chunk: its bias and loss under autograd on that chunk alone; the gradients
+    of its tensors accumulate here (scaled by 1 / normaliser like the rest of the loss)."""
+
+    def __init__(self, term: ChunkTerm, tensors, n: int, size: int, normaliser):
+        self.term, self.n, self.size, self.normaliser = term, n, size, normaliser
+        k = len(term.rows)
+        self.rows, self.params = tuple(tensors[:k]), tuple(tensors[k:])
+        self.row_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.rows]
+        self.param_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.params]
+        self.sums = None
+        self.loss = 0.0
+        self.bias_graph = None
+
+    def _leaves(self, lo: int, hi: int):
+        pad = self.size - (hi - lo)
+        rows = []
+        for t in self.rows:
+            c = t[lo:hi].detach()
+            if pad:
+                c = torch.cat([c, c.new_zeros(pad, *c.shape[1:])])
+            rows.append(c.requires_grad_(t.requires_grad))
+        params = [t.detach().requires_grad_(t.requires_grad) for t in self.params]
+        return rows, params
+
+    def biased(self, logits, lo: int, hi: int, dtype):
+        """The chunk's raw logits plus the term's bias, in `dtype` (the bias's graph kept for `chunk`)."""
+        self.lo, self.hi = lo, hi
+        self.chunk_rows, self.chunk_params = self._leaves(lo, hi)
+        if self.term.bias is None:
+            self.bias_graph = None
+            return logits
+        with torch.enable_grad():
+            bias = self.term.bias(tuple(self.chunk_rows), tuple(self.chunk_params))
+        self.bias_graph = bias
+        return logits.to(dtype) + bias.detach().to(dtype)
+
+    def chunk(self, logits, t_logits, view: ChunkView, transform: LogitTransform, g_logits):
+        """The logits' gradient with the term's part added; the term's loss, its sums and its tensors'
+        gradients are accumulated."""
+        grad = g_logits is not None
+        g = g_logits.to(view.weights.dtype) if grad else None
+        if self.term.loss is not None:
+            with torch.enable_grad():
+                x = logits.detach().to(view.weights.dtype).requires_grad_(grad)
+                z = transform.apply(x)
+                tz = transform.apply(t_logits.to(view.weights.dtype)) if t_logits is not None else None
+                loss_sum, sums = self.term.loss(view._replace(z=z, target_z=tz, rows=tuple(self.chunk_rows),
+                                                              params=tuple(self.chunk_params)))
+                sums = sums.detach().to(view.weights.dtype)
+                self.sums = sums if self.sums is None else self.sums + sums
+                if grad:
+                    wanted = [x] + [t for t in self.chunk_rows + self.chunk_params if t.requires_grad]
+                    got = torch.autograd.grad(loss_sum / self.normaliser, wanted, allow_unused=True)
+                    g = g + got[0]
+                    self._collect(got[1:])
+            self.loss = self.loss + loss_sum.detach()
+        if grad and self.bias_graph is not None:
+            wanted = [t for t in self.chunk_rows + self.chunk_params if t.requires_grad]
+            if wanted:
+                self._collect(torch.autograd.grad(self.bias_graph, wanted, g.to(self.bias_graph.dtype),
+                                                  allow_unused=True))
+        self.bias_graph = None
+        return g
+
+    def _collect(self, grads) -> None:
+        it = iter(grads)
+        lo, hi = self.lo, self.hi
+        for i, t in enumerate(self.chunk_rows):
+            if t.requires_grad:
+                got = next(it)
+                if got is not None:
+                    self.row_grads[i][lo:hi] += got[:hi - lo].to(self.row_grads[i].dtype)
+        for i, t in enumerate(self.chunk_params):
+            if t.requires_grad:
+                got = next(it)
+                if got is not None:
+                    self.param_grads[i] += got.to(self.param_grads[i].dtype)
+
+    def result(self, like: torch.Tensor) -> _TermResult:
+        sums = self.sums if self.sums is not None else like.new_zeros(self.term.num_sums)
+        return _TermResult(self.loss, sums, tuple(self.row_grads) + tuple(self.param_grads))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, normaliser, settings: _Settings):
-        ce_total, correct, g_hidden, g_weight, kl_total, top = _run(hidden, weight, labels, weights, normaliser,
-                                                                    settings)
-        ctx.save_for_backward(g_hidden, g_weight)
-        loss = _total(ce_total, kl_total, settings.kl) / normaliser
-        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top)
-        return loss, ce_total, correct, kl_total, *top
+    def forward(ctx, hidden, weight, labels, weights, call: tuple, *term_tensors):
+        normaliser, settings = call  # one argument: the normaliser and the settings are constants here
+        ce_total, correct, g_hidden, g_weight, kl_total, top, extra = _run(hidden, weight, labels, weights,
+                                                                           normaliser, settings, term_tensors)
+        ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in extra.grads))
+        ctx.term_grads = tuple(g is not None for g in extra.grads)
+        loss = (_total(ce_total, kl_total, settings.kl) + extra.loss) / normaliser
+        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top, extra.sums)
+        return loss, ce_total, correct, kl_total, *top, extra.sums
 
     @staticmethod
-    def backward(ctx, g_loss, _g_ce, _g_correct, _g_kl, _g_top, _g_top_logits):
+    def backward(ctx, g_loss, *_non_differentiable):
         if torch.is_grad_enabled():
             # create_graph=True: the saved gradients are constants here, so a second derivative
             # would silently come out as zero.
             raise RuntimeError("linear_cross_entropy cannot be differentiated twice (backward with create_graph=True)")
         # loss is linear in the saved gradients' scale: only the upstream factor is left to apply.
-        g_hidden, g_weight = ctx.saved_tensors
+        g_hidden, g_weight, *g_term = ctx.saved_tensors
         gh = g_hidden * g_loss if g_hidden is not None else None
         gw = g_weight * g_loss if g_weight is not None else None
-        return gh, gw, None, None, None, None
+        gt = tuple(g * g_loss if kept else None for g, kept in zip(g_term, ctx.term_grads))
+        return gh, gw, None, None, None, *gt
 
 
 def _total(ce_total, kl_total, kl: KLTerm | None):
@@ -295,7 +438,7 @@ def linear_cross_entropy_top_k(
     `plan.transform`: the target's logit scaling / softcap (model/logit_transform.py), applied to the
     drafter's logits (and the target's, for the KL term) before the softmax; the top-k logits are
     the raw ones (the transform is monotonic, so the ids are the same)."""
-    num_chunks, top_k, transform = ChunkPlan(*plan)
+    num_chunks, top_k, transform, term = ChunkPlan(*plan)
     if not 0 <= top_k <= weight.shape[0]:
         raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
     if num_chunks < 1:
@@ -317,9 +460,14 @@ def linear_cross_entropy_top_k(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
-    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform)
-    if not (grad_hidden or grad_weight):
-        ce_total, correct, _, _, kl_total, top = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
-                                                      settings)
-        return _total(ce_total, kl_total, kl_on) / normaliser, ce_total, correct, kl_total, *top
-    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, normaliser, settings)
+    term_target = None
+    if term is not None and kl_on is None and kl is not None and kl.target_hidden is not None:
+        term_target = kl.target_hidden.detach().to(hidden.dtype)
+    tensors = (tuple(term.rows) + tuple(term.params)) if term is not None else ()
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, term, term_target)
+    if not (grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
+        ce_total, correct, _, _, kl_total, top, extra = _run(hidden.detach(), weight.detach(), labels, weights,
+                                                             normaliser, settings, tuple(t.detach() for t in tensors))
+        loss = (_total(ce_total, kl_total, kl_on) + extra.loss) / normaliser
+        return loss, ce_total, correct, kl_total, *top, extra.sums
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, (normaliser, settings), *tensors)

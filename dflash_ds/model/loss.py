@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dflash_ds.model.attention import DFlashMask, LayerAttention, build_layer_masks
-from dflash_ds.model.dflash2 import SelectorRows, SelectorTerm, selector_alpha, selector_loss
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.variants.base import LossContext
 from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
                                        sample_anchors, slot_rows)
 from dflash_ds.data.packing import position_ids_from_doc_ids
@@ -34,7 +35,7 @@ class StepSettings:
     fused_loss: bool = True
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
-    selector: SelectorSchedule | None = None  # DFlash2 drafters only
+    arch_loss: Any = None  # the architecture's loss settings (DrafterVariant.loss_settings of the objective)
 
     @property
     def block_size(self) -> int:
@@ -56,34 +57,12 @@ class StepSettings:
         return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
                    mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
                    fused_loss=objective.fused_loss, kl_weight=objective.kl_weight,
-                   kl_temperature=objective.kl_temperature,
-                   selector=SelectorSchedule.of(objective) if shape.dflash2 else None)
+                   kl_temperature=objective.kl_temperature, arch_loss=shape.variant.loss_settings(objective))
 
-    def selector_term(self, step: int, total_steps: int) -> SelectorTerm | None:
-        """The selector loss at optimizer step `step` (0-based) of `total_steps`; None without a selector."""
-        sel = self.selector
-        if sel is None:
-            return None
-        alpha = selector_alpha(step, total_steps, sel.alpha, sel.warmup_ratio, sel.ramp_ratio)
-        return SelectorTerm(alpha, sel.inject_gold, sel.detach)
-
-
-@dataclass(frozen=True)
-class SelectorSchedule:
-    """objective.selector_* of a DFlash2 recipe."""
-
-    alpha: float = 1.0
-    inject_gold: bool = False
-    detach: bool = False
-    warmup_ratio: float = 0.0
-    ramp_ratio: float = 0.0
-
-    @classmethod
-    def of(cls, objective) -> "SelectorSchedule":
-        """objective.selector_* of the recipe's objective section (read by attribute name)."""
-        o = objective
-        return cls(o.selector_alpha, o.selector_inject_gold, o.selector_detach, o.selector_warmup_ratio,
-                   o.selector_ramp_ratio)
+    def step_term(self, step: int, total_steps: int) -> Any:
+        """The architecture's loss settings at optimizer step `step` (0-based) of `total_steps`, for
+        `drafter_loss` (DrafterVariant.step_term)."""
+        return self.shape.variant.step_term(self.arch_loss, step, total_steps)
 
 
 @dataclass
@@ -131,39 +110,32 @@ def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
 
 
 def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings,
-                 selector: SelectorTerm | None = None):
-    """sum(w * (CE [+ KL])) / normaliser for one micro-batch (the caller supplies the whole step's weight).
-
-    A DFlash2 drafter adds selector.alpha * sum(w * selector CE) / normaliser (`selector`, from
-    StepSettings.selector_term; None = the full selector_alpha, no warm-up); its detached sums are
-    in the output's `selector` field. The selector's candidates are the base loss's top-k."""
+                 term: Any = None):
+    """sum(w * (CE [+ KL])) / normaliser for one micro-batch (the caller supplies the whole step's weight),
+    plus the architecture's terms: its chunk term inside the fused loss and its extra loss after it
+    (`term`: StepSettings.step_term of this step; None = the architecture's full weights, no warm-up).
+    Their detached sums are in the output's `extra` field, in the variant's `log_sums` order."""
+    variant = model.config.variant
+    if term is None:
+        term = variant.step_term(settings.arch_loss)
     ctx = model.drafter.fuse(mb.taps)
     block_embeds = model.embed_tokens(blocks.block_ids, ctx)
     hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
     kl = None
-    if settings.kl_weight > 0:
+    if settings.kl_weight > 0 or variant.needs_target_logits:
         if mb.final_hidden is None:
-            raise ValueError("objective.kl_weight > 0 but the payload carries no target final-norm states")
+            raise ValueError("the loss needs the target's final-norm states (KL term or the architecture's term) "
+                             "but the payload carries none")
         kl = KLTerm(settings.kl_weight, settings.kl_temperature,
                     slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
-    head = model.drafter.candidate_selector
     options = LossOptions(settings.loss_chunks, settings.block_size, checkpoint=True, fused=settings.fused_loss,
-                          top_k=head.top_k if head is not None else 0, logits=settings.shape.logit_transform)
+                          top_k=variant.candidates(model.config), logits=settings.shape.logit_transform,
+                          term=variant.chunk_term(model, blocks, term))
     out = chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, options, kl)
-    if head is None:
+    extra = variant.extra_loss(LossContext(model, hidden, blocks, out, normaliser, term))
+    if extra is None:
         return out
-    if selector is None:
-        sched = settings.selector or SelectorSchedule()
-        selector = SelectorTerm(sched.alpha, sched.inject_gold, sched.detach)
-    b = settings.block_size
-    labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
-    # Teacher forcing: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor).
-    predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
-    rows = SelectorRows(slot_rows(hidden, b), out.candidates, slot_rows(blocks.labels, b), slot_rows(predecessors, b),
-                        slot_rows(blocks.weights, b), out.candidate_logits)
-    stats = selector_loss(head, model.lm_head, rows, selector, settings.shape.logit_transform)
-    loss = out.loss + (selector.alpha / normaliser) * stats.loss_sum
-    return out._replace(loss=loss, selector=(stats.loss_sum.detach(), stats.covered, stats.correct))
+    return out._replace(loss=out.loss + extra.loss, extra=out.extra + extra.sums)
 
 
 def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dflash_ds.model.linear_ce import ChunkPlan, KLTerm, linear_cross_entropy_top_k
+from dflash_ds.model.linear_ce import ChunkPlan, ChunkTerm, KLTerm, linear_cross_entropy_top_k
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.top_k import block_top_k
 
@@ -205,9 +205,8 @@ class LossOutput(NamedTuple):
     # ... and their raw lm_head logits [rows, k] (before the target's transform; the lm_head's dtype,
     # detached): the selector's unary scores.
     candidate_logits: torch.Tensor | None = None
-    # DFlash2 (model.loss.drafter_loss): detached (sum(w * selector CE), sum(w) of slots whose gold is
-    # among the candidates, sum(w) of slots the selector ranks the gold first); None otherwise.
-    selector: tuple | None = None
+    # The architecture's detached sums, in its `log_sums` order (the chunk term's, then its extra loss's).
+    extra: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -227,6 +226,8 @@ class LossOptions:
     logits: LogitTransform = IDENTITY
     """The target's scaling / softcap of its logits (model/logit_transform.py), applied to the drafter's
     logits (and the target's, for the KL term) before the softmax."""
+    term: ChunkTerm | None = None
+    """An architecture's term on each chunk's logits (model/linear_ce.py); the fused path only."""
 
 
 def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -335,6 +336,7 @@ def chunked_loss(
         raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
     if options.fused:
         return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options, kl)
+    assert options.term is None, "an architecture's chunk term runs in the fused loss only"
     if kl_weight > 0 and target_logits_fn is None:
         flat_target = target_hidden.detach().reshape(b * q, d)
 
@@ -401,17 +403,17 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: Lo
     h = _units(hidden, b, q, block_size).reshape(units * per_unit, d)
     lab = _units(labels, b, q, block_size).reshape(-1)
     rows_kl = None
-    if kl_weight > 0:
+    if kl is not None and kl.target_hidden is not None and (kl_weight > 0 or options.term is not None):
         t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
         rows_kl = KLTerm(kl_weight, kl.temperature, t)
-    loss, ce_sum, hit, kl_sum, top, top_logits = linear_cross_entropy_top_k(
-        h, lm_head_weight, lab, w.reshape(-1), normaliser, ChunkPlan(options.num_chunks, options.top_k, options.logits),
-        rows_kl)
+    loss, ce_sum, hit, kl_sum, top, top_logits, sums = linear_cross_entropy_top_k(
+        h, lm_head_weight, lab, w.reshape(-1), normaliser,
+        ChunkPlan(options.num_chunks, options.top_k, options.logits, options.term), rows_kl)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)
     return LossOutput(loss, ce_sum, correct.view(b, q), kl_sum.to(acc_dtype), top if options.top_k else None,
-                      top_logits if options.top_k else None)
+                      top_logits if options.top_k else None, tuple(sums.unbind()) if options.term is not None else ())
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):

@@ -7,7 +7,9 @@ drafter module (`model.drafter.DFlashDrafter`), the per-micro-batch step setting
 PayloadLayout`: the number of taps and their width) and the exported config.json (`to_hf_config`)
 all read it; none of them keeps a copy of these values of its own.
 
-Adding a field (e.g. a per-layer window, a convolution, a selector):
+A field of one drafter architecture only (a convolution, a selector) belongs to that architecture's
+`fields` dataclass in model/variants/ (held here as `arch_fields`), not here. Adding a field every
+drafter has (e.g. a per-layer window):
   1. the recipe key in `config.DrafterConfig` (with its docstring);
   2. the field here, set in `from_target` from the recipe section (model code never imports the
      recipe: the section is read by attribute name), validated in `__post_init__`;
@@ -27,14 +29,9 @@ from typing import Any, Sequence
 
 from dflash_ds.model.attention import LayerAttention
 from dflash_ds.model.logit_transform import LogitTransform, target_scales
-from dflash_ds.model.taps import TAP_PRESETS, build_target_layer_ids
-
-# Engines read these fields; anything the drafter does not honour must not be exported.
-ARCHITECTURE = "DFlashDraftModel"  # the class name SGLang and vLLM dispatch on
-ARCHITECTURE_V2 = "DFlash2DraftModel"  # DFlash2: the same backbone plus the convolutions and the selector
-ARCHITECTURES = (ARCHITECTURE, ARCHITECTURE_V2)
-# DFlash2's fields, in dflash_config order; the published shape (z-lab's) is 2, 16, 256, 16.
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+from dflash_ds.model.taps import build_target_layer_ids
+from dflash_ds.model.variants import DEFAULT, VARIANTS, variant, variant_of_classes
+from dflash_ds.model.variants.base import DrafterVariant, FieldError, Tensor
 # dflash_config names of the target's scaling (model/logit_transform.py) and their identity values.
 SCALE_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 INIT_STD = 0.02
@@ -135,15 +132,10 @@ class DrafterShape:
     """Block slot k sees only slots <= k of its own block. None = the engines' default for a config
     without `is_causal` (sliding layers causal, full layers bidirectional); True/False = every layer.
     Exported as config.json's `is_causal` only when set."""
-    # DFlash2 (docs/algorithm.md section 8): all four 0 = a v1 drafter, all four >= 1 = DFlash2.
-    conv_kernel_size: int = 0
-    """Taps of the block convolution around every attention and MLP sublayer."""
-    conv_group_size: int = 0
-    """Channels sharing one dynamic convolution coefficient."""
-    selector_rank: int = 0
-    """Rank of the candidate selector's pair scores."""
-    selector_top_k: int = 0
-    """Unary candidates the selector rescores per slot."""
+    architecture: str = DEFAULT.name
+    """The drafter architecture (model/variants/): what it adds to the backbone, how it drafts and trains."""
+    arch_fields: Any = None
+    """The architecture's own shape fields: a frozen dataclass of its `fields` type (None = its defaults)."""
     # The target's own scaling around its embedding and lm_head (model/logit_transform.py).
     output_multiplier: float = 1.0
     """Logits = output_multiplier * hidden @ lm_head.T (before any softcap)."""
@@ -206,28 +198,51 @@ class DrafterShape:
             raise ValueError(f"output_multiplier ({self.output_multiplier}), input_embedding_scale "
                              f"({self.input_embedding_scale}) and final_logit_softcapping "
                              f"({self.final_logit_softcapping}) must be > 0 (the cap may be null)")
-        self._check_dflash2()
-
-    def _check_dflash2(self) -> None:
-        values = [getattr(self, f) for f in DFLASH2_FIELDS]
-        if not any(values):
-            return
-        if min(values) < 1:
-            raise ValueError(f"a DFlash2 drafter needs drafter.{', drafter.'.join(DFLASH2_FIELDS)} >= 1, got {values}; "
-                             "set drafter.architecture: dflash for a v1 drafter")
-        if self.conv_kernel_size > self.block_size:
-            raise ValueError(f"drafter.conv_kernel_size ({self.conv_kernel_size}) must not exceed drafter.block_size "
-                             f"({self.block_size}): the convolution runs inside one block")
-        if self.hidden_size % self.conv_group_size:
-            raise ValueError(f"drafter.conv_group_size ({self.conv_group_size}) must divide the hidden size "
-                             f"{self.hidden_size}; DFlash2 uses 16")
-        if self.selector_top_k > self.vocab_size:
-            raise ValueError(f"drafter.selector_top_k ({self.selector_top_k}) exceeds the vocabulary ({self.vocab_size})")
+        arch = variant(self.architecture)
+        if self.arch_fields is None:
+            object.__setattr__(self, "arch_fields", arch.fields())
+        if type(self.arch_fields) is not arch.fields:
+            raise ValueError(f"arch_fields of a {self.architecture} drafter must be {arch.fields.__name__}, "
+                             f"got {type(self.arch_fields).__name__}")
+        arch.check(self)
 
     @property
-    def dflash2(self) -> bool:
-        """A DFlash2 drafter (block convolutions and the candidate selector)."""
-        return self.selector_rank > 0
+    def variant(self) -> DrafterVariant:
+        """The architecture's hooks (model/variants/)."""
+        return VARIANTS[self.architecture]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor of the drafter by its export name (docs/algorithm.md section 6), the
+        architecture's (`DrafterVariant.tensors`) after the backbone's: the export's expected shapes,
+        the parameter count and the FLOP count (bench/flops.py) are all read from here."""
+        return {**self.backbone_tensors(), **self.variant.tensors(self)}
+
+    def backbone_tensors(self) -> dict[str, Tensor]:
+        """The tensors every architecture has: the layers, the tap fusion and the norms."""
+        d, hd, inter = self.hidden_size, self.head_dim, self.intermediate_size
+        q_out, kv_out = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        per_layer = {
+            "self_attn.q_proj.weight": Tensor((q_out, d), "block"),
+            "self_attn.k_proj.weight": Tensor((kv_out, d), "context+block"),
+            "self_attn.v_proj.weight": Tensor((kv_out, d), "context+block"),
+            "self_attn.o_proj.weight": Tensor((d, q_out), "block"),
+            "self_attn.q_norm.weight": Tensor((hd,)),
+            "self_attn.k_norm.weight": Tensor((hd,)),
+            "mlp.gate_proj.weight": Tensor((inter, d), "block"),
+            "mlp.up_proj.weight": Tensor((inter, d), "block"),
+            "mlp.down_proj.weight": Tensor((d, inter), "block"),
+            "input_layernorm.weight": Tensor((d,)),
+            "post_attention_layernorm.weight": Tensor((d,)),
+        }
+        out = {f"layers.{i}.{name}": t for i in range(self.num_hidden_layers) for name, t in per_layer.items()}
+        out["fc.weight"] = Tensor((d, self.num_taps * d), "context")
+        out["hidden_norm.weight"] = Tensor((d,))
+        out["norm.weight"] = Tensor((d,))
+        return out
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(t.numel for t in self.tensors().values())
 
     @property
     def num_taps(self) -> int:
@@ -248,8 +263,8 @@ class DrafterShape:
         by attribute name (num_layers, block_size, mask_token_id, target_layer_ids,
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim; None = the target's;
         layer_types, sliding_window, is_causal; None = every layer full, no window, the engines' default;
-        architecture and, for dflash2, the four DFLASH2_FIELDS; a section without `architecture`
-        means dflash).
+        architecture and the architecture's own fields (its `fields_from_recipe`); a section without
+        `architecture` means plain DFlash).
 
         A multimodal Qwen3.5 config is reduced to its `text_config`. Head geometry defaults to the
         target's, except for Qwen3.5/3.6 targets of a listed size (see `_QWEN35_DRAFTER_HEADS`);
@@ -269,13 +284,14 @@ class DrafterShape:
         if str(getattr(text, "model_type", "")).startswith("qwen3_5"):
             defaults.update(_QWEN35_DRAFTER_HEADS.get(hidden, {}))
         num_target_layers = int(text.num_hidden_layers)
-        architecture = getattr(choices, "architecture", "dflash")
-        if architecture not in ("dflash", "dflash2"):
-            raise ValueError(f"drafter.architecture must be dflash or dflash2, got {architecture!r}")
+        try:
+            arch = variant(getattr(choices, "architecture", DEFAULT.name))
+        except ValueError as exc:
+            raise ValueError(f"drafter.architecture: {exc}") from None
         if target_layer_ids is None:
             if num_layers < 1:
                 raise ValueError(f"drafter.num_layers must be >= 1, got {num_layers}")
-            target_layer_ids = TAP_PRESETS.get((architecture, num_target_layers, num_layers)) or \
+            target_layer_ids = arch.tap_presets.get((num_target_layers, num_layers)) or \
                 build_target_layer_ids(num_target_layers, num_layers)
         if intermediate_size is None:
             # MoE targets (e.g. Qwen3.5-MoE) have no dense MLP width to copy.
@@ -288,8 +304,7 @@ class DrafterShape:
         tie = getattr(text, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(target_config, "tie_word_embeddings", False)
-        v2 = {f: int(getattr(choices, f)) if architecture == "dflash2" else 0 for f in DFLASH2_FIELDS}
-        return cls(
+        values = dict(
             hidden_size=hidden,
             intermediate_size=int(intermediate_size),
             num_hidden_layers=int(num_layers),
@@ -309,24 +324,35 @@ class DrafterShape:
             layer_types=tuple(choices.layer_types or ()),
             sliding_window=choices.sliding_window,
             is_causal=choices.is_causal,
-            **v2,
+            architecture=arch.name,
+            arch_fields=arch.fields_from_recipe(choices),
             **target_scales(text),
         )
+        try:
+            return cls(**values)
+        except FieldError as exc:  # an architecture's own field, set by the recipe key of its name
+            raise ValueError(f"drafter.{exc.field} {exc.problem}") from None
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by name, the architecture's own fields in place of `arch_fields`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "arch_fields"}
+        out.update(dataclasses.asdict(self.arch_fields))
+        return out
 
     def mismatches(self, other: "DrafterShape") -> list[tuple[str, Any, Any]]:
-        """(field, self's value, other's value) for every field of COMPARED where the two differ."""
-        return [(name, getattr(self, name), getattr(other, name)) for name in COMPARED
-                if getattr(self, name) != getattr(other, name)]
+        """(field, self's value, other's value) for every field of COMPARED where the two differ (an
+        architecture's own fields only where both shapes have them)."""
+        mine, theirs = self.flat(), other.flat()
+        return [(name, mine[name], theirs[name]) for name in COMPARED
+                if name in mine and name in theirs and mine[name] != theirs[name]]
 
     def to_hf_config(self) -> dict:
         """The exported config.json (docs/algorithm.md section 6): a qwen3 model with a `dflash_config` section."""
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.dflash2:
-            # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
-            dflash.update({"block_size": self.block_size, **{f: getattr(self, f) for f in DFLASH2_FIELDS}})
+        dflash.update(self.variant.config_entries(self))
         dflash.update({k: v for k, v in self.scales().items() if v != SCALE_DEFAULTS[k]})
         return {
-            "architectures": [ARCHITECTURE_V2 if self.dflash2 else ARCHITECTURE],
+            "architectures": [self.variant.class_name],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
@@ -368,11 +394,7 @@ class DrafterShape:
         if theta is None:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
-        v2 = ARCHITECTURE_V2 in (config.get("architectures") or [])
-        if v2:
-            missing = [f for f in DFLASH2_FIELDS if f not in dflash]
-            if missing:
-                raise ValueError(f"a {ARCHITECTURE_V2} config.json needs dflash_config.{', '.join(missing)}")
+        arch = variant_of_classes(config.get("architectures")) or DEFAULT
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise ValueError("config.json has no block_size (top level or dflash_config)")
@@ -402,7 +424,8 @@ class DrafterShape:
             sliding_window=(config.get("sliding_window") or dflash.get("swa_window_size"))
             if SLIDING_ATTENTION in layer_types else None,
             is_causal=None if is_causal is None else bool(is_causal),
-            **{f: int(dflash[f]) if v2 else 0 for f in DFLASH2_FIELDS},
+            architecture=arch.name,
+            arch_fields=arch.fields_from_config(dflash),
             # A cap of 0 means none, as the reference reads it.
             output_multiplier=float(dflash.get("output_multiplier") or 1.0),
             final_logit_softcapping=float(dflash["final_logit_softcapping"]) if dflash.get("final_logit_softcapping") else None,
@@ -422,6 +445,7 @@ class DrafterShape:
 # The fields an export must share with the recipe to be continued by a run (`drafter.init_from`),
 # and the setting that decides each on the recipe's side.
 COMPARED = {
+    "architecture": "drafter.architecture",
     "num_hidden_layers": "drafter.num_layers",
     "target_layer_ids": "drafter.target_layer_ids (null: spread over the target by drafter.num_layers)",
     "block_size": "drafter.block_size",
@@ -436,11 +460,9 @@ COMPARED = {
     "is_causal": "drafter.is_causal",
     "vocab_size": "target.path (the target's vocabulary)",
     "num_target_layers": "target.path (the target's layer count)",
-    "conv_kernel_size": "drafter.architecture / drafter.conv_kernel_size",
-    "conv_group_size": "drafter.architecture / drafter.conv_group_size",
-    "selector_rank": "drafter.architecture / drafter.selector_rank",
-    "selector_top_k": "drafter.architecture / drafter.selector_top_k",
     "output_multiplier": "target.path (the target's logit scaling)",
     "final_logit_softcapping": "target.path (the target's logit softcap)",
     "input_embedding_scale": "target.path (the target's embedding scaling)",
+    # Each architecture's own fields, set by the recipe key of the same name.
+    **{f.name: f"drafter.{f.name}" for v in VARIANTS.values() for f in dataclasses.fields(v.fields)},
 }

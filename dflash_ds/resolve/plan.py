@@ -89,12 +89,6 @@ def lr_factor(step: int, plan: Plan, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def drafter_params(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int, taps: int) -> int:
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 2 * head_dim
-    mlp = 3 * hidden * inter
-    return layers * (attn + mlp + 2 * hidden) + taps * hidden * hidden + 2 * hidden
-
-
 def receive_depth(grad_accum: int) -> int:
     """Payload receives a split drafter keeps posted: two whole steps. A step starts only once all of
     its payloads are in (its loss is normalised by the whole step's weight), so the next step's
