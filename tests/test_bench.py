@@ -13,8 +13,7 @@ import torch
 from dflash_ds import bench
 from dflash_ds.model.attention import LayerAttention, build_mask
 from dflash_ds.target_model.presets import GEOMETRIES, target_config
-from dflash_ds.model.objective import sample_anchors
-from dflash_ds.model.loss import anchor_generator
+from dflash_ds.model.blocks import anchor_generator, sample_anchors
 
 REPO = Path(__file__).resolve().parent.parent
 

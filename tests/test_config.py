@@ -29,6 +29,14 @@ def test_unknown_key_names_dotted_path(tmp_path):
         load_recipe(p)
 
 
+def test_a_removed_key_stops_in_one_line_saying_it_is_gone(tmp_path):
+    with pytest.raises(RecipeError, match=r"^recipe key 'objective\.fused_loss' is gone: .*delete the key$"):
+        load_recipe(TINY, ["objective.fused_loss=false"])
+    p = write(tmp_path, "target: {path: x}\ndata: {path: y}\nobjective: {fused_loss: true}\n")
+    with pytest.raises(RecipeError, match="is gone"):
+        load_recipe(p)
+
+
 def test_overrides_are_typed_and_validated():
     r = load_recipe(TINY, ["optim.lr=1e-4", "drafter.target_layer_ids=[0,2]", "data.pack=false"])
     assert r.optim.lr == 1e-4 and r.drafter.target_layer_ids == (0, 2) and r.data.pack is False

@@ -15,7 +15,7 @@ from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.taps import build_target_layer_ids
-from dflash_ds.model.objective import LossOptions, chunked_loss
+from dflash_ds.model.loss import LossOptions, linear_cross_entropy
 
 D, VOCAB = 64, 300
 
@@ -124,7 +124,7 @@ def test_every_consumer_reads_the_one_shape():
     import torch
 
     from dflash_ds.config import ObjectiveConfig, Recipe
-    from dflash_ds.model.loss import StepSettings
+    from dflash_ds.model.objective import StepSettings
     from dflash_ds.resolve.run import payload_layout
 
     shape = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9,
@@ -369,7 +369,8 @@ def _loss_and_grads(model, x, lm_head):
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, VOCAB, hidden.shape[:2], generator=g)
     weights = torch.rand(hidden.shape[:2], generator=g, dtype=torch.float64)
-    out = chunked_loss(hidden, lm_head, labels, weights, normaliser=weights.sum(), options=LossOptions(num_chunks=3))
+    out = linear_cross_entropy(hidden.flatten(0, 1), lm_head, labels.flatten(), weights.flatten(), weights.sum(),
+                               LossOptions(num_chunks=3))
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

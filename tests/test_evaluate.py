@@ -20,7 +20,8 @@ from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
 from dflash_ds.export import save_drafter
-from dflash_ds.model.objective import LossOptions, block_inputs, block_targets, chunked_loss, sample_anchors
+from dflash_ds.model.blocks import block_inputs, block_targets, sample_anchors
+from dflash_ds.model.loss import LossOptions, block_loss
 from dflash_ds.eval.specdec import draft_block, speculative_generate
 
 
@@ -106,8 +107,7 @@ def train_drafter(target, sequences, steps, seed=0):
         labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid, B, None)
         mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
         hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
-        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(),
-                           LossOptions(2, checkpoint=False))
+        out = block_loss(hidden, head, labels, weights, weights.sum(), LossOptions(2))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

@@ -16,7 +16,8 @@ from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.variants.base import argmax_tokens
 from dflash_ds.model.variants.dflash2 import SelectorSchedule
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import MicroBatch, StepSettings, drafter_loss, make_blocks
+from dflash_ds.model.blocks import MicroBatch, make_blocks
+from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.model.shape import DrafterShape
 
 

@@ -21,9 +21,10 @@ from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.linear_ce import ChunkPlan, ChunkTerm, KLTerm, linear_cross_entropy_top_k
+from dflash_ds.model.loss import KLTerm, LossOptions, linear_cross_entropy
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.loss import MicroBatch, StepSettings, drafter_loss, make_blocks
+from dflash_ds.model.blocks import MicroBatch, make_blocks
+from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model_card import model_card
 from tests.toy_variant import markov_bias, markov_term, predecessors, register
@@ -147,8 +148,8 @@ def test_the_in_loop_term_matches_a_float64_dense_reference(kl_weight, transform
     proj = (0.5 * torch.randn(VOCAB, 3, generator=g, dtype=torch.float64)).requires_grad_()
     kl = KLTerm(kl_weight, 1.5, target)
     term = markov_term(prev, emb, proj, 0.5)
-    loss, ce_sum, correct, kl_sum, _, _, sums = linear_cross_entropy_top_k(
-        hidden, weight, labels, w, 4.0, ChunkPlan(4, 0, transform, term), kl)
+    out = linear_cross_entropy(hidden, weight, labels, w, 4.0, LossOptions(4, 0, transform, term), kl)
+    loss, sums = out.loss, out.term_sums
     ref, tv_ref = dense_loss(hidden, weight, labels, w, 4.0, (prev, emb, proj), kl, transform)
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(sums[0], tv_ref, rtol=1e-10, atol=1e-12)

@@ -295,7 +295,7 @@ def test_recipe_attention_keys_are_checked(overrides, message):
 
 
 def test_recipe_attention_keys_reach_the_step_settings():
-    from dflash_ds.model.loss import StepSettings
+    from dflash_ds.model.objective import StepSettings
 
     r = load_recipe("recipes/tiny.yaml", ["drafter.num_layers=3", "drafter.block_size=8",
                                           "drafter.layer_types=[sliding_attention,sliding_attention,full_attention]",

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.model import variants
-from dflash_ds.model.linear_ce import ChunkTerm
-from dflash_ds.model.objective import slot_rows
+from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.loss import ChunkTerm
 from dflash_ds.model.variants.base import DrafterVariant, FieldError, Tensor
 
 

@@ -111,8 +111,7 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     synthetic row shares, so they are recomputed here exactly as make_blocks draws them. With
     --lengths the rows differ: the pairs are counted on the first rows only, so MFU is approximate.
     """
-    from dflash_ds.model.objective import sample_anchors
-    from dflash_ds.model.loss import anchor_generator
+    from dflash_ds.model.blocks import anchor_generator, sample_anchors
 
     a, r, plan = setup.args, setup.recipe, setup.plan
     rows = setup_rows(setup, setup.payload.rows)

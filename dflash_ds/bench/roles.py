@@ -120,8 +120,7 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
     Runs before the first training step, so the first build here is the process's first.
     """
     from dflash_ds.model.attention import build_layer_masks
-    from dflash_ds.model.objective import sample_anchors
-    from dflash_ds.model.loss import anchor_generator, make_blocks
+    from dflash_ds.model.blocks import anchor_generator, make_blocks, sample_anchors
 
     s = setup.run.settings
     mb = micro_batch_of(setup, payload)

@@ -183,10 +183,8 @@ class ObjectiveConfig:
     gamma: float | None = None
     """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8."""
     loss_chunks: int = 16
-    """lm_head + cross-entropy computed in this many checkpointed chunks."""
-    fused_loss: bool = True
-    """lm_head + CE with the input gradient computed in the forward pass (2 lm_head matmuls per chunk
-    instead of 3, no fp32 logits round trips); false = the checkpointed autograd path."""
+    """lm_head + cross-entropy computed in this many chunks of slots (only one chunk's logits exist at a
+    time; the input gradient is computed in the forward pass, model/loss.py)."""
     kl_weight: float = 0.0
     """Weight of a distillation term KL(target || drafter) added to the hard-label CE at every slot
     (0 = plain CE, the paper's recipe). Target ranks then also send their final-norm hidden state

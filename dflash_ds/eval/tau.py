@@ -40,7 +40,7 @@ import torch
 
 from dflash_ds.model.attention import build_layer_masks
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.objective import block_inputs
+from dflash_ds.model.blocks import block_inputs
 
 DEFAULT_BATCH_ANCHORS = 64
 

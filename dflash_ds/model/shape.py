@@ -3,7 +3,7 @@
 `DrafterShape` is resolved once, before launch, from the recipe's `drafter` section and the
 target's config (`DrafterShape.from_target`), or read back from an export (`from_hf_config`). The
 drafter module (`model.drafter.DFlashDrafter`), the per-micro-batch step settings
-(`model.loss.StepSettings`: block size, mask id), the payload on the wire (`runtime.transport.
+(`model.objective.StepSettings`: block size, mask id), the payload on the wire (`runtime.transport.
 PayloadLayout`: the number of taps and their width) and the exported config.json (`to_hf_config`)
 all read it; none of them keeps a copy of these values of its own.
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.model.loss import StepSettings
+from dflash_ds.model.objective import StepSettings
 from dflash_ds.model.shape import COMPARED, DrafterShape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype

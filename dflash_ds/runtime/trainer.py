@@ -22,8 +22,8 @@ from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import drafter_loss, make_blocks
-from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.model.blocks import make_blocks
+from dflash_ds.model.objective import acceptance_proxy, drafter_loss
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint

@@ -69,8 +69,8 @@ class LossContext(NamedTuple):
 
     model: Any  # model.draft_model.DraftModel
     hidden: torch.Tensor  # [R, N*B, D] the drafter's final states
-    blocks: Any  # model.loss.Blocks
-    base: Any  # model.objective.LossOutput of the base loss (its candidates, when `candidates` asked for them)
+    blocks: Any  # model.blocks.Blocks
+    base: Any  # model.loss.LossOutput of the base loss (its candidates, when `candidates` asked for them)
     normaliser: float | torch.Tensor
     term: Any  # this step's `step_term`
 
@@ -166,7 +166,7 @@ class DrafterVariant:
         return 0
 
     def chunk_term(self, model: Any, blocks: Any, term: Any) -> Any:
-        """A model.linear_ce.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
+        """A model.loss.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
         logits (and the target's, with `needs_target_logits`): a bias added to the logits and/or
         extra loss terms; None for none."""
         return None

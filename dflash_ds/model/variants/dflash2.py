@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dflash_ds.model.objective import slot_rows
+from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.variants.base import DrafterVariant, ExtraLoss, FieldError, LossContext, Tensor, Wrappers
 from dflash_ds.model.variants.dflash2_parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
                                                     greedy_path, selector_alpha, selector_loss)
