@@ -6,6 +6,7 @@ import pytest
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
 from dflash_ds.resolve.plan import lr_factor, resolve
+from dflash_ds.resolve.run import resolve_run
 
 TINY = "recipes/tiny.yaml"
 
@@ -44,8 +45,9 @@ def test_overrides_are_typed_and_validated():
         load_recipe(TINY, ["optim.lrr=1"])
     with pytest.raises(RecipeError, match=r"optim\.grad_accum"):
         load_recipe(TINY, ["optim.grad_accum=two"])
-    with pytest.raises(RecipeError, match="block_size"):
-        load_recipe(TINY, ["drafter.block_size=1"])
+    # A drafter value is checked where it becomes a shape (before launch, resolve_run), once.
+    with pytest.raises(RecipeError, match=r"^drafter\.block_size must be >= 2"):
+        resolve_run(load_recipe(TINY, ["drafter.block_size=1"]), world_size=2)
     with pytest.raises(RecipeError, match="num_anchors"):
         load_recipe(TINY, ["objective.num_anchors=100000"])
     with pytest.raises(RecipeError, match="key.sub=value"):

@@ -17,7 +17,7 @@ from dflash_ds.model.variants.dflash2_parts import (BlockConv, CandidateSelector
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.logit_transform import IDENTITY
 from dflash_ds.model.blocks import Blocks, MicroBatch, block_inputs, block_targets
 from dflash_ds.model.objective import StepSettings, drafter_loss
@@ -36,7 +36,7 @@ def drafter(architecture="dflash2", seed=0, dtype=torch.float64, **kw):
                          architecture=architecture, conv_group_size=kw.pop("conv_group_size", 8),
                          selector_rank=kw.pop("selector_rank", 12), selector_top_k=kw.pop("selector_top_k", 5), **kw)
     torch.manual_seed(seed)
-    return DFlashDrafter(DrafterShape.from_target(target_config(), shape)).to(dtype)
+    return DFlashDrafter(drafter_shape(target_config(), shape)).to(dtype)
 
 
 def inputs(model, seed=0, n_blocks=3):

@@ -12,7 +12,7 @@ import torch
 from dflash_ds.config import DrafterConfig, RecipeError, load_recipe
 from dflash_ds.export import save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.target_model.presets import target_config
 
@@ -22,7 +22,7 @@ SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]
 
 def test_qwen27b_dflash2_recipe_is_the_published_shape():
     recipe = load_recipe("recipes/qwen27b-dflash2.yaml")
-    shape = DrafterShape.from_target(target_config("qwen3.6-27b"), recipe.drafter)
+    shape = drafter_shape(target_config("qwen3.6-27b"), recipe.drafter)
     config = shape.to_hf_config()
     # The fields of z-lab's tests/fixtures/dflash2-config.json (its values where they are the shape).
     assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
@@ -43,12 +43,12 @@ def test_dflash2_tap_preset_for_the_64_layer_geometry():
     base = dict(num_layers=5, block_size=8, mask_token_id=248070, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=17408)
     cfg = target_config("qwen3.6-27b")
-    v2 = DrafterShape.from_target(cfg, DrafterConfig(**base, architecture="dflash2"))
-    v1 = DrafterShape.from_target(cfg, DrafterConfig(**base))
+    v2 = drafter_shape(cfg, DrafterConfig(**base, architecture="dflash2"))
+    v1 = drafter_shape(cfg, DrafterConfig(**base))
     assert v2.target_layer_ids == (5, 19, 33, 47, 61)
     assert v1.target_layer_ids == (1, 16, 31, 46, 61)
     # Other geometries keep the general rule.
-    small = DrafterShape.from_target(target_config("qwen3.6-27b", layers=36), DrafterConfig(**base, architecture="dflash2"))
+    small = drafter_shape(target_config("qwen3.6-27b", layers=36), DrafterConfig(**base, architecture="dflash2"))
     assert small.target_layer_ids == (1, 9, 17, 25, 33)
 
 

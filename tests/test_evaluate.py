@@ -15,7 +15,7 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
@@ -88,7 +88,7 @@ def tiny_target():
 
 def train_drafter(target, sequences, steps, seed=0):
     """Plain single-process training with the objective's functions (dense mask, AdamW)."""
-    cfg = DrafterShape.from_target(target.config, DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK,
+    cfg = drafter_shape(target.config, DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK,
                                                                 target_layer_ids=LAYER_IDS))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()

@@ -18,7 +18,7 @@ from dflash_ds.model.variants.dflash2 import SelectorSchedule
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.objective import StepSettings, drafter_loss
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 
 
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
@@ -36,7 +36,7 @@ def world():
     sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                              architecture="dflash2", conv_group_size=16, selector_rank=16, selector_top_k=8)
-    shape = DrafterShape.from_target(target.config, section)
+    shape = drafter_shape(target.config, section)
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).double()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight

@@ -13,7 +13,7 @@ from transformers import Qwen3Config
 import dflash_ds.export as export
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.variants import VARIANTS
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model_card import TauFacts
@@ -31,7 +31,7 @@ def tiny_target_config():
 def make_drafter(seed=0, num_layers=2, target_layer_ids=(1, 3, 5)):
     shape = DrafterConfig(num_layers=num_layers, block_size=8, mask_token_id=VOCAB - 1,
                          target_layer_ids=list(target_layer_ids))
-    cfg = DrafterShape.from_target(tiny_target_config(), shape)
+    cfg = drafter_shape(tiny_target_config(), shape)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():

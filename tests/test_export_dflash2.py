@@ -17,6 +17,7 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.variants import VARIANTS
 from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.remote_case import block_case, serving_call, training_call
@@ -35,7 +36,7 @@ def make_drafter(seed=0, num_layers=2):
     section = DrafterConfig(num_layers=num_layers, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
                              architecture="dflash2", conv_group_size=16, selector_rank=12, selector_top_k=6)
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    drafter = DFlashDrafter(drafter_shape(tiny_target_config(), section))
     with torch.no_grad():  # every tensor distinct (the convolutions and selector included)
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -192,7 +193,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
                              layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
                              is_causal=is_causal)
     torch.manual_seed(4)
-    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    drafter = DFlashDrafter(drafter_shape(tiny_target_config(), section))
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)

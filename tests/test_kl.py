@@ -49,5 +49,5 @@ def test_target_final_norm_tap_equals_transformers_last_hidden_state():
     # A target cut after its last tap has no final norm worth sending: refused, not silently wrong.
     capture.remove()
     truncate_after(model, 2)
-    with pytest.raises(TargetError, match="kl_weight"):
+    with pytest.raises(TargetError, match="final-norm tap needs the target's final norm"):
         TapCapture(model, [0, 2], final_norm=True)

@@ -15,7 +15,7 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from tests.reference import dense_loss
 from tests.test_dflash2 import reference_selector_loss
 from tests.test_selector_kernels import selector_case
@@ -121,7 +121,7 @@ def gemma_like_drafter(architecture):
     section = DrafterConfig(num_layers=2, block_size=4, mask_token_id=127, target_layer_ids=[1, 3, 5],
                              architecture=architecture, selector_rank=6, selector_top_k=8)
     torch.manual_seed(0)
-    return DFlashDrafter(DrafterShape.from_target(target, section))
+    return DFlashDrafter(drafter_shape(target, section))
 
 
 def test_a_scaled_target_gives_a_scaled_drafter_that_embeds_and_exports_the_same(tmp_path):

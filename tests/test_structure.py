@@ -11,7 +11,9 @@
   architecture's name or class name, no attribute named after an architecture, one of its own shape
   fields or one of its modules (`shape.selector_rank > 0`, `drafter.candidate_selector`), no import of
   one architecture's module (`isinstance(m, BlockConv)` needs one). The export's standalone modeling
-  file (export_modeling/, copied into every export for transformers' remote code) is outside the rule.
+  file (export_modeling/, copied into every export for transformers' remote code) is outside the rule;
+- model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
+  names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -249,6 +251,55 @@ def architecture_vocabulary() -> tuple[set[str], set[str]]:
     return names, attributes
 
 
+MECHANISM_FOLDERS = ("model", "target_model")
+
+
+def recipe_keys() -> set[str]:
+    """Every dotted key of the recipe (drafter.block_size, data.regenerate.urls, ...)."""
+    import dataclasses
+    import typing
+
+    from dflash_ds.config.recipe import Recipe
+
+    keys = set()
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif prefix:
+                keys.add(f"{prefix}{f.name}")
+    walk(Recipe, "")
+    return keys
+
+
+def _documentation(tree: ast.AST) -> set[int]:
+    """ids of the string statements of a module: docstrings and attribute docstrings (documentation may
+    name a recipe key; a message may not)."""
+    return {id(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+
+
+def recipe_vocabulary(root: Path, folders: tuple[str, ...], keys: set[str]) -> list[str]:
+    """`module:line key` for every string in `folders` of the package (documentation aside) that names a recipe key."""
+    import re
+
+    pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(k)}(?!\w)" for k in sorted(keys, key=len, reverse=True)))
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.relative_to(root).parts[0] not in folders:
+            continue
+        docs = _documentation(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                hit = pattern.search(node.value)
+                if hit:
+                    found.append((name, node.lineno, hit.group(0)))
+    return [f"{m}:{line} {key}" for m, line, key in sorted(found)]
+
+
 # ---------------------------------------------------------------------------------- the rules on a made-up package
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -316,6 +367,19 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
         "pkg.loss:7 hasattr(..., 'head')", "pkg.loss:7 reads .head"]
 
 
+def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/model/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
+        "pkg/model/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
+                           'def f(b):\n    """drafter.block_size: documented."""\n'
+                           '    if b < 2:\n        raise ValueError(f"drafter.block_size must be >= 2, got {b}")\n'
+                           '    return "block_size" + "drafter.block_sizes" + "my.drafter.block_size"\n'),
+        "pkg/config/checks.py": 'MSG = "drafter.block_size must be >= 2"\n',
+    })
+    assert recipe_vocabulary(root, ("model",), {"drafter.block_size"}) == ["pkg.model.a:8 drafter.block_size"]
+
+
 # ---------------------------------------------------------------------------------- the rules on dflash_ds
 
 def test_no_function_takes_more_than_seven_parameters():
@@ -347,3 +411,12 @@ def test_no_architecture_test_outside_the_variants():
     found = architecture_tests(ROOT, names, attributes)
     assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
                        "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
+
+
+def test_model_code_names_no_recipe_key():
+    keys = recipe_keys()
+    assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls"} <= keys
+    found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
+    assert not found, ("messages in dflash_ds/model/ or dflash_ds/target_model/ that name a recipe key (raise a "
+                       "neutral error there and name the setting at the boundary, config/checks.py or "
+                       "resolve/):\n  " + "\n  ".join(found))

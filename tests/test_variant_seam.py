@@ -26,6 +26,7 @@ from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model_card import model_card
 from tests.toy_variant import markov_bias, markov_term, predecessors, register
 
@@ -41,7 +42,7 @@ def target_config():
 def toy_shape(**kw) -> DrafterShape:
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4],
                             architecture="toy_markov", **kw)
-    return DrafterShape.from_target(target_config(), section)
+    return drafter_shape(target_config(), section)
 
 
 def micro_batch(g: torch.Generator) -> MicroBatch:
@@ -114,7 +115,7 @@ def test_a_variant_field_error_names_its_recipe_key(monkeypatch):
         num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4], architecture="toy_markov")),
         markov_rank=0)
     with pytest.raises(ValueError, match=r"^drafter\.markov_rank = 0 must be >= 1$"):
-        DrafterShape.from_target(target_config(), section)
+        drafter_shape(target_config(), section)
 
 
 def dense_loss(hidden, weight, labels, w, norm, term_inputs, kl, transform):

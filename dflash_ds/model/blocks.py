@@ -38,7 +38,7 @@ def default_gamma(block_size: int) -> float:
     block size as the paper's choices do and the last slots keep a usable weight.
     """
     if block_size < 2:
-        raise ValueError(f"drafter.block_size must be >= 2, got {block_size}")
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
     pts = _GAMMA_POINTS
     if block_size <= pts[1][0]:
         (x0, y0), (x1, y1) = pts[0], pts[1]
@@ -54,7 +54,7 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | str | No
     on the training path.
     """
     if not gamma > 0:
-        raise ValueError(f"objective.gamma must be > 0 (or null for the default), got {gamma}")
+        raise ValueError(f"gamma must be > 0, got {gamma}")
     k = torch.arange(block_size, dtype=torch.float64, device=device)
     w = torch.exp(-(k - 1) / gamma)
     w = torch.where(k == 0, torch.zeros_like(w), w)
@@ -118,11 +118,10 @@ def sample_anchors(
     valid = valid_anchor_mask(loss_mask, doc_ids)
     b, s = valid.shape
     if num_anchors < 1:
-        raise ValueError(f"objective.num_anchors must be >= 1, got {num_anchors}")
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     if num_anchors > s:
         raise ValueError(
-            f"objective.num_anchors={num_anchors} exceeds the row length {s} (data.row_length); "
-            "a row has fewer possible anchors than that: lower objective.num_anchors"
+            f"num_anchors = {num_anchors} exceeds the row length {s}: a row has fewer possible anchors than that"
         )
     keys = torch.rand(b, s, generator=generator, device=generator.device).to(valid.device)
     quota = anchor_quota(valid, doc_ids, num_anchors)
@@ -224,7 +223,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [R, S] int64
     loss_mask: torch.Tensor  # [R, S] bool
     doc_ids: torch.Tensor  # [R, S] int32, -1 = padding
-    final_hidden: torch.Tensor | None = None  # [R, S, D] target final-norm states (KL term on)
+    final_hidden: torch.Tensor | None = None  # [R, S, D] target final-norm states (when the loss reads the target's logits)
 
 
 @dataclass

@@ -48,7 +48,8 @@ class Plan:
 
 @functools.lru_cache(maxsize=2)
 def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
-    """The row order of one epoch, computed once (not per micro-batch: 800K rows cost ~10 ms)."""
+    """The row order of one epoch, computed once, not per micro-batch (a permutation of all the rows
+    is too slow to draw at every step: docs/performance.md)."""
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 

@@ -19,14 +19,15 @@ import torch
 
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.objective import StepSettings
-from dflash_ds.model.shape import COMPARED, DrafterShape
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
-from dflash_ds.target_model import fp8
-from dflash_ds.target_model.model import TargetShape, load_config, target_geometry
+from dflash_ds.resolve.quantization import check_quantization
+from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,14 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
-    tcfg = load_config(recipe.target.path)
-    refused = fp8.recipe_refusal(recipe.target, device.type, target_kind, tcfg)
-    if refused:
-        raise RecipeError(refused)
+    try:
+        tcfg = load_config(recipe.target.path)
+    except TargetError as exc:
+        raise RecipeError(f"target.path: {exc}") from None
+    check_quantization(recipe.target, device.type, target_kind, tcfg)
     geo = target_geometry(tcfg)
     try:
-        dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+        dcfg = drafter_shape(tcfg, recipe.drafter)
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
     if recipe.drafter.init_from:
@@ -137,7 +139,7 @@ def wants_target_logits(recipe: Recipe, shape: DrafterShape) -> bool:
 
 def check_init_from(path: str, shape: DrafterShape) -> None:
     """`drafter.init_from` must be an export of the drafter this recipe describes: the same taps,
-    block size, mask id, layers, widths and attention types (model.shape.COMPARED). A mismatch
+    block size, mask id, layers, widths and attention types (resolve.drafter.RECIPE_KEYS). A mismatch
     would train silently and export a config that disagrees with how the drafter was trained."""
     from dflash_ds.export import read_export_config
 
@@ -145,12 +147,12 @@ def check_init_from(path: str, shape: DrafterShape) -> None:
         exported = DrafterShape.from_hf_config(read_export_config(path))
     except (KeyError, TypeError, ValueError) as exc:
         raise RecipeError(f"drafter.init_from: {exc}") from None
-    diff = exported.mismatches(shape)
+    diff = exported.mismatches(shape, RECIPE_KEYS)
     if diff:
         name, theirs, ours = diff[0]
         more = f" (and {len(diff) - 1} more: {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
         raise RecipeError(f"drafter.init_from {path!r} has {name}={_plain(theirs)} but the recipe gives "
-                          f"{name}={_plain(ours)} (set by {COMPARED[name]}){more}; make the recipe match the export "
+                          f"{name}={_plain(ours)} (set by {RECIPE_KEYS[name]}){more}; make the recipe match the export "
                           "or drop drafter.init_from")
 
 
