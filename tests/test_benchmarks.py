@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.eval.benchmarks import BENCHMARKS, MATH_SUFFIX, load_conversations, parse_names, render_prompt
 from dflash_ds.eval.benchmark_table import table_lines
 from dflash_ds.eval.cli import main
@@ -124,7 +125,7 @@ def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model.shape import DrafterShape
 
-    cfg = DrafterShape.from_target(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    cfg = drafter_shape(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                                vocab_size=64),
                                    DrafterConfig(num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=(1,)))

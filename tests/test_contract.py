@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
-from dflash_ds.model.shape import COMPARED
+from dflash_ds.resolve.drafter import RECIPE_KEYS
 from dflash_ds.runtime import checkpoint
 from dflash_ds.resolve import contract
 
@@ -22,7 +22,7 @@ def tiny(run_dir, *over):
 
 
 def test_every_drafter_shape_setting_is_in_the_contract():
-    for setting in COMPARED.values():  # the one structure that defines the drafter's shape
+    for setting in RECIPE_KEYS.values():  # the one structure that defines the drafter's shape
         assert setting.split()[0] in contract.CONTRACT
     for key in ("drafter.block_size", "drafter.num_layers", "drafter.target_layer_ids", "data.row_length",
                 "data.max_length", "data.path", "run.seed", "optim.grad_accum", "target.path", "objective.kl_weight"):

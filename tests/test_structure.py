@@ -6,7 +6,14 @@
 - no import cycle among dflash_ds modules, counting module-level and function-level imports;
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
-  import never climbs back up (the resolve step in resolve/ never reaches into runtime/).
+  import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
+- no code outside model/variants/ asks which drafter architecture it has: no comparison with an
+  architecture's name or class name, no attribute named after an architecture, one of its own shape
+  fields or one of its modules (`shape.selector_rank > 0`, `drafter.candidate_selector`), no import of
+  one architecture's module (`isinstance(m, BlockConv)` needs one). The export's standalone modeling
+  file (export_modeling/, copied into every export for transformers' remote code) is outside the rule;
+- model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
+  names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -181,6 +188,118 @@ LAYERS = [
 ]
 
 
+VARIANTS_DIR = "model/variants"
+OUTSIDE_THE_RULE = ("export_modeling",)
+# Attributes that share a name with an architecture's field but belong to something else.
+SAME_NAME_ELSEWHERE = {("dflash_ds.target_model.packed", "conv_kernel_size")}  # the target's Gated DeltaNet layer
+
+
+def _constants(node: ast.AST) -> list[str]:
+    """String constants of an operand: itself, or the elements of a literal tuple / list / set."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def architecture_tests(root: Path, names: set[str], attributes: set[str]) -> list[str]:
+    """`module:line what` for every place outside `model/variants/` (and OUTSIDE_THE_RULE) that tells
+    architectures apart: `names` are the architectures' names and class names, `attributes` their names,
+    own shape fields and module names."""
+    found = []
+    package = root.name
+    for name, (path, tree) in sources(root).items():
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(VARIANTS_DIR + "/") or rel.split("/")[0] in OUTSIDE_THE_RULE:
+            continue
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.Compare):
+                hits = [c for operand in [node.left, *node.comparators] for c in _constants(operand) if c in names]
+                what = f"compares with {hits[0]!r}" if hits else None
+            elif isinstance(node, ast.Attribute) and node.attr in attributes and (name, node.attr) not in SAME_NAME_ELSEWHERE:
+                what = f"reads .{node.attr}"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes]
+                what = f"{node.func.id}(..., {hits[0]!r})" if hits else None
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                prefix = f"{package}.{VARIANTS_DIR.replace('/', '.')}"
+                own = node.module.startswith(prefix + ".") and node.module != prefix + ".base"
+                what = f"imports {node.module}" if own else None
+            if what:
+                found.append((name, node.lineno, what))
+    return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
+
+
+def architecture_vocabulary() -> tuple[set[str], set[str]]:
+    """The registered architectures' names and class names, and the attribute names that belong to one
+    of them: its name, its shape fields, and its modules (from its tensor inventory on a small shape)."""
+    import dataclasses
+
+    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.model.variants import VARIANTS
+
+    names, attributes = set(), set()
+    for v in VARIANTS.values():
+        names |= {v.name, v.class_name}
+        attributes |= {v.name} | {f.name for f in dataclasses.fields(v.fields)}
+        shape = DrafterShape(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+                             max_position_embeddings=64, vocab_size=64, num_target_layers=2, target_layer_ids=(0,),
+                             block_size=4, mask_token_id=1, tie_word_embeddings=False, architecture=v.name)
+        for tensor in v.tensors(shape):
+            parts = tensor.split(".")
+            attributes.add(parts[2] if parts[0] == "layers" else parts[0])
+    return names, attributes
+
+
+MECHANISM_FOLDERS = ("model", "target_model")
+
+
+def recipe_keys() -> set[str]:
+    """Every dotted key of the recipe (drafter.block_size, data.regenerate.urls, ...)."""
+    import dataclasses
+    import typing
+
+    from dflash_ds.config.recipe import Recipe
+
+    keys = set()
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif prefix:
+                keys.add(f"{prefix}{f.name}")
+    walk(Recipe, "")
+    return keys
+
+
+def _documentation(tree: ast.AST) -> set[int]:
+    """ids of the string statements of a module: docstrings and attribute docstrings (documentation may
+    name a recipe key; a message may not)."""
+    return {id(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+
+
+def recipe_vocabulary(root: Path, folders: tuple[str, ...], keys: set[str]) -> list[str]:
+    """`module:line key` for every string in `folders` of the package (documentation aside) that names a recipe key."""
+    import re
+
+    pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(k)}(?!\w)" for k in sorted(keys, key=len, reverse=True)))
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.relative_to(root).parts[0] not in folders:
+            continue
+        docs = _documentation(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                hit = pattern.search(node.value)
+                if hit:
+                    found.append((name, node.lineno, hit.group(0)))
+    return [f"{m}:{line} {key}" for m, line, key in sorted(found)]
+
+
 # ---------------------------------------------------------------------------------- the rules on a made-up package
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -230,6 +349,37 @@ def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
                                                                 "pkg.y: no layer (add it to LAYERS)"]
 
 
+def test_architecture_check_finds_each_kind_of_test(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/model/__init__.py": "",
+        "pkg/model/variants/__init__.py": "from pkg.model.variants import two\n",
+        "pkg/model/variants/base.py": "",
+        "pkg/model/variants/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
+        "pkg/export_modeling/m.py": "def f(cfg):\n    return cfg.rank > 0\n",
+        "pkg/loss.py": ("from pkg.model.variants.base import X\nfrom pkg.model.variants.two import Head\n\n"
+                        "def f(shape, m):\n    if shape.architecture in ('one', 'two'):\n        return shape.rank > 0\n"
+                        "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None\n"),
+        "pkg/clean.py": "def f(shape):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n",
+    })
+    assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "rank", "head"}) == [
+        "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .rank",
+        "pkg.loss:7 hasattr(..., 'head')", "pkg.loss:7 reads .head"]
+
+
+def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/model/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
+        "pkg/model/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
+                           'def f(b):\n    """drafter.block_size: documented."""\n'
+                           '    if b < 2:\n        raise ValueError(f"drafter.block_size must be >= 2, got {b}")\n'
+                           '    return "block_size" + "drafter.block_sizes" + "my.drafter.block_size"\n'),
+        "pkg/config/checks.py": 'MSG = "drafter.block_size must be >= 2"\n',
+    })
+    assert recipe_vocabulary(root, ("model",), {"drafter.block_size"}) == ["pkg.model.a:8 drafter.block_size"]
+
+
 # ---------------------------------------------------------------------------------- the rules on dflash_ds
 
 def test_no_function_takes_more_than_seven_parameters():
@@ -252,3 +402,21 @@ def test_folders_have_no_cycle_and_no_arrow_up():
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
     assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))
+
+
+def test_no_architecture_test_outside_the_variants():
+    names, attributes = architecture_vocabulary()
+    assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv"} <= \
+        names | attributes  # the vocabulary really holds the architectures
+    found = architecture_tests(ROOT, names, attributes)
+    assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
+                       "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
+
+
+def test_model_code_names_no_recipe_key():
+    keys = recipe_keys()
+    assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls"} <= keys
+    found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
+    assert not found, ("messages in dflash_ds/model/ or dflash_ds/target_model/ that name a recipe key (raise a "
+                       "neutral error there and name the setting at the boundary, config/checks.py or "
+                       "resolve/):\n  " + "\n  ".join(found))

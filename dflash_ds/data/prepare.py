@@ -269,12 +269,8 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
     Packing (data.pack) suits every target: the target forward keeps packed documents apart in
     every layer, Gated DeltaNet layers included (target.packed). Beside the audit, lengths.json
     lists every conversation's token count (the bench's --lengths FILE)."""
-    if cfg.truncation not in ("drop", "truncate"):
-        raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
-    if cfg.max_length < 2:
-        raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
-    if row_length(cfg) < cfg.max_length:
-        raise ValueError(f"data.row_length: {row_length(cfg)} is shorter than data.max_length ({cfg.max_length})")
+    # The recipe's checks (config/checks.py) hold these; a data section from elsewhere must too.
+    assert cfg.truncation in ("drop", "truncate") and 2 <= cfg.max_length <= row_length(cfg), cfg
     encoder = ChatEncoder(tokenizer, cfg.thinking)
     path, path_setting = _train_source(cfg, recipe)
     cache_dir = Path(cfg.cache_dir)

@@ -9,7 +9,7 @@ new run's becomes recipe.yaml). Before a resume, `compare` puts the recipe again
   taps) must be equal, else one line names each key with both values;
 - every other setting (learning rate and schedule, steps, checkpoints, evaluation, logging,
   timeouts...) may change and is listed in one line.
-The drafter's shape keys are those `model.shape.COMPARED` names (the one structure defining it).
+The drafter's shape keys are those of `resolve.drafter.RECIPE_KEYS` (the one structure defining it).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from pathlib import Path
 import yaml
 
 from dflash_ds.config import Recipe, RecipeError, build_recipe, dump_yaml
-from dflash_ds.model.shape import COMPARED
+from dflash_ds.resolve.drafter import RECIPE_KEYS
 
 RECORD = "recipe.yaml"
 
-# The recipe keys behind the drafter's shape: the first word of each COMPARED entry (the setting),
+# The recipe keys behind the drafter's shape: the first word of each RECIPE_KEYS entry (the setting),
 # plus the ones every shape field is built from.
-SHAPE_KEYS = tuple(sorted({v.split()[0] for v in COMPARED.values()}
+SHAPE_KEYS = tuple(sorted({v.split()[0] for v in RECIPE_KEYS.values()}
                           | {"drafter.num_layers", "drafter.block_size", "drafter.mask_token_id",
                              "drafter.target_layer_ids", "drafter.intermediate_size", "drafter.num_attention_heads",
                              "drafter.num_key_value_heads", "drafter.head_dim"}))

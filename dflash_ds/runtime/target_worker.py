@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from dflash_ds.data.packing import position_ids_from_doc_ids
+from dflash_ds.model.blocks import position_ids_from_doc_ids
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import target_counters, write_status

@@ -22,8 +22,8 @@ from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import drafter_loss, make_blocks
-from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.model.blocks import make_blocks
+from dflash_ds.model.objective import acceptance_proxy, drafter_loss
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint
@@ -44,8 +44,7 @@ class StepStats:
     accept: torch.Tensor
     anchors: torch.Tensor
     kl_sum: torch.Tensor | float = 0.0  # sum(w * KL) of the step (0 with the KL term off)
-    # DFlash2: sum(w * selector CE), sum(w) with the gold among the candidates, sum(w) ranked first by the selector
-    selector: tuple = (0.0, 0.0, 0.0)
+    extra: tuple = ()  # the architecture's sums of the step (its variant's log_sums)
 
 
 class LocalSource:
@@ -153,8 +152,8 @@ class DrafterTrainer:
         with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
             dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors, kl_sum, sel = 0.0, 0.0, 0.0, 0.0, (0.0, 0.0, 0.0)
-        term = s.selector_term(step, plan.total_steps)
+        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_sums)
+        term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(self.model, mb, bl, weight / scale, s, term)
             self.engine.backward(out.loss)
@@ -163,15 +162,14 @@ class DrafterTrainer:
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
             kl_sum = kl_sum + out.kl_sum
-            if out.selector is not None:
-                sel = tuple(a + b for a, b in zip(sel, out.selector))
+            extra = tuple(a + b for a, b in zip(extra, out.extra))
         # The profile window closes before the releases post the next receives: a transfer started
         # inside the window and finished after it would close its profiler record on a profiler that
         # is gone (a crash in the wait).
         self.profiler.after(step + 1)
         for p in payloads:
             self.source.release(p)
-        return StepStats(ce_sum, weight, accept, anchors, kl_sum, sel)
+        return StepStats(ce_sum, weight, accept, anchors, kl_sum, extra)
 
     def train(self) -> None:
         r, plan, start, eval_set = self.spec.recipe, self.spec.plan, self.start, self.eval_set
@@ -202,13 +200,13 @@ class DrafterTrainer:
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
-                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.selector)])
+                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.extra)])
         with waiting_on("the metrics all-reduce", self.spec.layout.drafter_ranks):
             dist.all_reduce(vec, group=self.group)
         if not self.lead:
             return
         plan = self.spec.plan
-        ce, acc, anchors, kl, sel_ce, sel_covered, sel_correct = vec.tolist()
+        ce, acc, anchors, kl, *extra = vec.tolist()
         tokens = steps * plan.tokens_per_step
         elapsed = time.perf_counter() - t0
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
@@ -218,12 +216,7 @@ class DrafterTrainer:
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
-        if self.settings.selector is not None:
-            # Weighted over the slots like "loss": sum(w * selector CE) / sum(w), the share of the weight
-            # whose gold is among the unary top-k, and how often the selector ranks it first there.
-            rec["selector_loss"] = sel_ce / float(stats.weight)
-            rec["selector_recall"] = sel_covered / float(stats.weight)
-            rec["selector_accuracy"] = sel_correct / max(sel_covered, 1e-9)
+        rec.update(self.settings.shape.variant.log_record(extra, float(stats.weight)))
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
