@@ -32,7 +32,7 @@ from torch import nn
 
 from dflash_ds.model.gather import take_rows
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.objective import decay_weights
+from dflash_ds.model.blocks import decay_weights
 
 # DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
 _INIT_STD = 0.02
