@@ -2,9 +2,9 @@
 liveness, and the typed failures a rank ends with.
 
 Everything here is standard library only, so every entry point (training ranks, launch.sh's checks,
-the supervisor, the data / eval / report / bench CLIs) shares it. The mechanisms that use it live in
-runtime/: the stop-request thread (signals.py), the watchdog (watchdog.py), the run lock (lock.py),
-and `control.run_guarded`, which turns a `RunFailure` into its line and its exit code.
+the supervisor, the data / eval / report / bench CLIs) shares it. The mechanisms that use it live in guard/ (the
+stop-request thread, signals.py; the run lock, lock.py; `control.run_guarded`, which turns a
+`RunFailure` into its line and its exit code) and runtime/watchdog.py (the bound on every wait on a peer).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.runtime.control import RunControl, run_guarded
+    from dflash_ds.guard.control import RunControl, run_guarded
     from dflash_ds.runtime.engines import init_distributed, make_groups
     from dflash_ds.runtime.target_worker import run_target
     from dflash_ds.runtime.trainer import run_drafter

@@ -44,7 +44,7 @@ def test_a_missing_or_malformed_set_fails_in_one_line(tmp_path):
 
 def test_recipe_names_its_benchmarks_and_checks_them_before_launch(tmp_path):
     from dflash_ds.config import RecipeError, load_recipe
-    from dflash_ds.runtime.prelaunch import check_benchmarks
+    from dflash_ds.guard.launch import check_benchmarks
 
     with pytest.raises(RecipeError, match="eval.benchmarks: unknown set"):
         load_recipe("recipes/tiny.yaml", ["eval.benchmarks=[gsm8k,aime]"])

@@ -47,7 +47,7 @@ def test_launch_sh_starts_nothing_when_its_pre_launch_step_crashes(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
-    fake.write_text(f"#!/bin/sh\ncase \"$*\" in *dflash_ds.runtime.launch_env*) "
+    fake.write_text(f"#!/bin/sh\ncase \"$*\" in *dflash_ds.guard.launch*) "
                     f"echo 'Traceback (most recent call last): boom' >&2; exit 1;; esac\nexec {sys.executable} \"$@\"\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = cpu_env()

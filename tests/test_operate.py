@@ -23,7 +23,7 @@ from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.data.validate import DataFileError, check_json_file
 from dflash_ds.metrics import read_metrics, truncate_after
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.lock import LockError, RunLock, check
+from dflash_ds.guard.lock import LockError, RunLock, check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +192,8 @@ def tiny(tmp_path, *overrides):
 
 
 def test_wandb_online_without_key_is_refused(tmp_path, monkeypatch):
-    from dflash_ds.runtime.prelaunch import check_wandb
+    from dflash_ds.guard import launch
+    from dflash_ds.guard.launch import check_wandb
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -202,11 +203,12 @@ def test_wandb_online_without_key_is_refused(tmp_path, monkeypatch):
         check_wandb(tiny(tmp_path, "log.wandb.enabled=true"))
     check_wandb(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline"))
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(launch, "_wandb_reachable", lambda timeout: None)  # the service is tested on its own
     check_wandb(tiny(tmp_path, "log.wandb.enabled=true"))
 
 
 def test_model_without_tokenizer_is_blamed_on_target_path(tmp_path):
-    from dflash_ds.runtime.prelaunch import prelaunch
+    from dflash_ds.guard.launch import prelaunch
 
     model = tmp_path / "model"
     model.mkdir()
@@ -259,7 +261,7 @@ def run_script(code: str, timeout: float = 60) -> subprocess.Popen:
 def test_first_signal_is_recorded_while_blocked_second_exits_at_once():
     proc = run_script("""
         import threading, time
-        from dflash_ds.runtime.signals import StopRequest
+        from dflash_ds.guard.signals import StopRequest
         stop = StopRequest("rank 0 (drafter on h)").install()
         print("ready", flush=True)
         # The main thread blocks in C (a lock wait), as it would inside a receive.
@@ -284,7 +286,7 @@ def test_only_drafter_ranks_create_the_stop_group(monkeypatch, tmp_path, rank):
     new_group for a group it is not in join an NCCL split over WORLD, which the members of a gloo
     group never join: the split topology hung at start-up. Target ranks must stay out of the
     drafters' stop-vote group, and the drafters create it among themselves."""
-    from dflash_ds.runtime import control
+    from dflash_ds.guard import control
     from dflash_ds.resolve.topology import Layout
 
     calls = []
@@ -417,7 +419,7 @@ def supervised(tmp_path, grace: float) -> tuple[subprocess.Popen, Path]:
     rank.write_text(SUPERVISED_RANK)
     log = tmp_path / "rank.log"
     inner = f"{sys.executable} {rank} --local_rank=0 > {log} & wait"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_ds.runtime.supervise", "--grace", str(grace), "--", "sh", "-c",
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ds.guard.supervise", "--grace", str(grace), "--", "sh", "-c",
                              inner], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE,
                             text=True)
     t0 = time.monotonic()

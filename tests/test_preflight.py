@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.runtime import preflight
+from dflash_ds.guard import launch
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -46,23 +46,23 @@ def tiny(run_dir, *over):
 
 
 def test_locations_that_are_files_or_not_writable_are_named(tmp_path):
-    preflight.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
+    launch.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(RecipeError, match=rf"^run\.output_dir: {afile} is a file, not a directory"):
-        preflight.check_locations(tiny(afile))
+        launch.check_locations(tiny(afile))
     with pytest.raises(RecipeError, match=r"cannot be created \(.*afile is a file\)"):
-        preflight.check_locations(tiny(afile / "run"))
+        launch.check_locations(tiny(afile / "run"))
     run = tmp_path / "run"
     run.mkdir()
     (run / "export").write_text("not a directory")
     with pytest.raises(RecipeError, match=r"^run\.output_dir \(export\): .*export is a file"):
-        preflight.check_locations(tiny(run))
+        launch.check_locations(tiny(run))
     # /proc takes no new files, whoever asks (permissions would not stop root).
     with pytest.raises(RecipeError, match=r"^run\.output_dir: /proc/dflash-test/run is not writable"):
-        preflight.check_locations(tiny("/proc/dflash-test/run"))
+        launch.check_locations(tiny("/proc/dflash-test/run"))
     with pytest.raises(RecipeError, match=r"^data\.cache_dir: /proc/dflash-cache is not writable"):
-        preflight.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
+        launch.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
     assert not list(tmp_path.glob("**/.dflash-write-test-*"))  # the probes are gone
 
 
@@ -96,16 +96,21 @@ def server():
 WANDB = ["log.wandb.enabled=true", "log.wandb.mode=online"]
 
 
+@pytest.fixture(autouse=True)
+def wandb_key(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # credentials present: the service is what is checked
+
+
 def test_unreachable_wandb_stops_in_one_line_offering_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
     t = time.monotonic()
     with pytest.raises(RecipeError) as e:
-        preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=2)
+        launch.check_wandb(tiny(tmp_path, *WANDB), timeout=2)
     msg = str(e.value)
     assert time.monotonic() - t < 5 and "\n" not in msg
     assert msg.startswith("log.wandb: http://127.0.0.1:") and "log.wandb.mode=offline" in msg
-    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
+    assert launch.check_wandb(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
                                          timeout=2) == {"WANDB_MODE": "offline"}
 
 
@@ -118,7 +123,7 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
         t = time.monotonic()
         with pytest.raises(RecipeError, match="did not answer within 1 s"):
-            preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=1)
+            launch.check_wandb(tiny(tmp_path, *WANDB), timeout=1)
         assert time.monotonic() - t < 4
     finally:
         listener.close()
@@ -127,9 +132,9 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
 def test_reachable_offline_or_disabled_wandb_needs_nothing(tmp_path, monkeypatch, server):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", server)
-    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    assert launch.check_wandb(tiny(tmp_path, *WANDB)) == {}
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
-    assert preflight.check_wandb_service(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
-    assert preflight.check_wandb_service(tiny(tmp_path)) == {}  # not enabled
+    assert launch.check_wandb(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
+    assert launch.check_wandb(tiny(tmp_path)) == {}  # not enabled
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    assert launch.check_wandb(tiny(tmp_path, *WANDB)) == {}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_ds.runtime import control
+from dflash_ds.guard import control
 from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, Stopped, transport_failure
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_ds"
@@ -88,9 +88,9 @@ def test_no_literal_exit_codes_in_the_package():
 
 
 def test_the_start_is_decided_in_one_place(monkeypatch, tmp_path):
-    """launch.sh's pre-launch check and the run's lead both ask control.decide_start."""
+    """launch.sh's pre-launch check and the run's lead both ask launch.decide_start."""
     from dflash_ds.config import RecipeError, load_recipe
-    from dflash_ds.runtime import prelaunch
+    from dflash_ds.guard import launch
 
     calls = []
 
@@ -98,10 +98,10 @@ def test_the_start_is_decided_in_one_place(monkeypatch, tmp_path):
         calls.append(recipe.run.output_dir)
         raise CheckpointError("latest.json names a checkpoint that is gone")
 
-    monkeypatch.setattr(control, "decide_start", decide)
+    monkeypatch.setattr(launch, "decide_start", decide)
     recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}"])
     with pytest.raises(RecipeError, match="latest.json names a checkpoint that is gone"):
-        prelaunch.check_resume(recipe)
+        launch.check_resume(recipe)
     ctl = control.RunControl(recipe, SimpleNamespace(role=lambda r: "drafter", is_drafter=lambda r: True), 0)
     assert ctl._decide() == {"error": "latest.json names a checkpoint that is gone"}
     assert calls == [str(tmp_path)] * 2

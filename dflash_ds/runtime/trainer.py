@@ -27,9 +27,9 @@ from dflash_ds.model.objective import acceptance_proxy
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.transport import NoSyncTimer, Receiver, SyncStallTimer
+from dflash_ds.runtime.profiling import NoSyncTimer, StepProfiler, SyncStallTimer
+from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped
 from dflash_ds.resolve.payload import PayloadLayout, unpack
@@ -98,7 +98,7 @@ class LogWindow:
 
 class DrafterTrainer:
     def __init__(self, spec: RunSpec, rank: int, parts: DrafterParts, control):
-        """`control`: runtime.control.RunControl (stop votes); the bench passes control.NullControl."""
+        """`control`: guard.control.RunControl (stop votes); the bench passes control.NullControl."""
         self.spec, self.rank, self.control = spec, rank, control
         self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set

@@ -20,31 +20,15 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.config import RecipeError
-from dflash_ds.runtime import checkpoint, watchdog
-from dflash_ds.runtime.lock import RunLock
-from dflash_ds.runtime.preflight import check_locations, check_wandb_service
-from dflash_ds.runtime.signals import StopRequest
+from dflash_ds.guard import launch
+from dflash_ds.guard.lock import RunLock
+from dflash_ds.guard.signals import StopRequest
+from dflash_ds.runtime import watchdog
 from dflash_ds.runtime.watchdog import Peer, Watchdog
 from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, exit_now, say, \
     transport_failure
-from dflash_ds.resolve import contract
 
 LEFT_DIR = ".left"  # under run.output_dir: ranks that exited on purpose (see watchdog.Watchdog.mark_left)
-
-
-def decide_start(recipe) -> dict | None:
-    """Where a run starts: the checkpoint `checkpoint.resume` picks in run.output_dir (latest.json's,
-    or with `fallback` the newest complete one), None for step 0. Raises CheckpointError.
-
-    A resume must keep the run's contract (resolve/contract.py): one that changes the drafter's shape,
-    the data stream or the taps raises RecipeError naming each key; the settings it may change and
-    does are in the result's "changed" line."""
-    start = checkpoint.resolve(recipe.run.output_dir, recipe.checkpoint.resume)
-    if start is not None:
-        changed = contract.check_resume(recipe, int(start["step"]))
-        if changed:
-            start = {**start, "changed": changed}
-    return start
 
 
 class RunControl:
@@ -92,8 +76,7 @@ class RunControl:
     def _decide(self) -> dict:
         r = self.recipe
         try:  # what launch.sh checks before launch, again for runs started by the deepspeed launcher alone
-            check_locations(r)
-            os.environ.update(check_wandb_service(r))  # the lead alone logs to wandb
+            os.environ.update(launch.lead_checks(r))  # the lead alone logs to wandb
         except RecipeError as exc:
             return {"error": str(exc)}
         try:
@@ -101,7 +84,7 @@ class RunControl:
         except LockError as exc:
             return {"error": str(exc)}
         try:
-            start = decide_start(r)
+            start = launch.decide_start(r)
         except (CheckpointError, RecipeError) as exc:
             self.release()
             return {"error": str(exc)}

@@ -1,0 +1,230 @@
+"""How a run is launched: the checks before the first rank starts, and where the run starts.
+
+`python -m dflash_ds.guard.launch RECIPE [key=value ...]` is launch.sh's pre-launch step. It runs every
+check that needs no GPU (`prelaunch`): the recipe, the run lock, the locations the run writes, wandb,
+the checkpoint state and the recipe's contract, the tokenizer and chat template, the data (prepared
+here once, so the ranks then read the cache) and the benchmark sets. A problem is one line naming the
+setting, file or line, and launch.sh exits with safety.Exit.USER (2) before the launcher starts a
+single rank. On success it prints `NAME=value` lines for the shell's `eval`: how many processes the
+recipe needs on this host, a free port, the stop grace time.
+
+The run's lead makes the checks that do not depend on this host's launch again at start-up
+(`lead_checks`, `decide_start`), for runs the deepspeed launcher starts alone.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import shlex
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from dflash_ds.config import Recipe, RecipeError, load_recipe, ranks_per_node
+from dflash_ds.safety import CheckpointError, Exit, LockError, say
+
+WANDB_TIMEOUT_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- locations
+
+def _writable_dir(path: Path, setting: str) -> None:
+    """`path` is, or can be created as, a directory this process can write to (probed with a file)."""
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"{setting}: {path} is a file, not a directory; move it away or point {setting} elsewhere")
+    probe_in = path
+    while not probe_in.exists():
+        probe_in = probe_in.parent
+    if not probe_in.is_dir():
+        raise RecipeError(f"{setting}: {path} cannot be created ({probe_in} is a file); point {setting} elsewhere")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dflash-write-test-", dir=probe_in)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise RecipeError(f"{setting}: {path} is not writable ({probe_in}: {exc.strerror or exc}); "
+                          f"point {setting} at a writable directory") from None
+
+
+def check_locations(recipe: Recipe) -> None:
+    """The run directory and what the run writes in it (checkpoints, the export), and the data cache:
+    directories (or creatable ones) this process can write to."""
+    out = Path(recipe.run.output_dir)
+    _writable_dir(out, "run.output_dir")
+    for sub in ("checkpoints", "export"):
+        _writable_dir(out / sub, f"run.output_dir ({sub})")
+    _writable_dir(Path(recipe.data.cache_dir), "data.cache_dir")
+
+
+# ----------------------------------------------------------------------------- wandb
+
+def _wandb_key() -> str | None:
+    if os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        auth = None
+    return auth[2] if auth else None
+
+
+def _wandb_reachable(timeout: float) -> str | None:
+    """None when wandb's service answers (any HTTP status) within `timeout` seconds, else why not."""
+    import urllib.error
+    import urllib.request
+
+    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(base + "/healthz", method="GET"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"{base} did not answer within {timeout:g} s ({reason})"
+    return None
+
+
+def check_wandb(recipe: Recipe, timeout: float = WANDB_TIMEOUT_S) -> dict[str, str]:
+    """Online wandb needs credentials and its service. No credentials: one line. Service out of reach:
+    one line offering offline mode or, with log.wandb.offline_fallback, offline logging; returns the
+    environment the ranks then need."""
+    w = recipe.log.wandb
+    if not w.enabled or os.environ.get("WANDB_MODE", w.mode) != "online":
+        return {}
+    if _wandb_key() is None:
+        raise RecipeError("log.wandb.enabled is true with log.wandb.mode online but WANDB_API_KEY is not set; export "
+                          "WANDB_API_KEY, or set log.wandb.mode=offline (sync later) or log.wandb.enabled=false")
+    why = _wandb_reachable(timeout)
+    if why is None:
+        return {}
+    if w.offline_fallback:
+        say(f"warning: wandb is unreachable ({why}); logging offline (wandb sync RUN_DIR/wandb later)")
+        return {"WANDB_MODE": "offline"}
+    raise RecipeError(f"log.wandb: {why}; set log.wandb.mode=offline (sync later with `wandb sync`), "
+                      "log.wandb.offline_fallback=true, or log.wandb.enabled=false")
+
+
+def lead_checks(recipe: Recipe) -> dict[str, str]:
+    """What both launch.sh and the run's lead check: the locations and wandb. Returns the environment
+    wandb then needs."""
+    check_locations(recipe)
+    return check_wandb(recipe)
+
+
+# ----------------------------------------------------------------------------- where the run starts
+
+def decide_start(recipe) -> dict | None:
+    """Where a run starts: the checkpoint `checkpoint.resume` picks in run.output_dir (latest.json's,
+    or with `fallback` the newest complete one), None for step 0. Raises CheckpointError.
+
+    A resume must keep the run's contract (resolve/contract.py): one that changes the drafter's shape,
+    the data stream or the taps raises RecipeError naming each key; the settings it may change and
+    does are in the result's "changed" line."""
+    from dflash_ds.resolve import contract
+    from dflash_ds.runtime import checkpoint
+
+    start = checkpoint.resolve(recipe.run.output_dir, recipe.checkpoint.resume)
+    if start is not None:
+        changed = contract.check_resume(recipe, int(start["step"]))
+        if changed:
+            start = {**start, "changed": changed}
+    return start
+
+
+# ----------------------------------------------------------------------------- before launch
+
+def check_lock(recipe: Recipe) -> None:
+    from dflash_ds.guard.lock import check
+
+    try:
+        check(recipe.run.output_dir)
+    except LockError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def check_resume(recipe: Recipe) -> None:
+    try:
+        # The same decision the run's lead makes at start-up, the recipe's contract included (a resume
+        # that changes it raises RecipeError; the lead lists the settings that may change).
+        decide_start(recipe)
+    except CheckpointError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def check_benchmarks(recipe: Recipe) -> None:
+    """Every set of eval.benchmarks loads now, not after the training it would follow."""
+    from dflash_ds.eval.benchmarks import HELDOUT, load_conversations
+
+    for name in recipe.eval.benchmarks if recipe.eval.at_end else ():
+        if name != HELDOUT:
+            load_conversations(name, recipe.eval.bench_dir, 1, setting="eval.bench_dir")
+
+
+def prelaunch(recipe: Recipe) -> dict[str, str]:
+    """Raise ValueError (one line) for the first problem; prepares and caches the data on success.
+    Returns environment variables the ranks need (wandb's offline fallback)."""
+    check_locations(recipe)
+    check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
+    env = check_wandb(recipe)
+    if Path(recipe.run.output_dir).exists():
+        check_resume(recipe)
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.resolve.run import resolve_run
+
+    resolve_run(recipe, ranks_per_node(recipe))
+    load_training_data(recipe)
+    check_benchmarks(recipe)
+    return env
+
+
+def _fail(msg: str) -> str:
+    """Shell text that prints the one line and stops launch.sh with Exit.USER."""
+    return f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit {int(Exit.USER)}"
+
+
+def main(argv: list[str]) -> int:
+    args = [a for a in argv if not a.startswith("--")]
+    try:
+        recipe = load_recipe(args[0], args[1:])
+    except RecipeError as exc:
+        print(_fail(str(exc)))
+        return Exit.OK
+    # Whatever the checks print (data preparation reports, library warnings) must not reach the
+    # shell's eval: fd 1 points at stderr until the variables are printed.
+    saved = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    try:
+        env = prelaunch(recipe)
+        error = None
+    except ValueError as exc:  # RecipeError, data and tokenizer errors: the user's to fix
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    if error is not None:
+        print(_fail(error))
+        return Exit.OK
+    lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={free_port()}",
+             f"DFLASH_STOP_GRACE={recipe.run.stop_grace_s:g}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    import torch
+
+    if recipe.run.device == "cpu" or not torch.cuda.is_available():
+        # One thread per rank: several ranks share few cores, and the CPU comm backend is gloo.
+        lines += ["export DS_ACCELERATOR=cpu", "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"]
+    print("\n".join(lines))
+    return Exit.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
