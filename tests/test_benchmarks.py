@@ -180,7 +180,7 @@ def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tm
     rows = json.loads((tmp_path / "benchmarks.json").read_text())
     assert [(r["bench"], r["sampling"], r["responses"]) for r in rows] == [
         ("gsm8k", "greedy", 1), ("gsm8k", "T=1", 2), ("mt_bench", "greedy", 2), ("mt_bench", "T=1", 4)]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "enable_thinking=false" in out and out.count("[dflash] gsm8k") == 2
     card = (tmp_path / "export" / "README.md").read_text()
     assert "| mt_bench | T=1 |" in card and "`enable_thinking: false`" in card

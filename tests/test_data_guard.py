@@ -119,11 +119,11 @@ def test_a_damaged_cache_entry_is_reported_in_one_line_and_rebuilt(tmp_path, tok
     assert D.cache_damage(folder) is not None or damage == "garbage_same_size"
     capsys.readouterr()
     again = D.prepare(cfg, tok, verbose=False)
-    out = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    out = [line for line in capsys.readouterr().err.splitlines() if "damaged" in line]
     assert len(out) == 1 and str(folder) in out[0] and "rebuilding" in out[0], out
     assert Path(again.cache_path) == folder and D.cache_damage(folder) is None
     for k in D.ROW_FIELDS:
         assert np.array_equal(np.asarray(again.rows[k]), want[k])
     capsys.readouterr()
     D.prepare(cfg, tok, verbose=True)  # and the rebuilt entry is reused
-    assert "reusing" in capsys.readouterr().out
+    assert "reusing" in capsys.readouterr().err

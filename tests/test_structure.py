@@ -6,7 +6,12 @@
 - no import cycle among dflash_ds modules, counting module-level and function-level imports;
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
-  import never climbs back up (the resolve step in resolve/ never reaches into runtime/).
+  import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
+- one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
+  stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
+  appear only in `say` itself, the progress line (`metrics.print_progress`, which rewrites one
+  terminal line) and the command-line entry points (`main` functions, the CLI modules), whose output
+  is the program's result (a table, a plan, launch.sh's shell variables).
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -183,6 +188,40 @@ LAYERS = [
 ]
 
 
+# The functions besides the entry points that may write to the terminal themselves (module:function).
+OUTPUT_CHANNELS = {"dflash_ds.safety:say", "dflash_ds.metrics:print_progress"}
+
+
+def _writes_output(call: ast.Call) -> bool:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id == "print"
+    return (isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute)
+            and f.value.attr in ("stdout", "stderr") and isinstance(f.value.value, ast.Name)
+            and f.value.value.id == "sys")
+
+
+def stray_output(root: Path, allowed: set[str]) -> list[str]:
+    """`module:line in function` for every print / sys.stdout|stderr.write outside the entry points
+    (`main`, the CLI modules) and the `allowed` module:function channels."""
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.name in CLI_MODULES:
+            continue
+
+        def visit(node, owner: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else owner
+                if inner == "main" or f"{name}:{inner}" in allowed:
+                    continue
+                if isinstance(child, ast.Call) and _writes_output(child):
+                    found.append(f"{name}:{child.lineno} in {inner or 'module level'}")
+                visit(child, inner)
+
+        visit(tree, "")
+    return found
+
+
 # ---------------------------------------------------------------------------------- the rules on a made-up package
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -209,6 +248,18 @@ def test_checkers_find_what_they_look_for(tmp_path):
     graph = import_graph(root)
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub"] == {"pkg.sub.d"} and graph["pkg.sub.e"] == {"pkg.sub.d"}
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
+
+
+def test_output_check_finds_a_stray_print(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": ("import sys\n\ndef say(m):\n    print(m, file=sys.stderr)\n\n"
+                     "def work():\n    print('done')\n\nclass K:\n    def m(self):\n        sys.stderr.write('x')\n\n"
+                     "def main():\n    print('result')\n"),
+        "pkg/cli.py": "print('usage')\n",
+    })
+    assert stray_output(root, {"pkg.a:say"}) == ["pkg.a:7 in work", "pkg.a:11 in m"]
+    assert stray_output(root, set()) == ["pkg.a:4 in say", "pkg.a:7 in work", "pkg.a:11 in m"]
 
 
 def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
@@ -254,3 +305,9 @@ def test_folders_have_no_cycle_and_no_arrow_up():
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
     assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))
+
+
+def test_messages_go_through_one_channel():
+    found = stray_output(ROOT, OUTPUT_CHANNELS)
+    assert not found, ("print / sys.stdout|stderr.write outside the entry points; say it with dflash_ds.safety.say "
+                       "(or, for a program's result, print it in its main):\n  " + "\n  ".join(found))

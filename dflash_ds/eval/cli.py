@@ -20,7 +20,7 @@ from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model_card import trained_thinking
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 
 def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_template_kwargs: dict | None = None) -> list[list[int]]:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return Exit.USER
 
 
@@ -123,9 +123,8 @@ def _thinking(args, kwargs: dict | None) -> bool:
     else:
         thinking = bool(trained)
     if trained is not None and thinking != trained:
-        print(f"warning: evaluating with enable_thinking={str(thinking).lower()} but {args.drafter} was trained with "
-              f"enable_thinking={str(trained).lower()} (data.thinking): acceptance drops when they differ",
-              file=sys.stderr)
+        say(f"warning: evaluating with enable_thinking={str(thinking).lower()} but {args.drafter} was trained with "
+            f"enable_thinking={str(trained).lower()} (data.thinking): acceptance drops when they differ")
     return thinking
 
 

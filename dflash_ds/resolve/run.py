@@ -25,6 +25,7 @@ from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
+from dflash_ds.safety import say
 from dflash_ds.target_model import fp8
 from dflash_ds.target_model.model import TargetShape, load_config, target_geometry
 
@@ -106,8 +107,8 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
             "kernel to keep the packed documents of a row apart (without it the exact per-document fallback is "
             "far too slow); pip install 'dflash-ds[gpu]' (flash-linear-attention), or set data.pack=false")
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
-        print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
-              "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
+        say("warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
+            "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')")
     payload = payload_layout(recipe, dcfg, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()

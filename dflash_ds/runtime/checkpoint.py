@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dflash_ds.io import file_sizes, size_mismatch, write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 from dflash_ds.runtime.watchdog import waiting_on
-from dflash_ds.safety import CheckpointError
+from dflash_ds.safety import CheckpointError, say
 
 LATEST = "latest.json"
 MANIFEST = "complete.json"
@@ -279,5 +279,5 @@ def load(engine, run_dir: str | Path, group, info: dict | None, universal: bool 
     if "rng_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng_cuda"])
     if is_lead:
-        print(f"[dflash] resumed from step {int(state['step'])} (checkpoint {ck / tag})", flush=True)
+        say(f"resumed from step {int(state['step'])} (checkpoint {ck / tag})")
     return int(state["step"])

@@ -28,12 +28,13 @@ import gzip
 import json
 import os
 import shutil
-import sys
 import time
 from collections import defaultdict, deque
 from pathlib import Path
 
 import torch
+
+from dflash_ds.safety import say
 
 GPU_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -251,5 +252,4 @@ class StepProfiler:
         (self.dir / f"{self.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
         busy = summary.get("gpu_busy_share")
         what = "" if busy is None else f": GPU busy {busy:.0%}, NCCL kernels {summary['nccl_share']:.0%}"
-        print(f"[dflash] {self.name}: profile of steps {self.first}-{self.last} in {self.dir}{what}",
-              file=sys.stderr, flush=True)
+        say(f"profile of steps {self.first}-{self.last} in {self.dir}{what}", self.name)

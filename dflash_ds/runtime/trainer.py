@@ -31,7 +31,7 @@ from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wa
 from dflash_ds.runtime.profiling import NoSyncTimer, StepProfiler, SyncStallTimer
 from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
-from dflash_ds.safety import CheckpointError, Stopped
+from dflash_ds.safety import CheckpointError, Stopped, say
 from dflash_ds.resolve.payload import PayloadLayout, unpack
 from dflash_ds.resolve.plan import receive_depth
 from dflash_ds.resolve.run import RunSpec
@@ -239,8 +239,9 @@ class DrafterTrainer:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
         self.last_tau = report
         self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
-        print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
-              f"{len(report.cycles)} responses)\n[dflash] {report.position_line()}", flush=True)
+        say(f"tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
+            f"{len(report.cycles)} responses)")
+        say(report.position_line())
 
     def save(self, step: int) -> None:
         from dflash_ds.export import save_drafter
@@ -248,7 +249,7 @@ class DrafterTrainer:
         r = self.spec.recipe
         t0 = time.perf_counter()
         if self.lead and step == self.spec.plan.total_steps:
-            print(f"[dflash] step {step}: writing the final checkpoint and export", flush=True)
+            say(f"step {step}: writing the final checkpoint and export")
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
         if self.lead:
             t1 = time.perf_counter()
@@ -260,8 +261,8 @@ class DrafterTrainer:
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
-            print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
-                  f"({time.perf_counter() - t1:.0f} s)", flush=True)
+            say(f"step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
+                f"({time.perf_counter() - t1:.0f} s)")
 
     def stop(self, done: int, saved: bool) -> None:
         """Every drafter rank voted at the same step boundary, so all of them save this step."""
