@@ -124,6 +124,7 @@ def _complete(run_dir: Path, tag: str) -> None:
     d = checkpoint.checkpoint_dir(run_dir) / tag
     d.mkdir(parents=True)
     (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    checkpoint.write_json_atomic(d / checkpoint.MANIFEST, {"files": checkpoint.file_sizes(d)})
 
 
 def test_a_damaged_checkpoint_advises_fallback_only_when_an_earlier_one_exists(tmp_path):

@@ -165,6 +165,87 @@ def test_full_disk_removes_the_partial_checkpoint_and_keeps_the_previous(tmp_pat
     assert checkpoint.resolve(run, "auto") == {"tag": "step00000003", "step": 3}
 
 
+def test_only_a_checkpoint_with_complete_json_is_complete(tmp_path):
+    """complete.json is written last: a tag directory without it (a crash during the write, DeepSpeed's
+    files all present) is never resumed, and fallback is advised only where a complete one exists."""
+    fake_checkpoint(tmp_path, 4, manifest=False)
+    set_latest(tmp_path, 4)
+    assert "complete.json" in checkpoint.verify(tmp_path / "checkpoints" / "step00000004")
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.resolve(tmp_path, "auto")
+    msg = str(exc.value)
+    assert "names step00000004" in msg and "complete.json" in msg and "\n" not in msg
+    assert "fallback" not in msg and "checkpoint.resume=restart" in msg  # nothing complete to fall back to
+    with pytest.raises(checkpoint.CheckpointError, match="no complete earlier checkpoint"):
+        checkpoint.resolve(tmp_path, "fallback")
+    fake_checkpoint(tmp_path, 2)
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint.resume=fallback"):
+        checkpoint.resolve(tmp_path, "auto")
+    assert checkpoint.resolve(tmp_path, "fallback")["step"] == 2
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path, one_rank_group):
+    """A run over a directory holding later steps of another run: pruning by step number alone deleted
+    every new checkpoint as soon as it was written."""
+    run = tmp_path / "run"
+    fake_checkpoint(run, 400)
+    fake_checkpoint(run, 500)
+    for step in (1, 2, 3):
+        checkpoint.save(FakeEngine(), run, step, one_rank_group, True, keep_last=2)
+        assert checkpoint.verify(run / "checkpoints" / checkpoint.tag_of(step)) is None
+    assert checkpoint.tags(run / "checkpoints") == ["step00000002", "step00000003", "step00000400", "step00000500"]
+
+
+def test_restart_moves_the_previous_runs_checkpoints_aside(tmp_path, one_rank_group, capsys):
+    from types import SimpleNamespace
+
+    from dflash_ds.guard import control
+
+    run = tmp_path / "run"
+    fake_checkpoint(run, 400)
+    fake_checkpoint(run, 500)
+    set_latest(run, 500)
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run.output_dir={run}", "checkpoint.resume=restart"])
+    ctl = control.RunControl(recipe, SimpleNamespace(role=lambda r: "drafter", is_drafter=lambda r: True), 0)
+    try:
+        assert ctl._decide() == {"start": None}
+    finally:
+        ctl.release()
+    ck = run / "checkpoints"
+    (aside,) = [p for p in ck.iterdir() if p.name.startswith("previous-")]
+    assert checkpoint.tags(ck) == [] and not (ck / checkpoint.LATEST).exists()
+    assert checkpoint.tags(aside) == ["step00000400", "step00000500"] and (aside / checkpoint.LATEST).is_file()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "previous-" in ln]
+    assert len(lines) == 1 and str(aside) in lines[0] and "checkpoint.resume=restart" in lines[0]
+    # The new run's checkpoints are its own: pruned among themselves, resumed from, never the old ones.
+    for step in (1, 2, 3):
+        checkpoint.save(FakeEngine(), run, step, one_rank_group, True, keep_last=2)
+    assert checkpoint.tags(ck) == ["step00000002", "step00000003"]
+    assert checkpoint.resolve(run, "auto") == {"tag": "step00000003", "step": 3}
+    assert checkpoint.resolve(run, "fallback") == {"tag": "step00000003", "step": 3}
+
+
+class EngineLikeDeepSpeed(FakeEngine):
+    """DeepSpeed's save_checkpoint logs and swallows the OSError of its makedirs; torch.save then fails
+    on the missing directory."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        try:
+            (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        torch.save({"w": torch.ones(4)}, Path(save_dir) / tag / "mp_rank_00_model_states.pt")
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_says_not_writable(one_rank_group):
+    run = Path("/sys/dflash-test-run")  # no one, root included, creates directories in /sys
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.save(EngineLikeDeepSpeed(), run, 3, one_rank_group, True, keep_last=2)
+    msg = str(exc.value)
+    assert "\n" not in msg and "is not writable" in msg and str(run / "checkpoints") in msg, msg
+    assert "does not exist" not in msg
+
+
 # ----------------------------------------------------------------------------- data and pre-launch
 
 

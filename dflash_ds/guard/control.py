@@ -23,7 +23,7 @@ from dflash_ds.config import RecipeError
 from dflash_ds.guard import launch
 from dflash_ds.guard.lock import RunLock
 from dflash_ds.guard.signals import StopRequest
-from dflash_ds.runtime import watchdog
+from dflash_ds.runtime import checkpoint, watchdog
 from dflash_ds.runtime.watchdog import Peer, Watchdog
 from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, exit_now, say, \
     transport_failure
@@ -92,6 +92,16 @@ class RunControl:
             say(f"warning: {start['warning']}")
         if start and "changed" in start:
             say(start["changed"])
+        if r.checkpoint.resume == "restart":
+            try:
+                aside = checkpoint.set_aside(r.run.output_dir)
+            except OSError as exc:
+                self.release()
+                return {"error": f"checkpoint.resume=restart: could not move the previous run's checkpoints aside in "
+                                 f"{checkpoint.checkpoint_dir(r.run.output_dir)} ({exc.strerror or exc})"}
+            if aside is not None:
+                say(f"checkpoint.resume=restart: the previous run's checkpoints are now in {aside}; this run starts "
+                    "at step 0")
         return {"start": start}
 
     @property
