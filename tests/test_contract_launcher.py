@@ -88,6 +88,25 @@ def test_unreachable_wandb_stops_in_seconds_without_a_lock(tmp_path):
     assert time.monotonic() - t < 60 and not (run / "run.lock").exists()
 
 
+def test_an_unreachable_hub_costs_one_line_not_retries(tmp_path):
+    """A hub id while the hub is out of reach: one short probe, then the local HF cache only, instead
+    of ~30 s of retries per lookup before the same answer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = cpu_env(HF_ENDPOINT=f"http://127.0.0.1:{port}")
+    env.pop("HF_HUB_OFFLINE")
+    run = tmp_path / "run"
+    t = time.monotonic()
+    p = launch_sh([TINY, f"run.output_dir={run}", "data.path=someorg/missing-set", f"data.cache_dir={tmp_path / 'c'}"],
+                  env=env)
+    took = time.monotonic() - t
+    assert p.returncode == 2 and len(errors(p)) == 1, output(p)
+    assert errors(p)[0].startswith("[dflash] error: data.path: ") and "the hub is out of reach" in errors(p)[0]
+    assert "Retrying" not in output(p) and took < 40, (took, output(p))
+    assert not (run / "run.lock").exists()
+
+
 def test_a_resume_keeps_the_runs_contract(tmp_path):
     run = tmp_path / "run"
     base = [TINY, f"run.output_dir={run}", *FAST]

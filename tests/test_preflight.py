@@ -66,6 +66,89 @@ def test_locations_that_are_files_or_not_writable_are_named(tmp_path):
     assert not list(tmp_path.glob("**/.dflash-write-test-*"))  # the probes are gone
 
 
+def test_an_export_directory_holding_something_else_is_refused_before_launch(tmp_path):
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    launch.check_locations(tiny(run))  # empty: the first checkpoint writes the export there
+    (run / "export" / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError) as e:
+        launch.check_locations(tiny(run))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("run.output_dir (export): ") and "not a DFlash drafter export" in msg
+    assert "notes.txt" in msg
+
+
+# ----------------------------------------------------------------------------- the files a recipe names
+
+
+def _copy_target(tmp_path, weights: bytes | None = None) -> Path:
+    """assets/tiny-target with its own model.safetensors (`weights`: other bytes)."""
+    model = tmp_path / "model"
+    model.mkdir(parents=True)
+    for f in (REPO / "assets" / "tiny-target").iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "model.safetensors").unlink()
+    data = (REPO / "assets" / "tiny-target" / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data if weights is None else weights)
+    return model
+
+
+def test_truncated_or_unreadable_weights_are_named_before_launch(tmp_path):
+    from dflash_ds.resolve.run import resolve_run
+
+    whole = (REPO / "assets" / "tiny-target" / "model.safetensors").read_bytes()
+    for name, weights, needle in [("cut", whole[:len(whole) // 2], "is truncated"),
+                                  ("garbage", b"\xff" * 64, "not a safetensors file"),
+                                  ("empty", b"", "not a safetensors file")]:
+        model = _copy_target(tmp_path / name, weights)
+        with pytest.raises(RecipeError) as e:
+            resolve_run(tiny(tmp_path / "run", f"target.path={model}"), 2)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("target.path: ") and str(model / "model.safetensors") in msg, msg
+        assert needle in msg, msg
+    resolve_run(tiny(tmp_path / "run", f"target.path={_copy_target(tmp_path / 'whole')}"), 2)
+
+
+def test_a_sharded_checkpoint_names_the_missing_or_truncated_shard(tmp_path):
+    import json
+
+    from dflash_ds.resolve.run import resolve_run
+
+    model = _copy_target(tmp_path)
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(RecipeError, match=r"model-00002-of-00002\.safetensors.*(missing|does not exist)"):
+        resolve_run(tiny(tmp_path / "run", f"target.path={model}"), 2)
+
+
+def test_a_truncated_init_from_export_is_named_before_launch(tmp_path):
+    from dflash_ds.export import save_drafter
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.resolve.run import resolve_run
+
+    spec = resolve_run(tiny(tmp_path / "run"), 2)
+    out = save_drafter(DFlashDrafter(spec.drafter), tmp_path / "export")
+    resolve_run(tiny(tmp_path / "run", f"drafter.init_from={out}"), 2)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(RecipeError) as e:
+        resolve_run(tiny(tmp_path / "run", f"drafter.init_from={out}"), 2)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("drafter.init_from: ") and str(weights) in msg and "truncated" in msg
+
+
+def test_a_relative_path_typo_is_one_line_without_the_hub(tmp_path):
+    from dflash_ds.resolve.run import resolve_run
+
+    t = time.monotonic()
+    with pytest.raises(RecipeError) as e:
+        resolve_run(tiny(tmp_path / "run", "target.path=assets/tiny-targt"), 2)
+    msg = str(e.value)
+    assert time.monotonic() - t < 3 and "\n" not in msg
+    assert msg.startswith("target.path: assets/tiny-targt does not exist") and "assets exists" in msg, msg
+
+
 # ----------------------------------------------------------------------------- wandb
 
 

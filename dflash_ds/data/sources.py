@@ -11,6 +11,24 @@ DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arr
 MANIFEST = ".manifest.json"
 
 
+def local_path_problem(path: str, setting: str) -> str | None:
+    """One line when `path` looks like a local path (absolute, ./ ../ ~, a data-file suffix, more than
+    one '/', or a first component that exists here) but does not exist: such a path must not be
+    looked up on the hub (30 s of retries before the same answer). None otherwise."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return None
+    first = Path(path).parts[0] if Path(path).parts else ""
+    local = (p.is_absolute() or path.startswith((".", "~")) or p.suffix.lower() in DATA_SUFFIXES
+             or path.count("/") > 1 or ("/" in path and Path(first).is_dir()))
+    if not local:
+        return None
+    parent = next((q for q in p.parents if q.exists()), None)
+    where = f" ({parent} exists: a typo?)" if parent is not None and str(parent) not in ("", ".", "/") else ""
+    return (f"{setting}: {path} does not exist{where}; point {setting} at an existing local path (hub ids look like "
+            "'org/name')")
+
+
 def _local_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -36,9 +54,9 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
 
     p = Path(path)
     kw = {"cache_dir": cache_dir} if cache_dir else {}
-    if not p.exists() and (p.is_absolute() or path.startswith(".") or p.suffix.lower() in DATA_SUFFIXES):
-        raise ValueError(f"{path_setting}: {path} does not exist (local paths must exist; hub ids look like "
-                         "'org/name')")
+    problem = local_path_problem(path, path_setting)
+    if problem:
+        raise ValueError(problem)
     if p.is_file() or (p.is_dir() and not (p / "state.json").exists() and not (p / "dataset_dict.json").exists()):
         from dflash_ds.data.validate import check_local
 

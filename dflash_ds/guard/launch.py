@@ -26,6 +26,7 @@ from dflash_ds.config import Recipe, RecipeError, load_recipe, ranks_per_node
 from dflash_ds.safety import CheckpointError, Exit, LockError, say
 
 WANDB_TIMEOUT_S = 5.0
+HUB_TIMEOUT_S = 3.0
 
 
 def free_port() -> int:
@@ -62,6 +63,16 @@ def check_locations(recipe: Recipe) -> None:
     for sub in ("checkpoints", "export"):
         _writable_dir(out / sub, f"run.output_dir ({sub})")
     _writable_dir(Path(recipe.data.cache_dir), "data.cache_dir")
+    export = out / "export"
+    held = sorted(p.name for p in export.iterdir()) if export.is_dir() else []
+    if held:
+        from dflash_ds.export import is_export
+
+        if not is_export(export):
+            # The first checkpoint would refuse to replace it, after the training that led there.
+            raise RecipeError(f"run.output_dir (export): {export} holds files that are not a DFlash drafter export "
+                              f"({', '.join(held[:3])}{' ...' if len(held) > 3 else ''}); move them away or set "
+                              "another run.output_dir")
 
 
 # ----------------------------------------------------------------------------- wandb
@@ -76,20 +87,23 @@ def _wandb_key() -> str | None:
     return auth[2] if auth else None
 
 
-def _wandb_reachable(timeout: float) -> str | None:
-    """None when wandb's service answers (any HTTP status) within `timeout` seconds, else why not."""
+def _answers(url: str, timeout: float) -> str | None:
+    """None when `url` answers (any HTTP status) within `timeout` seconds, else why not."""
     import urllib.error
     import urllib.request
 
-    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
     try:
-        urllib.request.urlopen(urllib.request.Request(base + "/healthz", method="GET"), timeout=timeout).close()
+        urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout).close()
     except urllib.error.HTTPError:
         return None  # it answered
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return f"{base} did not answer within {timeout:g} s ({reason})"
+        return f"{url} did not answer within {timeout:g} s ({getattr(exc, 'reason', exc)})"
     return None
+
+
+def _wandb_reachable(timeout: float) -> str | None:
+    """None when wandb's service answers within `timeout` seconds, else why not."""
+    return _answers(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/") + "/healthz", timeout)
 
 
 def check_wandb(recipe: Recipe, timeout: float = WANDB_TIMEOUT_S) -> dict[str, str]:
@@ -117,6 +131,32 @@ def lead_checks(recipe: Recipe) -> dict[str, str]:
     wandb then needs."""
     check_locations(recipe)
     return check_wandb(recipe)
+
+
+# ----------------------------------------------------------------------------- the hub
+
+def _hub_ids(recipe: Recipe) -> list[str]:
+    """The recipe's paths that are hub ids (not local, not local-looking), benchmark sets included."""
+    from dflash_ds.data.sources import local_path_problem
+    from dflash_ds.eval.benchmarks import BENCHMARKS
+
+    paths = [recipe.target.path, recipe.target.adapter, recipe.data.path, recipe.data.eval_path]
+    ids = [p for p in paths if p and not Path(p).expanduser().exists() and local_path_problem(p, "") is None]
+    if recipe.eval.at_end and not recipe.eval.bench_dir:
+        ids += [BENCHMARKS[n].hub_id for n in recipe.eval.benchmarks if n in BENCHMARKS]
+    return ids
+
+
+def check_hub(recipe: Recipe, timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """With hub ids to fetch and the hub out of reach, every lookup would retry for about 30 s before
+    failing: this process and the ranks then use the local HF cache only (HF_HUB_OFFLINE=1, set here
+    before huggingface_hub is imported). Returns why the hub is out of reach, None when it answers."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or not _hub_ids(recipe):
+        return None
+    why = _answers(os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"), timeout)
+    if why is not None:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    return why
 
 
 # ----------------------------------------------------------------------------- where the run starts
@@ -174,14 +214,24 @@ def prelaunch(recipe: Recipe) -> dict[str, str]:
     check_locations(recipe)
     check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
     env = check_wandb(recipe)
-    if Path(recipe.run.output_dir).exists():
-        check_resume(recipe)
-    from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.resolve.run import resolve_run
+    offline = check_hub(recipe)
+    try:
+        if Path(recipe.run.output_dir).exists():
+            check_resume(recipe)
+        from dflash_ds.data.prepare import load_training_data
+        from dflash_ds.resolve.run import resolve_run
 
-    resolve_run(recipe, ranks_per_node(recipe))
-    load_training_data(recipe)
-    check_benchmarks(recipe)
+        resolve_run(recipe, ranks_per_node(recipe))
+        load_training_data(recipe)
+        check_benchmarks(recipe)
+    except ValueError as exc:
+        if offline is None:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{first} (the hub is out of reach: {offline}; only the local HF cache was searched)") from None
+    if offline is not None:
+        say(f"note: the hub is out of reach ({offline}); the run uses the local HF cache only (HF_HUB_OFFLINE=1)")
+        env["HF_HUB_OFFLINE"] = "1"
     return env
 
 

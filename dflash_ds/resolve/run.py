@@ -22,6 +22,7 @@ from dflash_ds.model.loss import StepSettings
 from dflash_ds.model.shape import COMPARED, DrafterShape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
+from dflash_ds.resolve.files import check_files
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
@@ -90,6 +91,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
     dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
+    check_files(recipe)
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
