@@ -103,6 +103,13 @@ class CheckpointError(RunFailure, RuntimeError):
     code = Exit.CHECKPOINT
 
 
+class SettingError(RunFailure, RuntimeError):
+    """A setting found wrong only after launch (a service refusing the recipe's credentials); the
+    message names the setting and the fix."""
+
+    code = Exit.USER
+
+
 class LockError(RunFailure, RuntimeError):
     """Another run holds the output directory; the message names it and how to clear the lock."""
 

@@ -284,7 +284,7 @@ def test_wandb_online_without_key_is_refused(tmp_path, monkeypatch):
         check_wandb(tiny(tmp_path, "log.wandb.enabled=true"))
     check_wandb(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline"))
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    monkeypatch.setattr(launch, "_wandb_reachable", lambda timeout: None)  # the service is tested on its own
+    monkeypatch.setattr(launch, "_wandb_probe", lambda key, timeout: None)  # the service is tested on its own
     check_wandb(tiny(tmp_path, "log.wandb.enabled=true"))
 
 

@@ -158,10 +158,25 @@ def closed_port() -> int:
         return s.getsockname()[1]  # closed again when the block ends: connections are refused
 
 
+KEY = "0" * 40
+
+
 class Answers(http.server.BaseHTTPRequestHandler):
+    """wandb's service as far as the probe sees it: GraphQL answering `viewer` for the right key only."""
+
     def do_GET(self):  # noqa: N802 - the handler's API
-        self.send_response(401)  # any answer means the service is there
+        self.send_response(200)
         self.end_headers()
+
+    def do_POST(self):  # noqa: N802
+        import base64
+
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        good = "Basic " + base64.b64encode(f"api:{KEY}".encode()).decode()
+        body = b'{"data": {"viewer": {"id": "u1"}}}' if self.headers.get("Authorization") == good else b""
+        self.send_response(200 if body else 401)
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
@@ -181,7 +196,7 @@ WANDB = ["log.wandb.enabled=true", "log.wandb.mode=online"]
 
 @pytest.fixture(autouse=True)
 def wandb_key(monkeypatch):
-    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # credentials present: the service is what is checked
+    monkeypatch.setenv("WANDB_API_KEY", KEY)  # credentials present: the service is what is checked
 
 
 def test_unreachable_wandb_stops_in_one_line_offering_offline(tmp_path, monkeypatch):
@@ -221,3 +236,45 @@ def test_reachable_offline_or_disabled_wandb_needs_nothing(tmp_path, monkeypatch
     assert launch.check_wandb(tiny(tmp_path)) == {}  # not enabled
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert launch.check_wandb(tiny(tmp_path, *WANDB)) == {}
+
+
+def test_a_service_that_rejects_the_key_stops_before_launch_or_logs_offline(tmp_path, monkeypatch, server):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", server)
+    monkeypatch.setenv("WANDB_API_KEY", "1" * 40)
+    with pytest.raises(RecipeError) as e:
+        launch.check_wandb(tiny(tmp_path, *WANDB))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"log.wandb: {server} rejected the API key (HTTP 401)"), msg
+    assert "WANDB_API_KEY" in msg and "log.wandb.mode=offline" in msg
+    assert launch.check_wandb(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true")) == {"WANDB_MODE": "offline"}
+
+
+def test_a_failing_wandb_init_is_one_line_or_falls_back_offline(tmp_path, monkeypatch):
+    """What the probe cannot see (a project the key may not write to, a service failing after it answered)
+    surfaces in wandb.init: one line, exit 2, or offline logging with log.wandb.offline_fallback."""
+    import wandb
+    from wandb.errors import CommError
+
+    from dflash_ds.metrics import Metrics
+    from dflash_ds.safety import Exit, RunFailure
+
+    calls = []
+
+    def init(**kw):
+        calls.append(kw["mode"])
+        if kw["mode"] == "online":
+            raise CommError("Error uploading run: returned error 403: permission denied")
+        return type("Run", (), {"finish": lambda self: None, "log": lambda self, *a, **k: None})()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    r = tiny(tmp_path, *WANDB)
+    with pytest.raises(RunFailure) as e:
+        Metrics(tmp_path, {}, r.log.wandb, "run")
+    assert e.value.code == Exit.USER and "\n" not in str(e.value) and str(e.value).startswith("log.wandb: ")
+    assert "CommError" in str(e.value) and "403" in str(e.value) and "log.wandb.offline_fallback" in str(e.value)
+    r = tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true")
+    calls.clear()
+    m = Metrics(tmp_path, {}, r.log.wandb, "run")
+    assert calls == ["online", "offline"] and m.wandb is not None

@@ -14,6 +14,7 @@ The run's lead makes the checks that do not depend on this host's launch again a
 
 from __future__ import annotations
 
+import json
 import netrc
 import os
 import shlex
@@ -101,28 +102,52 @@ def _answers(url: str, timeout: float) -> str | None:
     return None
 
 
-def _wandb_reachable(timeout: float) -> str | None:
-    """None when wandb's service answers within `timeout` seconds, else why not."""
-    return _answers(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/") + "/healthz", timeout)
+def _wandb_probe(key: str, timeout: float) -> tuple[str, str] | None:
+    """Ask wandb's service who `key` belongs to, as wandb itself authenticates (GraphQL, basic auth
+    "api:KEY"). None when it accepts the key or answers in a way that says nothing about it (wandb.init
+    is guarded for the rest); else ("unreachable" | "rejected", why)."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
+    auth = base64.b64encode(f"api:{key}".encode()).decode()
+    request = urllib.request.Request(base + "/graphql", data=json.dumps({"query": "query { viewer { id } }"}).encode(),
+                                     headers={"Authorization": f"Basic {auth}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            body = answer.read()
+    except urllib.error.HTTPError as exc:
+        return ("rejected", f"{base} rejected the API key (HTTP {exc.code})") if exc.code in (401, 403) else None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return "unreachable", f"{base} did not answer within {timeout:g} s ({getattr(exc, 'reason', exc)})"
+    try:
+        viewer = (json.loads(body).get("data") or {}).get("viewer")
+    except (ValueError, AttributeError):
+        return None
+    return None if viewer else ("rejected", f"{base} does not know the API key (no viewer for it)")
 
 
 def check_wandb(recipe: Recipe, timeout: float = WANDB_TIMEOUT_S) -> dict[str, str]:
-    """Online wandb needs credentials and its service. No credentials: one line. Service out of reach:
-    one line offering offline mode or, with log.wandb.offline_fallback, offline logging; returns the
-    environment the ranks then need."""
+    """Online wandb needs credentials its service accepts. No credentials: one line. The service out of
+    reach or rejecting the key: one line offering offline mode or, with log.wandb.offline_fallback,
+    offline logging; returns the environment the ranks then need."""
     w = recipe.log.wandb
     if not w.enabled or os.environ.get("WANDB_MODE", w.mode) != "online":
         return {}
-    if _wandb_key() is None:
+    key = _wandb_key()
+    if key is None:
         raise RecipeError("log.wandb.enabled is true with log.wandb.mode online but WANDB_API_KEY is not set; export "
                           "WANDB_API_KEY, or set log.wandb.mode=offline (sync later) or log.wandb.enabled=false")
-    why = _wandb_reachable(timeout)
-    if why is None:
+    found = _wandb_probe(key, timeout)
+    if found is None:
         return {}
+    kind, why = found
     if w.offline_fallback:
-        say(f"warning: wandb is unreachable ({why}); logging offline (wandb sync RUN_DIR/wandb later)")
+        say(f"warning: wandb is {kind} ({why}); logging offline (wandb sync RUN_DIR/wandb later)")
         return {"WANDB_MODE": "offline"}
-    raise RecipeError(f"log.wandb: {why}; set log.wandb.mode=offline (sync later with `wandb sync`), "
+    fix = "check WANDB_API_KEY (and WANDB_BASE_URL), or " if kind == "rejected" else ""
+    raise RecipeError(f"log.wandb: {why}; {fix}set log.wandb.mode=offline (sync later with `wandb sync`), "
                       "log.wandb.offline_fallback=true, or log.wandb.enabled=false")
 
 

@@ -175,6 +175,7 @@ class DrafterTrainer:
 
     def train(self) -> None:
         r, plan, start, eval_set = self.spec.recipe, self.spec.plan, self.start, self.eval_set
+        metrics = self.metrics  # opened before the first step: a wandb.init that fails costs no training
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
         t0 = time.perf_counter()
@@ -195,7 +196,7 @@ class DrafterTrainer:
                 self.stop(done, saved)
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
-        self.metrics.close()
+        metrics.close()
         if self.lead:
             finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
 
