@@ -130,6 +130,9 @@ def _thinking(args, kwargs: dict | None) -> bool:
 
 def _run(args) -> int:
     kwargs = _check_args(args)
+    # The sets first: a bad file is named before any model loads.
+    sets = {name: load_conversations(name, args.bench_dir, args.limit) for name in parse_names(args.bench)} \
+        if args.bench else {}
     target, tokenizer, model = load_pair(args.target, args.drafter)
     thinking = _thinking(args, kwargs)
     opts = BenchOptions(max_new_tokens=args.max_new_tokens, samples=args.samples, seed=args.seed,
@@ -144,8 +147,7 @@ def _run(args) -> int:
         for sampling in settings[1:]:
             prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
             rows.append(bench_row("prompts", tau_on_prompts(Responder(target, model, sampling, opts), prompts)))
-    for name in parse_names(args.bench) if args.bench else []:
-        convs = load_conversations(name, args.bench_dir, args.limit)
+    for name, convs in sets.items():
         for sampling in settings:
             responder = Responder(target, model, sampling, opts)
             rows.append(bench_row(name, tau_on_conversations(responder, tokenizer, convs)))

@@ -225,12 +225,13 @@ def check_resume(recipe: Recipe) -> None:
 
 
 def check_benchmarks(recipe: Recipe) -> None:
-    """Every set of eval.benchmarks loads now, not after the training it would follow."""
+    """Every set of eval.benchmarks loads now, every record of it checked, not after the training it
+    would follow."""
     from dflash_ds.eval.benchmarks import HELDOUT, load_conversations
 
     for name in recipe.eval.benchmarks if recipe.eval.at_end else ():
         if name != HELDOUT:
-            load_conversations(name, recipe.eval.bench_dir, 1, setting="eval.bench_dir")
+            load_conversations(name, recipe.eval.bench_dir, setting="eval.bench_dir")
 
 
 def prelaunch(recipe: Recipe) -> dict[str, str]:
