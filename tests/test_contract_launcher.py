@@ -43,16 +43,16 @@ def test_a_recipe_that_is_not_yaml_stops_launch_sh_in_one_line(tmp_path):
 
 
 def test_launch_sh_starts_nothing_when_its_pre_launch_step_crashes(tmp_path):
-    # A python3 that crashes in the pre-launch step only (as a bug there would), first on PATH.
+    # A python3 that crashes in the pre-launch step only (as a bug there would), named by DFLASH_PYTHON:
+    # launch.sh would otherwise prefer the project's .venv once `bash launch.sh` has made it.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
     fake.write_text(f"#!/bin/sh\ncase \"$*\" in *dflash_ds.guard.launch*) "
                     f"echo 'Traceback (most recent call last): boom' >&2; exit 1;; esac\nexec {sys.executable} \"$@\"\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = cpu_env()
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    p = launch_sh([TINY, f"run.output_dir={tmp_path / 'run'}"], env=env)
+    env = cpu_env(DFLASH_PYTHON=str(fake))
+    p = launch_sh([TINY, f"run.output_dir={tmp_path / 'run'}"], env=env, timeout=120)
     assert p.returncode == 1, output(p)
     text = output(p)
     assert "boom" in text and "supervise" not in text and "could not convert" not in text

@@ -445,7 +445,7 @@ def test_watchdog_ends_the_rank_when_a_local_peer_process_is_gone(tmp_path, anno
     assert not (tmp_path / "left" / "rank1").exists()
     if announced:
         assert proc.returncode == 0 and "still running" in proc.stdout, proc.stderr
-        assert (tmp_path / "left" / "rank0").read_text() == pid
+        assert (tmp_path / "left" / "rank0").read_text() == f"{pid} 0"
         return
     assert proc.returncode == 3 and "still running" not in proc.stdout and time.monotonic() - t0 < 3, proc.stderr
     host = socket.gethostname()
@@ -470,6 +470,39 @@ def test_alive_sees_exited_and_unreaped_processes():
         child.wait()
     assert not alive(child.pid)
     assert alive(1)  # init: another user's process is alive, not gone
+
+
+def test_a_peer_gone_after_announcing_a_failure_ends_this_rank_with_its_code(tmp_path, monkeypatch):
+    from dflash_ds.runtime import watchdog
+    from dflash_ds.runtime.watchdog import Peer, Watchdog
+
+    ended = []
+    monkeypatch.setattr(watchdog, "exit_now", lambda code, line=None, who=None: ended.append((int(code), line)))
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have this PID
+    host = socket.gethostname()
+    me, peer = Peer("target", 1, host, os.getpid()), Peer("drafter", 0, host, gone)
+    left = tmp_path / "left"
+    dog = Watchdog(me, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left)
+    dog.check_local_peers()  # gone without a word: killed
+    assert ended == [(3, f"lost {peer}: its process (PID {gone}) ended without finishing (killed or crashed); "
+                         "stopping the job")]
+    ended.clear()
+    Watchdog(peer, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left).mark_left(4)
+    dog = Watchdog(me, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left)
+    assert dog.announced_failure() == 4
+    dog.check_local_peers()  # gone after its own line (a checkpoint it could not write): silent, same code
+    assert ended == [(4, None)] and (left / "rank1").read_text() == f"{os.getpid()} 4"
+
+
+def test_the_launchers_signal_after_a_peers_failure_ends_the_rank_silently(monkeypatch, capsys):
+    from dflash_ds.guard import signals
+
+    ended = []
+    monkeypatch.setattr(signals, "exit_now", lambda code, line=None, who=None: ended.append((int(code), line)))
+    stop = signals.StopRequest("rank 1 (target on h)", saves=False)
+    stop.peer_failed = lambda: 4
+    stop.on_signal(signal.SIGTERM)
+    assert ended[0] == (4, None) and "SIGTERM" not in capsys.readouterr().err
 
 
 def test_failed_wait_becomes_one_line_naming_the_peer():

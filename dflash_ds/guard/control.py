@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import traceback
 from pathlib import Path
 
 import torch
@@ -60,6 +61,7 @@ class RunControl:
         t = recipe.topology
         c.dog = Watchdog(c.me, {p.rank: p for p in peers}, t.peer_timeout_s, t.peer_report_s, c.stop,
                          left_dir=Path(recipe.run.output_dir) / LEFT_DIR).start()
+        c.stop.peer_failed = c.peer_failed
         watchdog.install(c.dog)
         # The stop vote is a CPU all-reduce per step: on gloo it costs microseconds and never waits
         # for the GPU stream (an NCCL vote would add a host synchronisation to every step).
@@ -130,10 +132,15 @@ class RunControl:
             except (AttributeError, RuntimeError, ValueError):
                 pass  # this backend keeps its own timeout; our waits are still bounded by the watchdog
 
-    def leaving(self) -> None:
-        """This rank is about to exit on purpose: same-host peers must not take its exit for a crash."""
+    def leaving(self, code: int = Exit.OK) -> None:
+        """This rank is about to exit on purpose with `code`: same-host peers must not take its exit for
+        a crash, and after a failure (its own line printed) they end with the same code."""
         if self.dog is not None:
-            self.dog.mark_left()
+            self.dog.mark_left(code)
+
+    def peer_failed(self) -> int | None:
+        """The exit code a peer announced failing with (its line said why), None when none did."""
+        return self.dog.announced_failure() if self.dog is not None else None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -151,9 +158,10 @@ class NullControl:
         return False
 
 
-def _exit(control: RunControl, code: Exit, line: str) -> int:
-    say(line)
-    control.leaving()
+def _exit(control: RunControl, code: Exit | int, line: str | None) -> int:
+    if line:
+        say(line)
+    control.leaving(code)
     control.release()
     exit_now(code)
     return int(code)  # not reached: exit_now ends the process
@@ -163,7 +171,9 @@ def run_guarded(fn, control: RunControl) -> int:
     """Run a rank's role; every way it can end early becomes one line and its exit code.
 
     Failures are told apart by type (safety.RunFailure and its subclasses); an error a
-    communication backend raises untyped becomes PeerLost in `safety.transport_failure`."""
+    communication backend raises untyped becomes PeerLost in `safety.transport_failure`. A lost
+    peer that announced its own failure is that failure: this rank ends with its code and no line of
+    its own. An unexpected error ends with its traceback and Exit.FAILED, announced like the others."""
     me = control.me
     try:
         fn()
@@ -178,9 +188,14 @@ def run_guarded(fn, control: RunControl) -> int:
             failure = PeerLost(f"{me}: a peer of the drafter or target group is gone or stalled ({cause}); "
                                "stopping the job")
         if failure is None:
-            raise
+            traceback.print_exc()  # the message of an unexpected error (Exit.FAILED)
+            return _exit(control, Exit.FAILED, None)
         if isinstance(failure, PeerLost) and control.stop.requested and control.role == "target":
             # The drafters stopped on request and closed their side: this is the same stop.
             return _exit(control, Exit.STOPPED, f"{me}: stopped ({control.stop.name})")
+        if isinstance(failure, PeerLost):
+            code = control.peer_failed()
+            if code:
+                return _exit(control, code, None)
         return _exit(control, failure.code, failure.line(me))
     return Exit.OK
