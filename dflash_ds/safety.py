@@ -69,11 +69,25 @@ def alive(pid: int) -> bool:
     return True
 
 
+_BEFORE_EXIT: list = []
+
+
+def before_exit(fn) -> None:
+    """Run `fn` (no arguments, e.g. releasing the run lock) whenever `exit_now` ends the process, from
+    whichever thread (the watchdog's, the stop-signal reader's, the main one)."""
+    _BEFORE_EXIT.append(fn)
+
+
 def exit_now(code: Exit | int, line: str | None = None, who: object = None) -> None:
     """Print `line` and end the process at once with `code`. No interpreter teardown: process-group
     destructors can wait on peers that are gone."""
     if line:
         say(line, who)
+    for fn in _BEFORE_EXIT:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the process is ending with its own code; nothing may change it
+            pass
     sys.stdout.flush()
     os._exit(int(code))
 

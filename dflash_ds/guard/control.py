@@ -26,8 +26,8 @@ from dflash_ds.guard.lock import RunLock
 from dflash_ds.guard.signals import StopRequest
 from dflash_ds.runtime import checkpoint, watchdog
 from dflash_ds.runtime.watchdog import Peer, Watchdog
-from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, exit_now, say, \
-    transport_failure
+from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, before_exit, exit_now, \
+    say, transport_failure
 
 LEFT_DIR = ".left"  # under run.output_dir: ranks that exited on purpose (see watchdog.Watchdog.mark_left)
 
@@ -85,6 +85,7 @@ class RunControl:
             self.lock = RunLock(r.run.output_dir).acquire()
         except LockError as exc:
             return {"error": str(exc)}
+        before_exit(self.release)  # whichever way this process ends (a watchdog, a second signal), no lock stays
         try:
             start = launch.decide_start(r)
         except (CheckpointError, RecipeError) as exc:
