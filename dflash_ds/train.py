@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control), control)
     control.leaving()  # before the barrier: past it, peers exit in any order
-    dist.barrier()
+    run_guarded(dist.barrier, control)  # a peer failing in its last steps ends this rank with its code
     control.release()
     table = code == Exit.OK and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks
     if table:

@@ -2,8 +2,9 @@
 
 `python -m dflash_ds.guard.launch RECIPE [key=value ...]` is launch.sh's pre-launch step. It runs every
 check that needs no GPU (`prelaunch`): the recipe, the run lock, the locations the run writes, wandb,
-the checkpoint state and the recipe's contract, the tokenizer and chat template, the data (prepared
-here once, so the ranks then read the cache) and the benchmark sets. A problem is one line naming the
+the hub, the checkpoint state and the recipe's contract, the files the recipe names, the tokenizer
+and chat template, the data (prepared here once, so the ranks then read the cache) and the benchmark
+sets. A problem is one line naming the
 setting, file or line, and launch.sh exits with safety.Exit.USER (2) before the launcher starts a
 single rank. On success it prints `NAME=value` lines for the shell's `eval`: how many processes the
 recipe needs on this host, a free port, the stop grace time.
