@@ -72,7 +72,8 @@ def _few(items: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _is_export(path: Path) -> bool:
+def is_export(path: Path) -> bool:
+    """Whether `path` holds a DFlash drafter export (its config.json names a DFlash architecture)."""
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
@@ -92,7 +93,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES.values())}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not _is_export(out_dir))):
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not is_export(out_dir))):
         raise ValueError(
             f"export path {out_dir} exists and is not a DFlash drafter export; refusing to replace it: "
             "choose an empty or new directory for the export"

@@ -383,7 +383,7 @@ def test_prepare_rows_report_and_eval(tmp_path, tok, capsys):
     cfg = make_cfg(tmp_path)
     data = D.prepare(cfg, tok)
     rows, rep = data.rows, data.report
-    assert "supervised text in [[ ]]" in capsys.readouterr().out
+    assert "supervised text in [[ ]]" in capsys.readouterr().err
     assert set(rows) == {"input_ids", "loss_mask", "doc_ids"}
     n = rows["input_ids"].shape[0]
     assert rep["rows"] == n and rep["row_length"] == 128 and rep["samples"] == 120

@@ -14,6 +14,11 @@
   file (export_modeling/, copied into every export for transformers' remote code) is outside the rule;
 - model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
   names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
+- one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
+  stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
+  appear only in `say` itself, the progress line (`metrics.print_progress`, which rewrites one
+  terminal line) and the command-line entry points (`main` functions, the CLI modules), whose output
+  is the program's result (a table, a plan, launch.sh's shell variables).
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -173,7 +178,8 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 
 
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
-# (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> entry points).
+# (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> how it
+# starts and stops -> entry points).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.export_modeling"),
     ("dflash_ds.data", "dflash_ds.metrics"),
@@ -183,6 +189,7 @@ LAYERS = [
     ("dflash_ds.eval", "dflash_ds.report"),
     ("dflash_ds.resolve",),
     ("dflash_ds.runtime",),
+    ("dflash_ds.guard",),
     ("dflash_ds.train", "dflash_ds.regenerate"),
     ("dflash_ds.bench",),
 ]
@@ -298,6 +305,38 @@ def recipe_vocabulary(root: Path, folders: tuple[str, ...], keys: set[str]) -> l
                 if hit:
                     found.append((name, node.lineno, hit.group(0)))
     return [f"{m}:{line} {key}" for m, line, key in sorted(found)]
+# The functions besides the entry points that may write to the terminal themselves (module:function).
+OUTPUT_CHANNELS = {"dflash_ds.safety:say", "dflash_ds.metrics:print_progress"}
+
+
+def _writes_output(call: ast.Call) -> bool:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id == "print"
+    return (isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute)
+            and f.value.attr in ("stdout", "stderr") and isinstance(f.value.value, ast.Name)
+            and f.value.value.id == "sys")
+
+
+def stray_output(root: Path, allowed: set[str]) -> list[str]:
+    """`module:line in function` for every print / sys.stdout|stderr.write outside the entry points
+    (`main`, the CLI modules) and the `allowed` module:function channels."""
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.name in CLI_MODULES:
+            continue
+
+        def visit(node, owner: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else owner
+                if inner == "main" or f"{name}:{inner}" in allowed:
+                    continue
+                if isinstance(child, ast.Call) and _writes_output(child):
+                    found.append(f"{name}:{child.lineno} in {inner or 'module level'}")
+                visit(child, inner)
+
+        visit(tree, "")
+    return found
 
 
 # ---------------------------------------------------------------------------------- the rules on a made-up package
@@ -326,6 +365,18 @@ def test_checkers_find_what_they_look_for(tmp_path):
     graph = import_graph(root)
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub"] == {"pkg.sub.d"} and graph["pkg.sub.e"] == {"pkg.sub.d"}
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
+
+
+def test_output_check_finds_a_stray_print(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": ("import sys\n\ndef say(m):\n    print(m, file=sys.stderr)\n\n"
+                     "def work():\n    print('done')\n\nclass K:\n    def m(self):\n        sys.stderr.write('x')\n\n"
+                     "def main():\n    print('result')\n"),
+        "pkg/cli.py": "print('usage')\n",
+    })
+    assert stray_output(root, {"pkg.a:say"}) == ["pkg.a:7 in work", "pkg.a:11 in m"]
+    assert stray_output(root, set()) == ["pkg.a:4 in say", "pkg.a:7 in work", "pkg.a:11 in m"]
 
 
 def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
@@ -397,7 +448,7 @@ def test_no_import_cycles():
 
 def test_folders_have_no_cycle_and_no_arrow_up():
     folders = folder_graph(import_graph(ROOT))
-    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.model"} <= set(folders)
+    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.guard", "dflash_ds.model"} <= set(folders)
     cycles = import_cycles(folders)
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
@@ -420,3 +471,7 @@ def test_model_code_names_no_recipe_key():
     assert not found, ("messages in dflash_ds/model/ or dflash_ds/target_model/ that name a recipe key (raise a "
                        "neutral error there and name the setting at the boundary, config/checks.py or "
                        "resolve/):\n  " + "\n  ".join(found))
+def test_messages_go_through_one_channel():
+    found = stray_output(ROOT, OUTPUT_CHANNELS)
+    assert not found, ("print / sys.stdout|stderr.write outside the entry points; say it with dflash_ds.safety.say "
+                       "(or, for a program's result, print it in its main):\n  " + "\n  ".join(found))

@@ -87,7 +87,7 @@ def test_unreachable_target_path_names_the_setting():
     with pytest.raises(TargetError, match=r"^the target '/nonexistent/model/dir' cannot be loaded"):
         load_config("/nonexistent/model/dir")
     # At the boundary the setting is named.
-    with pytest.raises(RecipeError, match=r"^target\.path: the target '/nonexistent/model/dir' cannot be loaded"):
+    with pytest.raises(RecipeError, match=r"^target\.path: /nonexistent/model/dir does not exist; point target\.path"):
         resolve_run(load_recipe("recipes/tiny.yaml", ["target.path=/nonexistent/model/dir"]), world_size=2)
     with pytest.raises(TargetError, match="tap layer ids"):
         TapCapture(tiny_qwen3(), [7])

@@ -35,7 +35,7 @@ from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
 from .timing import matmul_ceiling
 
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 from dflash_ds.model.variants import DEFAULT, VARIANTS
 
 ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             packed.varlen_usable = lambda config, dtype, device: False  # bench-only A/B switch
         report = run(args)
     except ValueError as exc:
-        print(f"bench error: {exc}", file=sys.stderr)
+        say(f"bench error: {exc}")
         return Exit.USER
     print("\n".join(summary_lines(report)), flush=True)
     if args.out:

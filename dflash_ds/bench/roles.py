@@ -95,9 +95,9 @@ def drafter_step(setup: Setup, engine, model, source, group):
     """One optimizer step of a drafter rank: `DrafterTrainer.train_step` itself (payloads -> unpack
     -> make_blocks -> step-wide weight all-reduce -> per micro-batch drafter_loss, engine.backward,
     engine.step -> acceptance proxy bookkeeping). Only the logging done at log steps is left out."""
-    from dflash_ds.runtime.control import NullControl
+    from dflash_ds.guard.control import NullControl
     from dflash_ds.runtime.trainer import DrafterParts, DrafterTrainer
-    from dflash_ds.runtime.transport import NoSyncTimer
+    from dflash_ds.runtime.profiling import NoSyncTimer
 
     trainer = DrafterTrainer(setup.run, 0, DrafterParts(engine, model, source, group, NoSyncTimer()), NullControl())
 

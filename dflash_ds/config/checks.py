@@ -1,7 +1,7 @@
 """The recipe's value checks: one function per section, run in recipe order by `validate`.
 
 Only checks that need no files or GPUs live here; the checks that read files (the target config, the
-DeepSpeed JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and runtime/prelaunch.py's.
+DeepSpeed JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and guard/launch.py's.
 A check that relates two sections sits with the section whose setting the message tells the user to
 change. Every failure is one RecipeError line naming the setting and the fix."""
 
@@ -21,7 +21,7 @@ def need(cond: bool, msg: str) -> None:
 
 def validate(r: Recipe) -> None:
     """Checks that need no files or GPUs; the checks that read files (the target config, the DeepSpeed
-    JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and runtime/prelaunch.py's."""
+    JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and guard/launch.py's."""
     check_target(r)  # first: a recipe without a target is the most common mistake, and names it first
     check_run(r)
     # The drafter section is checked where it becomes a shape (resolve/drafter.py, model/shape.py and

@@ -263,7 +263,8 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto: continue from latest.json's checkpoint, stop if it is missing or damaged; fallback: the
     same, but fall back to the newest complete earlier checkpoint with a warning; restart: start
-    from step 0 over an existing run directory. (true = auto, false = restart.)"""
+    from step 0 over an existing run directory, the previous run's checkpoints moved aside into
+    checkpoints/previous-<time>/. (true = auto, false = restart.)"""
     universal: bool = False
     """Load a universal checkpoint (after ds_to_universal) to change the number of drafter ranks."""
 

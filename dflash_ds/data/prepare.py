@@ -39,7 +39,7 @@ from dflash_ds.data.cache import (FORMAT_VERSION, LENGTHS_FILE, MANIFEST_FILE, R
                                   cache_damage, discard, write_manifest)
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 
 
@@ -300,9 +300,9 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
             else:
                 check_drops(data.report, cfg, final)
                 if verbose:
-                    print(f"[data] reusing {final}", flush=True)
+                    say(f"data: reusing {final}")
                 return data
-        print(f"[data] prepared data in {final} is damaged: {damage}; rebuilding it", flush=True)
+        say(f"data: prepared data in {final} is damaged: {damage}; rebuilding it")
         discard(final)
 
     ds = loaded["train"] if "train" in loaded else load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
@@ -369,7 +369,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         write_manifest(tmp)  # last: an entry without it was never finished
     data = _load_cached(final, fp)
     if verbose:
-        print(report_text(data.report), end="", flush=True)
+        say("data: " + report_text(data.report).rstrip("\n"))
     check_drops(data.report, cfg, final)
     return data
 

@@ -23,10 +23,12 @@ from dflash_ds.model.shape import DrafterShape
 from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
+from dflash_ds.resolve.files import check_files
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
 from dflash_ds.resolve.quantization import check_quantization
+from dflash_ds.safety import say
 from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
 
@@ -90,6 +92,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
     dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
+    check_files(recipe)
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
@@ -111,8 +114,8 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
             "kernel to keep the packed documents of a row apart (without it the exact per-document fallback is "
             "far too slow); pip install 'dflash-ds[gpu]' (flash-linear-attention), or set data.pack=false")
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
-        print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
-              "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
+        say("warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
+            "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')")
     payload = payload_layout(recipe, dcfg, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()

@@ -128,7 +128,7 @@ class TargetWorker:
 
     def run(self, start: int, group=None) -> None:
         """The target rank's loop: evaluation payloads first, then every scheduled micro-batch from
-        `start` (the step the run control decided, runtime.control), sent over `group` (None: the
+        `start` (the step the run control decided, guard.control), sent over `group` (None: the
         default group)."""
         spec, rank = self.spec, self.rank
         r, plan, lay = spec.recipe, spec.plan, spec.layout

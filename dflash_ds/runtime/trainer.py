@@ -27,11 +27,11 @@ from dflash_ds.model.objective import acceptance_proxy, drafter_loss
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.transport import NoSyncTimer, Receiver, SyncStallTimer
+from dflash_ds.runtime.profiling import NoSyncTimer, StepProfiler, SyncStallTimer
+from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
-from dflash_ds.safety import CheckpointError, Stopped
+from dflash_ds.safety import CheckpointError, Stopped, say
 from dflash_ds.resolve.payload import PayloadLayout, unpack
 from dflash_ds.resolve.plan import receive_depth
 from dflash_ds.resolve.run import RunSpec
@@ -97,7 +97,7 @@ class LogWindow:
 
 class DrafterTrainer:
     def __init__(self, spec: RunSpec, rank: int, parts: DrafterParts, control):
-        """`control`: runtime.control.RunControl (stop votes); the bench passes control.NullControl."""
+        """`control`: guard.control.RunControl (stop votes); the bench passes control.NullControl."""
         self.spec, self.rank, self.control = spec, rank, control
         self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
@@ -173,6 +173,7 @@ class DrafterTrainer:
 
     def train(self) -> None:
         r, plan, start, eval_set = self.spec.recipe, self.spec.plan, self.start, self.eval_set
+        metrics = self.metrics  # opened before the first step: a wandb.init that fails costs no training
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
         t0 = time.perf_counter()
@@ -193,7 +194,7 @@ class DrafterTrainer:
                 self.stop(done, saved)
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
-        self.metrics.close()
+        metrics.close()
         if self.lead:
             finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
 
@@ -232,8 +233,9 @@ class DrafterTrainer:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
         self.last_tau = report
         self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
-        print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
-              f"{len(report.cycles)} responses)\n[dflash] {report.position_line()}", flush=True)
+        say(f"tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
+            f"{len(report.cycles)} responses)")
+        say(report.position_line())
 
     def save(self, step: int) -> None:
         from dflash_ds.export import save_drafter
@@ -241,7 +243,7 @@ class DrafterTrainer:
         r = self.spec.recipe
         t0 = time.perf_counter()
         if self.lead and step == self.spec.plan.total_steps:
-            print(f"[dflash] step {step}: writing the final checkpoint and export", flush=True)
+            say(f"step {step}: writing the final checkpoint and export")
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
         if self.lead:
             t1 = time.perf_counter()
@@ -253,8 +255,8 @@ class DrafterTrainer:
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
-            print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
-                  f"({time.perf_counter() - t1:.0f} s)", flush=True)
+            say(f"step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
+                f"({time.perf_counter() - t1:.0f} s)")
 
     def stop(self, done: int, saved: bool) -> None:
         """Every drafter rank voted at the same step boundary, so all of them save this step."""
