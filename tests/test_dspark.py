@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.dspark import (ConfidenceHead, DSparkChunk, DSparkRows, DSparkTerms, MarkovHead, Sampling,
+from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkChunk, DSparkRows, DSparkTerms, MarkovHead, Sampling,
                                     anchor_first_targets, calibration, chunk_grads, confident_prefix, dspark_loss,
                                     dspark_terms, expected_calibration_error, expected_tau, greedy_walk,
                                     sampled_walk, shift_in, survival)

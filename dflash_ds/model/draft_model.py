@@ -41,6 +41,16 @@ class DraftModel:
         return self.drafter.config.mask_token_id
 
     @property
+    def num_drafts(self) -> int:
+        """Tokens one block drafts (B - 1; B when the architecture is anchor-first)."""
+        return self.drafter.config.num_drafts
+
+    @property
+    def max_emitted(self) -> int:
+        """The most tokens one speculative cycle emits: every draft accepted plus the target's own."""
+        return self.num_drafts + 1
+
+    @property
     def layer_ids(self) -> list[int]:
         """The target layers whose outputs the drafter reads (the taps it was trained on)."""
         return list(self.drafter.config.target_layer_ids)
@@ -56,7 +66,12 @@ class DraftModel:
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """The tokens the engines propose at temperature 0 from the final states `[n, B-1, D]` of the
-        drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the architecture's
-        walk (`DrafterVariant.draft`: each slot's argmax for v1, the selector's greedy path for DFlash2)."""
+        """The tokens the engines propose at temperature 0 from the final states `[n, num_drafts, D]`
+        of the drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the
+        architecture's walk (`DrafterVariant.draft`: each slot's argmax for v1, the selector's greedy
+        path for DFlash2, the Markov chain for DSpark)."""
         return self.config.variant.draft(self, hidden, anchors)
+
+    def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""
+        return hidden[:, self.config.first_draft_slot:]

@@ -152,14 +152,14 @@ class DrafterTrainer:
         with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
             dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_sums)
+        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_names(s.shape))
         term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(self.model, mb, bl, weight / scale, s, term)
             self.engine.backward(out.loss)
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
-            run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
+            run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=s.shape.first_draft_slot)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
             kl_sum = kl_sum + out.kl_sum
             extra = tuple(a + b for a, b in zip(extra, out.extra))
@@ -289,7 +289,7 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], layout: Pay
                         continue
                     cycles.append(tau_from_taps(model, mb.taps[j, a:b], mb.input_ids[j, a:b], int(resp[0]), b - a))
     drafter.train(was_training)
-    return TauReport(block_size=model.block_size, cycles=cycles)
+    return TauReport(block_size=model.max_emitted, cycles=cycles)
 
 
 def build_drafter(spec: RunSpec):

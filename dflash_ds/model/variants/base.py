@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from dflash_ds.model import blocks
+
 # `shape` below is a model.shape.DrafterShape, which imports this module (so its name is not imported here).
 
 class FieldError(ValueError):
@@ -98,7 +100,12 @@ class DrafterVariant:
     needs_target_logits: bool = False
     """Payloads carry the target's final-norm states, so the chunk term sees the target's logits."""
     log_sums: tuple[str, ...] = ()
-    """Names of the detached sums `LossOutput.extra` holds (chunk term's first, then `extra_loss`'s)."""
+    """Names of the detached sums `LossOutput.extra` holds (chunk term's first, then `extra_loss`'s);
+    `log_names` when their number depends on the shape."""
+    label_offset: int = 0
+    """Slot k of the block at anchor a is trained on, and drafts, the token at a + k + label_offset.
+    0 (DFlash): slot 0 is the anchor itself and drafts nothing, B - 1 drafts per block. 1
+    (anchor-first, the engines' `sample_from_anchor`): every slot drafts, B drafts per block."""
 
     # ---------------------------------------------------------------------------------- the shape
 
@@ -114,6 +121,10 @@ class DrafterVariant:
     def config_entries(self, shape: Any) -> dict:
         """This architecture's `dflash_config` entries of config.json (default: every field by its name)."""
         return dataclasses.asdict(shape.arch_fields)
+
+    def top_level_entries(self, shape: Any) -> dict:
+        """config.json entries beside `dflash_config` that this architecture's readers look for there."""
+        return {}
 
     def fields_from_config(self, dflash_config: dict) -> Any:
         """Inverse of `config_entries`: every field must be present."""
@@ -145,12 +156,22 @@ class DrafterVariant:
     # ------------------------------------------------------------------------------- the walk
 
     def draft(self, model: Any, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """The tokens `[n, B-1]` the engines propose at temperature 0 from the drafting slots' final
-        states `[n, B-1, D]` of blocks whose anchors are `anchors` [n]: each slot's argmax (the
+        """The tokens `[n, L]` the engines propose at temperature 0 from the drafting slots' final
+        states `[n, L, D]` (L = `DrafterShape.num_drafts`) of blocks whose anchors are `anchors` [n]: each slot's argmax (the
         target's logit transform is monotonic, so it does not change the argmax)."""
         return argmax_tokens(hidden, model.lm_head)
 
     # ------------------------------------------------------------------------------- the loss
+
+    def default_gamma(self, shape: Any) -> float:
+        """The slot decay's gamma when the recipe sets none."""
+        return blocks.default_gamma(shape.block_size)
+
+    def block_targets(self, mb: Any, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                      gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Labels and float32 weights `[b, N, B]` of micro-batch `mb`'s blocks (model.blocks.block_targets:
+        same-position labels, slot 0 weight 0)."""
+        return blocks.block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
 
     def loss_settings(self, objective: Any) -> Any:
         """The variant's loss settings from the recipe's objective section (read by attribute name)."""
@@ -160,6 +181,10 @@ class DrafterVariant:
         """The loss settings at optimizer step `step` (0-based) of `total_steps` (e.g. a weight's
         warm-up); step None: after any warm-up."""
         return settings
+
+    def ce_weight(self, term: Any) -> float:
+        """The cross-entropy's coefficient in the loss under this step's `step_term`."""
+        return 1.0
 
     def candidates(self, shape: Any) -> int:
         """Top-k token ids (and raw logits) per slot the base loss keeps for `extra_loss`; 0 for none."""
@@ -174,6 +199,10 @@ class DrafterVariant:
     def extra_loss(self, ctx: LossContext) -> ExtraLoss | None:
         """A term computed after the base loss (e.g. from its candidates), or None."""
         return None
+
+    def log_names(self, shape: Any) -> tuple[str, ...]:
+        """The names of the step's detached sums for a drafter of `shape` (default: `log_sums`)."""
+        return self.log_sums
 
     def log_record(self, sums: list[float], weight: float) -> dict[str, float]:
         """metrics.jsonl fields from the step's `log_sums` (summed over micro-batches and ranks) and
