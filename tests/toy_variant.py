@@ -94,7 +94,7 @@ class ToyMarkov(DrafterVariant):
     def loss_settings(self, objective) -> float:
         return 0.5  # the TV term's weight (a real architecture reads its recipe keys here)
 
-    def chunk_term(self, model, blocks, term) -> ChunkTerm:
+    def chunk_term(self, model, blocks, term, hidden) -> ChunkTerm:
         head, b = model.drafter.markov_head, model.config.block_size
         return markov_term(slot_rows(predecessors(blocks.labels, b), b), head.embedding, head.projection, term)
 

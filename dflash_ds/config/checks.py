@@ -96,6 +96,8 @@ def check_objective(r: Recipe) -> None:
     need(o.selector_alpha >= 0, f"objective.selector_alpha must be >= 0, got {o.selector_alpha}")
     need(0 <= o.selector_warmup_ratio <= 1, f"objective.selector_warmup_ratio must be in [0, 1], got {o.selector_warmup_ratio}")
     need(0 <= o.selector_ramp_ratio <= 1, f"objective.selector_ramp_ratio must be in [0, 1], got {o.selector_ramp_ratio}")
+    for key in ("ce_weight", "l1_weight", "confidence_weight"):
+        need(getattr(o, key) >= 0, f"objective.{key} must be >= 0, got {getattr(o, key)}")
 
 
 def check_optim(r: Recipe) -> None:

@@ -69,9 +69,10 @@ class DrafterConfig:
     """Block slot k sees only slots <= k of its own block. null = the engines' default for a config
     without it: sliding layers causal, full layers bidirectional; true/false = every layer (exported)."""
     architecture: str = "dflash"
-    """dflash (v1) or dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
-    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8).
-    The four fields below apply to dflash2 only; their defaults are the published DFlash2 shape."""
+    """dflash (v1); dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
+    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8);
+    dspark: anchor-first blocks, a Markov head and a confidence head (section 9). The fields marked
+    dflash2 or dspark apply to that architecture only; their defaults are its published shape."""
     conv_kernel_size: int = 2
     """dflash2: taps of the block convolution (slot k reads slots k .. k-taps+1 of its own block)."""
     conv_group_size: int = 16
@@ -81,6 +82,17 @@ class DrafterConfig:
     248K vocabulary)."""
     selector_top_k: int = 16
     """dflash2: unary candidates the selector rescores per slot."""
+    markov_rank: int = 256
+    """dspark: rank r of the Markov head, two [vocab, r] tables (DeepSpec: 256; 127M parameters at a
+    248K vocabulary)."""
+    markov_head_type: str = "vanilla"
+    """dspark: the Markov head's form; vanilla only (DeepSpec's default and the only one llama.cpp and
+    vLLM load; its gated and rnn heads are refused)."""
+    enable_confidence_head: bool = True
+    """dspark: train a confidence head (DeepSpec: on, confidence_head_alpha 1.0 > 0)."""
+    confidence_head_with_markov: bool = True
+    """dspark: the confidence head also reads the Markov embedding of the slot's predecessor
+    (DeepSpec: true; llama.cpp loads only this form)."""
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
@@ -181,7 +193,8 @@ class ObjectiveConfig:
     """Blocks per row; rows with fewer valid anchors are padded. null = the paper's density, 512 per 3,072
     row tokens (ANCHORS_PER_TOKEN x data.row_length: 512 at 3,072, 2,048 at 12,288)."""
     gamma: float | None = None
-    """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8."""
+    """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8 (dspark, whose B slots all
+    draft: the value of B + 1, 4 for B=7 as DeepSpec's loss_decay_gamma)."""
     loss_chunks: int = 16
     """lm_head + cross-entropy computed in this many chunks of slots (only one chunk's logits exist at a
     time; the input gradient is computed in the forward pass, model/loss.py)."""
@@ -208,6 +221,15 @@ class ObjectiveConfig:
     selector_detach: bool = False
     """dflash2: the selector loss trains the selector's own parameters only, not the drafter's states
     (SpecForge's dflash2_selector_stop_gradient, default false; speculators and Automodel: false)."""
+    ce_weight: float = 0.1
+    """dspark: weight of the cross-entropy term (DeepSpec's ce_loss_alpha: 0.1). "loss" in the logs
+    stays the unweighted sum(w * CE) / sum(w)."""
+    l1_weight: float = 0.9
+    """dspark: weight of ||q - p||_1 (twice the total variation between the drafter's and the target's
+    distributions at the slot; DeepSpec's l1_loss_alpha: 0.9). Target ranks send their final-norm
+    states, as for kl_weight > 0."""
+    confidence_weight: float = 1.0
+    """dspark: weight of the confidence head's BCE toward 1 - TV (DeepSpec's confidence_head_alpha: 1.0)."""
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,16 @@ class ExtraLoss(NamedTuple):
     sums: tuple[torch.Tensor, ...]  # detached, in `log_sums` order (after the chunk term's, if any)
 
 
+class Serving(NamedTuple):
+    """How the engines are told to serve a drafter: SGLang's `--speculative-algorithm` and
+    `--speculative-num-draft-tokens`, vLLM's `method` and `num_speculative_tokens`."""
+
+    sglang_algorithm: str
+    sglang_draft_tokens: int
+    vllm_method: str
+    vllm_tokens: int
+
+
 class DrafterVariant:
     """One drafter architecture (module docstring). Subclass it, set the names, override the hooks that differ."""
 
@@ -190,10 +200,10 @@ class DrafterVariant:
         """Top-k token ids (and raw logits) per slot the base loss keeps for `extra_loss`; 0 for none."""
         return 0
 
-    def chunk_term(self, model: Any, blocks: Any, term: Any) -> Any:
+    def chunk_term(self, model: Any, blocks: Any, term: Any, hidden: torch.Tensor) -> Any:
         """A model.loss.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
         logits (and the target's, with `needs_target_logits`): a bias added to the logits and/or
-        extra loss terms; None for none."""
+        extra loss terms; None for none. `hidden` `[R, N*B, D]`: the drafter's final states."""
         return None
 
     def extra_loss(self, ctx: LossContext) -> ExtraLoss | None:
@@ -214,6 +224,10 @@ class DrafterVariant:
     def card_rows(self, shape: Any) -> list[str]:
         """Rows of the model card's table (markdown `| name | value |`)."""
         return []
+
+    def serving(self, shape: Any) -> Serving:
+        """The engines' method names and draft counts (DFlash: SGLang counts the anchor, vLLM the drafts)."""
+        return Serving("DFLASH", shape.block_size, "dflash", shape.block_size - 1)
 
     def serving_note(self) -> list[str]:
         """Lines of the model card's serving section before the commands."""
