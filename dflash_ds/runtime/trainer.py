@@ -249,7 +249,7 @@ class DrafterTrainer:
             t1 = time.perf_counter()
             try:
                 out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export",
-                                   card=card_info(r, step, self.last_tau))
+                                   card=card_info(r, step, self.last_tau), num_anchors=r.objective.num_anchors)
             except OSError as exc:  # the export is swapped in only when complete: the old one stays
                 raise CheckpointError(
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
