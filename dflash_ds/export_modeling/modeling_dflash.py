@@ -356,16 +356,17 @@ class ConfidenceHead(nn.Module):
 class DSparkConfig(DFlashConfig):
     """The DFlash fields plus DSpark's (top level, where vLLM, SGLang and llama.cpp read them)."""
 
-    def __init__(self, block_size=7, num_target_layers=36, dflash_config=None, is_causal=None, markov_rank=256,
-                 markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
-                 sample_from_anchor=True, mask_token_id=None, target_layer_ids=None, **kwargs):
+    DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                       "confidence_head_with_markov": True, "sample_from_anchor": True}
+
+    def __init__(self, block_size=7, num_target_layers=36, dflash_config=None, is_causal=None, **kwargs):
+        for name, default in self.DSPARK_DEFAULTS.items():
+            setattr(self, name, kwargs.pop(name, default))
         # The top-level copies of mask_token_id and target_layer_ids (for llama.cpp's converter) are
         # dflash_config's; they only stand in for it when it is absent.
+        mask_token_id, target_layer_ids = kwargs.pop("mask_token_id", None), kwargs.pop("target_layer_ids", None)
         if dflash_config is None and mask_token_id is not None and target_layer_ids is not None:
             dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids}
-        self.markov_rank, self.markov_head_type = markov_rank, markov_head_type
-        self.enable_confidence_head, self.confidence_head_with_markov = enable_confidence_head, confidence_head_with_markov
-        self.sample_from_anchor = sample_from_anchor
         super().__init__(block_size, num_target_layers, dflash_config, is_causal, **kwargs)
 
 
