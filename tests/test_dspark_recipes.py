@@ -88,3 +88,17 @@ def test_tiny_dspark_trains_in_process(tmp_path):
     losses = reference_losses(spec, target, DraftModel(drafter, embed, head), data.rows, steps=6)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert not torch.equal(drafter.markov_head.markov_w2.weight, before)
+
+
+def test_bench_counts_dsparks_matmuls():
+    """The Markov projection and the confidence head per block token (forward, input and weight
+    gradient), and the target's logits through the lm_head (forward only); the table is gathered."""
+    from dflash_ds.bench.flops import drafter_step_flops
+
+    spec = resolve_run(load_recipe(TINY, SMALL), world_size=2)
+    shape = spec.drafter
+    v, d, r, block_tokens = shape.vocab_size, shape.hidden_size, shape.arch_fields.markov_rank, 70
+    plain = drafter_step_flops(shape.replace(architecture="dflash", arch_fields=None), 100, block_tokens, 1234)
+    flops = drafter_step_flops(shape, 100, block_tokens, 1234)
+    assert flops["dspark"] == (6 * (v * r + d + r) + 2 * v * d) * block_tokens
+    assert flops["total"] == plain["total"] + flops["dspark"]
