@@ -102,3 +102,14 @@ def test_bench_counts_dsparks_matmuls():
     flops = drafter_step_flops(shape, 100, block_tokens, 1234)
     assert flops["dspark"] == (6 * (v * r + d + r) + 2 * v * d) * block_tokens
     assert flops["total"] == plain["total"] + flops["dspark"]
+
+
+def test_progress_line_and_report_show_dsparks_fields():
+    from dflash_ds.metrics import progress_line
+    from dflash_ds.report import _summary
+
+    rec = {"step": 5, "loss": 1.0, "accept_proxy": 2.0, "l1": 0.5, "tau_probabilistic": 2.25,
+           "confidence_mae": 0.125, "confidence_bias": -0.0625}
+    assert "l1 0.5000 | tau_p 2.25 | confidence MAE 0.125" in progress_line(rec, 10)
+    rows = dict(_summary([rec], []))
+    assert rows["final probabilistic tau"] == "2.25" and rows["final confidence calibration"] == "MAE 0.125, bias -0.062"
