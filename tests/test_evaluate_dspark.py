@@ -148,3 +148,28 @@ def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
                 assert ours[0, :int(confident_prefix(c, p_min)[0])].tolist() == served, (t, p_min)
             checked += 1
     assert checked >= 10
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+def test_dspark_sampled_walk_equals_online_with_coupled_draws(world, monkeypatch):
+    """Under sampling the offline walk follows the chain's B drafts too: with the coupled verifier of
+    tests/test_sampled.py (the engines' rule, one draw per position) both paths give the same text
+    and cycles."""
+    import copy
+
+    from dflash_ds.eval import specdec_sampled
+    from dflash_ds.eval.benchmark_table import BenchOptions, Responder
+    from tests.test_sampled import LOGIT_SCALE, SAMPLING, coupled_verify
+
+    target = copy.deepcopy(world["target"])
+    target.get_output_embeddings().weight.mul_(LOGIT_SCALE)
+    monkeypatch.setattr(specdec_sampled, "verify_block", coupled_verify)
+    accepted = []
+    for seed, prompt in enumerate(world["prompts"][:4]):
+        responder = Responder(target, world["model"], SAMPLING, BenchOptions(NEW, seed=seed))
+        response = responder.respond(prompt.tolist())
+        ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
+                                                         torch.Generator().manual_seed(seed), max_new_tokens=NEW)
+        assert ids.tolist() == response and counts == responder.result.report.cycles[0]
+        accepted += [c - 1 for c in counts]
+    assert max(accepted) >= 2
