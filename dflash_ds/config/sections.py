@@ -41,7 +41,18 @@ class TargetConfig:
     bf16 target rate at the 27B geometry. From a bf16 checkpoint the weights are quantized once at load
     (per-row scales); an FP8 checkpoint as published (config.json quantization_config: fp8, 128 x 128
     blocks) is used as stored, the numerics it is served with. An FP8 checkpoint with `none` is
-    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16."""
+    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16.
+    On a mixture-of-experts target the routed experts are quantized too (one scale per expert row)."""
+    experts_implementation: str = "dflash_grouped"
+    """Mixture-of-experts targets: how the routed experts run. dflash_grouped (tokens sorted by expert,
+    one grouped GEMM for gate_up and one for down, chunked; FP8 with target.quantization: fp8),
+    or transformers' own grouped_mm, batched_mm, eager (its per-expert loop). Dense targets ignore it."""
+    expert_parallel: int = 1
+    """Mixture-of-experts targets larger than one GPU: every N consecutive target ranks of a node hold
+    one target together, each rank 1/N of every layer's experts (the rest of the model on every rank).
+    Each rank still runs its own micro-batches; the experts' tokens are gathered over the N ranks and
+    their outputs summed back (docs/performance.md, "Mixture-of-experts targets"). N must divide
+    topology.targets_per_node and the expert count. 1 = every target rank holds the whole target."""
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
 
 def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:
     t = recipe.topology
-    layout = Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated)
+    layout = Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated, recipe.target.expert_parallel)
     o = recipe.optim
     micro_per_step = o.grad_accum * layout.num_drafters
     steps_per_epoch = num_rows // (micro_per_step * o.rows_per_micro_batch)

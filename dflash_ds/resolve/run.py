@@ -22,6 +22,7 @@ from dflash_ds.model.loss import StepSettings
 from dflash_ds.model.shape import COMPARED, DrafterShape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
+from dflash_ds.resolve.moe import check_moe, target_params
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, drafter_params, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
@@ -73,7 +74,7 @@ def resolve_device(name: str, setting: str) -> torch.device:
 def check_world(recipe: Recipe, world_size: int) -> Layout:
     t = recipe.topology
     try:
-        return Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated)
+        return Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated, recipe.target.expert_parallel)
     except TopologyError as exc:
         raise RecipeError(str(exc)) from None
 
@@ -96,6 +97,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     refused = fp8.recipe_refusal(recipe.target, device.type, target_kind, tcfg)
     if refused:
         raise RecipeError(refused)
+    check_moe(recipe, tcfg, target_kind, layout)
     geo = target_geometry(tcfg)
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
     if recipe.drafter.init_from:
@@ -164,5 +166,5 @@ def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetS
     # The KL term keeps every target layer and sends one more tap (the final-norm state).
     kl = recipe.objective.kl_weight > 0
     last = g.num_layers if kl else max(c.target_layer_ids) + 1
-    tp = int(12 * g.hidden_size * g.hidden_size * last + g.vocab_size * g.hidden_size)  # dense estimate
+    tp = target_params(g, last, recipe.target.expert_parallel)
     return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))

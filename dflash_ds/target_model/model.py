@@ -34,6 +34,14 @@ class TargetShape:
     vocab_size: int
     model_type: str
     hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packed rows go through target.packed
+    num_experts: int = 0  # routed experts per MoE layer (target_model/moe.py); 0 = a dense target
+    experts_per_token: int = 0
+    expert_width: int = 0  # moe_intermediate_size
+    shared_width: int = 0  # the shared expert's intermediate size (0: none)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def is_hybrid(config) -> bool:
@@ -50,13 +58,20 @@ def is_hybrid(config) -> bool:
 
 
 def target_geometry(config) -> TargetShape:
+    from dflash_ds.target_model.moe import moe_shape
+
     tc = text_config(config)
+    moe = moe_shape(tc)
     return TargetShape(
         num_layers=tc.num_hidden_layers,
         hidden_size=tc.hidden_size,
         vocab_size=tc.vocab_size,
         model_type=getattr(tc, "model_type", ""),
         hybrid=is_hybrid(tc),
+        num_experts=moe.num_experts if moe else 0,
+        experts_per_token=moe.experts_per_token if moe else 0,
+        expert_width=moe.expert_width if moe else 0,
+        shared_width=moe.shared_width if moe else 0,
     )
 
 
