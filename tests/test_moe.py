@@ -193,3 +193,59 @@ def test_packed_taps_equal_each_document_alone(name):
     real = (doc_ids >= 0).unsqueeze(-1)
     assert torch.isfinite(got).all()
     assert ((got - want).abs() * real).max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------- before launch
+
+
+@pytest.fixture(scope="module")
+def moe_config_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-moe")
+    cfg = target_config("tiny-moe", layers=6)
+    cfg.save_pretrained(path)
+    return path
+
+
+def resolve(path, world, *overrides):
+    from dflash_ds.config import load_recipe
+    from dflash_ds.resolve.run import resolve_run
+
+    return resolve_run(load_recipe("recipes/tiny.yaml", [f"target.path={path}", *overrides]), world)
+
+
+def test_expert_parallel_plan_names_the_groups_and_shrinks_the_target(moe_config_dir):
+    from dflash_ds.resolve.plan import describe
+
+    one = resolve(moe_config_dir, 3, "topology.targets_per_node=2", "optim.grad_accum=2")
+    two = resolve(moe_config_dir, 5, "topology.targets_per_node=4", "optim.grad_accum=4", "target.expert_parallel=2")
+    assert two.layout.expert_groups() == [[1, 2], [3, 4]] and two.layout.expert_group_of(4) == [3, 4]
+    assert "expert-parallel groups (each rank 1/2 of the experts): [[1, 2], [3, 4]]" in describe(two.plan, two.memory)
+    assert two.memory["target"] < one.memory["target"]
+
+
+@pytest.mark.parametrize("overrides, world, needle", [
+    (["target.ds_config=ds_configs/target_zero3_cpu.json"], 2, "ZeRO-3 would gather all 4 experts"),
+    (["target.expert_parallel=2"], 2, "must divide topology.targets_per_node 1"),
+    (["target.expert_parallel=3", "topology.targets_per_node=3", "optim.grad_accum=3"], 4,
+     "must divide the target's 4 experts"),
+    (["target.expert_parallel=2", "topology.targets_per_node=2"], 3,
+     r"drafters_per_node\nx optim.grad_accum|x optim.grad_accum \(1 x 1\) a multiple"),
+    (["target.expert_parallel=2", "topology.targets_per_node=2", "optim.grad_accum=2",
+      "target.experts_implementation=eager"], 3, "set target.experts_implementation=dflash_grouped"),
+    (["target.experts_implementation=fast"], 2, "must be one of dflash_grouped, grouped_mm"),
+    (["target.expert_parallel=2", "topology.colocated=true", "topology.targets_per_node=0"], 1,
+     "topology.colocated runs one rank per GPU"),
+])
+def test_moe_recipe_errors_stop_before_launch(moe_config_dir, overrides, world, needle):
+    from dflash_ds.config import RecipeError
+
+    with pytest.raises(RecipeError, match=needle):
+        resolve(moe_config_dir, world, *overrides)
+
+
+def test_expert_parallel_on_a_dense_target_is_refused(tmp_path):
+    from dflash_ds.config import RecipeError
+
+    target_config("tiny-qwen3").save_pretrained(tmp_path)
+    with pytest.raises(RecipeError, match="target.path is a dense model"):
+        resolve(tmp_path, 3, "topology.targets_per_node=2", "optim.grad_accum=2", "target.expert_parallel=2")

@@ -128,6 +128,9 @@ def describe(plan: Plan, memory: dict[str, float] | None = None) -> str:
              f"({'colocated' if lay.colocated else f'{lay.drafters_per_node} drafters + {lay.targets_per_node} targets'} per node)"]
     lines += ["  " + l for l in lay.describe()]
     lines.append(f"drafter group {lay.drafter_ranks}; target group {lay.target_ranks}")
+    if lay.expert_parallel > 1:
+        lines.append("targets held by expert-parallel groups (each rank 1/"
+                     f"{lay.expert_parallel} of the experts): {lay.expert_groups()}")
     lines.append(f"rows {plan.num_rows} of {plan.seq_len} tokens; micro-batch {plan.rows_per_micro} rows; "
                  f"grad_accum {plan.grad_accum}; tokens per step {plan.tokens_per_step:,}")
     sched = f"wsd, decay {plan.decay_steps}" if plan.schedule == "wsd" else "cosine"

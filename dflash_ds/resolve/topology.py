@@ -147,6 +147,10 @@ class Layout:
             out += [ranks[i:i + n] for i in range(0, len(ranks), n)]
         return out
 
+    def expert_group_of(self, rank: int) -> list[int]:
+        """The ranks of the target `rank` helps hold (just [rank] without expert parallelism)."""
+        return next((g for g in self.expert_groups() if rank in g), [rank])
+
     def eval_target(self) -> int:
         """The target rank that produces the held-out evaluation payloads for drafter rank 0."""
         return self.target_rank(0, 0)

@@ -24,6 +24,7 @@ class Groups:
     drafter: dist.ProcessGroup
     target: dist.ProcessGroup
     payload: dist.ProcessGroup | None = None
+    experts: dist.ProcessGroup | None = None  # the target ranks holding this rank's target (target.expert_parallel)
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
@@ -44,7 +45,21 @@ def make_groups(layout: Layout, payload_ctas: int = 0) -> Groups:
     # Every rank creates every group, in the same order (new_group is collective over WORLD).
     drafter = dist.new_group(layout.drafter_ranks)
     target = drafter if layout.colocated else dist.new_group(layout.target_ranks)
-    return Groups(drafter, target, payload_group(layout, payload_ctas))
+    payload = payload_group(layout, payload_ctas)
+    return Groups(drafter, target, payload, expert_group(layout))
+
+
+def expert_group(layout: Layout) -> dist.ProcessGroup | None:
+    """This rank's expert group (every rank creates every one, in the same order); None without
+    expert parallelism and on drafter ranks."""
+    if layout.expert_parallel == 1:
+        return None
+    mine = None
+    for ranks in layout.expert_groups():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def payload_group(layout: Layout, ctas: int) -> dist.ProcessGroup | None:
@@ -113,11 +128,13 @@ def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn
     return model.to(device=device, dtype=getattr(torch, name) if name else None)
 
 
-def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
+def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, experts=None):
     """The frozen target from target.path under the engine target.ds_config asks for.
 
     A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the
-    target group at load time, gathered layer by layer each forward.
+    target group at load time, gathered layer by layer each forward. A mixture-of-experts target
+    with target.expert_parallel > 1 is split over the `experts` group instead (kind
+    "expert_parallel"): every rank reads its share of the experts and the rest of the model.
     """
     from dflash_ds.target_model import fp8 as fp8_target
     from dflash_ds.target_model.model import load_target
@@ -132,8 +149,16 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
     fp8 = t.quantization == "fp8"
     if fp8:
         fp8_target.check_device(device)
-    model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation,
-                        keep_fp8=fp8)
+    if t.expert_parallel > 1:
+        from dflash_ds.runtime.expert_group import GroupComm
+        from dflash_ds.target_model.expert_parallel import load_expert_shard
+
+        model = load_expert_shard(t.path, GroupComm(experts), dtype=t.dtype, device=device,
+                                  attn_implementation=t.attn_implementation)
+        kind = "expert_parallel"
+    else:
+        model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device,
+                            attn_implementation=t.attn_implementation, keep_fp8=fp8)
     return quantized_replica(recipe, model, cfg, device), kind
 
 
@@ -143,11 +168,15 @@ def quantized_replica(recipe: Recipe, model: torch.nn.Module, cfg: dict, device:
     shape. The replica JSON's dtype equals target.dtype (checked before launch), which the model was
     loaded in, so the FP8 weights are never cast."""
     from dflash_ds.target_model import fp8 as fp8_target
+    from dflash_ds.target_model import moe
 
+    if moe.experts_modules(model):
+        moe.use_experts(model, recipe.target.experts_implementation)
     if recipe.target.quantization != "fp8":
         return replica(model, cfg, device)
     model = model.to(device)
     if not any(isinstance(m, fp8_target.Fp8Linear) for m in model.modules()):
         fp8_target.quantize_model(model, fp8_target.ROWS)
+        moe.quantize_experts(model)  # the routed experts: one scale per expert row (none on a dense target)
     fp8_target.compile_for(model, recipe.optim.rows_per_micro_batch * recipe.data.max_length)
     return model

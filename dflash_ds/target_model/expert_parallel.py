@@ -96,6 +96,7 @@ def shard_experts(model: nn.Module, comm: ExpertComm) -> list[str]:
         # An instance attribute shadows the class's (experts-interface) forward; hooks still run.
         mod.forward = functools.partial(sharded_experts_forward, mod, comm)
         names.append(name)
+    model.expert_comm = comm  # for the callers that switch it to same_inputs()
     return names
 
 
