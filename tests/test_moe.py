@@ -249,3 +249,22 @@ def test_expert_parallel_on_a_dense_target_is_refused(tmp_path):
     target_config("tiny-qwen3").save_pretrained(tmp_path)
     with pytest.raises(RecipeError, match="target.path is a dense model"):
         resolve(tmp_path, 3, "topology.targets_per_node=2", "optim.grad_accum=2", "target.expert_parallel=2")
+
+
+def test_the_35b_a3b_recipe_fits_its_target():
+    from dflash_ds.config import load_recipe
+    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.resolve.moe import check_moe
+    from dflash_ds.resolve.run import check_world
+
+    recipe = load_recipe("recipes/qwen36-35b-a3b.yaml")
+    cfg = target_config("qwen3.6-35b-a3b")
+    shape = DrafterShape.from_target(cfg, recipe.drafter)
+    # The recipe's explicit drafter is the one derived from the target.
+    assert shape == DrafterShape.from_target(cfg, load_recipe("recipes/qwen36-35b-a3b.yaml", [
+        "drafter.num_attention_heads=null", "drafter.num_key_value_heads=null", "drafter.head_dim=null",
+        "drafter.intermediate_size=null"]).drafter)
+    assert shape.hidden_size == 2048 and shape.target_layer_ids == (1, 10, 19, 28, 37)
+    check_moe(recipe, cfg, "replica", check_world(recipe, 8))
+    two = load_recipe("recipes/qwen36-35b-a3b.yaml", ["target.expert_parallel=2"])
+    check_moe(two, cfg, "replica", check_world(two, 8))

@@ -6,6 +6,7 @@
     python -m dflash_ds.bench --role drafter --recipe recipes/qwen27b-dflash2.yaml --block-size 8 [--architecture dflash]
     python -m dflash_ds.bench --role colocated
     python -m dflash_ds.bench --role target --lengths chat|long [--seq-len 3072] [--set data.pack=false]
+    python -m dflash_ds.bench --role target --geometry qwen3.6-35b-a3b --experts eager,grouped_mm,dflash_grouped
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
     python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
@@ -32,7 +33,7 @@ import torch
 from .environment import compile_cache_state, environment
 from .planner import best_split, fractional_split, plan_splits
 from .roles import run_drafter, run_target, run_transport
-from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
+from .setup import DEFAULT_RECIPE, REPO, init_single_process, pick_device, resolve_setup
 from .timing import matmul_ceiling
 
 from dflash_ds.safety import Exit
@@ -149,6 +150,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fp8-blocks", action="store_true",
                    help="target, FP8: 128x128 weight blocks and 1x128 activation groups (a published FP8 "
                         "checkpoint's format) instead of per-row scales")
+    p.add_argument("--experts", default=None, metavar="IMPL[,IMPL...]",
+                   help="target, mixture of experts: time each experts implementation in turn on the same weights "
+                        "(dflash_grouped, grouped_mm, batched_mm, eager) and compare their taps")
+    p.add_argument("--expert-chunk", type=int, default=16384,
+                   help="target, dflash_grouped experts: tokens per chunk (bounds the experts' transient memory)")
     p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
@@ -160,7 +166,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from", dest="from_files", nargs="+", default=None, help="plan: bench JSONs to read rates from")
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
-    for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth"):
+    for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth",
+                 "expert_chunk"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -222,6 +229,14 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"  {'  bf16, 1% embedding noise':<34} " + ", ".join(f"{k}: {ctl[int(k)]:.4f}" for k in q["taps_rel_rms"]))
         lines.append(f"  {'FP8 linears / kept / fused MLPs':<34} {q['fp8_linears']} / {len(q['kept_linears'])} / "
                      f"{q['fused_mlps']}")
+    for name, e in (r.get("experts_runs") or {}).items():
+        if "error" in e:
+            lines.append(f"  {'experts ' + name:<34} {e['error']}")
+            continue
+        peak = e.get("memory", {}).get("max_step_peak_gib")
+        lines.append(f"  {'experts ' + name:<34} {e['tok_s']:,.0f} tok/s, MFU {e['mfu']:.3f}, peak "
+                     f"{'-' if peak is None else f'{peak:.1f}'} GiB, taps rel. RMS vs first "
+                     f"{e['taps_rel_rms_vs_first']:.2e}")
     comp = r.get("compile", {})
     if comp.get("total", {}).get("unique_graphs"):
         lines.append(f"  {'graphs compiled (first/warmup/timed)':<34} {comp['first_step']['unique_graphs']} / "
@@ -263,7 +278,12 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.set_device(device)
     setup = resolve_setup(args, device)
     ceiling = matmul_ceiling(device)
-    if args.role == "target":
+    if args.role == "target" and args.experts:
+        from .experts import run_target_experts
+
+        init_single_process(device)
+        result = run_target_experts(setup, ceiling)
+    elif args.role == "target":
         result = run_target(setup, ceiling)
     elif args.role in ("drafter", "colocated"):
         result = run_drafter(setup, ceiling, colocated=args.role == "colocated")
