@@ -84,7 +84,7 @@ def test_35b_a3b_is_qwen3_5_moe_text_config_defaults():
 def test_dense_targets_have_no_experts():
     assert moe.moe_shape(target_config("tiny")) is None and not target_geometry(target_config("qwen3-8b")).moe
     shape = moe.moe_shape(target_config("tiny-qwen3-moe"))
-    assert shape == moe.MoeShape(4, 2, 32, 0, (0, 1, 2, 3))
+    assert shape == moe.MoeShape(4, 2, 32, 0, (0, 1, 2, 3, 4, 5))
 
 
 def test_drafter_of_35b_a3b_is_2048_wide_with_taps_over_40_layers():
@@ -201,8 +201,7 @@ def test_packed_taps_equal_each_document_alone(name):
 @pytest.fixture(scope="module")
 def moe_config_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-moe")
-    cfg = target_config("tiny-moe", layers=6)
-    cfg.save_pretrained(path)
+    target_config("tiny-moe").save_pretrained(path)
     return path
 
 
@@ -268,3 +267,20 @@ def test_the_35b_a3b_recipe_fits_its_target():
     check_moe(recipe, cfg, "replica", check_world(recipe, 8))
     two = load_recipe("recipes/qwen36-35b-a3b.yaml", ["target.expert_parallel=2"])
     check_moe(two, cfg, "replica", check_world(two, 8))
+
+
+def test_active_parameters_count_k_of_e_experts_and_the_routers():
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ds.bench.flops import active_linear_params, count_linear_params
+
+    cfg = target_config("tiny-moe")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    layers = model.model.layers
+    n, e, k, d, i = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, \
+        cfg.moe_intermediate_size
+    p = active_linear_params(layers)
+    assert p["experts_total"] == n * e * 3 * d * i and p["experts_active"] == n * k * 3 * d * i
+    assert p["routers"] == n * e * d and p["dense"] == count_linear_params(layers)
+    assert p["active"] == p["dense"] + p["experts_active"] + p["routers"]

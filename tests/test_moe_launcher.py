@@ -45,7 +45,7 @@ def reference(target_path, run_dir):
 
 def test_tiny_moe_target_split_over_two_ranks_trains_like_the_reference(tmp_path):
     target = tmp_path / "tiny-moe"
-    script().write_model("tiny-moe", 6, target, "cpu", "5GB")
+    script().write_model("tiny-moe", None, target, "cpu", "5GB")
     run_dir = tmp_path / "run"
     proc = launch(RECIPE, SPLIT + [f"target.path={target}", f"run.output_dir={run_dir}"], procs=3, timeout=500)
     out = output(proc)
@@ -57,3 +57,16 @@ def test_tiny_moe_target_split_over_two_ranks_trains_like_the_reference(tmp_path
     assert tau and tau[-1]["tau"] >= 1.0
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["hidden_size"] == 64 and config["dflash_config"]["target_layer_ids"] == [1, 3]
+
+
+def test_gpu_moe_bench_script_refuses_bad_usage():
+    """scripts/gpu_moe_bench.sh: usage errors exit 2 before any bench starts (its --cpu variant runs
+    every bench command at toy size; it takes minutes on 2 cores, so it is run by hand)."""
+    import subprocess
+
+    from .launch_util import ROOT, cpu_env
+
+    for args, needle in (([], "usage"), (["/tmp/x", "--gpus=2"], "unknown option --gpus=2")):
+        bad = subprocess.run(["bash", "scripts/gpu_moe_bench.sh", *args], cwd=ROOT, env=cpu_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and needle in bad.stderr

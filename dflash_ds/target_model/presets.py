@@ -184,10 +184,11 @@ def _tiny_qwen3(layers: int | None):
 
 
 def _tiny_moe(layers: int | None):
-    # The Qwen3.5/3.6 MoE layout at toy width: 3 Gated DeltaNet + 1 full attention layers, 4 experts, top 2.
+    # The Qwen3.5/3.6 MoE layout at toy width (a full-attention layer after every 3 Gated DeltaNet layers),
+    # 4 experts, top 2; 6 layers, so that 2 drafter layers tap two distinct ones.
     from transformers import Qwen3_5MoeTextConfig
 
-    n = layers or 4
+    n = layers or 6
     return Qwen3_5MoeTextConfig(
         vocab_size=1024, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -203,7 +204,7 @@ def _tiny_qwen3_moe(layers: int | None):
 
     return Qwen3MoeConfig(
         vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=layers or 4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_hidden_layers=layers or 6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     )
@@ -229,9 +230,9 @@ GEOMETRIES: dict[str, NamedGeometry] = {
                       drafter_layers=2, mask_token_id=5),
         NamedGeometry("tiny-qwen3", "toy dense Qwen3 target (6 layers, D 64) for CPU smoke runs", _tiny_qwen3,
                       drafter_layers=2, mask_token_id=5),
-        NamedGeometry("tiny-moe", "toy hybrid Qwen3.5-MoE target (4 layers, D 64, 4 experts, top 2) for CPU runs",
+        NamedGeometry("tiny-moe", "toy hybrid Qwen3.5-MoE target (6 layers, D 64, 4 experts, top 2) for CPU runs",
                       _tiny_moe, drafter_layers=2, mask_token_id=5),
-        NamedGeometry("tiny-qwen3-moe", "toy Qwen3-MoE target (4 layers, D 64, 4 experts, top 2) for CPU runs",
+        NamedGeometry("tiny-qwen3-moe", "toy Qwen3-MoE target (6 layers, D 64, 4 experts, top 2) for CPU runs",
                       _tiny_qwen3_moe, drafter_layers=2, mask_token_id=5),
     )
 }
