@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Protocol
@@ -35,7 +34,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from dflash_ds.target_model.model import DTYPES, TargetError, load_config
+from dflash_ds.target_model.model import DTYPES, TargetError, checkpoint_files, load_config
 from dflash_ds.target_model.moe import experts_modules, routed_sum
 
 
@@ -119,25 +118,6 @@ def parameters_on_meta():
         yield
     finally:
         nn.Module.register_parameter = register
-
-
-def checkpoint_files(path: str) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, for a local model directory or a hub id."""
-    root = Path(path)
-    if not root.is_dir():
-        from huggingface_hub import snapshot_download
-
-        root = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    single = root / "model.safetensors"
-    if not single.is_file():
-        raise TargetError(f"target.path {path!r} has no safetensors weights; convert the checkpoint to safetensors")
-    from safetensors import safe_open
-
-    with safe_open(str(single), "pt") as f:
-        return {k: single for k in f.keys()}
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -6,8 +6,8 @@ The Qwen3-MoE and Qwen3.5/3.6-MoE classes of transformers keep each layer's rout
 interface (`config._experts_implementation`: eager, grouped_mm, batched_mm, ...). `EXPERTS` registers
 one more implementation there, `grouped_experts_forward`:
 
-  - the (token, slot) pairs are sorted by expert once (`route`), so every expert's tokens are one
-    contiguous block;
+  - the (token, slot) pairs are sorted by expert once (`route`, no host synchronisation), so every
+    expert's tokens are one contiguous block;
   - gate_up is ONE grouped GEMM over all experts and down is another (`grouped_linear`:
     `torch._grouped_mm` on CUDA in bf16, an exact per-expert loop elsewhere, which is how CPU tests
     check it), with the SwiGLU and the routing weight applied in between (the weight commutes with
@@ -103,8 +103,10 @@ def route(top_k_index: torch.Tensor, num_experts: int, drops: bool = False) -> R
     costs one host synchronisation, which a plain (no-drop) forward never makes."""
     flat = top_k_index.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
-    offsets = counts.cumsum(0).to(torch.int32)
+    # scatter_add into a fixed size, not bincount: bincount sizes its output from the data (a host sync).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.clamp(max=num_experts), torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts[:num_experts].cumsum(0).to(torch.int32)
     kept = int(offsets[-1]) if drops else None
     return Routing(order if kept is None else order[:kept], offsets, kept)
 
