@@ -12,23 +12,9 @@
 #   bash scripts/gpu_moe_bench.sh OUT_DIR           one H200, under 8 minutes (BUDGET_S 450 s for the runs)
 #   bash scripts/gpu_moe_bench.sh OUT_DIR --cpu     the same runs at toy size on the CPU (a check of the script)
 # Writes OUT_DIR/<run>.json (the bench's JSON), .log, commands.txt and summary.json (every number above, the
-# plans' best splits and the issue's goals: >= 60,000 useful tok/s per GPU at MFU >= 0.45, bounded memory).
+# plans' best splits and the goals: >= 60,000 useful tok/s per GPU at MFU >= 0.45, bounded memory).
 set -u
-if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: bash scripts/gpu_moe_bench.sh OUT_DIR [--cpu]" >&2; exit 2
-fi
-OUT=$(realpath -m "$1"); shift
-MODE=gpu
-for a in "$@"; do
-  case $a in
-    --cpu) MODE=cpu ;;
-    *) echo "gpu_moe_bench.sh: unknown option $a (only --cpu)" >&2; exit 2 ;;
-  esac
-done
-cd "$(dirname "$0")/.." || exit 1
-. ./scripts/setup_env.sh
-mkdir -p "$OUT" || exit 1
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+. "$(dirname "$0")/gpu_script_args.sh" "$@"
 R=recipes/qwen36-35b-a3b.yaml
 if [ "$MODE" = gpu ]; then
   BASE=(--recipe "$R" --device cuda --geometry qwen3.6-35b-a3b)

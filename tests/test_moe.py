@@ -216,7 +216,8 @@ def test_expert_parallel_plan_names_the_groups_and_shrinks_the_target(moe_config
     from dflash_ds.resolve.plan import describe
 
     one = resolve(moe_config_dir, 3, "topology.targets_per_node=2", "optim.grad_accum=2")
-    two = resolve(moe_config_dir, 5, "topology.targets_per_node=4", "optim.grad_accum=4", "target.expert_parallel=2")
+    two = resolve(moe_config_dir, 5, "topology.targets_per_node=4", "optim.grad_accum=4", "target.expert_parallel=2",
+                  "eval.benchmarks=[]")
     assert two.layout.expert_groups() == [[1, 2], [3, 4]] and two.layout.expert_group_of(4) == [3, 4]
     assert "expert-parallel groups (each rank 1/2 of the experts): [[1, 2], [3, 4]]" in describe(two.plan, two.memory)
     assert two.memory["target"] < one.memory["target"]
@@ -229,11 +230,13 @@ def test_expert_parallel_plan_names_the_groups_and_shrinks_the_target(moe_config
      "must divide the target's 4 experts"),
     (["target.expert_parallel=2", "topology.targets_per_node=2"], 3,
      r"drafters_per_node\nx optim.grad_accum|x optim.grad_accum \(1 x 1\) a multiple"),
-    (["target.expert_parallel=2", "topology.targets_per_node=2", "optim.grad_accum=2",
+    (["target.expert_parallel=2", "topology.targets_per_node=2", "optim.grad_accum=2", "eval.benchmarks=[]",
       "target.experts_implementation=eager"], 3, "set target.experts_implementation=dflash_grouped"),
     (["target.experts_implementation=fast"], 2, "must be one of dflash_grouped, grouped_mm"),
     (["target.expert_parallel=2", "topology.colocated=true", "topology.targets_per_node=0"], 1,
      "topology.colocated runs one rank per GPU"),
+    (["target.expert_parallel=2", "topology.targets_per_node=2", "optim.grad_accum=2"], 3,
+     "set eval.benchmarks=\\[\\]"),
 ])
 def test_moe_recipe_errors_stop_before_launch(moe_config_dir, overrides, world, needle):
     from dflash_ds.config import RecipeError

@@ -53,6 +53,10 @@ def check_expert_parallel(recipe: Recipe, target_config, num_experts: int, layou
                           "must produce the same number of micro-batches per step: make topology.drafters_per_node "
                           f"x optim.grad_accum ({layout.drafters_per_node} x {recipe.optim.grad_accum}) a multiple "
                           f"of topology.targets_per_node ({tpn})")
+    if recipe.eval.at_end and recipe.eval.benchmarks:
+        raise RecipeError(f"eval.benchmarks runs the whole target in one process after training, but it is split over "
+                          f"target.expert_parallel {n} GPUs: set eval.benchmarks=[] and run python -m dflash_ds.eval "
+                          "on the export where the target fits (or with a smaller target)")
     if t.adapter:
         raise RecipeError(f"target.adapter cannot be merged into a target split over target.expert_parallel {n} "
                           "ranks: merge it first (PEFT merge_and_unload, save_pretrained) and point target.path at "

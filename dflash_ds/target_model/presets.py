@@ -28,47 +28,38 @@ def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
 
 
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+
+
+def _qwen35_text(n: int) -> dict:
+    # What the published Qwen3.5/3.6 text towers, dense and MoE, share.
+    return dict(vocab_size=248320, num_hidden_layers=n, head_dim=256, linear_num_key_heads=16,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                layer_types=_hybrid_layer_types(n), max_position_embeddings=262144, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, rope_parameters=dict(QWEN35_ROPE))
+
+
 def _qwen36_27b(layers: int | None):
     from transformers import Qwen3_5TextConfig
 
-    n = layers or 64
-    return Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=n,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        layer_types=_hybrid_layer_types(n),
-        max_position_embeddings=262144,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-    )
+    return Qwen3_5TextConfig(**_qwen35_text(layers or 64), hidden_size=5120, intermediate_size=17408,
+                             num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
+
+
+QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
+
+
+def _qwen3_text(n: int) -> dict:
+    # What the published Qwen3 models, dense and MoE, share.
+    return dict(vocab_size=151936, num_hidden_layers=n, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=dict(QWEN3_ROPE))
 
 
 def _qwen3_8b(layers: int | None):
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=layers or 36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
+    return Qwen3Config(**_qwen3_text(layers or 36), hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                       num_key_value_heads=8)
 
 
 def _qwen35_moe(layers: int | None, default_layers: int, **shape):
@@ -76,23 +67,7 @@ def _qwen35_moe(layers: int | None, default_layers: int, **shape):
     # mixture (softmax top-k, renormalised) plus one gated shared expert. Values from the published configs.
     from transformers import Qwen3_5MoeTextConfig
 
-    n = layers or default_layers
-    return Qwen3_5MoeTextConfig(
-        vocab_size=248320,
-        num_hidden_layers=n,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        layer_types=_hybrid_layer_types(n),
-        max_position_embeddings=262144,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-        **shape,
-    )
+    return Qwen3_5MoeTextConfig(**_qwen35_text(layers or default_layers), num_key_value_heads=2, **shape)
 
 
 def _qwen36_35b_a3b(layers: int | None):
@@ -120,94 +95,50 @@ def _qwen3_30b_a3b(layers: int | None):
     # The plain Qwen3-MoE family: full attention in every layer, 128 experts, no shared expert.
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=layers or 48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
+    return Qwen3MoeConfig(**_qwen3_text(layers or 48), hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True)
+
+
+def _toy_qwen35(n: int) -> dict:
+    # The hybrid layout of Qwen3.5/3.6 at toy width (the same classes run on CPU).
+    return dict(hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, layer_types=_hybrid_layer_types(n), max_position_embeddings=4096,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=dict(QWEN35_ROPE))
 
 
 def _tiny(layers: int | None):
-    # The hybrid layout of Qwen3.5/3.6 at toy width (the same classes run on CPU).
     from transformers import Qwen3_5TextConfig
 
-    n = layers or 8
-    return Qwen3_5TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=n,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        layer_types=_hybrid_layer_types(n),
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-    )
+    return Qwen3_5TextConfig(**_toy_qwen35(layers or 8), vocab_size=512, intermediate_size=128, head_dim=32)
+
+
+def _toy_qwen3(n: int) -> dict:
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters=dict(QWEN3_ROPE))
 
 
 def _tiny_qwen3(layers: int | None):
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers or 6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
+    return Qwen3Config(**_toy_qwen3(layers or 6), vocab_size=512)
 
 
 def _tiny_moe(layers: int | None):
-    # The Qwen3.5/3.6 MoE layout at toy width (a full-attention layer after every 3 Gated DeltaNet layers),
     # 4 experts, top 2; 6 layers, so that 2 drafter layers tap two distinct ones.
     from transformers import Qwen3_5MoeTextConfig
 
-    n = layers or 6
-    return Qwen3_5MoeTextConfig(
-        vocab_size=1024, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=_hybrid_layer_types(n),
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-    )
+    return Qwen3_5MoeTextConfig(**_toy_qwen35(layers or 6), vocab_size=1024, head_dim=16, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
 
 def _tiny_qwen3_moe(layers: int | None):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=layers or 6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
+    return Qwen3MoeConfig(**_toy_qwen3(layers or 6), vocab_size=1024, moe_intermediate_size=32, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True)
 
 
 GEOMETRIES: dict[str, NamedGeometry] = {

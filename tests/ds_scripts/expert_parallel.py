@@ -76,12 +76,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--forwards", type=int, default=2)
     args = p.parse_args()
-    ctx = common.setup(args)
-    if ctx.is_drafter:
-        x = torch.randn(64, 64)
-        for _ in range(10):
-            x = torch.tanh(x @ x.T / 64)
-    common.run_one_group(ctx, run_target, busy="target")
+    common.targets_work(args, run_target)
 
 
 if __name__ == "__main__":
