@@ -763,8 +763,9 @@ def test_moe_target_taps_with_grouped_experts_match_eager(record):
     from dflash_ds.target_model.presets import target_config
 
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(target_config("qwen3.6-35b-a3b", layers=4), dtype=torch.bfloat16)
-    model = model.to("cuda").eval().requires_grad_(False)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(target_config("qwen3.6-35b-a3b", layers=4), dtype=torch.bfloat16)
+    model = model.eval().requires_grad_(False)
     ids = torch.randint(0, 248320, (2, 1024), device="cuda")
     outs = {}
     for impl in ("eager", moe.OWN):
