@@ -60,9 +60,9 @@ def target_counts(name: str) -> dict:
 def drafter_flops_per_token(cfg) -> float:
     from dflash_ds.bench.flops import drafter_step_flops
     from dflash_ds.config.sections import DrafterConfig
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.resolve.drafter import drafter_shape
 
-    shape = DrafterShape.from_target(cfg, DrafterConfig(num_layers=TAPS, mask_token_id=5))
+    shape = drafter_shape(cfg, DrafterConfig(num_layers=TAPS, mask_token_id=5))
     pairs = ANCHORS * BLOCK * (ROW // 2 // 4 + BLOCK)  # ~4 conversations a row: half of one before an anchor
     return drafter_step_flops(shape, ROW, ANCHORS * BLOCK, pairs)["total"] / ROW
 

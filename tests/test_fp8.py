@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.resolve.quantization import refusal
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.target_model import fp8
 from dflash_ds.target_model.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
@@ -47,7 +48,7 @@ def taps_of(model, ids, layers=(0, 1, 2, 3), doc_ids=None):
                       dtype=model.model.embed_tokens.weight.dtype)
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids) if doc_ids is None else None
     if doc_ids is not None:
-        from dflash_ds.data.packing import position_ids_from_doc_ids
+        from dflash_ds.model.blocks import position_ids_from_doc_ids
 
         positions = position_ids_from_doc_ids(doc_ids)
     forward_taps(model, cap, ids, positions, out, doc_ids=doc_ids)
@@ -276,15 +277,15 @@ def section(**kw):
 
 
 def test_refusals_name_the_setting():
-    assert fp8.refusal(section(), "cuda", "replica", False) is None
-    assert fp8.refusal(section(quantization="none"), "cpu", "zero3", False) is None
-    assert "run.device is cpu" in fp8.refusal(section(), "cpu", "replica", False)
-    assert "ZeRO-3" in fp8.refusal(section(), "cuda", "zero3", False)
-    assert "an FP8 checkpoint" in fp8.refusal(section(quantization="none"), "cuda", "zero3", True)
-    assert "target.dtype=bfloat16" in fp8.refusal(section(dtype="float32"), "cuda", "replica", False)
-    assert "target.adapter" in fp8.refusal(section(adapter="a"), "cuda", "replica", True)
-    assert fp8.refusal(section(adapter="a"), "cuda", "replica", False) is None  # merged in bf16, then quantized
-    for msg in (fp8.refusal(section(), "cpu", "replica", False), fp8.refusal(section(), "cuda", "zero3", False)):
+    assert refusal(section(), "cuda", "replica", False) is None
+    assert refusal(section(quantization="none"), "cpu", "zero3", False) is None
+    assert "run.device is cpu" in refusal(section(), "cpu", "replica", False)
+    assert "ZeRO-3" in refusal(section(), "cuda", "zero3", False)
+    assert "an FP8 checkpoint" in refusal(section(quantization="none"), "cuda", "zero3", True)
+    assert "target.dtype=bfloat16" in refusal(section(dtype="float32"), "cuda", "replica", False)
+    assert "target.adapter" in refusal(section(adapter="a"), "cuda", "replica", True)
+    assert refusal(section(adapter="a"), "cuda", "replica", False) is None  # merged in bf16, then quantized
+    for msg in (refusal(section(), "cpu", "replica", False), refusal(section(), "cuda", "zero3", False)):
         assert "\n" not in msg and "target." in msg
 
 
@@ -333,3 +334,23 @@ def test_dry_run_memory_counts_fp8_weights_at_one_byte():
     fp8_ = memory_estimate(q, plan, 10**9, t_params, hidden, vocab, 5)["target"]
     saved = (t_params - vocab * hidden) / 1024 ** 3
     assert abs((bf16 - fp8_) - saved) < 1e-6 and fp8_ < bf16
+
+
+def test_fp8_refusals_of_a_mixture_of_experts_target_name_the_setting():
+    from dflash_ds.resolve.quantization import check_quantization, experts_refusal
+    from dflash_ds.target_model.presets import target_config
+
+    moe = section(experts_implementation="dflash_grouped", expert_parallel=1)
+    assert experts_refusal(moe, False) is None
+    assert "set target.experts_implementation=dflash_grouped" in experts_refusal(
+        section(experts_implementation="grouped_mm", expert_parallel=1), False)
+    split = section(quantization="none", experts_implementation="dflash_grouped", expert_parallel=2)
+    assert experts_refusal(split, False) is None
+    assert "target.path is an FP8 checkpoint" in experts_refusal(split, True)
+    # Asked of the experts only when the target has them: the same stored FP8 config, dense and MoE.
+    stored = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    dense, sparse = target_config("tiny-qwen3"), target_config("tiny-qwen3-moe")
+    dense.quantization_config = sparse.quantization_config = stored
+    check_quantization(split, "cuda", "replica", dense)
+    with pytest.raises(RecipeError, match="target.expert_parallel 2 loads each rank's experts"):
+        check_quantization(split, "cuda", "replica", sparse)

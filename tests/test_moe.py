@@ -89,9 +89,9 @@ def test_dense_targets_have_no_experts():
 
 def test_drafter_of_35b_a3b_is_2048_wide_with_taps_over_40_layers():
     from dflash_ds.config.sections import DrafterConfig
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.resolve.drafter import drafter_shape
 
-    s = DrafterShape.from_target(target_config("qwen3.6-35b-a3b"), DrafterConfig(num_layers=5, mask_token_id=248070))
+    s = drafter_shape(target_config("qwen3.6-35b-a3b"), DrafterConfig(num_layers=5, mask_token_id=248070))
     assert s.hidden_size == 2048 and s.target_layer_ids == (1, 10, 19, 28, 37)
     assert (s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.intermediate_size) == (32, 4, 128, 6144)
     assert s.vocab_size == 248320
@@ -148,8 +148,19 @@ def test_unsupported_expert_layout_is_refused():
     model = tiny_moe()
     mod = moe.experts_modules(model)[0][1]
     mod.is_transposed = True
-    with pytest.raises(ValueError, match="target.experts_implementation=grouped_mm"):
+    with pytest.raises(ValueError, match="laid out otherwise: use transformers' grouped_mm"):
         moe.grouped_experts_forward(mod, *routed_inputs(mod))
+    with pytest.raises(ValueError, match="laid out otherwise"):
+        moe.use_experts(model, moe.OWN)  # at load, before any forward
+    # At the run's load the setting is named (the model code's message names none).
+    from types import SimpleNamespace
+
+    from dflash_ds.runtime.engines import quantized_replica
+    from dflash_ds.target_model.model import TargetError
+
+    recipe = SimpleNamespace(target=SimpleNamespace(experts_implementation=moe.OWN, quantization="none"))
+    with pytest.raises(TargetError, match="^target.experts_implementation: the dflash_grouped experts run"):
+        quantized_replica(recipe, model, {}, torch.device("cpu"))
 
 
 def test_fp8_experts_equal_a_per_token_reference():
@@ -255,15 +266,15 @@ def test_expert_parallel_on_a_dense_target_is_refused(tmp_path):
 
 def test_the_35b_a3b_recipe_fits_its_target():
     from dflash_ds.config import load_recipe
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.resolve.drafter import drafter_shape
     from dflash_ds.resolve.moe import check_moe
     from dflash_ds.resolve.run import check_world
 
     recipe = load_recipe("recipes/qwen36-35b-a3b.yaml")
     cfg = target_config("qwen3.6-35b-a3b")
-    shape = DrafterShape.from_target(cfg, recipe.drafter)
+    shape = drafter_shape(cfg, recipe.drafter)
     # The recipe's explicit drafter is the one derived from the target.
-    assert shape == DrafterShape.from_target(cfg, load_recipe("recipes/qwen36-35b-a3b.yaml", [
+    assert shape == drafter_shape(cfg, load_recipe("recipes/qwen36-35b-a3b.yaml", [
         "drafter.num_attention_heads=null", "drafter.num_key_value_heads=null", "drafter.head_dim=null",
         "drafter.intermediate_size=null"]).drafter)
     assert shape.hidden_size == 2048 and shape.target_layer_ids == (1, 10, 19, 28, 37)

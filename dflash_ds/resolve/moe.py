@@ -1,12 +1,11 @@
 """Pre-launch checks for mixture-of-experts targets: the experts implementation, expert parallelism
-against the topology, and the engines an MoE target cannot run under. Each failure is one line
-naming the setting and the fix."""
+against the topology, and the engines an MoE target cannot run under (what FP8 asks of the experts:
+resolve/quantization.py). Each failure is one line naming the setting and the fix."""
 
 from __future__ import annotations
 
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.resolve.topology import Layout
-from dflash_ds.target_model import fp8
 from dflash_ds.target_model.model import TargetShape
 from dflash_ds.target_model.moe import IMPLEMENTATIONS, OWN, moe_shape
 
@@ -30,15 +29,11 @@ def check_moe(recipe: Recipe, target_config, target_kind: str, layout: Layout) -
             f"all {shape.num_experts} experts of every layer for each forward, where a token uses "
             f"{shape.experts_per_token}; use ds_configs/target_replica.json, with target.expert_parallel=N for a "
             "target larger than one GPU")
-    if t.quantization == "fp8" and t.experts_implementation != OWN:
-        raise RecipeError(f"target.quantization: fp8 runs the routed experts through {OWN} only, but "
-                          f"target.experts_implementation is {t.experts_implementation}: set "
-                          f"target.experts_implementation={OWN}")
     if n > 1:
-        check_expert_parallel(recipe, target_config, shape.num_experts, layout)
+        check_expert_parallel(recipe, shape.num_experts, layout)
 
 
-def check_expert_parallel(recipe: Recipe, target_config, num_experts: int, layout: Layout) -> None:
+def check_expert_parallel(recipe: Recipe, num_experts: int, layout: Layout) -> None:
     t, n = recipe.target, recipe.target.expert_parallel
     if num_experts % n:
         raise RecipeError(f"target.expert_parallel {n} must divide the target's {num_experts} experts per layer")
@@ -61,14 +56,6 @@ def check_expert_parallel(recipe: Recipe, target_config, num_experts: int, layou
         raise RecipeError(f"target.adapter cannot be merged into a target split over target.expert_parallel {n} "
                           "ranks: merge it first (PEFT merge_and_unload, save_pretrained) and point target.path at "
                           "the merged model")
-    try:
-        stored_fp8 = fp8.checkpoint_fp8(target_config)
-    except fp8.QuantizationError as exc:
-        raise RecipeError(str(exc)) from None
-    if stored_fp8:
-        raise RecipeError(f"target.expert_parallel {n} loads each rank's experts from a bf16 checkpoint, but "
-                          "target.path is an FP8 checkpoint: point target.path at the bf16 one (with "
-                          "target.quantization: fp8 every rank quantizes its experts after loading)")
 
 
 def target_params(g: TargetShape, layers: int, expert_parallel: int = 1) -> int:

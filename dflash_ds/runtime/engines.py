@@ -148,7 +148,10 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, 
                                  adapter=t.adapter), kind
     fp8 = t.quantization == "fp8"
     if fp8:
-        fp8_target.check_device(device)
+        try:
+            fp8_target.check_device(device)
+        except fp8_target.QuantizationError as exc:
+            raise fp8_target.QuantizationError(f"target.quantization: fp8: {exc}; set target.quantization=none") from None
     if t.expert_parallel > 1:
         from dflash_ds.runtime.expert_group import GroupComm
         from dflash_ds.target_model.expert_parallel import load_expert_shard
@@ -169,9 +172,13 @@ def quantized_replica(recipe: Recipe, model: torch.nn.Module, cfg: dict, device:
     loaded in, so the FP8 weights are never cast."""
     from dflash_ds.target_model import fp8 as fp8_target
     from dflash_ds.target_model import moe
+    from dflash_ds.target_model.model import TargetError
 
     if moe.experts_modules(model):
-        moe.use_experts(model, recipe.target.experts_implementation)
+        try:
+            moe.use_experts(model, recipe.target.experts_implementation)
+        except ValueError as exc:
+            raise TargetError(f"target.experts_implementation: {exc}") from None
     if recipe.target.quantization != "fp8":
         return replica(model, cfg, device)
     model = model.to(device)

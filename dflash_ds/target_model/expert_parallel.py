@@ -56,7 +56,8 @@ class ExpertComm(Protocol):
 
 def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
     if num_experts % size:
-        raise TargetError(f"target.expert_parallel {size} must divide the target's {num_experts} experts per layer")
+        raise TargetError(f"{size} expert-parallel ranks cannot share the target's {num_experts} experts per layer "
+                          "evenly")
     per = num_experts // size
     return rank * per, (rank + 1) * per
 
@@ -169,7 +170,7 @@ class _ShardWriter:
             tensor = tensor[lo:hi]
         target = self._target(key)
         if tensor.shape != target.shape:
-            raise TargetError(f"target.path: checkpoint tensor {key} has shape {tuple(tensor.shape)}, the model "
+            raise TargetError(f"the checkpoint's tensor {key} has shape {tuple(tensor.shape)}, the model "
                               f"expects {tuple(target.shape)}")
         target.copy_(tensor)
 
@@ -178,7 +179,7 @@ class _ShardWriter:
         if missing and getattr(model.config, "tie_word_embeddings", False):
             missing = [n for n in missing if n != "lm_head.weight"]
         if missing:
-            raise TargetError(f"target.path: the checkpoint has no weights for {missing[0]} (and {len(missing) - 1} "
+            raise TargetError(f"the checkpoint has no weights for {missing[0]} (and {len(missing) - 1} "
                               "more); is it the model its config.json describes?")
         for name, tensor in self.filled.items():
             parent, _, attr = name.rpartition(".")

@@ -74,7 +74,11 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def use_experts(model: nn.Module, name: str) -> None:
     """Route every experts module of `model` through the implementation `name` (IMPLEMENTATIONS)."""
     if name not in IMPLEMENTATIONS:
-        raise ValueError(f"target.experts_implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {name!r}")
+        raise ValueError(f"unknown experts implementation {name!r}: one of {', '.join(IMPLEMENTATIONS)}")
+    if name == OWN:
+        # At load rather than in the first forward: a target laid out otherwise fails before any step.
+        for _, mod in experts_modules(model):
+            _check_layout(mod)
     register()
     model.set_experts_implementation(name)
 
@@ -176,9 +180,8 @@ def _check_layout(module: nn.Module) -> None:
     # forward implements the [E, 2I, D] / [E, D, I] SwiGLU layout of the Qwen MoE families.
     if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False) \
             or not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
-        raise ValueError(f"target.experts_implementation {OWN} runs SwiGLU experts stored as [E, 2I, D] and "
-                         f"[E, D, I] without bias; {type(module).__name__} is laid out otherwise: set "
-                         "target.experts_implementation=grouped_mm")
+        raise ValueError(f"the {OWN} experts run SwiGLU experts stored as [E, 2I, D] and [E, D, I] without bias; "
+                         f"{type(module).__name__} is laid out otherwise: use transformers' grouped_mm")
 
 
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
