@@ -11,6 +11,9 @@
 #   plan_bf16, plan_fp8   python -m dflash_ds.bench --role plan --from TARGET DRAFTER --gpus-per-node 8
 #   bash scripts/gpu_moe_bench.sh OUT_DIR           one H200, under 8 minutes (BUDGET_S 450 s for the runs)
 #   bash scripts/gpu_moe_bench.sh OUT_DIR --cpu     the same runs at toy size on the CPU (a check of the script)
+#   PARTS="experts_3072 experts_12288" bash scripts/gpu_moe_bench.sh OUT_DIR; PARTS="fp8_12288 drafter_12288" ...
+#                   some of the runs per call (each call adds to OUT_DIR; the plans and the summary cover what
+#                   OUT_DIR holds)
 # Writes OUT_DIR/<run>.json (the bench's JSON), .log, commands.txt and summary.json (every number above, the
 # plans' best splits and the goals: >= 60,000 useful tok/s per GPU at MFU >= 0.45, bounded memory).
 set -u
@@ -34,12 +37,17 @@ else
 fi
 ROWS=(${ROWS[@]+"${ROWS[@]}"} --lengths long)
 BUDGET_S=${BUDGET_S:-450}
+ALL="experts_3072 experts_12288 fp8_12288 drafter_12288"
+for p in ${PARTS:-}; do
+  case " $ALL " in *" $p "*) ;; *) echo "PARTS: some of $ALL, not $p" >&2; exit 2 ;; esac
+done
 START=$(date +%s)
-rm -f "$OUT/commands.txt"
+[ -n "${PARTS:-}" ] || rm -f "$OUT/commands.txt"
 status=0
 
 bench() {  # CAP NAME ARGS...: one bench run within CAP s and what is left of the budget; a failure is recorded
   local cap=$1 name=$2; shift 2
+  case " ${PARTS:-$ALL} " in *" $name "*) ;; *) return ;; esac
   local left=$(( BUDGET_S - ($(date +%s) - START) ))
   rm -f "$OUT/$name.json"
   if [ "$left" -lt 30 ]; then echo "  $name skipped: ${left} s of the ${BUDGET_S} s budget left"; status=1; return; fi

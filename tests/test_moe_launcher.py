@@ -66,7 +66,8 @@ def test_gpu_moe_bench_script_refuses_bad_usage():
 
     from .launch_util import ROOT, cpu_env
 
-    for args, needle in (([], "usage"), (["/tmp/x", "--gpus=2"], "unknown option --gpus=2")):
-        bad = subprocess.run(["bash", "scripts/gpu_moe_bench.sh", *args], cwd=ROOT, env=cpu_env(),
+    for args, parts, needle in (([], "", "usage"), (["/tmp/x", "--gpus=2"], "", "unknown option --gpus=2"),
+                                (["/tmp/x"], "experts_3072 fp8", "PARTS: some of experts_3072 experts_12288")):
+        bad = subprocess.run(["bash", "scripts/gpu_moe_bench.sh", *args], cwd=ROOT, env={**cpu_env(), "PARTS": parts},
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and needle in bad.stderr
