@@ -37,8 +37,7 @@ def default_gamma(block_size: int) -> float:
     nearest segment (B=2 -> 1, B=12 -> 5.67, B=32 -> 12.33), so gamma keeps growing with the
     block size as the paper's choices do and the last slots keep a usable weight.
     """
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    assert block_size >= 2, block_size  # DrafterShape refuses smaller blocks; this is a caller's bug
     pts = _GAMMA_POINTS
     if block_size <= pts[1][0]:
         (x0, y0), (x1, y1) = pts[0], pts[1]
