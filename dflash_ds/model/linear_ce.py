@@ -14,7 +14,7 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from dflash_ds.model.compile import compile_once
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 from dflash_ds.model.top_k import block_top_k
 
-__all__ = ["ChunkPlan", "KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
+__all__ = ["ChunkPlan", "HeadGemms", "KLTerm", "linear_cross_entropy", "linear_cross_entropy_kl", "linear_cross_entropy_top_k"]
 
 
 class KLTerm(NamedTuple):
@@ -39,6 +39,17 @@ class KLTerm(NamedTuple):
     target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+class HeadGemms(Protocol):
+    """The two lm_head matmuls of a chunk computed some other way than `torch.mm` with the weight
+    (target_model/fp8_head.Fp8Head: FP8), for a frozen weight W [V, D]."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, D] -> hidden @ W.T [n, V]."""
+
+    def input_grad(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] -> grad_logits @ W [n, D]."""
+
+
 class ChunkPlan(NamedTuple):
     """How `linear_cross_entropy_top_k` projects the rows (a plain `(num_chunks, top_k)` tuple works too)."""
 
@@ -48,6 +59,9 @@ class ChunkPlan(NamedTuple):
     """> 0: also return each row's top-k token ids and raw logits."""
     transform: LogitTransform = IDENTITY
     """The target's logit scaling / softcap (model/logit_transform.py), applied before the softmax."""
+    head: HeadGemms | None = None
+    """The drafter's logits and their input gradient through these instead of `torch.mm` with the
+    weight (which then gets no gradient); the KL term's target logits stay `torch.mm`."""
 
 
 class _Settings(NamedTuple):
@@ -60,6 +74,7 @@ class _Settings(NamedTuple):
     kl: KLTerm | None
     top_k: int = 0  # > 0: also return each row's top_k token ids and raw logits, taken from the chunk's logits
     transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
+    head: HeadGemms | None = None  # ChunkPlan.head
 
 
 def _ce_stats(logits, labels, weights, transform):
@@ -131,7 +146,7 @@ def _elementwise(fn, device: torch.device):
 def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
     """The whole computation; the gradients are those of loss = sum(w * (CE + kl_weight * T^2 *
     KL)) / normaliser, the KL term's target states [n, D] being those of the same rows."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform = settings
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, head = settings
     target = kl_term.target_hidden if kl_term is not None else None
     kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
     n, d = hidden.shape
@@ -170,7 +185,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
             sc = F.pad(sc, (0, pad)) if want_grad else None
             tc = F.pad(tc, (0, 0, 0, pad)) if kl else None
-        logits = torch.mm(hc, weight.t())
+        logits = torch.mm(hc, weight.t()) if head is None else head.logits(hc)
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
         if kl:
@@ -190,8 +205,10 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings):
         del logits
         ce_total = ce_total + ce
         hits.append(hit)
-        if grad_hidden:
+        if grad_hidden and head is None:
             torch.mm(g_logits, weight, out=g_hidden[i * size:(i + 1) * size])
+        elif grad_hidden:
+            g_hidden[i * size:(i + 1) * size] = head.input_grad(g_logits)
         if grad_weight:
             # Accumulates in the weight's dtype, as autograd would across chunks.
             g_weight.addmm_(g_logits.t(), hc)
@@ -289,13 +306,13 @@ def linear_cross_entropy_top_k(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear_cross_entropy_kl` that also returns each row's top-k token ids `[n, k]` (int64, best
     first) and their raw logits `[n, k]` (the logits' dtype, detached), taken from the logits each
-    chunk computes anyway (`model.top_k.block_top_k`): `plan` = ChunkPlan(num_chunks, k, transform),
+    chunk computes anyway (`model.top_k.block_top_k`): `plan` = ChunkPlan(num_chunks, k, transform, head),
     k = 0 for none (`[n, 0]` tensors). Returns (loss, ce_sum, correct, kl_sum, top_k_ids, top_k_logits).
 
     `plan.transform`: the target's logit scaling / softcap (model/logit_transform.py), applied to the
     drafter's logits (and the target's, for the KL term) before the softmax; the top-k logits are
     the raw ones (the transform is monotonic, so the ids are the same)."""
-    num_chunks, top_k, transform = ChunkPlan(*plan)
+    num_chunks, top_k, transform, head = ChunkPlan(*plan)
     if not 0 <= top_k <= weight.shape[0]:
         raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
     if num_chunks < 1:
@@ -317,7 +334,9 @@ def linear_cross_entropy_top_k(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
-    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform)
+    if head is not None and grad_weight:
+        raise ValueError("plan.head computes the lm_head matmuls of a frozen weight, but the weight requires grad")
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, head)
     if not (grad_hidden or grad_weight):
         ce_total, correct, _, _, kl_total, top = _run(hidden.detach(), weight.detach(), labels, weights, normaliser,
                                                       settings)

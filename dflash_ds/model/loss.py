@@ -148,7 +148,8 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
                     slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
     head = model.drafter.candidate_selector
     options = LossOptions(settings.loss_chunks, settings.block_size, checkpoint=True, fused=settings.fused_loss,
-                          top_k=head.top_k if head is not None else 0, logits=settings.shape.logit_transform)
+                          top_k=head.top_k if head is not None else 0, logits=settings.shape.logit_transform,
+                          head=model.loss_head)
     out = chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, options, kl)
     if head is None:
         return out

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dflash_ds.model.linear_ce import ChunkPlan, KLTerm, linear_cross_entropy_top_k
+from dflash_ds.model.linear_ce import ChunkPlan, HeadGemms, KLTerm, linear_cross_entropy_top_k
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.top_k import block_top_k
 
@@ -227,6 +227,9 @@ class LossOptions:
     logits: LogitTransform = IDENTITY
     """The target's scaling / softcap of its logits (model/logit_transform.py), applied to the drafter's
     logits (and the target's, for the KL term) before the softmax."""
+    head: HeadGemms | None = None
+    """The fused loss's two lm_head matmuls through this (linear_ce.ChunkPlan.head: the FP8 lm_head);
+    None: `torch.mm` with the weight. Fused only."""
 
 
 def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -335,6 +338,8 @@ def chunked_loss(
         raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
     if options.fused:
         return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options, kl)
+    if options.head is not None:
+        raise ValueError("LossOptions.head replaces the fused loss's lm_head matmuls; set objective.fused_loss=true")
     if kl_weight > 0 and target_logits_fn is None:
         flat_target = target_hidden.detach().reshape(b * q, d)
 
@@ -404,9 +409,9 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: Lo
     if kl_weight > 0:
         t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
         rows_kl = KLTerm(kl_weight, kl.temperature, t)
+    plan = ChunkPlan(options.num_chunks, options.top_k, options.logits, options.head)
     loss, ce_sum, hit, kl_sum, top, top_logits = linear_cross_entropy_top_k(
-        h, lm_head_weight, lab, w.reshape(-1), normaliser, ChunkPlan(options.num_chunks, options.top_k, options.logits),
-        rows_kl)
+        h, lm_head_weight, lab, w.reshape(-1), normaliser, plan, rows_kl)
     correct = hit.view(units, per_unit)
     if block_size is not None:
         correct = torch.cat([correct.new_zeros(units, 1), correct], dim=1)

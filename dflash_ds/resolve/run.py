@@ -20,6 +20,7 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.loss import StepSettings
 from dflash_ds.model.shape import COMPARED, DrafterShape
+from dflash_ds.resolve import drafter_fp8
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.payload import PayloadLayout
@@ -98,6 +99,9 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         raise RecipeError(refused)
     geo = target_geometry(tcfg)
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+    refused = drafter_fp8.check(recipe.drafter.fp8, device, dcfg)
+    if refused:
+        raise RecipeError(refused)
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
