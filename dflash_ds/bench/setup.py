@@ -99,6 +99,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     output directory are overridden for a single-rank colocated layout, the one every role fits.
     """
     from dflash_ds.config import load_recipe
+    from dflash_ds.resolve import drafter_fp8
     from dflash_ds.resolve.run import payload_layout, plan_and_memory
     from dflash_ds.target_model.model import DTYPES, load_config, target_geometry, text_config
     from dflash_ds.target_model.presets import get_geometry, target_config
@@ -155,6 +156,10 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+    if args.role in ("drafter", "colocated"):
+        refused = drafter_fp8.check(recipe.drafter.fp8, device, dcfg)
+        if refused:
+            raise ValueError(refused)
     o = recipe.optim
     geo = target_geometry(tcfg)
     plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)
