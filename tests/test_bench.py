@@ -237,6 +237,8 @@ def check_timed(r: dict, tokens_per_step: int) -> None:
     assert len(r["step_s"]["all"]) == STEPS and all(t > 0 for t in r["step_s"]["all"])
     assert r["tokens_per_step"] == tokens_per_step
     assert r["tok_s"] == pytest.approx(tokens_per_step * STEPS / r["timed_s"])
+    assert r["tok_s_median"] == pytest.approx(tokens_per_step / r["step_s"]["median"])
+    assert r["steadiness"]["steady"] is None  # 2 timed steps: too few to tell
     assert r["first_step_s"] > 0 and r["first_step_since_build_s"] >= r["first_step_s"]
     assert r["first_step_since_process_start_s"] >= r["first_step_since_build_s"]
     assert r["compile"]["timed"]["unique_graphs"] == 0  # nothing compiled on CPU

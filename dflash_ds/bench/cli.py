@@ -284,6 +284,13 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     setup = resolve_setup(args, device)
+    if args.fp8_modes:
+        from .fp8_modes import check_modes, parse_modes
+
+        if args.role not in ("drafter", "quality"):
+            raise ValueError(f"--fp8-modes applies to --role drafter and --role quality, not {args.role}")
+
+        check_modes(setup, parse_modes(args.fp8_modes))  # before anything is built
     ceiling = matmul_ceiling(device)
     if args.role == "target":
         result = run_target(setup, ceiling)
@@ -295,6 +302,10 @@ def run(args: argparse.Namespace) -> dict:
         from .fp8_quality import run_quality
 
         result = run_quality(setup, ceiling)
+    elif args.role == "drafter" and args.fp8_modes:
+        from .fp8_modes import run_drafter_modes
+
+        result = run_drafter_modes(setup, ceiling)
     elif args.role in ("drafter", "colocated"):
         result = run_drafter(setup, ceiling, colocated=args.role == "colocated")
     else:

@@ -106,6 +106,17 @@ def allocated_gib(device: torch.device) -> float:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
+def run_drafter_modes(setup: Setup, ceiling: dict) -> dict:
+    """The drafter role's synthetic payloads, reused by every mode of --fp8-modes (time_modes)."""
+    from .roles import SyntheticSource, payload_count, synthetic_payloads
+    from .setup import init_single_process, setup_rows
+
+    group = init_single_process(setup.device)
+    rows = setup_rows(setup, payload_count(setup) * setup.payload.rows)
+    payloads = synthetic_payloads(setup, payload_count(setup), rows)
+    return time_modes(setup, ceiling, group, lambda: SyntheticSource(payloads), rows["doc_ids"])
+
+
 def time_modes(setup: Setup, ceiling: dict, group, source_factory, row_doc_ids) -> dict:
     """Every mode of --fp8-modes timed as the drafter role times one; `source_factory()` gives a
     fresh payload source per mode."""

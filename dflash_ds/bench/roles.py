@@ -172,14 +172,6 @@ def run_target(setup: Setup, ceiling: dict) -> dict:
 def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
     group = init_single_process(setup.device)
     a = setup.args
-    if getattr(a, "fp8_modes", None):
-        if colocated:
-            raise ValueError("--fp8-modes times the drafter role's modes; use --role drafter")
-        from .fp8_modes import time_modes
-
-        rows = setup_rows(setup, payload_count(setup) * setup.payload.rows)
-        payloads = synthetic_payloads(setup, payload_count(setup), rows)
-        return time_modes(setup, ceiling, group, lambda: SyntheticSource(payloads), rows["doc_ids"])
     t_build = time.perf_counter()
     draft_model, engine, ds_cfg = build_drafter_side(setup, group)
     drafter = draft_model.drafter
