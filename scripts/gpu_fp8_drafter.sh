@@ -1,9 +1,11 @@
 #!/bin/bash
 # The drafter in FP8 (drafter.fp8) on one GPU, in one call: the lm_head A/B, the speed of every mode beside
 # bf16 at the recipe's rows, and the loss of every mode trained from the same initialisation. Under 9
-# minutes on one H200 (BUDGET seconds for the three parts, 500 by default; each part gets at most what is
-# left, the quality runs keep the steps they finished).
+# minutes on one H200: BUDGET seconds for the parts (510 by default), each capped by what is left; a speed
+# or quality run cut short keeps the modes and steps it finished, and the summary reads whatever is in OUT.
 #   bash scripts/gpu_fp8_drafter.sh OUT
+#   PARTS="quality" bash scripts/gpu_fp8_drafter.sh OUT     only some parts (lm_head speed quality), into the
+#                                                            same OUT (e.g. a second call for what did not fit)
 # Needs the project's dependencies (PYTHONPATH is set to the repository) and torchao; fla for the target's
 # Gated DeltaNet layers in the quality runs. The drafter everywhere is recipes/qwen27b.yaml's (5 layers,
 # width 5,120, 32 heads of 128, 8 KV heads, MLP 17,408, [sliding x 4, full] window 2,048, block 16) with the
@@ -34,7 +36,8 @@ mkdir -p "$OUT" || exit 1
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   WANDB_MODE=disabled
-BUDGET=${BUDGET:-500}
+BUDGET=${BUDGET:-510}
+PARTS=${PARTS:-lm_head speed quality}
 TARGET_RATE=${TARGET_RATE:-17183}
 Q_STEPS=${Q_STEPS:-300}
 Q_SEQ=${Q_SEQ:-1024}
@@ -55,17 +58,21 @@ part() {  # name, at most seconds, bench args...
 
 "$PYTHON" -c "import torchao" 2>/dev/null || { echo "torchao is not importable: pip install 'dflash-ds[fp8]'" >&2; exit 2; }
 
-part lm_head 100 --role lm_head --device cuda "${HEADS[@]}" --warmup 3 --steps 20
-part speed 230 --role drafter --device cuda --compile-layers "${HEADS[@]}" --warmup 2 --steps 8 \
+wants() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+wants lm_head && part lm_head 90 --role lm_head --device cuda "${HEADS[@]}" --warmup 3 --steps 20
+wants speed && part speed 270 --role drafter --device cuda --compile-layers "${HEADS[@]}" --warmup 2 --steps 6 \
   --fp8-modes bf16,rowwise,tensorwise,rowwise+lm_head
-if [ -f "$OUT/speed.json" ]; then
+if wants speed && [ -f "$OUT/speed.json" ]; then
   "$PYTHON" -m dflash_ds.bench --role plan --from "$OUT/speed.json" --target-rate "$TARGET_RATE" --gpus-per-node 8 \
     --out "$OUT/plan.json" > "$OUT/plan.log" 2>&1 || status=1
 fi
 
 # Quality: both processes share the GPU (about 50 GB each); what is left of the budget, less the summary's.
 limit=$(( $(left) - 10 ))
-if [ "$limit" -le 60 ]; then
+if ! wants quality; then
+  :
+elif [ "$limit" -le 60 ]; then
   echo "quality not started: ${limit} s left of the ${BUDGET} s budget" >&2; status=1
 else
   Q=(--role quality --device cuda --compile-layers "${HEADS[@]}" --layers "$Q_LAYERS" --seq-len "$Q_SEQ"
@@ -111,7 +118,7 @@ if ab:
 speed = read("speed")
 if speed:
     lines.append(f"drafter step at {speed['args']['seq_len']}-token rows, {speed['args']['anchors']} anchors "
-                 f"({speed['env'].get('device_name')}):")
+                 f"({speed.get('env', {}).get('device_name')})" + (", cut short" if speed.get("partial") else "") + ":")
     for name, m in speed["result"]["fp8_modes"].items():
         st = m.get("steadiness") or {}
         lines.append(f"  {name:<22} {m['tok_s']:,.0f} tok/s (median step {m['tok_s_median']:,.0f}) = "

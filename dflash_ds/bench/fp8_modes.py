@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -150,12 +152,19 @@ def time_modes(setup: Setup, ceiling: dict, group, source_factory, row_doc_ids) 
                                                    "allocated_before_gib", "first_step_s")}
         del model, step
         release(engine)
-    first = table[modes[0].name]
-    for row in table.values():
-        row["vs_first"] = row["tok_s"] / first["tok_s"]
-        row["vs_first_median"] = row["tok_s_median"] / first["tok_s_median"]
-    result["fp8_modes"] = table
+        _ratios(table, modes[0].name)
+        result["fp8_modes"] = table
+        if a.out:  # the modes timed so far survive a run cut short
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps({"role": "drafter", "partial": True, "args": vars(a), "result": result},
+                                              default=str) + "\n")
     return result
+
+
+def _ratios(table: dict, first: str) -> None:
+    for row in table.values():
+        row["vs_first"] = row["tok_s"] / table[first]["tok_s"]
+        row["vs_first_median"] = row["tok_s_median"] / table[first]["tok_s_median"]
 
 
 def float8_layers(drafter, mode: Mode) -> int:
