@@ -5,11 +5,7 @@ FP8 drafters are refused on CPU (no FP8 matmul); the smoke runs of the FP8 modes
 the test's own process (tests/fp8_cpu_bench.py), so the same code runs as on a GPU: torchao's float8
 layers under the ZeRO-2 engine, and the FP8 lm_head through its CPU emulation."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +14,7 @@ from dflash_ds import bench
 from dflash_ds.bench.fp8_modes import Mode, parse_mode, parse_modes, with_mode
 from dflash_ds.bench.fp8_quality import summarize, summary_text
 from dflash_ds.bench.timing import drift_warnings, steadiness
+from tests.test_bench import run_concurrently
 
 REPO = Path(__file__).resolve().parent.parent
 TOY = ["--device", "cpu", "--geometry", "tiny", "--seq-len", "64", "--rows", "2", "--anchors", "8", "--block-size", "4",
@@ -94,25 +91,14 @@ def test_fp8_modes_are_refused_on_cpu_before_anything_is_built(capsys):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_fp8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    jobs = {
+    return run_concurrently({
         "modes": [str(REPO / "tests" / "fp8_cpu_bench.py"), "--role", "drafter", *TOY, "--compile-layers",
                   "--fp8-modes", "bf16,rowwise,tensorwise+lm_head"],
         "lm_head": ["-m", "dflash_ds.bench", "--role", "lm_head", *TOY],
         "quality": ["-m", "dflash_ds.bench", "--role", "quality", "--device", "cpu", "--recipe", "recipes/tiny.yaml",
                     "--seq-len", "256", "--rows", "1", "--anchors", "16", "--block-size", "4", "--steps", "12",
                     "--fp8-modes", "bf16,bf16@1"],
-    }
-    procs = {k: subprocess.Popen([sys.executable, *cmd, "--out", str(out / f"{k}.json")], cwd=REPO, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k, cmd in jobs.items()}
-    results = {}
-    for k, p in procs.items():
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, f"{k} failed:\n{log[-4000:]}"
-        results[k] = json.loads((out / f"{k}.json").read_text())
-        results[k]["log"] = log
-    return results
+    }, tmp_path_factory.mktemp("bench_fp8"), 300)
 
 
 @pytest.mark.launcher
