@@ -3,7 +3,10 @@
 # system's packages, so a preinstalled CUDA torch is reused) and installs the project into it.
 _dflash_root=$(cd "$(dirname "$0")" && git rev-parse --show-toplevel 2>/dev/null || pwd)
 _dflash_ok() { "$1" -c "import dflash_ds, torch, deepspeed, transformers, datasets, yaml, safetensors" >/dev/null 2>&1; }
-if [ -x "$_dflash_root/.venv/bin/python" ] && _dflash_ok "$_dflash_root/.venv/bin/python"; then
+# DFLASH_PYTHON names the interpreter outright (tests substitute one; a user may pin one).
+if [ -n "${DFLASH_PYTHON:-}" ] && _dflash_ok "$DFLASH_PYTHON"; then
+  PYTHON="$DFLASH_PYTHON"
+elif [ -x "$_dflash_root/.venv/bin/python" ] && _dflash_ok "$_dflash_root/.venv/bin/python"; then
   PYTHON="$_dflash_root/.venv/bin/python"
 elif [ -z "${DFLASH_FORCE_VENV:-}" ] && _dflash_ok python3 && python3 -c "import pytest" >/dev/null 2>&1; then
   PYTHON=python3

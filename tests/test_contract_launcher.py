@@ -52,6 +52,8 @@ def test_launch_sh_starts_nothing_when_its_pre_launch_step_crashes(tmp_path):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = cpu_env()
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    # Named outright: with a .venv in the checkout, scripts/setup_env.sh would otherwise pick .venv/bin/python.
+    env["DFLASH_PYTHON"] = str(fake)
     p = launch_sh([TINY, f"run.output_dir={tmp_path / 'run'}"], env=env)
     assert p.returncode == 1, output(p)
     text = output(p)
