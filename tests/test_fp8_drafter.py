@@ -130,19 +130,21 @@ def test_float8_layers_train_close_to_the_high_precision_drafter(recipe):
     mb, bl = micro_batch(ref)
     mb.taps = mb.taps.float()
 
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, bl.block_ids.shape[1], D, generator=gen)
+    probe = torch.randn(x.shape, generator=gen)  # a fixed cotangent: the normed output's mean square has none
+
     def run(model):
         model.zero_grad()
-        ctx = model.fuse(mb.taps)
-        x = torch.randn(1, bl.block_ids.shape[1], D, generator=torch.Generator().manual_seed(1))
-        out = model(x, ctx, bl.block_positions, bl.ctx_positions, bl.mask)
-        out.pow(2).mean().backward()
+        out = model(x, model.fuse(mb.taps), bl.block_positions, bl.ctx_positions, bl.mask)
+        (out * probe).sum().backward()
         return out.detach(), model.layers[0].mlp.down_proj.weight.grad.clone(), model.fc.weight.grad.clone()
 
     (o_ref, g_ref, fc_ref), (o, g, fc) = run(ref), run(m)
     # FP8 numerics: percent-level, not bit-level, differences in what the layers compute (so the float8
     # path really ran); the output is mostly the residual input, so it moves less.
     assert 1e-4 < rel(o, o_ref) < 0.02
-    assert 1e-2 < rel(g, g_ref) < 0.25 and rel(fc, fc_ref) < 0.25
+    assert 1e-2 < rel(g, g_ref) < 0.15 and rel(fc, fc_ref) < 0.15
 
 
 # ------------------------------------------------------------------------------ the lm_head in FP8
