@@ -6,6 +6,7 @@
 #   bash scripts/gpu_fp8_drafter.sh OUT
 #   PARTS="quality" bash scripts/gpu_fp8_drafter.sh OUT     only some parts (lm_head speed quality), into the
 #                                                            same OUT (e.g. a second call for what did not fit)
+#   PARTS="checks" bash scripts/gpu_fp8_drafter.sh OUT      the GPU-tier FP8 drafter tests alone (not in the default)
 # Needs the project's dependencies (PYTHONPATH is set to the repository) and torchao; fla for the target's
 # Gated DeltaNet layers in the quality runs. The drafter everywhere is recipes/qwen27b.yaml's (5 layers,
 # width 5,120, 32 heads of 128, 8 KV heads, MLP 17,408, [sliding x 4, full] window 2,048, block 16) with the
@@ -25,6 +26,7 @@
 #                       geometry's random target cut to Q_LAYERS layers (8: taps 1-5)
 #   quality.json, quality.txt   the curves side by side, the final losses and their differences from bf16 in
 #                       units of the seed-to-seed noise
+#   gpu_checks_fp8_drafter.json/.log   PARTS=checks: pytest -m gpu -k fp8_drafter tests/test_gpu.py, its numbers
 #   summary.txt         the headline lines of every part
 set -u
 if [ $# -ne 1 ] || [ "${1#-}" != "$1" ]; then
@@ -60,6 +62,11 @@ part() {  # name, at most seconds, bench args...
 
 wants() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
+if wants checks; then
+  DFLASH_GPU_RECORD="$OUT/gpu_checks_fp8_drafter.json" timeout "$(left)" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    -m gpu -k fp8_drafter tests/test_gpu.py > "$OUT/gpu_checks_fp8_drafter.log" 2>&1 || status=1
+  tail -3 "$OUT/gpu_checks_fp8_drafter.log"
+fi
 wants lm_head && part lm_head 90 --role lm_head --device cuda "${HEADS[@]}" --warmup 3 --steps 20
 wants speed && part speed 270 --role drafter --device cuda --compile-layers "${HEADS[@]}" --warmup 2 --steps 6 \
   --fp8-modes bf16,rowwise,tensorwise,rowwise+lm_head
