@@ -409,7 +409,7 @@ def _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options: Lo
     if kl_weight > 0:
         t = _units(kl.target_hidden, b, q, block_size).reshape(units * per_unit, d)
         rows_kl = KLTerm(kl_weight, kl.temperature, t)
-    plan = ChunkPlan(options.num_chunks, options.top_k, options.logits, options.head)
+    plan = ChunkPlan(options.num_chunks, options.top_k, options.logits, head=options.head)
     loss, ce_sum, hit, kl_sum, top, top_logits = linear_cross_entropy_top_k(
         h, lm_head_weight, lab, w.reshape(-1), normaliser, plan, rows_kl)
     correct = hit.view(units, per_unit)
