@@ -145,12 +145,14 @@ def time_modes(setup: Setup, ceiling: dict, group, source_factory, row_doc_ids) 
         record_rates(result, setup.plan.grad_accum * setup.payload.rows * a.seq_len, counted["per_step"]["total"],
                      ceiling)
         add_useful(result, row_doc_ids)
-        result.update(fp8_layers=float8_layers(model.drafter, mode), lm_head_fp8=model.loss_head is not None,
+        head = model.loss_head
+        result.update(fp8_layers=float8_layers(model.drafter, mode), lm_head_fp8=head is not None,
+                      lm_head_fp8_gib=head.nbytes() / 2**30 if head is not None else 0.0,
                       allocated_before_gib=before, drafter_flops=counted)
         table[mode.name] = {k: result[k] for k in ("tok_s", "tok_s_median", "step_s", "steadiness", "memory",
-                                                   "compile", "mfu", "fp8_layers", "lm_head_fp8",
+                                                   "compile", "mfu", "fp8_layers", "lm_head_fp8", "lm_head_fp8_gib",
                                                    "allocated_before_gib", "first_step_s")}
-        del model, step
+        del model, step, head
         release(engine)
         _ratios(table, modes[0].name)
         result["fp8_modes"] = table

@@ -58,7 +58,8 @@ def quality_setup(setup: Setup) -> tuple[Setup, dict]:
 
 
 def train_mode(setup: Setup, group, worker, matrices, out: dict) -> None:
-    """One mode's --steps steps into `out` (its curves, filled as they come)."""
+    """One mode's --steps steps into `out` (its curves), yielding after every SAVE_EVERY steps (the
+    caller writes what there is); its engine is freed at the end."""
     from dflash_ds.runtime.trainer import LocalSource
 
     from .fp8_modes import allocated_gib, release
