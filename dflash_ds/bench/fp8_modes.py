@@ -96,9 +96,9 @@ def allow_recompiles() -> None:
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
 
 
-def release(engine) -> None:
-    """Free a mode's engine (its hooks, optimizer states and flat buffers) before the next is built."""
-    engine.destroy()
+def free_memory() -> None:
+    """After a mode's engine is destroyed and every reference to it dropped: collect its reference
+    cycles (hooks), so its optimizer states and flat buffers are gone before the next mode is built."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -152,8 +152,9 @@ def time_modes(setup: Setup, ceiling: dict, group, source_factory, row_doc_ids) 
         table[mode.name] = {k: result[k] for k in ("tok_s", "tok_s_median", "step_s", "steadiness", "memory",
                                                    "compile", "mfu", "fp8_layers", "lm_head_fp8", "lm_head_fp8_gib",
                                                    "allocated_before_gib", "first_step_s")}
-        del model, step, head
-        release(engine)
+        engine.destroy()
+        del model, step, head, engine
+        free_memory()
         _ratios(table, modes[0].name)
         result["fp8_modes"] = table
         if a.out:  # the modes timed so far survive a run cut short

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -57,12 +58,12 @@ def quality_setup(setup: Setup) -> tuple[Setup, dict]:
     return dataclasses.replace(setup, run=run), rows
 
 
-def train_mode(setup: Setup, group, worker, matrices, out: dict) -> None:
+def train_mode(setup: Setup, group, worker, matrices, out: dict) -> Iterator[None]:
     """One mode's --steps steps into `out` (its curves), yielding after every SAVE_EVERY steps (the
     caller writes what there is); its engine is freed at the end."""
     from dflash_ds.runtime.trainer import LocalSource
 
-    from .fp8_modes import allocated_gib, release
+    from .fp8_modes import allocated_gib, free_memory
     from .roles import build_drafter, drafter_step
 
     model, engine, _ = build_drafter(setup, group, matrices, setup.args.seed)
@@ -83,9 +84,10 @@ def train_mode(setup: Setup, group, worker, matrices, out: dict) -> None:
             yield
     synchronize(setup.device)
     out["peak_gib"] = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else 0.0
-    out["allocated_after_gib"] = allocated_gib(setup.device)
-    del model, step
-    release(engine)
+    engine.destroy()
+    del model, step, engine
+    free_memory()
+    out["allocated_after_gib"] = allocated_gib(setup.device)  # what the next mode starts beside
 
 
 def run_quality(setup: Setup, ceiling: dict) -> dict:
