@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -45,7 +46,8 @@ def quality_setup(setup: Setup) -> tuple[Setup, dict]:
     a = setup.args
     data = [f"data.path={DATA}", f"data.eval_path={REPO / 'assets' / 'tiny_eval.jsonl'}", "data.split=train",
             "data.regenerate.enabled=false", "data.num_eval=4", "data.pack=true",
-            f"data.cache_dir={Path(tempfile.gettempdir()) / 'dflash_quality_data'}", "optim.epochs=100000",
+            # A cache of its own: two quality runs side by side would both write one.
+            f"data.cache_dir={Path(tempfile.gettempdir()) / f'dflash_quality_data_{os.getpid()}'}", "optim.epochs=100000",
             f"optim.max_steps={a.steps}"]
     args = argparse.Namespace(**{**vars(a), "set": data + list(a.set or [])})
     setup = resolve_setup(args, setup.device)
