@@ -28,6 +28,7 @@ def validate(r: Recipe) -> None:
     check_target(r)  # first: a recipe without a target is the most common mistake, and names it first
     check_run(r)
     check_drafter(r)
+    check_drafter_fp8(r)
     check_data(r)
     check_objective(r)
     check_optim(r)
@@ -62,20 +63,6 @@ def check_drafter(r: Recipe) -> None:
     need(d.conv_kernel_size <= d.block_size,
          f"drafter.conv_kernel_size ({d.conv_kernel_size}) must not exceed drafter.block_size "
          f"({d.block_size}): the convolution runs inside one block")
-    check_drafter_fp8(r)
-
-
-def check_drafter_fp8(r: Recipe) -> None:
-    """drafter.fp8: a known layer recipe, and the settings each part runs with (the device, the GPU and
-    torchao are resolve.drafter_fp8's, before launch)."""
-    f = r.drafter.fp8
-    need(f.layers in FP8_LAYER_RECIPES, f"drafter.fp8.layers must be none, rowwise or tensorwise, got {f.layers!r}")
-    need(f.layers == "none" or r.drafter.compile,
-         f"drafter.fp8.layers={f.layers} needs drafter.compile: true (torchao's float8 casts are separate kernels "
-         "unless compiled into the layers); set drafter.compile=true or drafter.fp8.layers=none")
-    need(not f.lm_head or r.objective.fused_loss,
-         "drafter.fp8.lm_head: true replaces the lm_head matmuls of the fused loss; set objective.fused_loss=true "
-         "or drafter.fp8.lm_head=false")
 
 
 def check_attention(r: Recipe) -> None:
@@ -94,6 +81,19 @@ def check_attention(r: Recipe) -> None:
     need(d.sliding_window is None or d.sliding_window >= d.block_size,
          f"drafter.sliding_window ({d.sliding_window}) must be >= drafter.block_size ({d.block_size}): "
          "the window must cover the whole block")
+
+
+def check_drafter_fp8(r: Recipe) -> None:
+    """drafter.fp8: a known layer recipe, and the settings each part runs with (the device, the GPU and
+    torchao are resolve.drafter_fp8's, before launch)."""
+    f = r.drafter.fp8
+    need(f.layers in FP8_LAYER_RECIPES, f"drafter.fp8.layers must be none, rowwise or tensorwise, got {f.layers!r}")
+    need(f.layers == "none" or r.drafter.compile,
+         f"drafter.fp8.layers={f.layers} needs drafter.compile: true (torchao's float8 casts are separate kernels "
+         "unless compiled into the layers); set drafter.compile=true or drafter.fp8.layers=none")
+    need(not f.lm_head or r.objective.fused_loss,
+         "drafter.fp8.lm_head: true replaces the lm_head matmuls of the fused loss; set objective.fused_loss=true "
+         "or drafter.fp8.lm_head=false")
 
 
 def check_data(r: Recipe) -> None:

@@ -224,12 +224,12 @@ class LossOptions:
     """linear_ce: the lm_head's input gradient computed in the forward (objective.fused_loss)."""
     top_k: int = 0
     """> 0: also return each projected slot's top-k token ids and logits (DFlash2's selector candidates)."""
-    logits: LogitTransform = IDENTITY
-    """The target's scaling / softcap of its logits (model/logit_transform.py), applied to the drafter's
-    logits (and the target's, for the KL term) before the softmax."""
     head: HeadGemms | None = None
     """The fused loss's two lm_head matmuls through this (linear_ce.ChunkPlan.head: the FP8 lm_head);
     None: `torch.mm` with the weight. Fused only."""
+    logits: LogitTransform = IDENTITY
+    """The target's scaling / softcap of its logits (model/logit_transform.py), applied to the drafter's
+    logits (and the target's, for the KL term) before the softmax."""
 
 
 def slot_rows(t: torch.Tensor, block_size: int | None) -> torch.Tensor:
@@ -336,10 +336,10 @@ def chunked_loss(
     b, q, d = hidden.shape
     if block_size is not None and (block_size < 2 or q % block_size):
         raise ValueError(f"drafter.block_size={block_size} must be >= 2 and divide the {q} block slots per row")
+    if options.head is not None and not options.fused:
+        raise ValueError("LossOptions.head replaces the fused loss's lm_head matmuls; set objective.fused_loss=true")
     if options.fused:
         return _fused_loss(hidden, lm_head_weight, labels, weights, normaliser, options, kl)
-    if options.head is not None:
-        raise ValueError("LossOptions.head replaces the fused loss's lm_head matmuls; set objective.fused_loss=true")
     if kl_weight > 0 and target_logits_fn is None:
         flat_target = target_hidden.detach().reshape(b * q, d)
 

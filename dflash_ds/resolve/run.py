@@ -99,11 +99,11 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         raise RecipeError(refused)
     geo = target_geometry(tcfg)
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+    if recipe.drafter.init_from:
+        check_init_from(recipe.drafter.init_from, dcfg)
     refused = drafter_fp8.check(recipe.drafter.fp8, device, dcfg)
     if refused:
         raise RecipeError(refused)
-    if recipe.drafter.init_from:
-        check_init_from(recipe.drafter.init_from, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
