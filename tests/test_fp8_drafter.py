@@ -13,11 +13,10 @@ from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.linear_ce import ChunkPlan, linear_cross_entropy_top_k
-from dflash_ds.model.loss import StepSettings, drafter_loss
-from dflash_ds.model.objective import LossOptions, chunked_loss
-from dflash_ds.resolve import drafter_fp8
-from dflash_ds.resolve.drafter_fp8 import Machine
+from dflash_ds.model.loss import LossOptions, linear_cross_entropy
+from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.resolve import quantization
+from dflash_ds.resolve.quantization import Machine
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.target_model import fp8_head
 from dflash_ds.target_model.fp8_head import Fp8Head
@@ -35,7 +34,7 @@ def q64(x: torch.Tensor) -> torch.Tensor:
 
 
 def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.double()).norm() / b.double().norm())
 
 
 # ------------------------------------------------------------------------------ recipe keys and refusals
@@ -51,7 +50,6 @@ def test_recipe_keys_default_off_and_parse():
 @pytest.mark.parametrize("overrides,needle", [
     (["drafter.fp8.layers=rows"], "drafter.fp8.layers must be none, rowwise or tensorwise, got 'rows'"),
     (["drafter.fp8.layers=tensorwise", "drafter.compile=false"], "needs drafter.compile: true"),
-    (["drafter.fp8.lm_head=true", "objective.fused_loss=false"], "set objective.fused_loss=true"),
 ])
 def test_recipe_combinations_that_cannot_run_are_refused(overrides, needle):
     with pytest.raises(RecipeError) as exc:
@@ -74,19 +72,21 @@ H200 = Machine("cuda", (9, 0), "NVIDIA H200", torchao=True)
 ])
 def test_machines_that_cannot_run_it_are_refused_in_one_line(fp8, machine, needle):
     shape = drafter("dflash").config
-    msg = drafter_fp8.refusal(fp8, machine, shape)
+    msg = quantization.drafter_refusal(fp8, machine, shape)
     assert needle in msg and "\n" not in msg
     assert "drafter.fp8" in msg
 
 
 def test_an_fp8_gpu_with_torchao_runs_it_and_off_asks_nothing():
     shape = drafter("dflash").config  # D 64, vocab 300
-    assert drafter_fp8.refusal(_fp8(lm_head=False), H200, shape) is None
+    assert quantization.drafter_refusal(_fp8(lm_head=False), H200, shape) is None
     # The lm_head GEMMs need the vocabulary in multiples of 16: 300 is not.
-    assert "vocabulary to be multiples of 16" in drafter_fp8.refusal(_fp8(), H200, shape)
+    assert "vocabulary to be multiples of 16" in quantization.drafter_refusal(_fp8(), H200, shape)
     off = load_recipe(TINY).drafter.fp8
-    assert drafter_fp8.refusal(off, Machine("cpu"), shape) is None
-    assert drafter_fp8.check(off, torch.device("cuda", 0), shape) is None  # never queries the GPU when off
+    assert quantization.drafter_refusal(off, Machine("cpu"), shape) is None
+    quantization.check_drafter_quantization(off, torch.device("cuda", 0), shape)  # never queries the GPU when off
+    with pytest.raises(RecipeError, match="run.device is cpu"):
+        quantization.check_drafter_quantization(_fp8(), torch.device("cpu"), shape)
 
 
 def test_resolve_run_refuses_fp8_on_cpu_before_launch():
@@ -211,30 +211,27 @@ def test_fused_loss_through_the_fp8_head_equals_the_emulated_reference(chunks):
     weights = torch.rand(45, generator=g)
     weights[::4] = 0
     h = hidden.clone().requires_grad_(True)
-    loss, ce_sum, correct, _, top, _ = linear_cross_entropy_top_k(h, weight, labels, weights, 30.0,
-                                                                  ChunkPlan(chunks, 5, head=Fp8Head(weight)))
+    out = linear_cross_entropy(h, weight, labels, weights, 30.0, LossOptions(chunks, 5, head=Fp8Head(weight)))
+    loss, ce_sum, correct, top = out.loss, out.ce_sum, out.correct, out.top_ids
     ref_loss, ref_grad = emulated_loss(hidden, weight, labels, weights, 30.0)
     assert rel(loss, ref_loss) < 1e-6 and rel(ce_sum / 30.0, ref_loss) < 1e-6
     loss.backward()
     assert rel(h.grad, ref_grad) < 1e-4
     # The bf16 path's (exact) gradient is measurably elsewhere: the FP8 head was used.
     h2 = hidden.clone().requires_grad_(True)
-    linear_cross_entropy_top_k(h2, weight, labels, weights, 30.0, ChunkPlan(chunks))[0].backward()
+    linear_cross_entropy(h2, weight, labels, weights, 30.0, LossOptions(chunks)).loss.backward()
     assert rel(h.grad, h2.grad) > 1e-3
     ref_logits = q64(hidden) @ q64(weight).T
     assert torch.equal(top, ref_logits.topk(5).indices)
     assert torch.equal(correct, (ref_logits.argmax(-1) == labels) & (weights > 0))
 
 
-def test_a_frozen_head_only_and_the_fused_path_only():
+def test_the_head_is_for_a_frozen_weight_only():
     hidden, weight = lm_case()
     labels, weights = torch.zeros(40, dtype=torch.long), torch.ones(40)
     head = Fp8Head(weight)
     with pytest.raises(ValueError, match="frozen weight"):
-        linear_cross_entropy_top_k(hidden, weight.requires_grad_(True), labels, weights, 1.0, ChunkPlan(2, head=head))
-    options = LossOptions(2, None, fused=False, head=head)
-    with pytest.raises(ValueError, match="objective.fused_loss=true"):
-        chunked_loss(hidden[None], weight.detach(), labels[None], weights[None], 1.0, options)
+        linear_cross_entropy(hidden, weight.requires_grad_(True), labels, weights, 1.0, LossOptions(2, head=head))
 
 
 class Spy:

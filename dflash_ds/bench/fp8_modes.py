@@ -72,7 +72,7 @@ def with_mode(setup: Setup, mode: Mode) -> Setup:
 def check_modes(setup: Setup, modes: list[Mode]) -> None:
     """Every mode's drafter.fp8 against the recipe and this machine, before anything is built."""
     from dflash_ds.config.checks import check_drafter_fp8
-    from dflash_ds.resolve import drafter_fp8
+    from dflash_ds.resolve import quantization
 
     for mode in modes:
         recipe = with_mode(setup, mode).recipe
@@ -81,9 +81,10 @@ def check_modes(setup: Setup, modes: list[Mode]) -> None:
         except ValueError as exc:
             raise ValueError(f"--fp8-modes {mode.name}: {exc} (the bench's --compile-layers sets drafter.compile)") \
                 from None
-        refused = drafter_fp8.check(recipe.drafter.fp8, setup.device, setup.drafter_config)
-        if refused:
-            raise ValueError(f"--fp8-modes {mode.name}: {refused}")
+        try:
+            quantization.check_drafter_quantization(recipe.drafter.fp8, setup.device, setup.drafter_config)
+        except ValueError as exc:
+            raise ValueError(f"--fp8-modes {mode.name}: {exc}") from None
 
 
 def allow_recompiles() -> None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from dflash_ds.model.gather import take_rows
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.model.blocks import decay_weights
 
 # DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
 _INIT_STD = 0.02
@@ -46,7 +47,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
         if rank < 1:
-            raise ValueError(f"drafter.markov_rank must be >= 1, got {rank}")
+            raise ValueError(f"the Markov head's rank must be >= 1, got {rank}")
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
         self.reset_parameters()
@@ -159,8 +160,6 @@ def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_i
     prefix of slots whose label is inside the row, supervised and in the anchor's document (the first
     slot that is not ends the block's supervision), times block validity. Labels where the weight
     is 0 are 0."""
-    if not gamma > 0:
-        raise ValueError(f"objective.gamma must be > 0, got {gamma}")
     b, n = anchors.shape
     s = input_ids.shape[1]
     k = torch.arange(block_size, device=anchors.device)
@@ -172,7 +171,8 @@ def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_i
     same_doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size) == anchor_doc
     ok = (idx < s) & supervised & same_doc & valid.bool().unsqueeze(-1)
     keep = ok.to(torch.int32).cumprod(-1).bool()
-    decay = torch.exp(-k.double() / gamma).float()
+    # exp(-k / gamma) for slot k: DFlash's decay of a block one longer, without its slot 0.
+    decay = decay_weights(block_size + 1, gamma, anchors.device)[1:]
     return torch.where(keep, labels, torch.zeros_like(labels)), decay * keep
 
 
@@ -270,8 +270,9 @@ def chunk_grads(chunk: DSparkChunk, lm_head: torch.Tensor, markov_w2: torch.Tens
     w, lab, x, p = _prepared(rows)
     q = torch.softmax(x, dim=-1)
     ce = torch.logsumexp(x, -1) - x.gather(1, lab.unsqueeze(1)).squeeze(1)
-    sign = torch.sign(q - p)
-    l1 = (q - p).abs().sum(-1)
+    gap = q - p  # one [c, V] pass for both the L1 sum and its sign
+    sign = torch.sign(gap)
+    l1 = gap.abs().sum(-1)
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
     scale = w / normaliser
     g = q * (terms.l1 * (sign - (sign * q).sum(-1, keepdim=True)) + terms.ce)

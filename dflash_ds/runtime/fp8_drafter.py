@@ -1,4 +1,4 @@
-"""`drafter.fp8` applied as a drafter rank builds its model (whether it may run is resolve/drafter_fp8.py's).
+"""`drafter.fp8` applied as a drafter rank builds its model (whether it may run is resolve/quantization.py's).
 
 layers: the attention and MLP projections of every drafter layer become torchao `Float8Linear`s
 (float8 training: the weight, its gradient and the fp32 master copy stay as they were; each matmul
