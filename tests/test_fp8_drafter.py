@@ -249,14 +249,19 @@ class Spy:
         return g @ self.weight
 
 
-def test_drafter_loss_reaches_the_draft_models_loss_head():
-    """DraftModel.loss_head is what drafter_loss's fused lm_head matmuls go through, once per chunk each;
-    with exact products the loss and the drafter's gradients equal those of the plain path."""
-    m = drafter("dflash")
+@pytest.mark.parametrize("architecture,kl", [("dflash", 0.0), ("dflash2", 0.5)])
+def test_drafter_loss_reaches_the_draft_models_loss_head(architecture, kl):
+    """DraftModel.loss_head is what drafter_loss's fused lm_head matmuls go through, once per chunk each
+    (the target's logits of the KL term are not the drafter's: they stay with the weight); with exact
+    products the loss, the selector's candidates and the drafter's gradients equal the plain path's."""
+    m = drafter(architecture)
     gen = torch.Generator().manual_seed(5)
     embed, head = (torch.randn(VOCAB, D, generator=gen, dtype=torch.float64) for _ in range(2))
     mb, bl = micro_batch(m)
-    settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0)
+    if kl:
+        mb.final_hidden = torch.randn(1, mb.input_ids.shape[1], D, generator=gen, dtype=torch.float64)
+    settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
+                            kl_weight=kl)
     spy = Spy(head)
     w = float(bl.weights.sum())
     plain = drafter_loss(DraftModel(m, embed, head), mb, bl, w, settings)
@@ -267,5 +272,8 @@ def test_drafter_loss_reaches_the_draft_models_loss_head():
     out.loss.backward()
     assert spy.calls == ["logits", "input_grad"] * 3
     torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-12)
+    assert (float(out.kl_sum) > 0) == (kl > 0) and len(out.extra) == len(plain.extra)
+    for a, b in zip(out.extra, plain.extra):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-9, atol=1e-12)
