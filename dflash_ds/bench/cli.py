@@ -4,6 +4,9 @@
     python -m dflash_ds.bench --role target --set target.quantization=fp8 [--compare-bf16] [--fp8-blocks]
     python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
     python -m dflash_ds.bench --role drafter --recipe recipes/qwen27b-dflash2.yaml --block-size 8 [--architecture dflash]
+    python -m dflash_ds.bench --role drafter --compile-layers --fp8-modes bf16,rowwise,tensorwise,rowwise+lm_head
+    python -m dflash_ds.bench --role lm_head   (the fused loss's lm_head GEMMs: bf16, FP8, torchao's float8)
+    python -m dflash_ds.bench --role quality --compile-layers --layers 4 --fp8-modes bf16,bf16@1,rowwise,rowwise+lm_head
     python -m dflash_ds.bench --role colocated
     python -m dflash_ds.bench --role target --lengths chat|long [--seq-len 3072] [--set data.pack=false]
     python -m dflash_ds.bench --role target --geometry qwen3.6-35b-a3b --experts eager,grouped_mm,dflash_grouped
@@ -34,12 +37,12 @@ from .environment import compile_cache_state, environment
 from .planner import best_split, fractional_split, plan_splits
 from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, init_single_process, pick_device, resolve_setup
-from .timing import matmul_ceiling
+from .timing import drift_warnings, matmul_ceiling
 
 from dflash_ds.safety import Exit, say
 from dflash_ds.model.variants import DEFAULT, VARIANTS
 
-ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
+ROLES = ("target", "drafter", "colocated", "transport", "lm_head", "quality", "plan", "data")
 
 
 # ============================================================================ the plan role
@@ -156,6 +159,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(dflash_grouped, grouped_mm, batched_mm, eager) and compare their taps")
     p.add_argument("--expert-chunk", type=int, default=16384,
                    help="target, dflash_grouped experts: tokens per chunk (bounds the experts' transient memory)")
+    p.add_argument("--fp8-modes", default=None, metavar="MODE,MODE...",
+                   help="drafter: time these precision modes one after another on the same drafter (bench/fp8_modes.py: "
+                        "bf16, rowwise or tensorwise, each optionally +lm_head, e.g. bf16,rowwise,rowwise+lm_head); "
+                        "quality: train each from the same initialisation (MODE@SEED: from another seed)")
     p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
@@ -200,7 +207,8 @@ def summary_lines(report: dict) -> list[str]:
     c = report.get("ceiling") or {}
     if c:
         lines.append(f"matmul ceiling {c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['size']}^3)")
-    keys = [("tok/s", "tok_s"), ("useful tok/s (non-padding)", "useful_tok_s"), ("padding share", "padding_share"),
+    keys = [("tok/s (mean step)", "tok_s"), ("tok/s (median step)", "tok_s_median"),
+            ("useful tok/s (non-padding)", "useful_tok_s"), ("padding share", "padding_share"),
             ("documents per row", "docs_per_row"), ("MFU", "mfu"), ("TFLOP/s", "tflops"), ("GB/s", "gb_s"), ("payloads/s", "payloads_per_s"),
             ("build s", "build_s"), ("first step s", "first_step_s"), ("first step since build s", "first_step_since_build_s"),
             ("first step since process start s", "first_step_since_process_start_s")]
@@ -221,7 +229,7 @@ def summary_lines(report: dict) -> list[str]:
     if "fp8" in r:
         q = r["fp8"]
         lines.append(f"  {'FP8 (' + q['scheme'] + ') / bf16 tok/s':<34} {q['fp8_tok_s']:,.0f} / {q['bf16_tok_s']:,.0f} "
-                     f"= {q['speedup']:.3f}x")
+                     f"= {q['speedup']:.3f}x (median steps: {q['speedup_median']:.3f}x)")
         taps = ", ".join(f"{k}: {v:.4f}" for k, v in q["taps_rel_rms"].items())
         lines.append(f"  {'taps rel. RMS error vs bf16':<34} {taps}")
         own = ", ".join(f"{k}: {v:.4f}" for k, v in q["taps_own_rel_rms"].items())
@@ -238,10 +246,24 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"  {'experts ' + name:<34} {e['tok_s']:,.0f} tok/s, MFU {e['mfu']:.3f}, peak "
                      f"{'-' if peak is None else f'{peak:.1f}'} GiB, taps rel. RMS vs first "
                      f"{e['taps_rel_rms_vs_first']:.2e}")
+    if report["role"] == "quality":
+        from .fp8_quality import summary_text
+
+        lines += ["  " + line for line in summary_text(r["summary"]).splitlines()]
+    for name, v in r.get("lm_head", {}).items():
+        lines.append(f"  {name:<34} logits {v['logits_ms']:.3f} ms + input grad {v['input_grad_ms']:.3f} ms = "
+                     f"{v['speedup_vs_bf16']:.3f}x bf16; rel. RMS error {v['logits_rel_rms']:.2e} / "
+                     f"{v['input_grad_rel_rms']:.2e}")
+    for name, m in r.get("fp8_modes", {}).items():
+        lines.append(f"  {'mode ' + name:<34} {m['tok_s']:,.0f} tok/s ({m['tok_s_median']:,.0f} median), "
+                     f"{m['vs_first']:.3f}x the first ({m['vs_first_median']:.3f}x median), peak "
+                     f"{m['memory'].get('max_step_peak_gib', 0):.1f} GiB, {m['fp8_layers']} float8 linears"
+                     f"{', FP8 lm_head' if m['lm_head_fp8'] else ''}")
     comp = r.get("compile", {})
     if comp.get("total", {}).get("unique_graphs"):
         lines.append(f"  {'graphs compiled (first/warmup/timed)':<34} {comp['first_step']['unique_graphs']} / "
                      f"{comp['warmup']['unique_graphs']} / {comp['timed']['unique_graphs']}")
+    lines += [f"warning: {w}" for w in drift_warnings(r)]
     return lines
 
 
@@ -278,6 +300,13 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     setup = resolve_setup(args, device)
+    if args.fp8_modes:
+        from .fp8_modes import check_modes, parse_modes
+
+        if args.role not in ("drafter", "quality"):
+            raise ValueError(f"--fp8-modes applies to --role drafter and --role quality, not {args.role}")
+
+        check_modes(setup, parse_modes(args.fp8_modes))  # before anything is built
     ceiling = matmul_ceiling(device)
     if args.role == "target" and args.experts:
         from .experts import run_target_experts
@@ -286,6 +315,18 @@ def run(args: argparse.Namespace) -> dict:
         result = run_target_experts(setup, ceiling)
     elif args.role == "target":
         result = run_target(setup, ceiling)
+    elif args.role == "lm_head":
+        from .fp8_head_ab import run_lm_head
+
+        result = run_lm_head(setup, ceiling)
+    elif args.role == "quality":
+        from .fp8_quality import run_quality
+
+        result = run_quality(setup, ceiling)
+    elif args.role == "drafter" and args.fp8_modes:
+        from .fp8_modes import run_drafter_modes
+
+        result = run_drafter_modes(setup, ceiling)
     elif args.role in ("drafter", "colocated"):
         result = run_drafter(setup, ceiling, colocated=args.role == "colocated")
     else:

@@ -111,6 +111,7 @@ def run_target_compared(setup: Setup, ceiling: dict) -> dict:
     taps = setup.tap_ids
     result["fp8"] = {
         "scheme": scheme, "quantize_s": quant_s, "speedup": result["tok_s"] / bf16["tok_s"],
+        "speedup_median": result["tok_s_median"] / bf16["tok_s_median"],
         "bf16_tok_s": bf16["tok_s"], "fp8_tok_s": result["tok_s"],
         "taps_rel_rms": {str(k): through[k] for k in taps},
         "taps_own_rel_rms": {str(k): alone[k] for k in taps},
@@ -120,5 +121,6 @@ def run_target_compared(setup: Setup, ceiling: dict) -> dict:
         "fp8_experts_modules": len(experts),
         "weight_gib": sum(b.numel() * b.element_size() for b in model.buffers()) / 2**30,
     }
-    result["bf16"] = {k: bf16[k] for k in ("tok_s", "mfu", "tflops", "step_s", "memory") if k in bf16}
+    result["bf16"] = {k: bf16[k] for k in ("tok_s", "tok_s_median", "steadiness", "mfu", "tflops", "step_s", "memory")
+                      if k in bf16}
     return result

@@ -55,6 +55,28 @@ class TargetConfig:
     topology.targets_per_node and the expert count. 1 = every target rank holds the whole target."""
 
 
+FP8_LAYER_RECIPES = ("none", "rowwise", "tensorwise")
+
+
+@dataclass(frozen=True)
+class DrafterFp8Config:
+    """drafter.fp8: the drafter's matmuls on FP8 tensor cores (H100/H200), two parts chosen apart. Off by
+    default; docs/performance.md ("The drafter in FP8") has the speed and the loss beside bf16."""
+
+    layers: str = "none"
+    """none, rowwise or tensorwise: every drafter layer's attention and MLP projections (q/k/v/o,
+    gate/up/down) train through torchao's float8 training (pip install 'dflash-ds[fp8]'), the
+    bf16 weights and the ZeRO-2 engine's fp32 master weights unchanged. rowwise: one scale per row of
+    each operand (e4m3, power-of-two scales); tensorwise: one scale per tensor (e5m2 gradients).
+    The fusion layer `fc` (its input is the target's raw hidden states) and DFlash2's block
+    convolutions and selector stay in bf16. Needs drafter.compile true."""
+    lm_head: bool = False
+    """The frozen lm_head of the fused loss (the logits and their input gradient, about half the
+    drafter's FLOPs at a 248K vocabulary) in FP8: the weight quantized once in both layouts (per-row
+    e4m3 scales), each chunk's rows and logits' gradient quantized per row. Evaluation (tau) and
+    the export keep the bf16 lm_head."""
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     num_layers: int = 5
@@ -100,6 +122,8 @@ class DrafterConfig:
     a mismatch stops before launch naming both values."""
     compile: bool = True
     """torch.compile the drafter layers on GPU (flex_attention is always compiled on GPU)."""
+    fp8: DrafterFp8Config = field(default_factory=DrafterFp8Config)
+    """drafter.fp8.layers / drafter.fp8.lm_head (above); off by default."""
 
 
 @dataclass(frozen=True)

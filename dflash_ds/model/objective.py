@@ -84,7 +84,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
         kl = KLTerm(settings.kl_weight, settings.kl_temperature,
                     slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
     options = LossOptions(settings.loss_chunks, variant.candidates(model.config), settings.shape.logit_transform,
-                          variant.chunk_term(model, blocks, term))
+                          variant.chunk_term(model, blocks, term), model.loss_head)
     r, b = blocks.labels.shape[0], settings.block_size
     out = block_loss(hidden, model.lm_head, blocks.labels.view(r, -1, b), blocks.weights.view(r, -1, b), normaliser,
                      options, kl)

@@ -28,7 +28,7 @@ from dflash_ds.resolve.moe import check_moe, target_params
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
-from dflash_ds.resolve.quantization import check_quantization
+from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization
 from dflash_ds.safety import say
 from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
@@ -110,6 +110,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         raise RecipeError(str(exc)) from None
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
+    check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "

@@ -14,6 +14,7 @@ from dflash_ds.config import Recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
 from dflash_ds.resolve.plan import Plan, lr_factor
 from dflash_ds.resolve.topology import Layout
+from dflash_ds.runtime.fp8_drafter import apply_layers
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
         # reentrant variant would then silently give the checkpointed layers no gradient.
         drafter.checkpoint_fn = deepspeed.checkpointing.non_reentrant_checkpoint
     drafter.checkpoint_layers = n_ckpt
+    # Before the engine: it flattens the parameters the FP8 layers keep.
+    apply_layers(recipe, drafter)
     o = recipe.optim
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt_kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
