@@ -14,6 +14,8 @@
 #   PARTS="experts_3072 experts_12288" bash scripts/gpu_moe_bench.sh OUT_DIR; PARTS="fp8_12288 drafter_12288" ...
 #                   some of the runs per call (each call adds to OUT_DIR; the plans and the summary cover what
 #                   OUT_DIR holds)
+#   PARTS=checks bash scripts/gpu_moe_bench.sh OUT_DIR   the GPU-tier MoE tests alone (not in the default):
+#                   pytest -m gpu -k "expert or moe" tests/test_gpu.py, their numbers in gpu_checks_moe.json
 # Writes OUT_DIR/<run>.json (the bench's JSON), .log, commands.txt and summary.json (every number above, the
 # plans' best splits and the goals: >= 60,000 useful tok/s per GPU at MFU >= 0.45, bounded memory).
 set -u
@@ -39,15 +41,16 @@ ROWS=(${ROWS[@]+"${ROWS[@]}"} --lengths long)
 BUDGET_S=${BUDGET_S:-450}
 ALL="experts_3072 experts_12288 fp8_12288 drafter_12288"
 for p in ${PARTS:-}; do
-  case " $ALL " in *" $p "*) ;; *) echo "PARTS: some of $ALL, not $p" >&2; exit 2 ;; esac
+  case " $ALL checks " in *" $p "*) ;; *) echo "PARTS: some of $ALL checks, not $p" >&2; exit 2 ;; esac
 done
 START=$(date +%s)
 [ -n "${PARTS:-}" ] || rm -f "$OUT/commands.txt"
 status=0
+wants() { case " ${PARTS:-$ALL} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 bench() {  # CAP NAME ARGS...: one bench run within CAP s and what is left of the budget; a failure is recorded
   local cap=$1 name=$2; shift 2
-  case " ${PARTS:-$ALL} " in *" $name "*) ;; *) return ;; esac
+  wants "$name" || return
   local left=$(( BUDGET_S - ($(date +%s) - START) ))
   rm -f "$OUT/$name.json"
   if [ "$left" -lt 30 ]; then echo "  $name skipped: ${left} s of the ${BUDGET_S} s budget left"; status=1; return; fi
@@ -58,6 +61,11 @@ bench() {  # CAP NAME ARGS...: one bench run within CAP s and what is left of th
   if [ $rc -ne 0 ]; then echo "  $name failed (rc $rc): $(tail -1 "$OUT/$name.log")"; status=1; fi
 }
 
+if [ "$MODE" = gpu ] && wants checks; then
+  DFLASH_GPU_RECORD="$OUT/gpu_checks_moe.json" timeout "$BUDGET_S" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    -m gpu -k "expert or moe" tests/test_gpu.py > "$OUT/gpu_checks_moe.log" 2>&1 || status=1
+  tail -3 "$OUT/gpu_checks_moe.log"
+fi
 # The eager loop runs fewer steps than the others: the same process times all three, so the steps apply to all.
 bench "${CAPS[0]}" experts_3072 --role target "${BASE[@]}" "${SHORT[@]}" "${EAGER_STEPS[@]}" \
   --experts eager,grouped_mm,dflash_grouped
