@@ -41,7 +41,40 @@ class TargetConfig:
     bf16 (docs/performance.md, "The target in FP8"). From a bf16 checkpoint the weights are quantized once at load
     (per-row scales); an FP8 checkpoint as published (config.json quantization_config: fp8, 128 x 128
     blocks) is used as stored, the numerics it is served with. An FP8 checkpoint with `none` is
-    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16."""
+    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16.
+    On a mixture-of-experts target the routed experts are quantized too (one scale per expert row)."""
+    experts_implementation: str = "dflash_grouped"
+    """Mixture-of-experts targets: how the routed experts run. dflash_grouped (tokens sorted by expert,
+    one grouped GEMM for gate_up and one for down, chunked; FP8 with target.quantization: fp8),
+    or transformers' own grouped_mm, batched_mm, eager (its per-expert loop). Dense targets ignore it."""
+    expert_parallel: int = 1
+    """Mixture-of-experts targets larger than one GPU: every N consecutive target ranks of a node hold
+    one target together, each rank 1/N of every layer's experts (the rest of the model on every rank).
+    Each rank still runs its own micro-batches; the experts' tokens are gathered over the N ranks and
+    their outputs summed back (docs/performance.md, "Mixture-of-experts targets"). N must divide
+    topology.targets_per_node and the expert count. 1 = every target rank holds the whole target."""
+
+
+FP8_LAYER_RECIPES = ("none", "rowwise", "tensorwise")
+
+
+@dataclass(frozen=True)
+class DrafterFp8Config:
+    """drafter.fp8: the drafter's matmuls on FP8 tensor cores (H100/H200), two parts chosen apart. Off by
+    default; docs/performance.md ("The drafter in FP8") has the speed and the loss beside bf16."""
+
+    layers: str = "none"
+    """none, rowwise or tensorwise: every drafter layer's attention and MLP projections (q/k/v/o,
+    gate/up/down) train through torchao's float8 training (pip install 'dflash-ds[fp8]'), the
+    bf16 weights and the ZeRO-2 engine's fp32 master weights unchanged. rowwise: one scale per row of
+    each operand (e4m3, power-of-two scales); tensorwise: one scale per tensor (e5m2 gradients).
+    The fusion layer `fc` (its input is the target's raw hidden states) and DFlash2's block
+    convolutions and selector stay in bf16. Needs drafter.compile true."""
+    lm_head: bool = False
+    """The frozen lm_head of the fused loss (the logits and their input gradient, about half the
+    drafter's FLOPs at a 248K vocabulary) in FP8: the weight quantized once in both layouts (per-row
+    e4m3 scales), each chunk's rows and logits' gradient quantized per row. Evaluation (tau) and
+    the export keep the bf16 lm_head."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +134,8 @@ class DrafterConfig:
     a mismatch stops before launch naming both values."""
     compile: bool = True
     """torch.compile the drafter layers on GPU (flex_attention is always compiled on GPU)."""
+    fp8: DrafterFp8Config = field(default_factory=DrafterFp8Config)
+    """drafter.fp8.layers / drafter.fp8.lm_head (above); off by default."""
 
 
 @dataclass(frozen=True)

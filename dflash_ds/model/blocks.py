@@ -37,8 +37,7 @@ def default_gamma(block_size: int) -> float:
     nearest segment (B=2 -> 1, B=12 -> 5.67, B=32 -> 12.33), so gamma keeps growing with the
     block size as the paper's choices do and the last slots keep a usable weight.
     """
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    assert block_size >= 2, block_size  # DrafterShape refuses smaller blocks; this is a caller's bug
     pts = _GAMMA_POINTS
     if block_size <= pts[1][0]:
         (x0, y0), (x1, y1) = pts[0], pts[1]
@@ -117,8 +116,7 @@ def sample_anchors(
     """
     valid = valid_anchor_mask(loss_mask, doc_ids)
     b, s = valid.shape
-    if num_anchors < 1:
-        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    assert num_anchors >= 1, num_anchors  # config/checks.py refuses the recipe value
     if num_anchors > s:
         raise ValueError(
             f"num_anchors = {num_anchors} exceeds the row length {s}: a row has fewer possible anchors than that"

@@ -17,7 +17,7 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,17 @@ class KLTerm(NamedTuple):
     target_hidden: torch.Tensor | None = None
 
 
+class HeadGemms(Protocol):
+    """The two lm_head matmuls of a chunk computed some other way than `torch.mm` with the weight
+    (target_model/fp8_head.Fp8Head: FP8), for a frozen weight W [V, D]."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, D] -> hidden @ W.T [n, V]."""
+
+    def input_grad(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] -> grad_logits @ W [n, D]."""
+
+
 class LossOptions(NamedTuple):
     """How the rows are projected, and what else the loss returns."""
 
@@ -52,6 +63,9 @@ class LossOptions(NamedTuple):
     logits (and the target's) before the softmax; the top-k logits are the raw ones."""
     term: "ChunkTerm | None" = None
     """An architecture's term on each chunk's logits (ChunkTerm)."""
+    head: HeadGemms | None = None
+    """The drafter's logits and their input gradient through these instead of `torch.mm` with the
+    weight (which must then be frozen); the target's logits of the same rows stay `torch.mm`."""
     first_slot: int = 1
     """`block_loss`: the first slot of every block that is a row (DrafterShape.first_draft_slot)."""
     ce_weight: float = 1.0
@@ -108,6 +122,7 @@ class _Settings(NamedTuple):
     transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
     term: ChunkTerm | None = None  # an architecture's term (its tensors travel as the Function's inputs)
     target: torch.Tensor | None = None  # the target's final-norm states [n, D] for `term` (detached), KL off
+    head: HeadGemms | None = None  # LossOptions.head
     ce_weight: float = 1.0  # the CE's coefficient in the loss
 
 
@@ -182,7 +197,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     """The whole computation; the gradients are those of loss = (sum(w * (CE + kl_weight * T^2 * KL))
     + the chunk term's loss) / normaliser, the KL term's target states [n, D] being those of the same
     rows. `term_tensors`: the chunk term's rows then params (their gradients come back last)."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target, ce_coef = settings
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target, head, ce_coef = settings
     target = kl_term.target_hidden if kl_term is not None else term_target
     kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
     kl_args = (kl_weight, temperature, ce_coef)
@@ -223,7 +238,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
             sc = F.pad(sc, (0, pad)) if want_grad else None
             tc = F.pad(tc, (0, 0, 0, pad)) if tc is not None else None
-        logits = torch.mm(hc, weight.t())
+        logits = torch.mm(hc, weight.t()) if head is None else head.logits(hc)
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
         # The target's logits of the same rows: one more lm_head matmul per chunk, and only
@@ -248,8 +263,10 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
         del logits, t_logits
         ce_total = ce_total + ce
         hits.append(hit)
-        if grad_hidden:
+        if grad_hidden and head is None:
             torch.mm(g_logits, weight, out=g_hidden[i * size:(i + 1) * size])
+        elif grad_hidden:
+            g_hidden[i * size:(i + 1) * size] = head.input_grad(g_logits)
         if grad_weight:
             # Accumulates in the weight's dtype, as autograd would across chunks.
             g_weight.addmm_(g_logits.t(), hc)
@@ -429,7 +446,7 @@ def linear_cross_entropy(
     them); under no_grad it computes the loss only. Static shapes and no host synchronisation.
     Differentiable once only.
     """
-    num_chunks, top_k, transform, term, _, ce_weight = options
+    num_chunks, top_k, transform, term, head, _, ce_weight = options
     if not 0 <= top_k <= weight.shape[0]:
         raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
     if num_chunks < 1:
@@ -453,9 +470,11 @@ def linear_cross_entropy(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
+    if head is not None and grad_weight:
+        raise ValueError("LossOptions.head computes the lm_head matmuls of a frozen weight, but the weight requires grad")
     tensors = (tuple(term.rows) + tuple(term.params)) if term is not None else ()
     settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, term,
-                         target if kl_on is None else None, ce_weight)
+                         target if kl_on is None else None, head, ce_weight)
     if not (grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
         ce_total, correct, _, _, kl_total, top, extra = _run(hidden.detach(), weight.detach(), labels, weights,
                                                              normaliser, settings, tuple(t.detach() for t in tensors))

@@ -85,8 +85,8 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
                     slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size,
                                        variant.label_offset).to(hidden.dtype))
     options = LossOptions(settings.loss_chunks, variant.candidates(model.config), settings.shape.logit_transform,
-                          variant.chunk_term(model, blocks, term, hidden), settings.shape.first_draft_slot,
-                          variant.ce_weight(term))
+                          variant.chunk_term(model, blocks, term, hidden), model.loss_head,
+                          settings.shape.first_draft_slot, variant.ce_weight(term))
     r, b = blocks.labels.shape[0], settings.block_size
     out = block_loss(hidden, model.lm_head, blocks.labels.view(r, -1, b), blocks.weights.view(r, -1, b), normaliser,
                      options, kl)

@@ -114,6 +114,7 @@ class DrafterTrainer:
         (fresh or drafter.init_from) under its engine, resumed at the step `control` decided, the
         held-out payloads, and the payload source."""
         from dflash_ds.runtime.engines import build_drafter_engine
+        from dflash_ds.runtime.fp8_drafter import loss_head
         from dflash_ds.target_model.model import embed_and_head
 
         r, lay = spec.recipe, spec.layout
@@ -125,7 +126,7 @@ class DrafterTrainer:
         source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups, start)
         from deepspeed.accelerator import get_accelerator
 
-        parts = DrafterParts(engine, DraftModel(drafter, embed, head), source, groups.drafter,
+        parts = DrafterParts(engine, DraftModel(drafter, embed, head, loss_head(r, head)), source, groups.drafter,
                              SyncStallTimer(get_accelerator(), spec.device), start, eval_set)
         return cls(spec, rank, parts, control)
 
