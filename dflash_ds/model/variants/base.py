@@ -6,9 +6,9 @@ everything that differs: its names (`drafter.architecture`, config.json's `archi
 export's `auto_map`), its shape fields (a frozen dataclass held by `DrafterShape.arch_fields`, with
 their checks and their `dflash_config` entries), the modules it adds (sublayer wrappers in every
 layer, heads on the drafter), the tensors those hold (the export's expected shapes, the parameter
-count and the FLOP count derive from them), the draft walk, the loss terms it adds and their log
-fields, and its model-card rows. The defaults here are plain DFlash (v1): a variant overrides only
-what it changes. docs/architecture.md ("How to add a drafter architecture") is the contract.
+count and the FLOP count derive from them), the draft walk, the loss terms it adds, their log
+fields and report panels, and its model-card rows. The defaults here are plain DFlash (v1): a
+variant overrides only what it changes. docs/architecture.md ("How to add a drafter architecture") is the contract.
 
 Model code: no torch.distributed, no deepspeed.
 """
