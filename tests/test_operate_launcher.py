@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from dflash_ds.metrics import read_metrics
-from dflash_ds.guard import launch
+from dflash_ds.guard import launch as prelaunch
 from dflash_ds.runtime import checkpoint
 
 from .launch_util import ROOT, cpu_env, launch, output
@@ -149,7 +149,7 @@ def prelaunch_error(run: Path, *overrides: str) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        launch.main([TINY, f"run.output_dir={run}", *overrides])
+        prelaunch.main([TINY, f"run.output_dir={run}", *overrides])
     text = out.getvalue()
     assert text.startswith("echo ") and text.rstrip().endswith("exit 2"), text
     return shlex.split(text.split(" >&2")[0])[1]  # the line launch.sh prints
