@@ -102,6 +102,13 @@ def _check_attention_layout(layer_types: tuple[str, ...], window: int | None, bl
                          "the window must cover the whole block")
 
 
+def _largest_top_k(width: int) -> int:
+    k = 1
+    while (k + 1) * (k + 2) <= width:
+        k += 1
+    return k
+
+
 @dataclass(frozen=True)
 class DrafterShape:
     """Geometry of the drafter plus what the serving engines need to run it (docs/algorithm.md sections 1 and 6).
@@ -223,6 +230,18 @@ class DrafterShape:
                              f"{self.hidden_size}; DFlash2 uses 16")
         if self.selector_top_k > self.vocab_size:
             raise ValueError(f"drafter.selector_top_k ({self.selector_top_k}) exceeds the vocabulary ({self.vocab_size})")
+
+    def serving_refusal(self) -> str | None:
+        """Why a serving engine would refuse this drafter's export, or None (docs/algorithm.md section 6,
+        "What the engines refuse"); the rules the module itself needs are __post_init__'s."""
+        k = self.selector_top_k
+        # llama.cpp returns each position's top-k candidates and their k x k transition scores in one
+        # hidden-width row, and refuses a drafter whose row is too narrow for them.
+        if self.dflash2 and k * (k + 1) > self.hidden_size:
+            return (f"drafter.selector_top_k ({k}) needs a hidden size of at least k(k+1) = {k * (k + 1)} for "
+                    f"llama.cpp to serve the export; the target's is {self.hidden_size}: set "
+                    f"drafter.selector_top_k to {_largest_top_k(self.hidden_size)} or less")
+        return None
 
     @property
     def dflash2(self) -> bool:

@@ -98,6 +98,9 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         raise RecipeError(refused)
     geo = target_geometry(tcfg)
     dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+    refused = dcfg.serving_refusal()
+    if refused:
+        raise RecipeError(refused)
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
