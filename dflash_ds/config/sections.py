@@ -182,6 +182,10 @@ class ObjectiveConfig:
     row tokens (ANCHORS_PER_TOKEN x data.row_length: 512 at 3,072, 2,048 at 12,288)."""
     gamma: float | None = None
     """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8."""
+    anchor_last_prompt_token: bool = False
+    """Also anchor blocks at the last token before each assistant turn (the generation prompt's end),
+    whose block drafts the turn's first tokens: the round llama-speculative-simple runs first (it
+    prefills the prompt without that token). false = anchors on supervised tokens only, the paper's."""
     loss_chunks: int = 16
     """lm_head + cross-entropy computed in this many checkpointed chunks."""
     fused_loss: bool = True

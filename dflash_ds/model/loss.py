@@ -35,6 +35,7 @@ class StepSettings:
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
     selector: SelectorSchedule | None = None  # DFlash2 drafters only
+    anchor_prompt_end: bool = False  # objective.anchor_last_prompt_token
 
     @property
     def block_size(self) -> int:
@@ -57,7 +58,8 @@ class StepSettings:
                    mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
                    fused_loss=objective.fused_loss, kl_weight=objective.kl_weight,
                    kl_temperature=objective.kl_temperature,
-                   selector=SelectorSchedule.of(objective) if shape.dflash2 else None)
+                   selector=SelectorSchedule.of(objective) if shape.dflash2 else None,
+                   anchor_prompt_end=objective.anchor_last_prompt_token)
 
     def selector_term(self, step: int, total_steps: int) -> SelectorTerm | None:
         """The selector loss at optimizer step `step` (0-based) of `total_steps`; None without a selector."""
@@ -120,7 +122,7 @@ def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generat
 def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
     device = mb.input_ids.device
     anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
-                                    anchor_generator(s.seed, micro_index, device))
+                                    anchor_generator(s.seed, micro_index, device), s.anchor_prompt_end)
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
     labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)

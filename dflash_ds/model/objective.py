@@ -56,14 +56,17 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | str | No
     return w.float()
 
 
-def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor, prompt_end: bool = False) -> torch.Tensor:
     """bool `[b, S]`: a is valid iff a+1 < S, loss_mask[a] and loss_mask[a+1], same document at a and a+1.
 
+    `prompt_end` (objective.anchor_last_prompt_token): the last token before each supervised span is
+    valid too (loss_mask[a+1] alone), the anchor of the round that drafts a turn's first tokens.
     (Padding, doc id -1, never anchors even if its loss mask were set.)
     """
     lm = loss_mask.bool()
     valid = torch.zeros_like(lm)
-    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    here = lm[:, :-1] | prompt_end
+    valid[:, :-1] = here & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
     return valid
 
 
@@ -98,6 +101,7 @@ def sample_anchors(
     doc_ids: torch.Tensor,
     num_anchors: int,
     generator: torch.Generator,
+    prompt_end: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, min(N, #valid) distinct valid anchors, shared out per document, sorted.
 
@@ -110,7 +114,7 @@ def sample_anchors(
     on any rank. Give it a generator on the data's device: otherwise the keys are copied host ->
     device, a blocking copy.
     """
-    valid = valid_anchor_mask(loss_mask, doc_ids)
+    valid = valid_anchor_mask(loss_mask, doc_ids, prompt_end)
     b, s = valid.shape
     if num_anchors < 1:
         raise ValueError(f"objective.num_anchors must be >= 1, got {num_anchors}")
