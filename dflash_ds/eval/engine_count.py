@@ -23,6 +23,9 @@ from typing import Collection
 
 import torch
 
+from dflash_ds.eval.tau import anchor_drafts
+from dflash_ds.model.draft_model import DraftModel
+
 
 def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int, budget_end: int,
                   stop: Collection[int]) -> list[int]:
@@ -66,3 +69,28 @@ class EngineCount:
     def as_dict(self) -> dict:
         m = self.mean_accept_length
         return {"mean_accept_length": None if m != m else m, "rounds": self.rounds}
+
+
+@dataclass
+class LlamaCppCounts:
+    """Both llama.cpp programs' rounds: llama-server's (first round at the first generated token) and
+    llama-speculative-simple's (first round at the last prompt token)."""
+
+    server: EngineCount = field(default_factory=EngineCount)
+    speculative_simple: EngineCount = field(default_factory=EngineCount)
+
+    def add(self, model: DraftModel, taps: torch.Tensor, ids: torch.Tensor, prompt_len: int, budget: int,
+            stop: Collection[int]) -> None:
+        """One response `ids[prompt_len:]` (taps [S, T*D] teacher-forced over ids) of at most `budget` tokens."""
+        p, end = prompt_len, ids.numel()
+        drafts = anchor_drafts(model, taps, ids, p - 1, end)
+        self.speculative_simple.rounds.append(engine_rounds(drafts, ids, p - 1, end, p + budget, stop))
+        self.server.rounds.append(engine_rounds(drafts[1:], ids, p, end, p + budget, stop))
+
+    def line(self) -> str:
+        return (f"llama.cpp mean acc len: llama-server {self.server.mean_accept_length:.3f}, "
+                f"llama-speculative-simple {self.speculative_simple.mean_accept_length:.3f} "
+                "(first round at the last prompt token)")
+
+    def as_dict(self) -> dict:
+        return {"llama_server": self.server.as_dict(), "llama_speculative_simple": self.speculative_simple.as_dict()}
