@@ -13,7 +13,7 @@ done
 # The pre-launch checks print shell assignments. Whatever way they fail (a user's error: one line and
 # exit 2; a crash: its traceback), nothing is started.
 unset DFLASH_PROCS DFLASH_PORT DFLASH_STOP_GRACE
-DFLASH_VARS=$("$PYTHON" -m dflash_ds.runtime.launch_env "$@") || exit $?
+DFLASH_VARS=$("$PYTHON" -m dflash_ds.guard.launch "$@") || exit $?
 eval "$DFLASH_VARS" || exit 1
 if [ -z "${DFLASH_PROCS:-}" ] || [ -z "${DFLASH_PORT:-}" ] || [ -z "${DFLASH_STOP_GRACE:-}" ]; then
   echo "[dflash] error: the pre-launch checks gave no launch settings (see above); nothing was started" >&2
@@ -21,7 +21,7 @@ if [ -z "${DFLASH_PROCS:-}" ] || [ -z "${DFLASH_PORT:-}" ] || [ -z "${DFLASH_STO
 fi
 # The launcher and the ranks run in their own process group under a small supervisor (this PID):
 # a signal to it stops the whole job (a checkpoint first, see README "Operating a long run").
-exec "$PYTHON" -m dflash_ds.runtime.supervise --grace "$DFLASH_STOP_GRACE" -- \
+exec "$PYTHON" -m dflash_ds.guard.supervise --grace "$DFLASH_STOP_GRACE" -- \
   deepspeed --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
 '''
 import os

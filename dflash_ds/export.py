@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 
 from dflash_ds.io import replace_dir_atomic, write_text_atomic
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import ARCHITECTURE, ARCHITECTURE_V2, ARCHITECTURES, DrafterShape
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.variants import class_names
 from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
@@ -33,23 +34,7 @@ WEIGHTS_NAME = "model.safetensors"
 MODELING_NAME = "modeling_dflash.py"
 CARD_NAME = "README.md"
 MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
-AUTO_MAP = {"AutoConfig": "modeling_dflash.DFlashConfig", "AutoModel": "modeling_dflash.DFlashDraftModel"}
-AUTO_MAP_V2 = {"AutoConfig": "modeling_dflash.DFlash2Config", "AutoModel": "modeling_dflash.DFlash2DraftModel"}
 FILE_MODE, DIR_MODE = 0o644, 0o755
-
-_LAYER_TENSORS = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-)
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -57,45 +42,12 @@ _FIX = "pass the directory written by dflash_ds export (drafter.init_from / --dr
 
 
 def expected_shapes(cfg: DrafterShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the export and its shape, derived from the config alone (docs/algorithm.md section 6).
+    """Every tensor of the export and its shape, derived from the config alone (`DrafterShape.tensors`).
 
     Independent of `DFlashDrafter` on purpose: a module whose parameters drift from the serving
     layout must fail `save_drafter`, not produce a file the engines misread.
     """
-    d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    per_layer = {
-        "self_attn.q_proj.weight": (q_out, d),
-        "self_attn.k_proj.weight": (kv_out, d),
-        "self_attn.v_proj.weight": (kv_out, d),
-        "self_attn.o_proj.weight": (d, q_out),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
-        "mlp.gate_proj.weight": (inter, d),
-        "mlp.up_proj.weight": (inter, d),
-        "mlp.down_proj.weight": (d, inter),
-        "input_layernorm.weight": (d,),
-        "post_attention_layernorm.weight": (d,),
-    }
-    assert set(per_layer) == set(_LAYER_TENSORS)
-    shapes = {
-        f"layers.{i}.{name}": shape
-        for i in range(cfg.num_hidden_layers)
-        for name, shape in per_layer.items()
-    }
-    shapes["fc.weight"] = (d, len(cfg.target_layer_ids) * d)
-    shapes["hidden_norm.weight"] = (d,)
-    shapes["norm.weight"] = (d,)
-    if cfg.dflash2:
-        k, r, v = cfg.conv_kernel_size, cfg.selector_rank, cfg.vocab_size
-        for i in range(cfg.num_hidden_layers):
-            for conv in ("attention_conv", "mlp_conv"):
-                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, d)
-                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * d // cfg.conv_group_size, d)
-        shapes["candidate_selector.hidden_projection.weight"] = (r, d)
-        shapes["candidate_selector.predecessor_codebook"] = (v, r)
-        shapes["candidate_selector.successor_codebook"] = (v, r)
-    return shapes
+    return {name: t.shape for name, t in cfg.tensors().items()}
 
 
 def _check_tensors(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str | None:
@@ -120,12 +72,13 @@ def _few(items: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _is_export(path: Path) -> bool:
+def is_export(path: Path) -> bool:
+    """Whether `path` holds a DFlash drafter export (its config.json names a DFlash architecture)."""
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and bool(set(ARCHITECTURES) & set(config.get("architectures") or []))
+    return isinstance(config, dict) and bool(set(class_names()) & set(config.get("architectures") or []))
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
@@ -140,7 +93,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype {dtype} is not supported; use one of {list(_DTYPE_NAMES.values())}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not _is_export(out_dir))):
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not is_export(out_dir))):
         raise ValueError(
             f"export path {out_dir} exists and is not a DFlash drafter export; refusing to replace it: "
             "choose an empty or new directory for the export"
@@ -154,7 +107,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
-    config["auto_map"] = dict(AUTO_MAP_V2 if cfg.dflash2 else AUTO_MAP)
+    if cfg.variant.auto_map is not None:
+        config["auto_map"] = dict(cfg.variant.auto_map)
 
     # Staged next to out_dir and moved into place only when complete: a crash mid-save never
     # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
@@ -193,10 +147,11 @@ def read_export_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"{prefix}: {CONFIG_NAME} is not valid JSON ({e}); {_FIX}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{prefix}: {CONFIG_NAME} is not a JSON object; {_FIX}")
-    if not set(ARCHITECTURES) & set(config.get("architectures") or []):
+    if not set(class_names()) & set(config.get("architectures") or []):
+        known = " or ".join(f"[{n!r}]" for n in class_names())
         raise ValueError(
             f"{prefix}: {CONFIG_NAME} architectures is {config.get('architectures')!r}, "
-            f"not [{ARCHITECTURE!r}] or [{ARCHITECTURE_V2!r}] (a target model directory?); {_FIX}"
+            f"not {known} (a target model directory?); {_FIX}"
         )
     dflash = config.get("dflash_config")
     if not isinstance(dflash, dict):

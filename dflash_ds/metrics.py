@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from dflash_ds.io import write_json_atomic
+from dflash_ds.safety import SettingError, say
 
 
 class Metrics:
@@ -27,8 +28,18 @@ class Metrics:
             # The API key is read by wandb from WANDB_API_KEY; nothing secret goes into the recipe.
             # WANDB_MODE wins: launch.sh sets it to offline when the service did not answer before launch.
             mode = os.environ.get("WANDB_MODE", wandb_cfg.mode)
-            self.wandb = wandb.init(project=wandb_cfg.project, name=run_name, mode=mode,
-                                    config=recipe_dict, dir=str(run_dir))
+            args = {"project": wandb_cfg.project, "name": run_name, "config": recipe_dict, "dir": str(run_dir)}
+            try:
+                self.wandb = wandb.init(mode=mode, **args)
+            except Exception as exc:  # noqa: BLE001 - wandb raises its own error types, and more than those
+                cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+                if not wandb_cfg.offline_fallback or mode == "offline":
+                    raise SettingError(f"log.wandb: wandb.init failed ({cause}); check WANDB_API_KEY, "
+                                       f"log.wandb.project ({wandb_cfg.project}) and WANDB_BASE_URL, or set "
+                                       "log.wandb.mode=offline, log.wandb.offline_fallback=true or "
+                                       "log.wandb.enabled=false") from None
+                say(f"warning: wandb.init failed ({cause}); logging offline (wandb sync RUN_DIR/wandb later)")
+                self.wandb = wandb.init(mode="offline", **args)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

@@ -48,7 +48,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     sglang_note = [] if thinking is None else [f"With SGLang, send `\"chat_template_kwargs\": {kwargs}` with each "
                                                "chat request.", ""]
     llama_tail = [] if thinking is None else [f"    --chat-template-kwargs '{kwargs}'"]
-    name = "DFlash2" if cfg.dflash2 else "DFlash"
+    name = cfg.variant.title
     lines = [
         f"# {name} drafter",
         "",
@@ -67,10 +67,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     ]
     if thinking is not None:
         lines.append(f"| chat template | `enable_thinking: {think}` (training data; evaluate and serve the same way) |")
-    if cfg.dflash2:
-        lines += [f"| block convolution | {cfg.conv_kernel_size} taps, groups of {cfg.conv_group_size} channels |",
-                  f"| candidate selector | top {cfg.selector_top_k} unary candidates, pair scores at rank "
-                  f"{cfg.selector_rank} |"]
+    lines += cfg.variant.card_rows(cfg)
     if position_acceptance:
         rates = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(position_acceptance, 1))
         lines.append(f"| acceptance by draft position | {rates} |")
@@ -83,14 +80,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "## Serving",
         "",
     ]
-    if cfg.dflash2:
-        lines += [
-            "Both engines serve it with their DFlash method and select DFlash2 (the convolutions and the",
-            "candidate selector) from `architectures: [\"DFlash2DraftModel\"]` and the four DFlash2 fields of",
-            "`dflash_config`: SGLang from PR #35371 on, vLLM from PR #52816 on. Older releases would",
-            "silently run the backbone alone.",
-            "",
-        ]
+    lines += cfg.variant.serving_note()
     lines += [
         "SGLang (`--speculative-num-draft-tokens` = block size):",
         "",

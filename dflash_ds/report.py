@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dflash_ds.metrics import read_metrics
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 # (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records.
 STEP_PANELS = [
@@ -260,13 +260,11 @@ def finish_run(run_dir: str | Path, card: dict | None) -> None:
         if export.is_dir() and card is not None:
             write_card(export, **card)
         page = write_report(run_dir)
-        print(f"[dflash] report: {page}", flush=True)
+        say(f"report: {page}")
     except ImportError as e:
-        print(f"[dflash] report skipped ({e}); pip install matplotlib, then python -m dflash_ds.report {run_dir}",
-              flush=True)
+        say(f"report skipped ({e}); pip install matplotlib, then python -m dflash_ds.report {run_dir}")
     except Exception as e:  # noqa: BLE001 - a plotting problem must not turn a finished run into a failure
-        print(f"[dflash] report failed ({type(e).__name__}: {e}); rerun python -m dflash_ds.report {run_dir}",
-              flush=True)
+        say(f"report failed ({type(e).__name__}: {e}); rerun python -m dflash_ds.report {run_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = write_report(args.run_dir, args.out)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return Exit.USER
     print(page)
     return Exit.OK

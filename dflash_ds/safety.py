@@ -2,9 +2,9 @@
 liveness, and the typed failures a rank ends with.
 
 Everything here is standard library only, so every entry point (training ranks, launch.sh's checks,
-the supervisor, the data / eval / report / bench CLIs) shares it. The mechanisms that use it live in
-runtime/: the stop-request thread (signals.py), the watchdog (watchdog.py), the run lock (lock.py),
-and `control.run_guarded`, which turns a `RunFailure` into its line and its exit code.
+the supervisor, the data / eval / report / bench CLIs) shares it. The mechanisms that use it live in guard/ (the
+stop-request thread, signals.py; the run lock, lock.py; `control.run_guarded`, which turns a
+`RunFailure` into its line and its exit code) and runtime/watchdog.py (the bound on every wait on a peer).
 """
 
 from __future__ import annotations
@@ -69,11 +69,25 @@ def alive(pid: int) -> bool:
     return True
 
 
+_BEFORE_EXIT: list = []
+
+
+def before_exit(fn) -> None:
+    """Run `fn` (no arguments, e.g. releasing the run lock) whenever `exit_now` ends the process, from
+    whichever thread (the watchdog's, the stop-signal reader's, the main one)."""
+    _BEFORE_EXIT.append(fn)
+
+
 def exit_now(code: Exit | int, line: str | None = None, who: object = None) -> None:
     """Print `line` and end the process at once with `code`. No interpreter teardown: process-group
     destructors can wait on peers that are gone."""
     if line:
         say(line, who)
+    for fn in _BEFORE_EXIT:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the process is ending with its own code; nothing may change it
+            pass
     sys.stdout.flush()
     os._exit(int(code))
 
@@ -101,6 +115,13 @@ class CheckpointError(RunFailure, RuntimeError):
     """A checkpoint or export that cannot be read or written; the message names the file and the way out."""
 
     code = Exit.CHECKPOINT
+
+
+class SettingError(RunFailure, RuntimeError):
+    """A setting found wrong only after launch (a service refusing the recipe's credentials); the
+    message names the setting and the fix."""
+
+    code = Exit.USER
 
 
 class LockError(RunFailure, RuntimeError):

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.runtime.control import RunControl, run_guarded
+    from dflash_ds.guard.control import RunControl, run_guarded
     from dflash_ds.runtime.engines import init_distributed, make_groups
     from dflash_ds.runtime.target_worker import run_target
     from dflash_ds.runtime.trainer import run_drafter
@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
             data = load_training_data(recipe)
         except ValueError as exc:  # the data's, the user's to fix (launch.sh finds it before launch)
             say(f"error: {str(exc).strip().splitlines()[0]}")
-            control.release()  # no lock left behind; the launcher ends the ranks waiting below
+            control.leaving(Exit.USER)  # the ranks waiting below end with this code, silently
+            control.release()  # no lock left behind
             exit_now(Exit.USER)
-    dist.barrier()
+    # Not bounded by the peer timeout: preparing the data may take longer (the world keeps its own).
+    run_guarded(dist.barrier, control)
     if rank != 0:
         data = load_training_data(recipe)
     spec = spec.with_rows(data.num_rows)
@@ -84,17 +86,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control), control)
     control.leaving()  # before the barrier: past it, peers exit in any order
-    dist.barrier()
+    run_guarded(dist.barrier, control)  # a peer failing in its last steps ends this rank with its code
     control.release()
+    table = code == Exit.OK and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks
+    if table:
+        control.stop.finishing("training and its checkpoint are complete; finishing the benchmark table")
+    else:
+        control.stop.done()
     dist.destroy_process_group()
-    if code == Exit.OK and rank == spec.layout.drafter_ranks[0] and recipe.eval.at_end and recipe.eval.benchmarks:
+    if table:
         from dflash_ds.eval.benchmark_table import after_training
         from dflash_ds.report import finish_run
 
         code = after_training(recipe)  # the other ranks have gone: the devices are free
         if code == Exit.OK:
             finish_run(recipe.run.output_dir, None)  # the report again, now with the table
-    return code
+        control.stop.done()
+    # No interpreter teardown: the work is written, and a late signal must not end this rank by the
+    # default action while Python restores it (the launcher would take that for a failure).
+    exit_now(code)
+    return int(code)  # not reached: exit_now ends the process
 
 
 if __name__ == "__main__":

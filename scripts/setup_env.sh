@@ -1,9 +1,12 @@
 # Sourced by launch.sh and scripts/test.sh: make `python` one that can import dflash_ds and its
-# dependencies. Uses the active interpreter when it already can; otherwise creates .venv (seeing the
-# system's packages, so a preinstalled CUDA torch is reused) and installs the project into it.
+# dependencies. DFLASH_PYTHON, when set, is that interpreter; otherwise the project's .venv when it
+# has been set up, then the active interpreter when it already can; otherwise creates .venv (seeing
+# the system's packages, so a preinstalled CUDA torch is reused) and installs the project into it.
 _dflash_root=$(cd "$(dirname "$0")" && git rev-parse --show-toplevel 2>/dev/null || pwd)
 _dflash_ok() { "$1" -c "import dflash_ds, torch, deepspeed, transformers, datasets, yaml, safetensors" >/dev/null 2>&1; }
-if [ -x "$_dflash_root/.venv/bin/python" ] && _dflash_ok "$_dflash_root/.venv/bin/python"; then
+if [ -n "${DFLASH_PYTHON:-}" ]; then
+  PYTHON=$(command -v "$DFLASH_PYTHON") || { echo "[dflash] error: DFLASH_PYTHON=$DFLASH_PYTHON is not a program" >&2; exit 2; }
+elif [ -x "$_dflash_root/.venv/bin/python" ] && _dflash_ok "$_dflash_root/.venv/bin/python"; then
   PYTHON="$_dflash_root/.venv/bin/python"
 elif [ -z "${DFLASH_FORCE_VENV:-}" ] && _dflash_ok python3 && python3 -c "import pytest" >/dev/null 2>&1; then
   PYTHON=python3

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (used by the tests)
+from dflash_ds.guard.launch import free_port  # noqa: F401  (used by the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 

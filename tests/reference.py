@@ -1,18 +1,23 @@
-"""A single-process reference trainer: no DeepSpeed, no process groups, no transport.
+"""References the tests compare against: a single-process trainer and the dense float64 loss.
 
-It computes, in one process and in schedule order, exactly what the split runtime computes across
-ranks: the same micro-batches (rows of the same micro-batch ids), the same anchors, one loss
-normalised over the whole step, plain torch AdamW with the same schedule and clipping. Tests
-compare the distributed runs' losses against it; it is also the simplest reading of the method.
+`reference_losses` computes, in one process and in schedule order, exactly what the split runtime
+computes across ranks: the same micro-batches (rows of the same micro-batch ids), the same anchors,
+one loss normalised over the whole step, plain torch AdamW with the same schedule and clipping. The
+launcher tests compare the distributed runs' losses against it; it is also the simplest reading of
+the method. `dense_loss` is model/loss.py's loss the plain way: every logit at once in float64,
+gradients by autograd.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from dflash_ds.model.blocks import make_blocks
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import drafter_loss, make_blocks
+from dflash_ds.model.logit_transform import IDENTITY
+from dflash_ds.model.objective import drafter_loss
 from dflash_ds.resolve.run import RunSpec
 from dflash_ds.resolve.plan import lr_factor
 from dflash_ds.runtime.target_worker import TargetWorker
@@ -39,7 +44,7 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
         opt.zero_grad()
         total = 0.0
-        term = settings.selector_term(step, plan.total_steps)
+        term = settings.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(model, mb, bl, weight, settings, term)
             out.loss.backward()
@@ -52,3 +57,23 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         losses.append(total / float(weight))
     worker.capture.remove()
     return losses
+
+
+def dense_loss(hidden, weight, labels, weights, normaliser, kl=None, transform=IDENTITY):
+    """(loss, sum(w * CE), sum(w * KL), correct) of rows `hidden [n, D]` through `weight [V, D]`, in
+    float64, every logit materialised: loss = (sum(w * CE) + kl.weight * T^2 * sum(w * KL(p_T || q_T)))
+    / normaliser, both distributions through the target's logit `transform` (`kl`: a model.loss.KLTerm,
+    the target's states constant). Unsupervised rows (weight 0) add nothing, whatever their label."""
+    z = transform.apply(hidden.double() @ weight.double().T)
+    w = weights.double()
+    sup = w > 0
+    ce_sum = (w * F.cross_entropy(z, torch.where(sup, labels, 0), reduction="none")).sum()
+    kl_sum = torch.zeros((), dtype=torch.float64)
+    total = ce_sum
+    if kl is not None and kl.weight > 0:
+        t = kl.temperature
+        target = transform.apply(kl.target_hidden.double() @ weight.double().T).detach()
+        log_q, log_p = F.log_softmax(z / t, -1), F.log_softmax(target / t, -1)
+        kl_sum = (w * (log_p.exp() * (log_p - log_q)).sum(-1)).sum()
+        total = total + kl.weight * t * t * kl_sum
+    return total / normaliser, ce_sum, kl_sum, (z.argmax(-1) == labels) & sup

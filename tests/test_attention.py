@@ -8,7 +8,7 @@ from transformers import Qwen3Config
 from dflash_ds.model.attention import FLEX_BLOCK, attend, build_mask
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 
 
 def naive_layer_mask(anchors, valid, doc_ids, B, window, causal):
@@ -130,7 +130,7 @@ def tiny_model(block_size=4, seed=0):
     tgt = Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=50, rope_theta=1e4)
     shape = DrafterConfig(num_layers=2, block_size=block_size, mask_token_id=49, target_layer_ids=[1, 4])
-    cfg = DrafterShape.from_target(tgt, shape)
+    cfg = drafter_shape(tgt, shape)
     torch.manual_seed(seed)
     return DFlashDrafter(cfg).eval()
 
@@ -238,5 +238,5 @@ def test_mask_errors():
     anchors, valid, doc_ids, B = packed_case()
     with pytest.raises(ValueError, match="dense"):
         build_mask(anchors, valid, doc_ids, B, kind="sparse")
-    with pytest.raises(ValueError, match=r"drafter\.block_size"):
+    with pytest.raises(ValueError, match=r"^block_size must be >= 2"):
         build_mask(anchors, valid, doc_ids, 1)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds import bench
 from dflash_ds.model.attention import LayerAttention, build_mask
 from dflash_ds.target_model.presets import GEOMETRIES, target_config
-from dflash_ds.model.objective import sample_anchors
-from dflash_ds.model.loss import anchor_generator
+from dflash_ds.model.blocks import anchor_generator, sample_anchors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,14 +102,14 @@ def test_drafter_flops_by_hand():
     from dflash_ds.config import DrafterConfig
     from dflash_ds.model.shape import DrafterShape
 
-    dcfg = DrafterShape.from_target(target_config("tiny"),
+    dcfg = drafter_shape(target_config("tiny"),
                                      DrafterConfig(num_layers=2, block_size=BLOCK, mask_token_id=5))
     f = bench.drafter_step_flops(dcfg, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     assert f["total"] == tiny_drafter_flops(1234)
     assert f["total"] == f["dense"] + f["fuse"] + f["attention"] + f["lm_head"]
     # DFlash2: the kernel projections (2 per layer of 2 layers, 64 x 2*2*64/16), the selector's projection
     # (32 x 64) and the unary scores from 16 gathered lm_head rows, per block token.
-    v2 = DrafterShape.from_target(target_config("tiny"), DrafterConfig(
+    v2 = drafter_shape(target_config("tiny"), DrafterConfig(
         num_layers=2, block_size=BLOCK, mask_token_id=5, architecture="dflash2", selector_rank=32))
     f2 = bench.drafter_step_flops(v2, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     per_token = 6 * (2 * 2 * 64 * 16 + 32 * 64) + 4 * 16 * 64
@@ -272,7 +272,7 @@ def test_drafter_role(runs):
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model.shape import DrafterShape
 
-    dcfg = DrafterShape.from_target(target_config("tiny"),
+    dcfg = drafter_shape(target_config("tiny"),
                                      DrafterConfig(num_layers=2, block_size=BLOCK, mask_token_id=5))
     assert r["drafter_params"] == sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
     assert r["zero_stage"] == 2 and r["compiled_layers"] is False

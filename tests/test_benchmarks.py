@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.eval.benchmarks import BENCHMARKS, MATH_SUFFIX, load_conversations, parse_names, render_prompt
 from dflash_ds.eval.benchmark_table import table_lines
 from dflash_ds.eval.cli import main
@@ -42,9 +43,38 @@ def test_a_missing_or_malformed_set_fails_in_one_line(tmp_path):
     assert parse_names(" gsm8k , mt_bench,heldout") == ["gsm8k", "mt_bench", "heldout"]
 
 
+def test_every_record_of_a_benchmark_set_is_checked_before_launch(tmp_path):
+    from dflash_ds.config import load_recipe
+    from dflash_ds.guard.launch import check_benchmarks
+
+    good = json.dumps({"question": "What is 2 + 2?"})
+    (tmp_path / "gsm8k.jsonl").write_text(good + "\n" + good + "\n" + json.dumps({"text": "no question"}) + "\n")
+    r = load_recipe("recipes/tiny.yaml", ["eval.benchmarks=[gsm8k]", f"eval.bench_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"benchmark gsm8k: record 2 of .*gsm8k\.jsonl has no 'question'"):
+        check_benchmarks(r)
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("gsm8k.jsonl", b'{"question": "a"}\n{"question": "caf\xe9"}\n', ":2: bytes that are not UTF-8"),
+    ("gsm8k.jsonl", b'{"question": "a"}\n{"question": \n', ":2: not valid JSON"),
+    ("gsm8k.json", b'[{"question": "a"}, {"question": ]', ":1: not valid JSON"),
+])
+def test_an_unreadable_benchmark_file_is_named_with_its_set(tmp_path, capsys, name, content, needle):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_conversations("gsm8k", str(tmp_path), setting="eval.bench_dir")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"benchmark gsm8k: {tmp_path / name}") and needle in msg, msg
+    # The evaluator reads the sets before it loads any model: the same line, at once.
+    assert main(["--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter"),
+                 "--bench", "gsm8k", "--bench-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"benchmark gsm8k: {tmp_path / name}" in err and needle in err, err
+
+
 def test_recipe_names_its_benchmarks_and_checks_them_before_launch(tmp_path):
     from dflash_ds.config import RecipeError, load_recipe
-    from dflash_ds.runtime.prelaunch import check_benchmarks
+    from dflash_ds.guard.launch import check_benchmarks
 
     with pytest.raises(RecipeError, match="eval.benchmarks: unknown set"):
         load_recipe("recipes/tiny.yaml", ["eval.benchmarks=[gsm8k,aime]"])
@@ -124,7 +154,7 @@ def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.model.shape import DrafterShape
 
-    cfg = DrafterShape.from_target(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    cfg = drafter_shape(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                                vocab_size=64),
                                    DrafterConfig(num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=(1,)))
@@ -180,7 +210,7 @@ def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tm
     rows = json.loads((tmp_path / "benchmarks.json").read_text())
     assert [(r["bench"], r["sampling"], r["responses"]) for r in rows] == [
         ("gsm8k", "greedy", 1), ("gsm8k", "T=1", 2), ("mt_bench", "greedy", 2), ("mt_bench", "T=1", 4)]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "enable_thinking=false" in out and out.count("[dflash] gsm8k") == 2
     card = (tmp_path / "export" / "README.md").read_text()
     assert "| mt_bench | T=1 |" in card and "`enable_thinking: false`" in card

@@ -6,6 +6,7 @@ import pytest
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
 from dflash_ds.resolve.plan import lr_factor, resolve
+from dflash_ds.resolve.run import resolve_run
 
 TINY = "recipes/tiny.yaml"
 
@@ -29,6 +30,14 @@ def test_unknown_key_names_dotted_path(tmp_path):
         load_recipe(p)
 
 
+def test_a_removed_key_stops_in_one_line_saying_it_is_gone(tmp_path):
+    with pytest.raises(RecipeError, match=r"^recipe key 'objective\.fused_loss' is gone: .*delete the key$"):
+        load_recipe(TINY, ["objective.fused_loss=false"])
+    p = write(tmp_path, "target: {path: x}\ndata: {path: y}\nobjective: {fused_loss: true}\n")
+    with pytest.raises(RecipeError, match="is gone"):
+        load_recipe(p)
+
+
 def test_overrides_are_typed_and_validated():
     r = load_recipe(TINY, ["optim.lr=1e-4", "drafter.target_layer_ids=[0,2]", "data.pack=false"])
     assert r.optim.lr == 1e-4 and r.drafter.target_layer_ids == (0, 2) and r.data.pack is False
@@ -36,8 +45,9 @@ def test_overrides_are_typed_and_validated():
         load_recipe(TINY, ["optim.lrr=1"])
     with pytest.raises(RecipeError, match=r"optim\.grad_accum"):
         load_recipe(TINY, ["optim.grad_accum=two"])
-    with pytest.raises(RecipeError, match="block_size"):
-        load_recipe(TINY, ["drafter.block_size=1"])
+    # A drafter value is checked where it becomes a shape (before launch, resolve_run), once.
+    with pytest.raises(RecipeError, match=r"^drafter\.block_size must be >= 2"):
+        resolve_run(load_recipe(TINY, ["drafter.block_size=1"]), world_size=2)
     with pytest.raises(RecipeError, match="num_anchors"):
         load_recipe(TINY, ["objective.num_anchors=100000"])
     with pytest.raises(RecipeError, match="key.sub=value"):

@@ -9,7 +9,6 @@ import torch
 import yaml
 
 from dflash_ds.config import RecipeError, dump_yaml, load_recipe
-from dflash_ds.model.shape import COMPARED
 from dflash_ds.runtime import checkpoint
 from dflash_ds.resolve import contract
 
@@ -21,20 +20,56 @@ def tiny(run_dir, *over):
     return load_recipe(TINY, [f"run.output_dir={run_dir}", *over])
 
 
-def test_every_drafter_shape_setting_is_in_the_contract():
-    for setting in COMPARED.values():  # the one structure that defines the drafter's shape
-        assert setting.split()[0] in contract.CONTRACT
-    for key in ("drafter.block_size", "drafter.num_layers", "drafter.target_layer_ids", "data.row_length",
-                "data.max_length", "data.path", "run.seed", "optim.grad_accum", "target.path", "objective.kl_weight"):
+def test_the_data_and_tap_settings_are_in_the_contract():
+    for key in ("data.row_length", "data.max_length", "data.path", "run.seed", "optim.grad_accum", "target.path",
+                "objective.kl_weight"):
         assert key in contract.CONTRACT
     flat = contract.flat(load_recipe(TINY))
     assert all(k in flat for k in contract.CONTRACT), [k for k in contract.CONTRACT if k not in flat]
 
 
+def test_every_field_of_the_drafters_shape_is_compared_even_one_added_later():
+    """The shape is compared field by field from the dataclass itself: a field added later (here to a
+    subclass made on the fly) and an architecture's own fields cannot be forgotten."""
+    import dataclasses
+
+    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.resolve.drafter import drafter_shape
+    from dflash_ds.target_model.model import load_config
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-dflash2.yaml", ["run.output_dir=unused"])
+    base = drafter_shape(load_config(recipe.target.path), recipe.drafter)
+    Later = dataclasses.make_dataclass("Later", [("window_stride", int, dataclasses.field(default=0))],
+                                       bases=(DrafterShape,), frozen=True)
+    then = Later(**{f.name: getattr(base, f.name) for f in dataclasses.fields(DrafterShape)})
+    assert contract.shape_differences(then, then) == []
+    kernel = base.arch_fields.conv_kernel_size
+    now = dataclasses.replace(then, window_stride=4, mask_token_id=base.mask_token_id + 1,
+                              arch_fields=dataclasses.replace(base.arch_fields, conv_kernel_size=kernel + 1))
+    assert contract.shape_differences(then, now) == [
+        ("mask_token_id", base.mask_token_id, base.mask_token_id + 1), ("window_stride", 0, 4),
+        ("conv_kernel_size", kernel, kernel + 1)]
+
+
+@pytest.mark.parametrize("change, key", [
+    ("drafter.conv_kernel_size=3", "drafter.conv_kernel_size 2 -> 3"),
+    ("drafter.conv_group_size=8", "drafter.conv_group_size 16 -> 8"),
+    ("drafter.selector_rank=16", "drafter.selector_rank 32 -> 16"),
+    # The export's dflash_config carries it: a selector trained with one top-k would be exported with another.
+    ("drafter.selector_top_k=8", "drafter.selector_top_k 16 -> 8"),
+])
+def test_a_resume_that_changes_a_dflash2_field_is_refused(tmp_path, change, key):
+    dflash2 = REPO / "recipes" / "tiny-dflash2.yaml"
+    contract.record(load_recipe(dflash2, [f"run.output_dir={tmp_path}"]), 0)
+    with pytest.raises(RecipeError) as e:
+        contract.check_resume(load_recipe(dflash2, [f"run.output_dir={tmp_path}", change]), 100)
+    assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("changes, keys", [
     (["drafter.block_size=4"], ["drafter.block_size 8 -> 4"]),
     (["drafter.num_layers=3", "data.row_length=512"], ["drafter.num_layers 2 -> 3", "data.row_length 1024 -> 512"]),
-    (["drafter.target_layer_ids=[0,3]"], ["drafter.target_layer_ids null -> [0,3]"]),
+    (["drafter.target_layer_ids=[0,3]"], ["drafter.target_layer_ids [1,3] -> [0,3]"]),
     (["optim.grad_accum=2", "run.seed=5"], ["run.seed 0 -> 5", "optim.grad_accum 1 -> 2"]),
 ])
 def test_a_resume_that_changes_the_contract_stops_in_one_line_naming_each_key(tmp_path, changes, keys):
@@ -124,6 +159,7 @@ def _complete(run_dir: Path, tag: str) -> None:
     d = checkpoint.checkpoint_dir(run_dir) / tag
     d.mkdir(parents=True)
     (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    checkpoint.write_json_atomic(d / checkpoint.MANIFEST, {"files": checkpoint.file_sizes(d)})
 
 
 def test_a_damaged_checkpoint_advises_fallback_only_when_an_earlier_one_exists(tmp_path):

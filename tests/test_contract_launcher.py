@@ -43,16 +43,16 @@ def test_a_recipe_that_is_not_yaml_stops_launch_sh_in_one_line(tmp_path):
 
 
 def test_launch_sh_starts_nothing_when_its_pre_launch_step_crashes(tmp_path):
-    # A python3 that crashes in the pre-launch step only (as a bug there would), first on PATH.
+    # A python3 that crashes in the pre-launch step only (as a bug there would), named by DFLASH_PYTHON:
+    # launch.sh would otherwise prefer the project's .venv once `bash launch.sh` has made it.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
-    fake.write_text(f"#!/bin/sh\ncase \"$*\" in *dflash_ds.runtime.launch_env*) "
+    fake.write_text(f"#!/bin/sh\ncase \"$*\" in *dflash_ds.guard.launch*) "
                     f"echo 'Traceback (most recent call last): boom' >&2; exit 1;; esac\nexec {sys.executable} \"$@\"\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = cpu_env()
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    p = launch_sh([TINY, f"run.output_dir={tmp_path / 'run'}"], env=env)
+    env = cpu_env(DFLASH_PYTHON=str(fake))
+    p = launch_sh([TINY, f"run.output_dir={tmp_path / 'run'}"], env=env, timeout=120)
     assert p.returncode == 1, output(p)
     text = output(p)
     assert "boom" in text and "supervise" not in text and "could not convert" not in text
@@ -86,6 +86,25 @@ def test_unreachable_wandb_stops_in_seconds_without_a_lock(tmp_path):
     assert p.returncode == 2 and len(errors(p)) == 1, output(p)
     assert "log.wandb.mode=offline" in errors(p)[0] and "Traceback" not in output(p)
     assert time.monotonic() - t < 60 and not (run / "run.lock").exists()
+
+
+def test_an_unreachable_hub_costs_one_line_not_retries(tmp_path):
+    """A hub id while the hub is out of reach: one short probe, then the local HF cache only, instead
+    of ~30 s of retries per lookup before the same answer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = cpu_env(HF_ENDPOINT=f"http://127.0.0.1:{port}")
+    env.pop("HF_HUB_OFFLINE")
+    run = tmp_path / "run"
+    t = time.monotonic()
+    p = launch_sh([TINY, f"run.output_dir={run}", "data.path=someorg/missing-set", f"data.cache_dir={tmp_path / 'c'}"],
+                  env=env)
+    took = time.monotonic() - t
+    assert p.returncode == 2 and len(errors(p)) == 1, output(p)
+    assert errors(p)[0].startswith("[dflash] error: data.path: ") and "the hub is out of reach" in errors(p)[0]
+    assert "Retrying" not in output(p) and took < 40, (took, output(p))
+    assert not (run / "run.lock").exists()
 
 
 def test_a_resume_keeps_the_runs_contract(tmp_path):

@@ -73,6 +73,23 @@ def test_files_of_formats_that_cannot_be_one_table_are_refused_with_counts(tmp_p
     assert "messages 7, conversations 5" in msg and "own file" in msg
 
 
+def test_a_directory_of_parquet_json_and_jsonl_files_loads_every_file(tmp_path):
+    """`datasets` reads a directory as one format (the most common extension) and skips the rest."""
+    import datasets
+
+    from dflash_ds.data.sources import load_rows
+
+    d = tmp_path / "data"
+    d.mkdir()
+    _write(d / "a.jsonl", [_as("messages", k) for k in range(4)])
+    _write(d / "b.jsonl", [_as("messages", k) for k in range(4, 8)])
+    (d / "c.json").write_text(json.dumps([_as("messages", k) for k in range(8, 11)]))
+    datasets.Dataset.from_list([_as("messages", k) for k in range(11, 16)]).to_parquet(str(d / "d.parquet"))
+    ds = load_rows(str(d), "train", str(tmp_path / "hf"))
+    got = sorted(int(r["messages"][0]["content"].split()[2]) for r in ds)
+    assert got == list(range(16))
+
+
 def test_drops_above_the_threshold_stop_naming_reasons_and_counts(tmp_path, tok):
     records = [_as("messages", k) for k in range(60)]
     for k in range(0, 60, 4):  # 15 of 60 with a role the chat format does not have
@@ -119,11 +136,11 @@ def test_a_damaged_cache_entry_is_reported_in_one_line_and_rebuilt(tmp_path, tok
     assert D.cache_damage(folder) is not None or damage == "garbage_same_size"
     capsys.readouterr()
     again = D.prepare(cfg, tok, verbose=False)
-    out = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    out = [line for line in capsys.readouterr().err.splitlines() if "damaged" in line]
     assert len(out) == 1 and str(folder) in out[0] and "rebuilding" in out[0], out
     assert Path(again.cache_path) == folder and D.cache_damage(folder) is None
     for k in D.ROW_FIELDS:
         assert np.array_equal(np.asarray(again.rows[k]), want[k])
     capsys.readouterr()
     D.prepare(cfg, tok, verbose=True)  # and the rebuilt entry is reused
-    assert "reusing" in capsys.readouterr().out
+    assert "reusing" in capsys.readouterr().err

@@ -12,16 +12,15 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.model.attention import build_mask
-from dflash_ds.model.dflash2 import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
+from dflash_ds.model.variants.dflash2_parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.linear_ce import linear_cross_entropy_top_k
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.logit_transform import IDENTITY
-from dflash_ds.model.loss import Blocks, MicroBatch, StepSettings, drafter_loss
-from dflash_ds.model.objective import block_inputs, block_targets
+from dflash_ds.model.blocks import Blocks, MicroBatch, block_inputs, block_targets
+from dflash_ds.model.objective import StepSettings, drafter_loss
 
 D, VOCAB, B = 64, 300, 4
 
@@ -37,7 +36,7 @@ def drafter(architecture="dflash2", seed=0, dtype=torch.float64, **kw):
                          architecture=architecture, conv_group_size=kw.pop("conv_group_size", 8),
                          selector_rank=kw.pop("selector_rank", 12), selector_top_k=kw.pop("selector_top_k", 5), **kw)
     torch.manual_seed(seed)
-    return DFlashDrafter(DrafterShape.from_target(target_config(), shape)).to(dtype)
+    return DFlashDrafter(drafter_shape(target_config(), shape)).to(dtype)
 
 
 def inputs(model, seed=0, n_blocks=3):
@@ -358,16 +357,6 @@ def test_selector_weight_schedule():
     assert selector_alpha(0, 10, 1.0, 0.0, 0.0) == 1.0
 
 
-def test_linear_ce_top_k_is_the_logits_top_k():
-    g = torch.Generator().manual_seed(0)
-    h, w = torch.randn(37, 16, generator=g), torch.randn(90, 16, generator=g)
-    labels = torch.randint(0, 90, (37,), generator=g)
-    out = linear_cross_entropy_top_k(h, w, labels, torch.ones(37), 37.0, (4, 6))
-    ref = (h @ w.T).topk(6)
-    assert torch.equal(out[4], ref.indices)
-    torch.testing.assert_close(out[5], ref.values)
-
-
 def micro_batch(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     S = 24
@@ -385,11 +374,10 @@ def micro_batch(model, seed=0):
     return mb, Blocks(anchors, valid, block_ids, block_pos, pos, labels.reshape(1, -1), weights.reshape(1, -1), mask)
 
 
-@pytest.mark.parametrize("fused,inject,kl", [(True, False, 0.0), (False, False, 0.0), (True, True, 0.0),
-                                             (True, False, 0.5), (False, True, 0.5)])
-def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
-    """The total is the base loss (CE, or CE + KL) plus alpha times the float64 reference selector term,
-    on the fused and the unfused lm_head paths; the candidates come from the base loss's logits."""
+@pytest.mark.parametrize("inject,kl", [(False, 0.0), (True, 0.0), (False, 0.5), (True, 0.5)])
+def test_drafter_loss_adds_alpha_times_the_selector_term(inject, kl):
+    """The total is the base loss (CE, or CE + KL) plus alpha times the float64 reference selector term;
+    the candidates come from the base loss's logits."""
     # A wide top-k: random labels must land among the candidates of some slots for the strict loss.
     m = drafter("dflash2", selector_top_k=8 if inject else 96)
     with torch.no_grad():
@@ -402,7 +390,7 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
     if kl:
         mb.final_hidden = torch.randn(1, mb.input_ids.shape[1], D, generator=g, dtype=torch.float64)
     settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
-                            fused_loss=fused, kl_weight=kl)
+                            kl_weight=kl)
     w = float(bl.weights.sum())
     out = drafter_loss(model, mb, bl, w, settings, SelectorTerm(0.7, inject, False))
     base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings)
@@ -417,8 +405,8 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
                                       bl.weights.view(-1, B)[:, 1:].reshape(-1).double(), inject)
     torch.testing.assert_close(out.loss, base.loss + 0.7 * ref / w, rtol=1e-9, atol=1e-9)
     assert (float(out.kl_sum) > 0) == (kl > 0)
-    torch.testing.assert_close(out.selector[0], ref, rtol=1e-9, atol=1e-9)
-    assert float(ref) > 0 and (inject or float(out.selector[1]) > 0)
+    torch.testing.assert_close(out.extra[0], ref, rtol=1e-9, atol=1e-9)
+    assert float(ref) > 0 and (inject or float(out.extra[1]) > 0)
     out.loss.backward()
     assert m.candidate_selector.predecessor_codebook.grad.abs().sum() > 0
 
@@ -426,8 +414,7 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(fused, inject, kl):
 def test_selector_adds_no_lm_head_pass_and_no_vocab_by_rank_tensor():
     """Forward + backward of a DFlash2 micro-batch multiplies by the lm_head exactly as often as v1's (the
     candidates come from the base loss's logits), and no op creates a tensor of [rows, V, r] size."""
-    from .test_kl import PeakOutput
-    from .test_linear_ce import HeadMatmuls
+    from .test_loss import HeadMatmuls, PeakOutput
 
     g = torch.Generator().manual_seed(5)
     embed = torch.randn(VOCAB, D, generator=g, dtype=torch.float64)

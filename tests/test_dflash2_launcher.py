@@ -60,7 +60,7 @@ def test_tiny_dflash2_trains_exports_and_evaluates(tmp_path):
 
     from dflash_ds.export import load_drafter
     drafter = load_drafter(run_dir / "export")
-    assert drafter.config.dflash2 and drafter.candidate_selector.successor_codebook.abs().sum() > 0
+    assert drafter.config.architecture == "dflash2" and drafter.candidate_selector.successor_codebook.abs().sum() > 0
 
 
 def test_gpu_bench_script_runs_its_toy_variant_on_cpu(tmp_path):

@@ -14,8 +14,9 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.taps import build_target_layer_ids
-from dflash_ds.model.objective import LossOptions, chunked_loss
+from dflash_ds.model.loss import LossOptions, linear_cross_entropy
 
 D, VOCAB = 64, 300
 
@@ -31,7 +32,7 @@ def qwen3_target(**kw):
 def tiny_drafter(num_layers=2, block_size=4, seed=0, dtype=torch.float64, **kw):
     shape = DrafterConfig(num_layers=num_layers, block_size=block_size, mask_token_id=VOCAB - 1,
                          target_layer_ids=[1, 4, 6], **kw)
-    cfg = DrafterShape.from_target(qwen3_target(), shape)
+    cfg = drafter_shape(qwen3_target(), shape)
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg).to(dtype)
     with torch.no_grad():  # norms start at exactly 1: perturb so that a wrong norm weight shows
@@ -55,7 +56,7 @@ def test_build_target_layer_ids():
 # ---------------------------------------------------------------------------------- config
 
 def test_from_qwen3_config():
-    cfg = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=5, block_size=16, mask_token_id=VOCAB - 1))
+    cfg = drafter_shape(qwen3_target(), DrafterConfig(num_layers=5, block_size=16, mask_token_id=VOCAB - 1))
     # 8 layers, 5 taps -> ids round(1 + i*4/4) = 1..5
     assert cfg.target_layer_ids == (1, 2, 3, 4, 5)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) \
@@ -70,8 +71,8 @@ def test_from_qwen3_5_text_and_multimodal_config():
                              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=VOCAB,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-    a = DrafterShape.from_target(text, DrafterConfig(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
-    b = DrafterShape.from_target(Qwen3_5Config(text_config=text.to_dict()),
+    a = drafter_shape(text, DrafterConfig(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
+    b = drafter_shape(Qwen3_5Config(text_config=text.to_dict()),
                                   DrafterConfig(num_layers=2, block_size=16, mask_token_id=VOCAB - 1))
     assert a == b
     # Unlisted size: the target's own head geometry; theta from rope_parameters, full rotary.
@@ -85,7 +86,7 @@ def test_from_qwen3_6_27b_geometry():
     text = Qwen3_5TextConfig(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                              num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-    cfg = DrafterShape.from_target(Qwen3_5Config(text_config=text.to_dict()),
+    cfg = drafter_shape(Qwen3_5Config(text_config=text.to_dict()),
                                     DrafterConfig(num_layers=5, block_size=16, mask_token_id=248070))
     geometry = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
     assert geometry == (32, 8, 128, 17408)
@@ -93,7 +94,7 @@ def test_from_qwen3_6_27b_geometry():
     per_layer = 5120 * 128 * (32 + 8 + 8 + 32) + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
     total = 5 * per_layer + 5 * 5120 * 5120 + 2 * 5120
     assert abs(total / 1e9 - 1.73) < 0.01  # docs/algorithm.md section 1: ~1.73B trainable parameters
-    over = DrafterShape.from_target(text, DrafterConfig(num_layers=5, block_size=16, mask_token_id=248070,
+    over = drafter_shape(text, DrafterConfig(num_layers=5, block_size=16, mask_token_id=248070,
                                                         num_attention_heads=40, num_key_value_heads=4, head_dim=64,
                                                         intermediate_size=1000))
     geometry = (over.num_attention_heads, over.num_key_value_heads, over.head_dim, over.intermediate_size)
@@ -105,15 +106,15 @@ def test_from_moe_config_needs_intermediate_size():
     moe = Qwen3_5MoeTextConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"drafter\.intermediate_size"):
-        DrafterShape.from_target(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1))
-    assert DrafterShape.from_target(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1,
+        drafter_shape(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1))
+    assert drafter_shape(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1,
                                                        intermediate_size=256)).intermediate_size == 256
 
 
 def test_shape_from_the_recipe_section():
     section = DrafterConfig(num_layers=3, target_layer_ids=(1, 5), block_size=8, mask_token_id=9, head_dim=8,
                              num_attention_heads=6, num_key_value_heads=3, intermediate_size=40)
-    cfg = DrafterShape.from_target(qwen3_target(), section)
+    cfg = drafter_shape(qwen3_target(), section)
     assert (cfg.num_hidden_layers, cfg.target_layer_ids, cfg.block_size, cfg.mask_token_id) == (3, (1, 5), 8, 9)
     assert (cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (40, 6, 3, 8)
     assert cfg.layer_types == ("full_attention",) * 3
@@ -124,10 +125,10 @@ def test_every_consumer_reads_the_one_shape():
     import torch
 
     from dflash_ds.config import ObjectiveConfig, Recipe
-    from dflash_ds.model.loss import StepSettings
+    from dflash_ds.model.objective import StepSettings
     from dflash_ds.resolve.run import payload_layout
 
-    shape = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9,
+    shape = drafter_shape(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9,
                                                                     target_layer_ids=(1, 2, 3)))
     settings = StepSettings.of(shape, ObjectiveConfig(), 0, torch.device("cpu"))
     assert (settings.block_size, settings.mask_token_id, settings.shape) == (8, 9, shape)
@@ -140,8 +141,8 @@ def test_every_consumer_reads_the_one_shape():
 
 
 def test_unknown_layer_types_are_refused():
-    shape = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9))
-    with pytest.raises(ValueError, match="not supported"):
+    shape = drafter_shape(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9))
+    with pytest.raises(ValueError, match="each entry must be one of"):
         shape.replace(layer_types=("full_attention", "chunked_attention"))
     with pytest.raises(ValueError, match="sliding_window is not set"):
         shape.replace(layer_types=("full_attention", "sliding_attention"))
@@ -154,13 +155,13 @@ def test_from_llama_config():
                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16384, rope_theta=5e5,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    cfg = DrafterShape.from_target(tgt, DrafterConfig(num_layers=1, block_size=8, mask_token_id=0))
+    cfg = drafter_shape(tgt, DrafterConfig(num_layers=1, block_size=8, mask_token_id=0))
     assert cfg.head_dim == 8 and cfg.num_attention_heads == 8 and cfg.num_key_value_heads == 2
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling is None and cfg.target_layer_ids == (3,)
 
 
 def test_hf_config_exact_and_round_trip():
-    cfg = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=2, block_size=16, mask_token_id=7,
+    cfg = drafter_shape(qwen3_target(), DrafterConfig(num_layers=2, block_size=16, mask_token_id=7,
                                                                  target_layer_ids=[1, 4, 6]))
     hf = cfg.to_hf_config()
     expected = {
@@ -200,11 +201,11 @@ def test_config_errors_name_the_setting(kwargs, setting):
     args = dict(num_layers=2, block_size=16, mask_token_id=5)
     args.update(kwargs)
     with pytest.raises(ValueError, match=setting.replace(".", r"\.")):
-        DrafterShape.from_target(qwen3_target(), DrafterConfig(**args))
+        drafter_shape(qwen3_target(), DrafterConfig(**args))
 
 
 def test_rope_scaling_other_than_default_is_refused():
-    cfg = DrafterShape.from_target(qwen3_target(), DrafterConfig(num_layers=1, block_size=4, mask_token_id=5))
+    cfg = drafter_shape(qwen3_target(), DrafterConfig(num_layers=1, block_size=4, mask_token_id=5))
     hf = cfg.to_hf_config()
     with pytest.raises(ValueError, match="rope_scaling"):
         DrafterShape.from_hf_config(dict(hf, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
@@ -369,7 +370,8 @@ def _loss_and_grads(model, x, lm_head):
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, VOCAB, hidden.shape[:2], generator=g)
     weights = torch.rand(hidden.shape[:2], generator=g, dtype=torch.float64)
-    out = chunked_loss(hidden, lm_head, labels, weights, normaliser=weights.sum(), options=LossOptions(num_chunks=3))
+    out = linear_cross_entropy(hidden.flatten(0, 1), lm_head, labels.flatten(), weights.flatten(), weights.sum(),
+                               LossOptions(num_chunks=3))
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -4,6 +4,7 @@ and the target's taps cast once at the sender."""
 import pytest
 import torch
 
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
@@ -89,7 +90,7 @@ def test_float32_target_taps_are_cast_once_at_the_sender():
     assert torch.equal(mb.taps, want)
     assert torch.equal(mb.input_ids, ids) and torch.equal(mb.loss_mask, loss_mask.bool())
     shape = DrafterConfig(num_layers=1, block_size=4, mask_token_id=1, target_layer_ids=taps)
-    cfg = DrafterShape.from_target(target.config, shape)
+    cfg = drafter_shape(target.config, shape)
     drafter = DFlashDrafter(cfg).to(torch.bfloat16)
     assert drafter.fuse(mb.taps).dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="dtype"):

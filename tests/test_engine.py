@@ -23,10 +23,11 @@ from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.sampled import Sampling, ratio_se, sampled_continuation
 from dflash_ds.eval.tau import anchor_drafts, tau_from_taps
 from dflash_ds.export import save_drafter
+from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import MicroBatch, StepSettings, drafter_loss, make_blocks
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.resolve.drafter import drafter_shape
 from tests.llama_cpp import FLOAT32, FLOAT32_DRAFT, ROOT, build
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]  # a cold build is part of the first test
@@ -66,7 +67,7 @@ def train(tiny, recipe_path: str) -> DraftModel:
     process, rows of one conversation each (so fewer anchors per row than the recipe's packed rows)."""
     recipe = load_recipe(ROOT / recipe_path)
     target, seqs = tiny["target"], tiny["sequences"]
-    shape = DrafterShape.from_target(target.config, recipe.drafter)
+    shape = drafter_shape(target.config, recipe.drafter)
     objective = dataclasses.replace(recipe.objective, num_anchors=ANCHORS, loss_chunks=1)
     settings = StepSettings.of(shape, objective, recipe.run.seed, torch.device("cpu"))
     torch.manual_seed(recipe.run.seed)
@@ -84,7 +85,7 @@ def train(tiny, recipe_path: str) -> DraftModel:
         rows = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(step))[:ROWS]
         mb = MicroBatch(taps[rows], ids[rows], loss_mask[rows], doc_ids[rows])
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.selector_term(step, STEPS))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, STEPS))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

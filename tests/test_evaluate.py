@@ -15,12 +15,13 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
 from dflash_ds.export import save_drafter
-from dflash_ds.model.objective import LossOptions, block_inputs, block_targets, chunked_loss, sample_anchors
+from dflash_ds.model.blocks import block_inputs, block_targets, sample_anchors
+from dflash_ds.model.loss import LossOptions, block_loss
 from dflash_ds.eval.specdec import draft_block, speculative_generate
 
 
@@ -87,7 +88,7 @@ def tiny_target():
 
 def train_drafter(target, sequences, steps, seed=0):
     """Plain single-process training with the objective's functions (dense mask, AdamW)."""
-    cfg = DrafterShape.from_target(target.config, DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK,
+    cfg = drafter_shape(target.config, DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK,
                                                                 target_layer_ids=LAYER_IDS))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()
@@ -106,8 +107,7 @@ def train_drafter(target, sequences, steps, seed=0):
         labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid, B, None)
         mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
         hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
-        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(),
-                           LossOptions(2, checkpoint=False))
+        out = block_loss(hidden, head, labels, weights, weights.sum(), LossOptions(2))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

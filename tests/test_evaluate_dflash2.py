@@ -12,10 +12,13 @@ from dflash_ds.model.attention import DFlashMask
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
 from dflash_ds.eval.specdec import draft_block, speculative_generate
 from dflash_ds.eval.tau import accept_lengths
-from dflash_ds.model.draft_model import DraftModel, draft_tokens
+from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.variants.base import argmax_tokens
+from dflash_ds.model.variants.dflash2 import SelectorSchedule
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import MicroBatch, SelectorSchedule, StepSettings, drafter_loss, make_blocks
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.blocks import MicroBatch, make_blocks
+from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.resolve.drafter import drafter_shape
 
 
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
@@ -33,7 +36,7 @@ def world():
     sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                              architecture="dflash2", conv_group_size=16, selector_rank=16, selector_top_k=8)
-    shape = DrafterShape.from_target(target.config, section)
+    shape = drafter_shape(target.config, section)
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).double()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
@@ -44,11 +47,11 @@ def world():
     mb = MicroBatch(torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences]), x, loss_mask,
                     torch.zeros_like(x, dtype=torch.int32))
     settings = StepSettings(shape=shape, num_anchors=24, gamma=4.0, loss_chunks=2, mask_kind="dense", seed=0,
-                            selector=SelectorSchedule(alpha=1.0, inject_gold=True))
+                            arch_loss=SelectorSchedule(alpha=1.0, inject_gold=True))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(120):
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.selector_term(step, 120))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, 120))
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -94,7 +97,7 @@ def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
         with torch.no_grad():
             hidden = drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]),
                              torch.arange(t, t + B)[None], torch.arange(t)[None], mask)
-        differs += int(not torch.equal(draft_tokens(hidden[0, 1:], model.lm_head), drafts))
+        differs += int(not torch.equal(argmax_tokens(hidden[0, 1:], model.lm_head), drafts))
     assert a.tolist() == expected
     assert differs > 0
 
@@ -122,7 +125,7 @@ def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
                 ours = model.draft(hidden, x[t:t + 1])
                 theirs = sglang_lattice_walk(drafter.candidate_selector, hidden, model.lm_head, x[t:t + 1])
             assert torch.equal(ours, theirs), t
-            differs += int(not torch.equal(ours, draft_tokens(hidden, model.lm_head)))
+            differs += int(not torch.equal(ours, argmax_tokens(hidden, model.lm_head)))
     assert differs > 0
 
 

@@ -13,7 +13,8 @@ from transformers import Qwen3Config
 import dflash_ds.export as export
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.model.variants import VARIANTS
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model_card import TauFacts
 from tests.remote_case import block_case, serving_call, training_call
@@ -30,7 +31,7 @@ def tiny_target_config():
 def make_drafter(seed=0, num_layers=2, target_layer_ids=(1, 3, 5)):
     shape = DrafterConfig(num_layers=num_layers, block_size=8, mask_token_id=VOCAB - 1,
                          target_layer_ids=list(target_layer_ids))
-    cfg = DrafterShape.from_target(tiny_target_config(), shape)
+    cfg = drafter_shape(tiny_target_config(), shape)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():
@@ -227,7 +228,7 @@ def test_automodel_loads_the_export_and_computes_the_drafter(tmp_path):
     out = save_drafter(make_drafter(seed=3), tmp_path / "export")
     source = (out / "modeling_dflash.py").read_text()
     assert "dflash_ds" not in source.replace("dflash-ds", "")  # self-contained
-    assert json.loads((out / "config.json").read_text())["auto_map"] == export.AUTO_MAP
+    assert json.loads((out / "config.json").read_text())["auto_map"] == VARIANTS["dflash"].auto_map
     # Serving engines (no trust_remote_code) still get the plain qwen3 config.
     plain = AutoConfig.from_pretrained(out)
     assert type(plain) is Qwen3Config and plain.hidden_size == D

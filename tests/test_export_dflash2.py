@@ -17,6 +17,9 @@ from dflash_ds.model.attention import build_mask
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.model.variants import VARIANTS
+from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.remote_case import block_case, serving_call, training_call
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "dflash2_header_rules.json").read_text())
@@ -33,7 +36,7 @@ def make_drafter(seed=0, num_layers=2):
     section = DrafterConfig(num_layers=num_layers, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
                              architecture="dflash2", conv_group_size=16, selector_rank=12, selector_top_k=6)
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    drafter = DFlashDrafter(drafter_shape(tiny_target_config(), section))
     with torch.no_grad():  # every tensor distinct (the convolutions and selector included)
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -70,8 +73,8 @@ def test_expected_shapes_follow_the_public_rules_at_the_published_width():
                          num_attention_heads=ex["H"], num_key_value_heads=ex["KV"], head_dim=ex["HD"],
                          rms_norm_eps=1e-5, rope_theta=5e5, rope_scaling=None, max_position_embeddings=131072,
                          vocab_size=ex["V"], num_target_layers=52, target_layer_ids=(1, 13, 25, 37, 49),
-                         block_size=16, mask_token_id=201818, tie_word_embeddings=False, conv_kernel_size=ex["K"],
-                         conv_group_size=ex["G"], selector_rank=ex["R"], selector_top_k=16)
+                         block_size=16, mask_token_id=201818, tie_word_embeddings=False, architecture="dflash2",
+                         arch_fields=DFlash2Fields(ex["K"], ex["G"], ex["R"], 16))
     assert export.expected_shapes(shape) == rule_shapes(ex, ex["layers"])
 
 
@@ -82,8 +85,8 @@ def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
         got = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
         dtypes = {f.get_slice(n).get_dtype() for n in f.keys()}
     cfg = drafter.config
-    symbols = dict(D=D, H=HEADS, KV=KV_HEADS, HD=HEAD_DIM, I=INTER, T=3, K=cfg.conv_kernel_size,
-                   G=cfg.conv_group_size, R=cfg.selector_rank, V=VOCAB)
+    symbols = dict(D=D, H=HEADS, KV=KV_HEADS, HD=HEAD_DIM, I=INTER, T=3, K=cfg.arch_fields.conv_kernel_size,
+                   G=cfg.arch_fields.conv_group_size, R=cfg.arch_fields.selector_rank, V=VOCAB)
     assert got == rule_shapes(symbols, 2)
     assert dtypes == {"BF16"}
     config = json.loads((out / "config.json").read_text())
@@ -96,7 +99,7 @@ def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
     present = [k for k in rules["top_level_keys"] if k in config]
     assert {"num_target_layers", "layer_types", "use_sliding_window", "sliding_window",
             "max_window_layers"} <= set(present)
-    assert config["auto_map"] == export.AUTO_MAP_V2
+    assert config["auto_map"] == VARIANTS["dflash2"].auto_map
     card = (out / "README.md").read_text()
     assert "# DFlash2 drafter" in card and '"num_speculative_tokens": 7' in card
     assert "--speculative-num-draft-tokens 8" in card and "DFlash2DraftModel" in card
@@ -106,7 +109,7 @@ def test_round_trip_is_bit_exact_and_a_v1_reader_refuses_nothing_silently(tmp_pa
     drafter = make_drafter(seed=1)
     out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
     back = load_drafter(out)
-    assert back.config == drafter.config and back.config.dflash2
+    assert back.config == drafter.config and back.config.architecture == "dflash2"
     for n, t in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[n], t), n
     # A DFlash2 config with a missing field is refused, naming it.
@@ -190,7 +193,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
                              layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
                              is_causal=is_causal)
     torch.manual_seed(4)
-    drafter = DFlashDrafter(DrafterShape.from_target(tiny_target_config(), section))
+    drafter = DFlashDrafter(drafter_shape(tiny_target_config(), section))
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)

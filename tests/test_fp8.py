@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.resolve.quantization import refusal
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.target_model import fp8
 from dflash_ds.target_model.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
@@ -47,7 +48,7 @@ def taps_of(model, ids, layers=(0, 1, 2, 3), doc_ids=None):
                       dtype=model.model.embed_tokens.weight.dtype)
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids) if doc_ids is None else None
     if doc_ids is not None:
-        from dflash_ds.data.packing import position_ids_from_doc_ids
+        from dflash_ds.model.blocks import position_ids_from_doc_ids
 
         positions = position_ids_from_doc_ids(doc_ids)
     forward_taps(model, cap, ids, positions, out, doc_ids=doc_ids)
@@ -276,15 +277,15 @@ def section(**kw):
 
 
 def test_refusals_name_the_setting():
-    assert fp8.refusal(section(), "cuda", "replica", False) is None
-    assert fp8.refusal(section(quantization="none"), "cpu", "zero3", False) is None
-    assert "run.device is cpu" in fp8.refusal(section(), "cpu", "replica", False)
-    assert "ZeRO-3" in fp8.refusal(section(), "cuda", "zero3", False)
-    assert "an FP8 checkpoint" in fp8.refusal(section(quantization="none"), "cuda", "zero3", True)
-    assert "target.dtype=bfloat16" in fp8.refusal(section(dtype="float32"), "cuda", "replica", False)
-    assert "target.adapter" in fp8.refusal(section(adapter="a"), "cuda", "replica", True)
-    assert fp8.refusal(section(adapter="a"), "cuda", "replica", False) is None  # merged in bf16, then quantized
-    for msg in (fp8.refusal(section(), "cpu", "replica", False), fp8.refusal(section(), "cuda", "zero3", False)):
+    assert refusal(section(), "cuda", "replica", False) is None
+    assert refusal(section(quantization="none"), "cpu", "zero3", False) is None
+    assert "run.device is cpu" in refusal(section(), "cpu", "replica", False)
+    assert "ZeRO-3" in refusal(section(), "cuda", "zero3", False)
+    assert "an FP8 checkpoint" in refusal(section(quantization="none"), "cuda", "zero3", True)
+    assert "target.dtype=bfloat16" in refusal(section(dtype="float32"), "cuda", "replica", False)
+    assert "target.adapter" in refusal(section(adapter="a"), "cuda", "replica", True)
+    assert refusal(section(adapter="a"), "cuda", "replica", False) is None  # merged in bf16, then quantized
+    for msg in (refusal(section(), "cpu", "replica", False), refusal(section(), "cuda", "zero3", False)):
         assert "\n" not in msg and "target." in msg
 
 

@@ -1,5 +1,5 @@
 """The target's scaling around its embedding and lm_head (model/logit_transform.py): read from the
-target's config, applied by the loss (fused and unfused, with and without the KL term), the
+target's config, applied by the loss (with and without the KL term), the
 selector, the greedy walk, the block embeddings and the exported remote code, each against a
 float64 computation of the transformed logits."""
 
@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, Qwen3Config
 
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.dflash2 import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
+from dflash_ds.model.variants.dflash2_parts import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales
-from dflash_ds.model.objective import KLTerm, LossOptions, chunked_loss
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
+from dflash_ds.resolve.drafter import drafter_shape
+from tests.reference import dense_loss
 from tests.test_dflash2 import reference_selector_loss
 from tests.test_selector_kernels import selector_case
 
@@ -45,22 +47,8 @@ def test_transform_and_its_slope():
     assert IDENTITY.identity and not TRANSFORM.identity and IDENTITY.apply(x) is x
 
 
-def reference_loss(hidden, weight, labels, weights, normaliser, transform, kl=None):
-    z = transform.apply(hidden @ weight.T)
-    sup = weights > 0
-    ce = F.cross_entropy(z, torch.where(sup, labels, 0), reduction="none")
-    total = (weights * ce).sum()
-    if kl is not None:
-        weight_kl, temperature, target_hidden = kl
-        log_p = torch.log_softmax(transform.apply(target_hidden @ weight.T) / temperature, -1)
-        log_q = torch.log_softmax(z / temperature, -1)
-        total = total + weight_kl * temperature ** 2 * (weights * (log_p.exp() * (log_p - log_q)).sum(-1)).sum()
-    return total / normaliser
-
-
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("with_kl", [False, True])
-def test_loss_applies_the_transform_to_the_drafter_and_the_target_logits(fused, with_kl):
+def test_loss_applies_the_transform_to_the_drafter_and_the_target_logits(with_kl):
     g = torch.Generator().manual_seed(0)
     b, q, d, v, bs = 2, 12, 16, 50, 4
     hidden = torch.randn(b, q, d, generator=g, dtype=torch.float64) * 3
@@ -73,13 +61,13 @@ def test_loss_applies_the_transform_to_the_drafter_and_the_target_logits(fused, 
     results = {}
     for transform in (TRANSFORM, IDENTITY):
         h = hidden.clone().requires_grad_()
-        out = chunked_loss(h, weight, labels, weights, 5.0, LossOptions(3, bs, fused=fused, logits=transform), kl)
+        out = block_loss(h, weight, labels.view(b, -1, bs), weights.view(b, -1, bs), 5.0, LossOptions(3, 0, transform),
+                         kl)
         (grad,) = torch.autograd.grad(out.loss, h)
         href = hidden.clone().requires_grad_()
-        slots = torch.ones(b, q, dtype=torch.bool)
-        slots.view(b, -1, bs)[..., 0] = False
-        ref = reference_loss(href[slots], weight, labels[slots], weights[slots], 5.0, transform,
-                             (0.7, 2.0, target_hidden[slots]) if with_kl else None)
+        rows_kl = KLTerm(0.7, 2.0, slot_rows(target_hidden, bs)) if with_kl else None
+        ref = dense_loss(slot_rows(href, bs), weight, slot_rows(labels, bs), slot_rows(weights, bs), 5.0, rows_kl,
+                         transform)[0]
         (ref_grad,) = torch.autograd.grad(ref, href)
         torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
@@ -133,7 +121,7 @@ def gemma_like_drafter(architecture):
     section = DrafterConfig(num_layers=2, block_size=4, mask_token_id=127, target_layer_ids=[1, 3, 5],
                              architecture=architecture, selector_rank=6, selector_top_k=8)
     torch.manual_seed(0)
-    return DFlashDrafter(DrafterShape.from_target(target, section))
+    return DFlashDrafter(drafter_shape(target, section))
 
 
 def test_a_scaled_target_gives_a_scaled_drafter_that_embeds_and_exports_the_same(tmp_path):

@@ -1,7 +1,6 @@
-"""The DFlash objective (docs/algorithm.md sections 4-5): anchors, labels, weights (hand-worked), chunked loss (with and
-without the optional KL term) against a float64 dense reference, lm_head matmul count and equal
-chunk shapes under checkpointing, the training metrics, and the absence of host syncs and
-data-dependent shapes on the whole path (forward and backward)."""
+"""The DFlash objective (docs/algorithm.md sections 4-5): anchors, labels, weights (hand-worked), the
+training metrics, and the absence of host syncs and data-dependent shapes on the whole path from
+anchors to the loss's gradient (the loss itself: tests/test_loss.py)."""
 
 import math
 
@@ -9,18 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.model.objective import (
-    KLTerm,
-    LossOptions,
-    acceptance_proxy,
-    block_inputs,
-    block_targets,
-    chunked_loss,
-    decay_weights,
-    default_gamma,
-    sample_anchors,
-    valid_anchor_mask,
-)
+from dflash_ds.model.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
+                                    slot_target_states, valid_anchor_mask)
+from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
+from dflash_ds.model.objective import acceptance_proxy
 
 E = math.exp
 
@@ -42,9 +33,9 @@ def test_default_gamma_and_decay():
     w = decay_weights(5, 2.0)
     assert w.dtype == torch.float32
     torch.testing.assert_close(w, torch.tensor([0.0, 1.0, E(-0.5), E(-1.0), E(-1.5)]))
-    with pytest.raises(ValueError, match=r"objective\.gamma"):
+    with pytest.raises(ValueError, match=r"^gamma must be > 0"):
         decay_weights(4, 0.0)
-    with pytest.raises(ValueError, match=r"drafter\.block_size"):
+    with pytest.raises(ValueError, match=r"^block_size must be >= 2"):
         default_gamma(1)
 
 
@@ -138,204 +129,13 @@ def test_sample_anchors_uniform():
 
 def test_sample_anchors_errors():
     loss_mask, doc_ids = random_rows(b=2, S=16)
-    with pytest.raises(ValueError, match=r"objective\.num_anchors"):
+    with pytest.raises(ValueError, match=r"^num_anchors = 17 exceeds the row length 16"):
         sample_anchors(loss_mask, doc_ids, 17, torch.Generator())
-    with pytest.raises(ValueError, match=r"objective\.num_anchors"):
+    with pytest.raises(ValueError, match=r"^num_anchors must be >= 1"):
         sample_anchors(loss_mask, doc_ids, 0, torch.Generator())
 
 
-# ------------------------------------------------------------------------------ chunked loss
-
-V, D = 50, 16
-B = 4            # block size of the loss cases: Q = 28 = 7 blocks, 14 blocks in the batch
-ROWS, Q = 2, 28
-
-
-def loss_case(dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(ROWS, Q, D, generator=g, dtype=torch.float64).to(dtype)
-    lm_head = (torch.randn(V, D, generator=g, dtype=torch.float64) * 0.5).to(dtype)
-    labels = torch.randint(0, V, (ROWS, Q), generator=g)
-    # About half the labels are the model's argmax, so `correct` has both values.
-    top = (hidden.double() @ lm_head.double().T).argmax(-1)
-    labels[:, ::2] = top[:, ::2]
-    weights = torch.rand(ROWS, Q, generator=g)
-    weights[torch.rand(ROWS, Q, generator=g) < 0.4] = 0.0
-    weights[:, ::B] = 0.0  # slot 0 of every block, as block_targets makes it
-    # Labels of unsupervised slots are arbitrary: out-of-vocabulary ones must not matter.
-    labels[weights == 0] = torch.randint(V, 10 * V, (int((weights == 0).sum()),), generator=g)
-    return hidden, lm_head, labels, weights
-
-
-def reference_loss(hidden, lm_head, labels, weights, normaliser, target_logits=None, kl_weight=0.0):
-    """Dense float64: every logit at once, unsupervised slots dropped by their weight."""
-    logits = hidden.double() @ lm_head.double().T
-    logp = torch.log_softmax(logits, -1)
-    sup = weights > 0
-    ce = -torch.gather(logp, -1, torch.where(sup, labels, 0).unsqueeze(-1)).squeeze(-1)
-    ce_sum = (weights.double() * ce).sum()
-    kl_sum = torch.zeros((), dtype=torch.float64)
-    if target_logits is not None:
-        logq = torch.log_softmax(target_logits.double(), -1)
-        kl = (logq.exp() * (logq - logp)).sum(-1)  # KL(p_target || p_drafter) per slot
-        kl_sum = (weights.double() * kl).sum()
-    correct = (logits.argmax(-1) == labels) & sup
-    return (ce_sum + kl_weight * kl_sum) / normaliser, ce_sum, kl_sum, correct
-
-
-def check_against_reference(dtype, tol, block_size, kl_weight=0.0, chunk_counts=(1, 3, 4, 100)):
-    hidden, lm_head, labels, weights = loss_case(dtype)
-    g = torch.Generator().manual_seed(5)
-    target = torch.randn(ROWS, Q, V, generator=g, dtype=torch.float64) * 2 if kl_weight else None
-    norm = float(weights.sum()) * 1.7  # a step-wide normaliser, not this micro-batch's
-    h_ref = hidden.detach().double().requires_grad_()
-    w_ref = lm_head.detach().double().requires_grad_()
-    loss_ref, ce_ref, kl_ref, correct_ref = reference_loss(h_ref, w_ref, labels, weights, norm, target, kl_weight)
-    loss_ref.backward()
-    assert 0 < correct_ref.sum() < (weights > 0).sum()  # the accuracy check can fail both ways
-    kwargs = {}
-    if kl_weight:
-        assert kl_ref > 0.1 * ce_ref  # the KL term is large enough for a mistake in it to show
-        target_param = target.to(dtype).requires_grad_()  # must receive no gradient
-        kwargs = dict(kl=KLTerm(kl_weight, target_logits_fn=lambda idx: target_param.view(-1, V).index_select(0, idx)))
-    for num_chunks in chunk_counts:
-        for ckpt in (True, False):
-            h = hidden.detach().clone().requires_grad_()
-            w = lm_head.detach().clone().requires_grad_()
-            options = LossOptions(num_chunks, block_size, checkpoint=ckpt)
-            out = chunked_loss(h, w, labels, weights, norm, options, **kwargs)
-            out.loss.backward()
-            assert out.ce_sum.requires_grad is False and out.kl_sum.requires_grad is False
-            assert out.correct.dtype == torch.bool and out.correct.shape == (ROWS, Q)
-            torch.testing.assert_close(out.loss.double(), loss_ref.detach(), rtol=tol, atol=tol)
-            torch.testing.assert_close(out.ce_sum.double(), ce_ref.detach(), rtol=tol, atol=tol)
-            torch.testing.assert_close(out.kl_sum.double(), kl_ref, rtol=tol, atol=tol)
-            assert torch.equal(out.correct, correct_ref)
-            torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=tol * 10, atol=tol)
-            torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=tol * 10, atol=tol)
-    if kl_weight:
-        assert target_param.grad is None
-
-
-@pytest.mark.parametrize("block_size", [None, B])
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_chunked_loss_matches_float64_reference(dtype, tol, block_size):
-    check_against_reference(dtype, tol, block_size)
-
-
-@pytest.mark.parametrize("block_size", [None, B])
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_chunked_loss_kl_term_matches_float64_reference(dtype, tol, block_size):
-    check_against_reference(dtype, tol, block_size, kl_weight=0.3, chunk_counts=(1, 3, 100))
-
-
-def test_kl_term_asks_for_the_selected_slots_and_vanishes_against_itself():
-    hidden, lm_head, labels, weights = loss_case(torch.float64)
-    own = hidden @ lm_head.T  # the drafter's own logits as the "target": KL must be 0
-    asked = []
-
-    def target_fn(idx):
-        asked.append(idx.clone())
-        return own.view(-1, V).index_select(0, idx)
-
-    out = chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(3, B),
-                       KLTerm(2.0, target_logits_fn=target_fn))
-    plain = chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(3, B))
-    assert abs(out.kl_sum.item()) < 1e-12
-    torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-12)
-    # 14 blocks in chunks of 5: 15 rows each, the last one padded with index 0.
-    assert [len(a) for a in asked] == [15, 15, 15]
-    slots = torch.arange(ROWS * Q)
-    assert torch.equal(torch.cat(asked)[:42], slots[slots % B != 0]) and (torch.cat(asked)[42:] == 0).all()
-
-
-@pytest.mark.parametrize("block_size", [None, B])
-def test_chunked_loss_bf16_close_to_reference(block_size):
-    hidden, lm_head, labels, weights = loss_case(torch.bfloat16)
-    out = chunked_loss(hidden, lm_head, labels, weights, 1.0, LossOptions(4, block_size))
-    loss_ref, _, _, _ = reference_loss(hidden, lm_head, labels, weights, 1.0)
-    assert out.loss.dtype == torch.float32
-    assert abs(out.loss.item() - loss_ref.item()) < 0.02 * abs(loss_ref.item())
-
-
-def test_block_size_skips_slot_zero_by_shape():
-    # With block_size, slot 0 is never projected: its weight cannot contribute (block_targets
-    # always makes it 0); without, it is a slot like any other.
-    hidden, lm_head, labels, weights = loss_case(torch.float64)
-    labels = labels % V
-    labels[:, ::B] = (hidden @ lm_head.T).argmax(-1)[:, ::B]  # slot 0 would count as correct
-    heavy = weights.clone()
-    heavy[:, ::B] = 1.0
-    skipped = chunked_loss(hidden, lm_head, labels, heavy, 1.0, LossOptions(2, B))
-    generic = chunked_loss(hidden, lm_head, labels, heavy, 1.0, LossOptions(2))
-    ref, _, _, _ = reference_loss(hidden, lm_head, labels, weights, 1.0)
-    torch.testing.assert_close(skipped.loss, ref, rtol=1e-12, atol=1e-12)
-    assert generic.loss > skipped.loss + 1.0
-    assert not skipped.correct[:, ::B].any() and generic.correct[:, ::B].any()
-
-
-class LogitMatmuls(TorchDispatchMode):
-    """Counts matmuls that produce logits (last dim V) and the row counts they produce."""
-
-    def __init__(self):
-        super().__init__()
-        self.count, self.rows = 0, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in ("mm", "addmm", "bmm", "matmul", "linear") and out.shape[-1] == V:
-            self.count += 1
-            self.rows.add(out.numel() // V)
-        return out
-
-
-# (block_size, num_chunks) -> (chunks, rows per chunk). Units: 14 blocks of 3 slots, or 56 slots.
-# Non-divisible cases: 14 blocks / 3 -> 5, 5, 4 + 1 padding; 56 slots / 3 -> 19, 19, 18 + 1.
-CHUNKING = {(B, 1): (1, 42), (B, 3): (3, 15), (B, 4): (4, 12), (B, 100): (14, 3),
-            (None, 1): (1, 56), (None, 3): (3, 19), (None, 5): (5, 12)}
-
-
-@pytest.mark.parametrize("kl", [False, True])
-@pytest.mark.parametrize("lm_head_grad", [False, True])
-def test_lm_head_runs_at_most_twice_per_chunk(lm_head_grad, kl):
-    hidden, lm_head, labels, weights = loss_case(torch.float32)
-    lm_head.requires_grad_(lm_head_grad)
-    # The target's logits come from a table, so every counted matmul is the drafter's lm_head.
-    table = torch.randn(ROWS * Q, V)
-    kwargs = dict(kl=KLTerm(0.5, target_logits_fn=lambda idx: table.index_select(0, idx))) if kl else {}
-    for (block_size, num_chunks), (chunks, rows) in CHUNKING.items():
-        for ckpt, expected in ((True, 2), (False, 1)):
-            h = hidden.clone().requires_grad_()
-            counter = LogitMatmuls()
-            with counter:
-                options = LossOptions(num_chunks, block_size, checkpoint=ckpt)
-                out = chunked_loss(h, lm_head, labels, weights, 1.0, options, **kwargs)
-                forward_count = counter.count
-                out.loss.backward()
-            assert forward_count == chunks
-            assert counter.count == expected * chunks, (ckpt, num_chunks)
-            # Only one chunk is ever projected at a time, and every chunk has the same shape.
-            assert counter.rows == {rows}, (block_size, num_chunks, counter.rows)
-
-
-def test_chunked_loss_all_padding_and_errors():
-    hidden, lm_head, labels, _ = loss_case(torch.float32)
-    for block_size in (None, B):
-        h = hidden.clone().requires_grad_()
-        out = chunked_loss(h, lm_head, labels, torch.zeros(ROWS, Q), 1.0, LossOptions(4, block_size))
-        out.loss.backward()
-        assert out.loss.item() == 0.0 and not out.correct.any() and (h.grad == 0).all()
-    labels = labels % V
-    with pytest.raises(ValueError, match=r"objective\.loss_chunks"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(0))
-    with pytest.raises(ValueError, match=r"drafter\.block_size"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(2, 5))
-    with pytest.raises(ValueError, match=r"objective\.kl_weight"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(2), KLTerm(0.1))
-    with pytest.raises(ValueError, match=r"objective\.kl_weight"):
-        chunked_loss(h, lm_head, labels, torch.ones(ROWS, Q), 1.0, LossOptions(2),
-                     KLTerm(-1.0, target_logits_fn=lambda i: i))
+B = 4  # block size of the pipeline case
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -430,7 +230,7 @@ def pipeline(device, generator=None, kl=False):
     positions = torch.arange(s).expand(b, s).contiguous().to(device)
     hidden = torch.randn(b, n * B, d, generator=g).to(device).requires_grad_()
     head = torch.randn(v, d, generator=g).to(device).requires_grad_()
-    table = torch.randn(b * n * B, v, generator=g).to(device)
+    final = torch.randn(b, s, d, generator=g).to(device)
     mode = NoHostSync()
     with mode:
         if generator is not None:
@@ -440,15 +240,14 @@ def pipeline(device, generator=None, kl=False):
             valid = torch.ones(b, n, dtype=torch.bool, device=device)
         block_inputs(input_ids, positions, anchors, B, mask_token_id=1)
         labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, valid, B, None)
-        kw = dict(kl=KLTerm(0.5, target_logits_fn=lambda idx: table.index_select(0, idx))) if kl else {}
-        out = chunked_loss(hidden, head, labels.flatten(1), weights.flatten(1), weights.sum(),
-                           LossOptions(3, B, checkpoint=True), **kw)
+        term = KLTerm(0.5, 1.0, slot_target_states(final, anchors, B)) if kl else None
+        out = block_loss(hidden, head, labels, weights, weights.sum(), LossOptions(3), term)
         forward_ops = len(mode.seen)
         out.loss.backward()
         acceptance_proxy(out.correct, weights)
         acceptance_proxy(out.correct, weights, reduce=False)
-    # The mode saw the backward too: the lm_head ran in forward (3 chunks) and again in backward.
-    assert forward_ops < len(mode.seen) and mode.seen.count("mm") >= 3 * 4
+    # The mode saw the backward too: the lm_head ran twice per chunk (3 chunks) in the forward.
+    assert forward_ops < len(mode.seen) and mode.seen.count("mm") >= 3 * 2
     assert generator is None or "topk" in mode.seen
     return out, hidden.grad, head.grad
 

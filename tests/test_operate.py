@@ -23,7 +23,7 @@ from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.data.validate import DataFileError, check_json_file
 from dflash_ds.metrics import read_metrics, truncate_after
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.lock import LockError, RunLock, check
+from dflash_ds.guard.lock import LockError, RunLock, check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,6 +165,87 @@ def test_full_disk_removes_the_partial_checkpoint_and_keeps_the_previous(tmp_pat
     assert checkpoint.resolve(run, "auto") == {"tag": "step00000003", "step": 3}
 
 
+def test_only_a_checkpoint_with_complete_json_is_complete(tmp_path):
+    """complete.json is written last: a tag directory without it (a crash during the write, DeepSpeed's
+    files all present) is never resumed, and fallback is advised only where a complete one exists."""
+    fake_checkpoint(tmp_path, 4, manifest=False)
+    set_latest(tmp_path, 4)
+    assert "complete.json" in checkpoint.verify(tmp_path / "checkpoints" / "step00000004")
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.resolve(tmp_path, "auto")
+    msg = str(exc.value)
+    assert "names step00000004" in msg and "complete.json" in msg and "\n" not in msg
+    assert "fallback" not in msg and "checkpoint.resume=restart" in msg  # nothing complete to fall back to
+    with pytest.raises(checkpoint.CheckpointError, match="no complete earlier checkpoint"):
+        checkpoint.resolve(tmp_path, "fallback")
+    fake_checkpoint(tmp_path, 2)
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint.resume=fallback"):
+        checkpoint.resolve(tmp_path, "auto")
+    assert checkpoint.resolve(tmp_path, "fallback")["step"] == 2
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path, one_rank_group):
+    """A run over a directory holding later steps of another run: pruning by step number alone deleted
+    every new checkpoint as soon as it was written."""
+    run = tmp_path / "run"
+    fake_checkpoint(run, 400)
+    fake_checkpoint(run, 500)
+    for step in (1, 2, 3):
+        checkpoint.save(FakeEngine(), run, step, one_rank_group, True, keep_last=2)
+        assert checkpoint.verify(run / "checkpoints" / checkpoint.tag_of(step)) is None
+    assert checkpoint.tags(run / "checkpoints") == ["step00000002", "step00000003", "step00000400", "step00000500"]
+
+
+def test_restart_moves_the_previous_runs_checkpoints_aside(tmp_path, one_rank_group, capsys):
+    from types import SimpleNamespace
+
+    from dflash_ds.guard import control
+
+    run = tmp_path / "run"
+    fake_checkpoint(run, 400)
+    fake_checkpoint(run, 500)
+    set_latest(run, 500)
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"run.output_dir={run}", "checkpoint.resume=restart"])
+    ctl = control.RunControl(recipe, SimpleNamespace(role=lambda r: "drafter", is_drafter=lambda r: True), 0)
+    try:
+        assert ctl._decide() == {"start": None}
+    finally:
+        ctl.release()
+    ck = run / "checkpoints"
+    (aside,) = [p for p in ck.iterdir() if p.name.startswith("previous-")]
+    assert checkpoint.tags(ck) == [] and not (ck / checkpoint.LATEST).exists()
+    assert checkpoint.tags(aside) == ["step00000400", "step00000500"] and (aside / checkpoint.LATEST).is_file()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "previous-" in ln]
+    assert len(lines) == 1 and str(aside) in lines[0] and "checkpoint.resume=restart" in lines[0]
+    # The new run's checkpoints are its own: pruned among themselves, resumed from, never the old ones.
+    for step in (1, 2, 3):
+        checkpoint.save(FakeEngine(), run, step, one_rank_group, True, keep_last=2)
+    assert checkpoint.tags(ck) == ["step00000002", "step00000003"]
+    assert checkpoint.resolve(run, "auto") == {"tag": "step00000003", "step": 3}
+    assert checkpoint.resolve(run, "fallback") == {"tag": "step00000003", "step": 3}
+
+
+class EngineLikeDeepSpeed(FakeEngine):
+    """DeepSpeed's save_checkpoint logs and swallows the OSError of its makedirs; torch.save then fails
+    on the missing directory."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        try:
+            (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        torch.save({"w": torch.ones(4)}, Path(save_dir) / tag / "mp_rank_00_model_states.pt")
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_says_not_writable(one_rank_group):
+    run = Path("/sys/dflash-test-run")  # no one, root included, creates directories in /sys
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.save(EngineLikeDeepSpeed(), run, 3, one_rank_group, True, keep_last=2)
+    msg = str(exc.value)
+    assert "\n" not in msg and "is not writable" in msg and str(run / "checkpoints") in msg, msg
+    assert "does not exist" not in msg
+
+
 # ----------------------------------------------------------------------------- data and pre-launch
 
 
@@ -192,7 +273,8 @@ def tiny(tmp_path, *overrides):
 
 
 def test_wandb_online_without_key_is_refused(tmp_path, monkeypatch):
-    from dflash_ds.runtime.prelaunch import check_wandb
+    from dflash_ds.guard import launch
+    from dflash_ds.guard.launch import check_wandb
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -202,11 +284,12 @@ def test_wandb_online_without_key_is_refused(tmp_path, monkeypatch):
         check_wandb(tiny(tmp_path, "log.wandb.enabled=true"))
     check_wandb(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline"))
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(launch, "_wandb_probe", lambda key, timeout: None)  # the service is tested on its own
     check_wandb(tiny(tmp_path, "log.wandb.enabled=true"))
 
 
 def test_model_without_tokenizer_is_blamed_on_target_path(tmp_path):
-    from dflash_ds.runtime.prelaunch import prelaunch
+    from dflash_ds.guard.launch import prelaunch
 
     model = tmp_path / "model"
     model.mkdir()
@@ -259,7 +342,7 @@ def run_script(code: str, timeout: float = 60) -> subprocess.Popen:
 def test_first_signal_is_recorded_while_blocked_second_exits_at_once():
     proc = run_script("""
         import threading, time
-        from dflash_ds.runtime.signals import StopRequest
+        from dflash_ds.guard.signals import StopRequest
         stop = StopRequest("rank 0 (drafter on h)").install()
         print("ready", flush=True)
         # The main thread blocks in C (a lock wait), as it would inside a receive.
@@ -284,7 +367,7 @@ def test_only_drafter_ranks_create_the_stop_group(monkeypatch, tmp_path, rank):
     new_group for a group it is not in join an NCCL split over WORLD, which the members of a gloo
     group never join: the split topology hung at start-up. Target ranks must stay out of the
     drafters' stop-vote group, and the drafters create it among themselves."""
-    from dflash_ds.runtime import control
+    from dflash_ds.guard import control
     from dflash_ds.resolve.topology import Layout
 
     calls = []
@@ -362,7 +445,7 @@ def test_watchdog_ends_the_rank_when_a_local_peer_process_is_gone(tmp_path, anno
     assert not (tmp_path / "left" / "rank1").exists()
     if announced:
         assert proc.returncode == 0 and "still running" in proc.stdout, proc.stderr
-        assert (tmp_path / "left" / "rank0").read_text() == pid
+        assert (tmp_path / "left" / "rank0").read_text() == f"{pid} 0"
         return
     assert proc.returncode == 3 and "still running" not in proc.stdout and time.monotonic() - t0 < 3, proc.stderr
     host = socket.gethostname()
@@ -387,6 +470,39 @@ def test_alive_sees_exited_and_unreaped_processes():
         child.wait()
     assert not alive(child.pid)
     assert alive(1)  # init: another user's process is alive, not gone
+
+
+def test_a_peer_gone_after_announcing_a_failure_ends_this_rank_with_its_code(tmp_path, monkeypatch):
+    from dflash_ds.runtime import watchdog
+    from dflash_ds.runtime.watchdog import Peer, Watchdog
+
+    ended = []
+    monkeypatch.setattr(watchdog, "exit_now", lambda code, line=None, who=None: ended.append((int(code), line)))
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have this PID
+    host = socket.gethostname()
+    me, peer = Peer("target", 1, host, os.getpid()), Peer("drafter", 0, host, gone)
+    left = tmp_path / "left"
+    dog = Watchdog(me, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left)
+    dog.check_local_peers()  # gone without a word: killed
+    assert ended == [(3, f"lost {peer}: its process (PID {gone}) ended without finishing (killed or crashed); "
+                         "stopping the job")]
+    ended.clear()
+    Watchdog(peer, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left).mark_left(4)
+    dog = Watchdog(me, {0: peer, 1: me}, timeout_s=60, report_s=60, left_dir=left)
+    assert dog.announced_failure() == 4
+    dog.check_local_peers()  # gone after its own line (a checkpoint it could not write): silent, same code
+    assert ended == [(4, None)] and (left / "rank1").read_text() == f"{os.getpid()} 4"
+
+
+def test_the_launchers_signal_after_a_peers_failure_ends_the_rank_silently(monkeypatch, capsys):
+    from dflash_ds.guard import signals
+
+    ended = []
+    monkeypatch.setattr(signals, "exit_now", lambda code, line=None, who=None: ended.append((int(code), line)))
+    stop = signals.StopRequest("rank 1 (target on h)", saves=False)
+    stop.peer_failed = lambda: 4
+    stop.on_signal(signal.SIGTERM)
+    assert ended[0] == (4, None) and "SIGTERM" not in capsys.readouterr().err
 
 
 def test_failed_wait_becomes_one_line_naming_the_peer():
@@ -417,7 +533,7 @@ def supervised(tmp_path, grace: float) -> tuple[subprocess.Popen, Path]:
     rank.write_text(SUPERVISED_RANK)
     log = tmp_path / "rank.log"
     inner = f"{sys.executable} {rank} --local_rank=0 > {log} & wait"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_ds.runtime.supervise", "--grace", str(grace), "--", "sh", "-c",
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ds.guard.supervise", "--grace", str(grace), "--", "sh", "-c",
                              inner], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE,
                             text=True)
     t0 = time.monotonic()

@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from dflash_ds.metrics import read_metrics
-from dflash_ds.runtime import checkpoint, launch_env
+from dflash_ds.guard import launch
+from dflash_ds.runtime import checkpoint
 
-from .launch_util import ROOT, cpu_env
+from .launch_util import ROOT, cpu_env, launch, output
 
 pytestmark = pytest.mark.launcher
 
@@ -148,7 +149,7 @@ def prelaunch_error(run: Path, *overrides: str) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        launch_env.main([TINY, f"run.output_dir={run}", *overrides])
+        launch.main([TINY, f"run.output_dir={run}", *overrides])
     text = out.getvalue()
     assert text.startswith("echo ") and text.rstrip().endswith("exit 2"), text
     return shlex.split(text.split(" >&2")[0])[1]  # the line launch.sh prints
@@ -203,6 +204,8 @@ def test_fallback_resumes_and_a_full_disk_keeps_the_previous_checkpoint(finished
     assert f"a write was cut short (the file-size limit (ulimit -f) is {3 * 2**20} bytes" in failed[0], failed[0]
     assert f"the previous checkpoint {run / 'checkpoints' / 'step00000002'} is untouched" in failed[0]
     assert not (run / "checkpoints" / "step00000003").exists()
+    # The target adds nothing: no "lost rank" line, no gloo traceback.
+    assert "Traceback" not in text and not [ln for ln in job.lines() if "lost" in ln or "gone" in ln], text[-5000:]
     assert {k: v for k, v in digest(run).items() if k in keep} == keep
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3]
     no_process_left(run, within=30)
@@ -220,8 +223,10 @@ def test_lost_peer_ends_the_job_within_the_watchdog_bound(tmp_path, job_cleanup,
     t0 = time.monotonic()
     target.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     rc = job.wait(timeout=timeout + 20)
-    assert rc != 0 and time.monotonic() - t0 < timeout + 8, (time.monotonic() - t0, job.text()[-4000:])
+    # Exit.PEER whichever rank DeepSpeed's launcher sees end first (a rank killed by SIGKILL: 256 - 9).
+    assert rc == 3 and time.monotonic() - t0 < timeout + 8, (rc, time.monotonic() - t0, job.text()[-4000:])
     no_process_left(run, within=10)
+    assert not (run / "run.lock").exists()  # the lead ended from its watchdog, and released the lock
     peer = f"rank 1 (target on {HOST})"
     if how == "killed":
         lost = [ln for ln in job.lines() if "lost" in ln]
@@ -265,3 +270,38 @@ def test_tokenizer_and_wandb_problems_stop_before_launch(tmp_path):
         os.environ.pop("NETRC")
         os.environ.update(env)
     assert "log.wandb.enabled is true with log.wandb.mode online but WANDB_API_KEY is not set" in text
+
+
+def test_one_sigterm_as_the_benchmark_table_starts_lets_it_finish(tmp_path, job_cleanup):
+    """The target rank, exiting as the lead starts the table, must not die of the forwarded signal (the
+    launcher then signalled the lead again: exit 241, no table)."""
+    run = tmp_path / "run"
+    job = Job(run, ["optim.max_steps=2", "eval.at_start=false", "checkpoint.every_steps=100", "eval.bench_limit=4",
+                    "eval.max_new_tokens=32"])
+    job_cleanup(job)
+    job.wait_for("[dflash] benchmarks ", timeout=300)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    rc = job.wait(timeout=240)
+    text = job.text()
+    assert rc == 0, text[-5000:]
+    assert "finishing the benchmark table" in text and "received again" not in text, text[-5000:]
+    rows = json.loads((run / "benchmarks.json").read_text())
+    assert {r["bench"] for r in rows} == {"heldout", "gsm8k", "mt_bench"}
+    assert not (run / "run.lock").exists() and "Traceback" not in text
+    no_process_left(run, within=10)
+
+
+def test_a_drafter_traceback_ends_the_job_as_the_drafters_own(tmp_path):
+    """An unexpected error on the drafter: its traceback, exit 1 (not the target's 3), the target adds no
+    line of its own, the last complete checkpoint stays, no lock and no process are left."""
+    run = tmp_path / "run"
+    proc = launch(TINY, QUIET + ["optim.max_steps=400", "checkpoint.every_steps=2", f"run.output_dir={run}"],
+                  procs=2, entry=["tests/ds_scripts/crash_after_step.py", "3:raise"])
+    text = output(proc)
+    assert proc.returncode == 1, text[-5000:]
+    assert text.count("Traceback (most recent call last)") == 1 and "an injected fault in the drafter" in text
+    assert not [ln for ln in text.splitlines() if ln.startswith("[dflash]") and ("lost" in ln or "gone" in ln)], \
+        text[-5000:]
+    assert checkpoint.resolve(run, "auto") == {"tag": "step00000002", "step": 2}
+    assert not (run / "run.lock").exists()
+    no_process_left(run, within=10)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.runtime import preflight
+from dflash_ds.guard import launch
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -46,24 +46,107 @@ def tiny(run_dir, *over):
 
 
 def test_locations_that_are_files_or_not_writable_are_named(tmp_path):
-    preflight.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
+    launch.check_locations(tiny(tmp_path / "new" / "run", f"data.cache_dir={tmp_path / 'cache'}"))  # creatable
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(RecipeError, match=rf"^run\.output_dir: {afile} is a file, not a directory"):
-        preflight.check_locations(tiny(afile))
+        launch.check_locations(tiny(afile))
     with pytest.raises(RecipeError, match=r"cannot be created \(.*afile is a file\)"):
-        preflight.check_locations(tiny(afile / "run"))
+        launch.check_locations(tiny(afile / "run"))
     run = tmp_path / "run"
     run.mkdir()
     (run / "export").write_text("not a directory")
     with pytest.raises(RecipeError, match=r"^run\.output_dir \(export\): .*export is a file"):
-        preflight.check_locations(tiny(run))
+        launch.check_locations(tiny(run))
     # /proc takes no new files, whoever asks (permissions would not stop root).
     with pytest.raises(RecipeError, match=r"^run\.output_dir: /proc/dflash-test/run is not writable"):
-        preflight.check_locations(tiny("/proc/dflash-test/run"))
+        launch.check_locations(tiny("/proc/dflash-test/run"))
     with pytest.raises(RecipeError, match=r"^data\.cache_dir: /proc/dflash-cache is not writable"):
-        preflight.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
+        launch.check_locations(tiny(tmp_path / "ok", "data.cache_dir=/proc/dflash-cache"))
     assert not list(tmp_path.glob("**/.dflash-write-test-*"))  # the probes are gone
+
+
+def test_an_export_directory_holding_something_else_is_refused_before_launch(tmp_path):
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    launch.check_locations(tiny(run))  # empty: the first checkpoint writes the export there
+    (run / "export" / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError) as e:
+        launch.check_locations(tiny(run))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("run.output_dir (export): ") and "not a DFlash drafter export" in msg
+    assert "notes.txt" in msg
+
+
+# ----------------------------------------------------------------------------- the files a recipe names
+
+
+def _copy_target(tmp_path, weights: bytes | None = None) -> Path:
+    """assets/tiny-target with its own model.safetensors (`weights`: other bytes)."""
+    model = tmp_path / "model"
+    model.mkdir(parents=True)
+    for f in (REPO / "assets" / "tiny-target").iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "model.safetensors").unlink()
+    data = (REPO / "assets" / "tiny-target" / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data if weights is None else weights)
+    return model
+
+
+def test_truncated_or_unreadable_weights_are_named_before_launch(tmp_path):
+    from dflash_ds.resolve.run import resolve_run
+
+    whole = (REPO / "assets" / "tiny-target" / "model.safetensors").read_bytes()
+    for name, weights, needle in [("cut", whole[:len(whole) // 2], "is truncated"),
+                                  ("garbage", b"\xff" * 64, "not a safetensors file"),
+                                  ("empty", b"", "not a safetensors file")]:
+        model = _copy_target(tmp_path / name, weights)
+        with pytest.raises(RecipeError) as e:
+            resolve_run(tiny(tmp_path / "run", f"target.path={model}"), 2)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("target.path: ") and str(model / "model.safetensors") in msg, msg
+        assert needle in msg, msg
+    resolve_run(tiny(tmp_path / "run", f"target.path={_copy_target(tmp_path / 'whole')}"), 2)
+
+
+def test_a_sharded_checkpoint_names_the_missing_or_truncated_shard(tmp_path):
+    import json
+
+    from dflash_ds.resolve.run import resolve_run
+
+    model = _copy_target(tmp_path)
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(RecipeError, match=r"model-00002-of-00002\.safetensors.*(missing|does not exist)"):
+        resolve_run(tiny(tmp_path / "run", f"target.path={model}"), 2)
+
+
+def test_a_truncated_init_from_export_is_named_before_launch(tmp_path):
+    from dflash_ds.export import save_drafter
+    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.resolve.run import resolve_run
+
+    spec = resolve_run(tiny(tmp_path / "run"), 2)
+    out = save_drafter(DFlashDrafter(spec.drafter), tmp_path / "export")
+    resolve_run(tiny(tmp_path / "run", f"drafter.init_from={out}"), 2)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(RecipeError) as e:
+        resolve_run(tiny(tmp_path / "run", f"drafter.init_from={out}"), 2)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("drafter.init_from: ") and str(weights) in msg and "truncated" in msg
+
+
+def test_a_relative_path_typo_is_one_line_without_the_hub(tmp_path):
+    from dflash_ds.resolve.run import resolve_run
+
+    t = time.monotonic()
+    with pytest.raises(RecipeError) as e:
+        resolve_run(tiny(tmp_path / "run", "target.path=assets/tiny-targt"), 2)
+    msg = str(e.value)
+    assert time.monotonic() - t < 3 and "\n" not in msg
+    assert msg.startswith("target.path: assets/tiny-targt does not exist") and "assets exists" in msg, msg
 
 
 # ----------------------------------------------------------------------------- wandb
@@ -75,10 +158,25 @@ def closed_port() -> int:
         return s.getsockname()[1]  # closed again when the block ends: connections are refused
 
 
+KEY = "0" * 40
+
+
 class Answers(http.server.BaseHTTPRequestHandler):
+    """wandb's service as far as the probe sees it: GraphQL answering `viewer` for the right key only."""
+
     def do_GET(self):  # noqa: N802 - the handler's API
-        self.send_response(401)  # any answer means the service is there
+        self.send_response(200)
         self.end_headers()
+
+    def do_POST(self):  # noqa: N802
+        import base64
+
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        good = "Basic " + base64.b64encode(f"api:{KEY}".encode()).decode()
+        body = b'{"data": {"viewer": {"id": "u1"}}}' if self.headers.get("Authorization") == good else b""
+        self.send_response(200 if body else 401)
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
@@ -96,16 +194,21 @@ def server():
 WANDB = ["log.wandb.enabled=true", "log.wandb.mode=online"]
 
 
+@pytest.fixture(autouse=True)
+def wandb_key(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", KEY)  # credentials present: the service is what is checked
+
+
 def test_unreachable_wandb_stops_in_one_line_offering_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
     t = time.monotonic()
     with pytest.raises(RecipeError) as e:
-        preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=2)
+        launch.check_wandb(tiny(tmp_path, *WANDB), timeout=2)
     msg = str(e.value)
     assert time.monotonic() - t < 5 and "\n" not in msg
     assert msg.startswith("log.wandb: http://127.0.0.1:") and "log.wandb.mode=offline" in msg
-    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
+    assert launch.check_wandb(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true"),
                                          timeout=2) == {"WANDB_MODE": "offline"}
 
 
@@ -118,7 +221,7 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
         t = time.monotonic()
         with pytest.raises(RecipeError, match="did not answer within 1 s"):
-            preflight.check_wandb_service(tiny(tmp_path, *WANDB), timeout=1)
+            launch.check_wandb(tiny(tmp_path, *WANDB), timeout=1)
         assert time.monotonic() - t < 4
     finally:
         listener.close()
@@ -127,9 +230,51 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
 def test_reachable_offline_or_disabled_wandb_needs_nothing(tmp_path, monkeypatch, server):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", server)
-    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    assert launch.check_wandb(tiny(tmp_path, *WANDB)) == {}
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
-    assert preflight.check_wandb_service(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
-    assert preflight.check_wandb_service(tiny(tmp_path)) == {}  # not enabled
+    assert launch.check_wandb(tiny(tmp_path, "log.wandb.enabled=true", "log.wandb.mode=offline")) == {}
+    assert launch.check_wandb(tiny(tmp_path)) == {}  # not enabled
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert preflight.check_wandb_service(tiny(tmp_path, *WANDB)) == {}
+    assert launch.check_wandb(tiny(tmp_path, *WANDB)) == {}
+
+
+def test_a_service_that_rejects_the_key_stops_before_launch_or_logs_offline(tmp_path, monkeypatch, server):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", server)
+    monkeypatch.setenv("WANDB_API_KEY", "1" * 40)
+    with pytest.raises(RecipeError) as e:
+        launch.check_wandb(tiny(tmp_path, *WANDB))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"log.wandb: {server} rejected the API key (HTTP 401)"), msg
+    assert "WANDB_API_KEY" in msg and "log.wandb.mode=offline" in msg
+    assert launch.check_wandb(tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true")) == {"WANDB_MODE": "offline"}
+
+
+def test_a_failing_wandb_init_is_one_line_or_falls_back_offline(tmp_path, monkeypatch):
+    """What the probe cannot see (a project the key may not write to, a service failing after it answered)
+    surfaces in wandb.init: one line, exit 2, or offline logging with log.wandb.offline_fallback."""
+    import wandb
+    from wandb.errors import CommError
+
+    from dflash_ds.metrics import Metrics
+    from dflash_ds.safety import Exit, RunFailure
+
+    calls = []
+
+    def init(**kw):
+        calls.append(kw["mode"])
+        if kw["mode"] == "online":
+            raise CommError("Error uploading run: returned error 403: permission denied")
+        return type("Run", (), {"finish": lambda self: None, "log": lambda self, *a, **k: None})()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    r = tiny(tmp_path, *WANDB)
+    with pytest.raises(RunFailure) as e:
+        Metrics(tmp_path, {}, r.log.wandb, "run")
+    assert e.value.code == Exit.USER and "\n" not in str(e.value) and str(e.value).startswith("log.wandb: ")
+    assert "CommError" in str(e.value) and "403" in str(e.value) and "log.wandb.offline_fallback" in str(e.value)
+    r = tiny(tmp_path, *WANDB, "log.wandb.offline_fallback=true")
+    calls.clear()
+    m = Metrics(tmp_path, {}, r.log.wandb, "run")
+    assert calls == ["online", "offline"] and m.wandb is not None

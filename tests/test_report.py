@@ -60,7 +60,7 @@ def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     write_metrics(tmp_path, resumed=False)
     (tmp_path / "export").mkdir()
     finish_run(tmp_path, {"steps": 20})
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err
     assert "report failed" in printed and "python -m dflash_ds.report" in printed
     from dflash_ds.export import save_drafter
     from dflash_ds.model.drafter import DFlashDrafter
@@ -73,6 +73,6 @@ def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     (tmp_path / "export").rmdir()
     (tmp_path / "export2").rename(tmp_path / "export")
     finish_run(tmp_path, {"steps": 20, "tau": TauFacts(2.5, "8 prompts")})
-    assert "report:" in capsys.readouterr().out
+    assert "report:" in capsys.readouterr().err
     assert "2.500 (exact offline" in (tmp_path / "export" / "README.md").read_text()
     assert (tmp_path / "report" / "overview.png").is_file()

@@ -6,7 +6,19 @@
 - no import cycle among dflash_ds modules, counting module-level and function-level imports;
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
-  import never climbs back up (the resolve step in resolve/ never reaches into runtime/).
+  import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
+- no code outside model/variants/ asks which drafter architecture it has: no comparison with an
+  architecture's name or class name, no attribute named after an architecture, one of its own shape
+  fields or one of its modules (`shape.selector_rank > 0`, `drafter.candidate_selector`), no import of
+  one architecture's module (`isinstance(m, BlockConv)` needs one). The export's standalone modeling
+  file (export_modeling/, copied into every export for transformers' remote code) is outside the rule;
+- model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
+  names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
+- one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
+  stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
+  appear only in `say` itself, the progress line (`metrics.print_progress`, which rewrites one
+  terminal line) and the command-line entry points (`main` functions, the CLI modules), whose output
+  is the program's result (a table, a plan, launch.sh's shell variables).
 
 Each rule is first run on a small made-up package that breaks it, so a checker that finds
 nothing cannot pass unnoticed.
@@ -166,7 +178,8 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 
 
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
-# (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> entry points).
+# (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> how it
+# starts and stops -> entry points).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.export_modeling"),
     ("dflash_ds.data", "dflash_ds.metrics"),
@@ -176,9 +189,154 @@ LAYERS = [
     ("dflash_ds.eval", "dflash_ds.report"),
     ("dflash_ds.resolve",),
     ("dflash_ds.runtime",),
+    ("dflash_ds.guard",),
     ("dflash_ds.train", "dflash_ds.regenerate"),
     ("dflash_ds.bench",),
 ]
+
+
+VARIANTS_DIR = "model/variants"
+OUTSIDE_THE_RULE = ("export_modeling",)
+# Attributes that share a name with an architecture's field but belong to something else.
+SAME_NAME_ELSEWHERE = {("dflash_ds.target_model.packed", "conv_kernel_size")}  # the target's Gated DeltaNet layer
+
+
+def _constants(node: ast.AST) -> list[str]:
+    """String constants of an operand: itself, or the elements of a literal tuple / list / set."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def architecture_tests(root: Path, names: set[str], attributes: set[str]) -> list[str]:
+    """`module:line what` for every place outside `model/variants/` (and OUTSIDE_THE_RULE) that tells
+    architectures apart: `names` are the architectures' names and class names, `attributes` their names,
+    own shape fields and module names."""
+    found = []
+    package = root.name
+    for name, (path, tree) in sources(root).items():
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(VARIANTS_DIR + "/") or rel.split("/")[0] in OUTSIDE_THE_RULE:
+            continue
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.Compare):
+                hits = [c for operand in [node.left, *node.comparators] for c in _constants(operand) if c in names]
+                what = f"compares with {hits[0]!r}" if hits else None
+            elif isinstance(node, ast.Attribute) and node.attr in attributes and (name, node.attr) not in SAME_NAME_ELSEWHERE:
+                what = f"reads .{node.attr}"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes]
+                what = f"{node.func.id}(..., {hits[0]!r})" if hits else None
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                prefix = f"{package}.{VARIANTS_DIR.replace('/', '.')}"
+                own = node.module.startswith(prefix + ".") and node.module != prefix + ".base"
+                what = f"imports {node.module}" if own else None
+            if what:
+                found.append((name, node.lineno, what))
+    return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
+
+
+def architecture_vocabulary() -> tuple[set[str], set[str]]:
+    """The registered architectures' names and class names, and the attribute names that belong to one
+    of them: its name, its shape fields, and its modules (from its tensor inventory on a small shape)."""
+    import dataclasses
+
+    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.model.variants import VARIANTS
+
+    names, attributes = set(), set()
+    for v in VARIANTS.values():
+        names |= {v.name, v.class_name}
+        attributes |= {v.name} | {f.name for f in dataclasses.fields(v.fields)}
+        shape = DrafterShape(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+                             max_position_embeddings=64, vocab_size=64, num_target_layers=2, target_layer_ids=(0,),
+                             block_size=4, mask_token_id=1, tie_word_embeddings=False, architecture=v.name)
+        for tensor in v.tensors(shape):
+            parts = tensor.split(".")
+            attributes.add(parts[2] if parts[0] == "layers" else parts[0])
+    return names, attributes
+
+
+MECHANISM_FOLDERS = ("model", "target_model")
+
+
+def recipe_keys() -> set[str]:
+    """Every dotted key of the recipe (drafter.block_size, data.regenerate.urls, ...)."""
+    import dataclasses
+    import typing
+
+    from dflash_ds.config.recipe import Recipe
+
+    keys = set()
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif prefix:
+                keys.add(f"{prefix}{f.name}")
+    walk(Recipe, "")
+    return keys
+
+
+def _documentation(tree: ast.AST) -> set[int]:
+    """ids of the string statements of a module: docstrings and attribute docstrings (documentation may
+    name a recipe key; a message may not)."""
+    return {id(n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+
+
+def recipe_vocabulary(root: Path, folders: tuple[str, ...], keys: set[str]) -> list[str]:
+    """`module:line key` for every string in `folders` of the package (documentation aside) that names a recipe key."""
+    import re
+
+    pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(k)}(?!\w)" for k in sorted(keys, key=len, reverse=True)))
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.relative_to(root).parts[0] not in folders:
+            continue
+        docs = _documentation(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                hit = pattern.search(node.value)
+                if hit:
+                    found.append((name, node.lineno, hit.group(0)))
+    return [f"{m}:{line} {key}" for m, line, key in sorted(found)]
+# The functions besides the entry points that may write to the terminal themselves (module:function).
+OUTPUT_CHANNELS = {"dflash_ds.safety:say", "dflash_ds.metrics:print_progress"}
+
+
+def _writes_output(call: ast.Call) -> bool:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id == "print"
+    return (isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute)
+            and f.value.attr in ("stdout", "stderr") and isinstance(f.value.value, ast.Name)
+            and f.value.value.id == "sys")
+
+
+def stray_output(root: Path, allowed: set[str]) -> list[str]:
+    """`module:line in function` for every print / sys.stdout|stderr.write outside the entry points
+    (`main`, the CLI modules) and the `allowed` module:function channels."""
+    found = []
+    for name, (path, tree) in sources(root).items():
+        if path.name in CLI_MODULES:
+            continue
+
+        def visit(node, owner: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else owner
+                if inner == "main" or f"{name}:{inner}" in allowed:
+                    continue
+                if isinstance(child, ast.Call) and _writes_output(child):
+                    found.append(f"{name}:{child.lineno} in {inner or 'module level'}")
+                visit(child, inner)
+
+        visit(tree, "")
+    return found
 
 
 # ---------------------------------------------------------------------------------- the rules on a made-up package
@@ -209,6 +367,18 @@ def test_checkers_find_what_they_look_for(tmp_path):
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
 
 
+def test_output_check_finds_a_stray_print(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": ("import sys\n\ndef say(m):\n    print(m, file=sys.stderr)\n\n"
+                     "def work():\n    print('done')\n\nclass K:\n    def m(self):\n        sys.stderr.write('x')\n\n"
+                     "def main():\n    print('result')\n"),
+        "pkg/cli.py": "print('usage')\n",
+    })
+    assert stray_output(root, {"pkg.a:say"}) == ["pkg.a:7 in work", "pkg.a:11 in m"]
+    assert stray_output(root, set()) == ["pkg.a:4 in say", "pkg.a:7 in work", "pkg.a:11 in m"]
+
+
 def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
     # No module cycle, but the folders x and y import each other: x.a -> y.b -> x.c.
     root = _write(tmp_path, {
@@ -230,6 +400,37 @@ def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
                                                                 "pkg.y: no layer (add it to LAYERS)"]
 
 
+def test_architecture_check_finds_each_kind_of_test(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/model/__init__.py": "",
+        "pkg/model/variants/__init__.py": "from pkg.model.variants import two\n",
+        "pkg/model/variants/base.py": "",
+        "pkg/model/variants/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
+        "pkg/export_modeling/m.py": "def f(cfg):\n    return cfg.rank > 0\n",
+        "pkg/loss.py": ("from pkg.model.variants.base import X\nfrom pkg.model.variants.two import Head\n\n"
+                        "def f(shape, m):\n    if shape.architecture in ('one', 'two'):\n        return shape.rank > 0\n"
+                        "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None\n"),
+        "pkg/clean.py": "def f(shape):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n",
+    })
+    assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "rank", "head"}) == [
+        "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .rank",
+        "pkg.loss:7 hasattr(..., 'head')", "pkg.loss:7 reads .head"]
+
+
+def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/model/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
+        "pkg/model/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
+                           'def f(b):\n    """drafter.block_size: documented."""\n'
+                           '    if b < 2:\n        raise ValueError(f"drafter.block_size must be >= 2, got {b}")\n'
+                           '    return "block_size" + "drafter.block_sizes" + "my.drafter.block_size"\n'),
+        "pkg/config/checks.py": 'MSG = "drafter.block_size must be >= 2"\n',
+    })
+    assert recipe_vocabulary(root, ("model",), {"drafter.block_size"}) == ["pkg.model.a:8 drafter.block_size"]
+
+
 # ---------------------------------------------------------------------------------- the rules on dflash_ds
 
 def test_no_function_takes_more_than_seven_parameters():
@@ -247,8 +448,30 @@ def test_no_import_cycles():
 
 def test_folders_have_no_cycle_and_no_arrow_up():
     folders = folder_graph(import_graph(ROOT))
-    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.model"} <= set(folders)
+    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.guard", "dflash_ds.model"} <= set(folders)
     cycles = import_cycles(folders)
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
     assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))
+
+
+def test_no_architecture_test_outside_the_variants():
+    names, attributes = architecture_vocabulary()
+    assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv"} <= \
+        names | attributes  # the vocabulary really holds the architectures
+    found = architecture_tests(ROOT, names, attributes)
+    assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
+                       "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
+
+
+def test_model_code_names_no_recipe_key():
+    keys = recipe_keys()
+    assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls"} <= keys
+    found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
+    assert not found, ("messages in dflash_ds/model/ or dflash_ds/target_model/ that name a recipe key (raise a "
+                       "neutral error there and name the setting at the boundary, config/checks.py or "
+                       "resolve/):\n  " + "\n  ".join(found))
+def test_messages_go_through_one_channel():
+    found = stray_output(ROOT, OUTPUT_CHANNELS)
+    assert not found, ("print / sys.stdout|stderr.write outside the entry points; say it with dflash_ds.safety.say "
+                       "(or, for a program's result, print it in its main):\n  " + "\n  ".join(found))

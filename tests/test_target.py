@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.resolve.run import resolve_run
 from dflash_ds.target_model.model import (TapCapture, TargetError, decoder_layers, embed_and_head, forward_taps, load_config,
                               load_target, target_geometry, truncate_after)
 
@@ -82,7 +84,10 @@ def test_adapter_is_merged_at_load(tmp_path):
 
 
 def test_unreachable_target_path_names_the_setting():
-    with pytest.raises(TargetError, match="target.path"):
+    with pytest.raises(TargetError, match=r"^the target '/nonexistent/model/dir' cannot be loaded"):
         load_config("/nonexistent/model/dir")
-    with pytest.raises(TargetError, match="target_layer_ids"):
+    # At the boundary the setting is named.
+    with pytest.raises(RecipeError, match=r"^target\.path: /nonexistent/model/dir does not exist; point target\.path"):
+        resolve_run(load_recipe("recipes/tiny.yaml", ["target.path=/nonexistent/model/dir"]), world_size=2)
+    with pytest.raises(TargetError, match="tap layer ids"):
         TapCapture(tiny_qwen3(), [7])

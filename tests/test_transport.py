@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_ds.runtime.launch_env import free_port
+from dflash_ds.guard.launch import free_port
 from dflash_ds.resolve.payload import PayloadLayout, read_meta, taps_view, write_meta
-from dflash_ds.runtime.transport import Receiver, Sender, SyncStallTimer, WaitTimer
+from dflash_ds.runtime.profiling import SyncStallTimer, WaitTimer
+from dflash_ds.runtime.transport import Receiver, Sender
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -71,8 +72,6 @@ def test_sender_receiver_order_and_content():
 
 def test_wait_timer_reads_the_stream_stall_on_cuda_without_syncing(monkeypatch):
     """On NCCL work.wait() returns at once; the stall comes from timing events read lazily."""
-    from dflash_ds.runtime import transport
-
     stalls = iter([0.5, 0.25])
 
     class FakeEvent:
@@ -98,7 +97,7 @@ def test_wait_timer_reads_the_stream_stall_on_cuda_without_syncing(monkeypatch):
             pass
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    timer = transport.WaitTimer("cuda")
+    timer = WaitTimer("cuda")
     timer.wait(Work())
     timer.wait(Work())
     assert timer.seconds == 0.0  # nothing complete yet: no blocking read
@@ -106,7 +105,7 @@ def test_wait_timer_reads_the_stream_stall_on_cuda_without_syncing(monkeypatch):
     assert timer.seconds == 0.5
     FakeEvent.log[3].done = True
     assert timer.seconds == 0.75
-    cpu = transport.WaitTimer("cpu")
+    cpu = WaitTimer("cpu")
     cpu.wait(Work())
     assert 0.0 <= cpu.seconds < 0.1 and not cpu.events
 

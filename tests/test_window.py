@@ -13,6 +13,8 @@ from dflash_ds.config import DrafterConfig, RecipeError, load_recipe
 from dflash_ds.model.attention import FLEX_BLOCK, FULL, LayerAttention, build_layer_masks, build_mask
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape, attention_layout
+from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.resolve.run import resolve_run
 from tests.remote_case import block_case, serving_call, training_call
 from tests.test_attention import emulate_block_mask, naive_layer_mask, packed_case
 
@@ -121,7 +123,7 @@ def windowed_drafter(layer_types, window, is_causal=None, block_size=4, seed=0, 
     choices = DrafterConfig(num_layers=len(layer_types), block_size=block_size, mask_token_id=63,
                              target_layer_ids=(1, 4, 6), layer_types=tuple(layer_types), sliding_window=window,
                              is_causal=is_causal)
-    cfg = DrafterShape.from_target(tgt_config(), choices)
+    cfg = drafter_shape(tgt_config(), choices)
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg).to(dtype).eval()
     with torch.no_grad():
@@ -292,31 +294,36 @@ def test_automodel_refuses_a_window_shorter_than_the_block(tmp_path):
 # ------------------------------------------------------------------------------------------ recipe
 
 @pytest.mark.parametrize("overrides, message", [
-    (["drafter.layer_types=[sliding_attention]"], "drafter.layer_types lists 1 layers but drafter.num_layers is"),
+    (["drafter.layer_types=[sliding_attention]"], "drafter.layer_types lists 1 layers for 2 drafter layers"),
     (["drafter.layer_types=[sliding_attention,windowed]", "drafter.sliding_window=64"],
-     "each entry must be full_attention or sliding_attention"),
+     "each entry must be one of full_attention, sliding_attention"),
     (["drafter.layer_types=[sliding_attention,full_attention]"], "drafter.sliding_window is not set"),
-    (["drafter.sliding_window=64"], "no layer in drafter.layer_types is sliding_attention"),
+    (["drafter.sliding_window=64"], "no layer in layer_types is sliding_attention"),
     (["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=4"],
-     "must be >= drafter.block_size"),
+     "drafter.sliding_window = 4 is shorter than the block size 8"),
     (["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=0"],
-     "must be >= drafter.block_size"),
-    (["drafter.is_causal=maybe"], "drafter.is_causal: expected true or false"),
+     "drafter.sliding_window = 0 is shorter than the block size 8"),
 ])
-def test_recipe_attention_keys_are_checked(overrides, message):
+def test_recipe_attention_keys_are_checked_before_launch(overrides, message):
+    recipe = load_recipe("recipes/tiny.yaml", ["drafter.num_layers=2", "drafter.block_size=8"] + overrides)
     with pytest.raises(RecipeError) as err:
-        load_recipe("recipes/tiny.yaml", ["drafter.num_layers=2", "drafter.block_size=8"] + overrides)
+        resolve_run(recipe, world_size=2)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_recipe_value_of_the_wrong_type_stops_at_load():
+    with pytest.raises(RecipeError, match="drafter.is_causal: expected true or false"):
+        load_recipe("recipes/tiny.yaml", ["drafter.is_causal=maybe"])
+
+
 def test_recipe_attention_keys_reach_the_step_settings():
-    from dflash_ds.model.loss import StepSettings
+    from dflash_ds.model.objective import StepSettings
 
     r = load_recipe("recipes/tiny.yaml", ["drafter.num_layers=3", "drafter.block_size=8",
                                           "drafter.layer_types=[sliding_attention,sliding_attention,full_attention]",
                                           "drafter.sliding_window=32", "drafter.target_layer_ids=[1,4,6]",
                                           "drafter.mask_token_id=63"])
-    shape = DrafterShape.from_target(tgt_config(), r.drafter)
+    shape = drafter_shape(tgt_config(), r.drafter)
     assert (shape.layer_types, shape.sliding_window, shape.is_causal) == ((S_, S_, F_), 32, None)
     s = StepSettings.of(shape, r.objective, 0, torch.device("cpu"))
     assert s.attentions == (LayerAttention(32, True), LayerAttention(32, True), FULL)

@@ -35,7 +35,8 @@ from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
 from .timing import matmul_ceiling
 
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
+from dflash_ds.model.variants import DEFAULT, VARIANTS
 
 ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
 
@@ -123,9 +124,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=None,
                    help="anchors per row (default: the recipe's anchors per row token x the row length)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--architecture", default=None, choices=("dflash", "dflash2"),
-                   help="drafter.architecture (default: the recipe's): dflash2 adds the block convolutions, the "
-                        "candidate selector and its loss; dflash on a DFlash2 recipe is the same backbone without them")
+    p.add_argument("--architecture", default=None, choices=sorted(VARIANTS),
+                   help="drafter.architecture (default: the recipe's), e.g. the plain backbone of a recipe of another "
+                        "architecture, to measure what the architecture's additions cost")
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
     p.add_argument("--lengths", default=None, metavar="FILE|chat|long",
                    help="fill rows with conversations of these lengths ('chat', 'long' (long answers): built-in mixes, "
@@ -206,7 +207,7 @@ def summary_lines(report: dict) -> list[str]:
     if "first_step_peak_gib" in mem:
         lines.append(f"  {'peak GiB (first/last timed step)':<34} {mem['first_step_peak_gib']:.2f} / {mem['last_step_peak_gib']:.2f}")
     if "drafter_params" in r:
-        lines.append(f"  {'drafter parameters':<34} {r['drafter_params']:,} ({r.get('architecture', 'dflash')})")
+        lines.append(f"  {'drafter parameters':<34} {r['drafter_params']:,} ({r.get('architecture', DEFAULT.name)})")
     if "mask" in r:
         m = r["mask"]
         lines.append(f"  {'mask build s (first/warm)':<34} {m['first_build_s']:.4f} / {m['build_s']:.4f} ({m['kind']})")
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             packed.varlen_usable = lambda config, dtype, device: False  # bench-only A/B switch
         report = run(args)
     except ValueError as exc:
-        print(f"bench error: {exc}", file=sys.stderr)
+        say(f"bench error: {exc}")
         return Exit.USER
     print("\n".join(summary_lines(report)), flush=True)
     if args.out:

@@ -55,30 +55,32 @@ def visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Ten
 
 
 def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> dict[str, int]:
-    """One micro-batch's forward + backward FLOPs of the drafter (the anchor figures' rule).
+    """One micro-batch's forward + backward FLOPs of the drafter (the anchor figures' rule), from the
+    shape's tensor inventory (`DrafterShape.tensors`).
 
-    6 x (q, o, MLP params x block tokens + k, v params x (context + block tokens)) per layer,
-    4 x fc params x context tokens (no input gradient: the taps are data), attention
-    4 x pairs x heads x head_dim x 3 (forward + backward) per layer (`pairs`: the mean over the
-    layers when they attend differently), and 4 x vocab x D x block tokens for the frozen lm_head
-    (forward + input gradient). A DFlash2 drafter adds "dflash2": 6 x the convolutions' kernel
-    projections (2 per layer, D x 2*K*D/group) x block tokens, 6 x the selector's hidden projection
-    (r x D) x block tokens, and 4 x top_k x D x block tokens for the unary scores from the gathered
-    lm_head rows (forward + input gradient); the elementwise convolutions and rank-r pair scores are
-    not matmuls and are not counted.
+    6 x params x tokens for every matmul weight (forward, input and weight gradient): the backbone's
+    q, o and MLP over the block tokens, k and v over the context and block tokens; 4 x the fc weight x
+    context tokens (no input gradient: the taps are data); attention 4 x pairs x heads x head_dim x 3
+    (forward + backward) per layer (`pairs`: the mean over the layers when they attend differently);
+    4 x vocab x D x block tokens for the frozen lm_head (forward + input gradient). An architecture's
+    own weights and matmuls (`DrafterVariant.tensors`, `extra_flops`) are counted under its name;
+    elementwise tensors and gathered tables are not matmuls and are not counted.
     """
-    d, h, hk, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    layers = cfg.num_hidden_layers
-    q_o_mlp = 2 * d * h * hd + 3 * d * cfg.intermediate_size
-    k_v = 2 * d * hk * hd
-    dense = 6 * layers * (q_o_mlp * block_tokens + k_v * (ctx_tokens + block_tokens))
-    fuse = 4 * (cfg.num_taps * d * d) * ctx_tokens
-    attention = layers * 3 * 4 * pairs * h * hd
+    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    tokens = {"block": block_tokens, "context+block": ctx_tokens + block_tokens}
+    backbone = cfg.backbone_tensors()
+
+    def matmuls(tensors) -> int:
+        return sum(6 * t.numel * tokens[t.use] for t in tensors.values() if t.use in tokens)
+
+    fuse = sum(4 * t.numel * ctx_tokens for t in backbone.values() if t.use == "context")
+    attention = cfg.num_hidden_layers * 3 * 4 * pairs * h * hd
     lm_head = 4 * cfg.vocab_size * d * block_tokens
-    out = {"dense": dense, "fuse": fuse, "attention": attention, "lm_head": lm_head}
-    if getattr(cfg, "dflash2", False):
-        projection = 2 * layers * d * (2 * cfg.conv_kernel_size * d // cfg.conv_group_size)
-        out["dflash2"] = (6 * (projection + cfg.selector_rank * d) + 4 * cfg.selector_top_k * d) * block_tokens
+    out = {"dense": matmuls(backbone), "fuse": fuse, "attention": attention, "lm_head": lm_head}
+    own = cfg.variant.tensors(cfg)
+    extra = matmuls(own) + cfg.variant.extra_flops(cfg, block_tokens)
+    if own or extra:
+        out[cfg.architecture] = extra
     out["total"] = sum(out.values())
     return out
 
@@ -109,8 +111,7 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     synthetic row shares, so they are recomputed here exactly as make_blocks draws them. With
     --lengths the rows differ: the pairs are counted on the first rows only, so MFU is approximate.
     """
-    from dflash_ds.model.objective import sample_anchors
-    from dflash_ds.model.loss import anchor_generator
+    from dflash_ds.model.blocks import anchor_generator, sample_anchors
 
     a, r, plan = setup.args, setup.recipe, setup.plan
     rows = setup_rows(setup, setup.payload.rows)

@@ -95,9 +95,9 @@ def drafter_step(setup: Setup, engine, model, source, group):
     """One optimizer step of a drafter rank: `DrafterTrainer.train_step` itself (payloads -> unpack
     -> make_blocks -> step-wide weight all-reduce -> per micro-batch drafter_loss, engine.backward,
     engine.step -> acceptance proxy bookkeeping). Only the logging done at log steps is left out."""
-    from dflash_ds.runtime.control import NullControl
+    from dflash_ds.guard.control import NullControl
     from dflash_ds.runtime.trainer import DrafterParts, DrafterTrainer
-    from dflash_ds.runtime.transport import NoSyncTimer
+    from dflash_ds.runtime.profiling import NoSyncTimer
 
     trainer = DrafterTrainer(setup.run, 0, DrafterParts(engine, model, source, group, NoSyncTimer()), NullControl())
 
@@ -120,8 +120,7 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
     Runs before the first training step, so the first build here is the process's first.
     """
     from dflash_ds.model.attention import build_layer_masks
-    from dflash_ds.model.objective import sample_anchors
-    from dflash_ds.model.loss import anchor_generator, make_blocks
+    from dflash_ds.model.blocks import anchor_generator, make_blocks, sample_anchors
 
     s = setup.run.settings
     mb = micro_batch_of(setup, payload)
@@ -190,7 +189,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
         flops += setup.plan.grad_accum * extra["target_flops_per_micro"]["total"]
     result.update(build_s=build_s, mask=mask, drafter_flops=counted, taps=setup.tap_ids,
                   drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-                  architecture="dflash2" if drafter.config.dflash2 else "dflash",
+                  architecture=drafter.config.architecture,
                   checkpointed_layers=drafter.checkpoint_layers if drafter.checkpoint_fn is not None else 0,
                   compiled_layers=bool(a.compile_layers), zero_stage=ds_cfg.get("zero_optimization", {}).get("stage"),
                   loss_chunks=setup.recipe.objective.loss_chunks, **extra)

@@ -18,8 +18,9 @@ import torch
 
 from dflash_ds.config import Recipe
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import RunSpec
-from dflash_ds.runtime.launch_env import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
+from dflash_ds.guard.launch import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
 from dflash_ds.resolve.plan import Plan
 from dflash_ds.resolve.payload import PayloadLayout
 
@@ -154,7 +155,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     # Layers are compiled by the runtime when the recipe says so; the bench's flag decides.
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))
-    dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
+    dcfg = drafter_shape(tcfg, recipe.drafter)
     o = recipe.optim
     geo = target_geometry(tcfg)
     plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)

@@ -1,7 +1,7 @@
 """The recipe's value checks: one function per section, run in recipe order by `validate`.
 
 Only checks that need no files or GPUs live here; the checks that read files (the target config, the
-DeepSpeed JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and runtime/prelaunch.py's.
+DeepSpeed JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and guard/launch.py's.
 A check that relates two sections sits with the section whose setting the message tells the user to
 change. Every failure is one RecipeError line naming the setting and the fix."""
 
@@ -13,9 +13,6 @@ from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.recipe import Recipe
 from dflash_ds.config.sections import BENCHMARK_SETS, RegenerateConfig
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
-
-
 def need(cond: bool, msg: str) -> None:
     """Stop with `msg` unless `cond` holds."""
     if not cond:
@@ -24,10 +21,11 @@ def need(cond: bool, msg: str) -> None:
 
 def validate(r: Recipe) -> None:
     """Checks that need no files or GPUs; the checks that read files (the target config, the DeepSpeed
-    JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and runtime/prelaunch.py's."""
+    JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and guard/launch.py's."""
     check_target(r)  # first: a recipe without a target is the most common mistake, and names it first
     check_run(r)
-    check_drafter(r)
+    # The drafter section is checked where it becomes a shape (resolve/drafter.py, model/shape.py and
+    # the architecture's own fields): its rules hold for an export too, so they live with the shape.
     check_data(r)
     check_objective(r)
     check_optim(r)
@@ -47,39 +45,6 @@ def check_target(r: Recipe) -> None:
 def check_run(r: Recipe) -> None:
     need(r.run.device in ("auto", "cuda", "cpu"), f"run.device must be auto, cuda or cpu, got {r.run.device!r}")
     need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
-
-
-def check_drafter(r: Recipe) -> None:
-    d = r.drafter
-    need(d.num_layers >= 1, "drafter.num_layers must be >= 1")
-    need(d.block_size >= 2, f"drafter.block_size must be >= 2 (an anchor plus at least one mask), got {d.block_size}")
-    check_attention(r)
-    need(d.mask_token_id >= 0, "drafter.mask_token_id is not set; use the target's reserved MASK id (Qwen3.5/3.6: 248070, Qwen3: 151669)")
-    need(d.architecture in ("dflash", "dflash2"), f"drafter.architecture must be dflash or dflash2, got {d.architecture!r}")
-    # The four DFlash2 settings share one message: it names the published values of all of them.
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        need(getattr(d, name) >= 1, f"drafter.{name} must be >= 1 (DFlash2 publishes 2, 16, 256, 16)")
-    need(d.conv_kernel_size <= d.block_size,
-         f"drafter.conv_kernel_size ({d.conv_kernel_size}) must not exceed drafter.block_size "
-         f"({d.block_size}): the convolution runs inside one block")
-
-
-def check_attention(r: Recipe) -> None:
-    """drafter.layer_types and sliding_window: one known type per layer, a window iff a layer slides."""
-    d = r.drafter
-    types = d.layer_types or ()
-    need(d.layer_types is None or len(types) == d.num_layers,
-         f"drafter.layer_types lists {len(types)} layers but drafter.num_layers is {d.num_layers}; give one type per layer")
-    need(all(t in ATTENTION_KINDS for t in types), f"drafter.layer_types: each entry must be full_attention or sliding_attention, "
-         f"got {[t for t in types if t not in ATTENTION_KINDS]}")
-    sliding = "sliding_attention" in types
-    need(not sliding or d.sliding_window is not None,
-         "drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set; set it (e.g. 2048)")
-    need(sliding or d.sliding_window is None, f"drafter.sliding_window={d.sliding_window} but no layer in "
-         "drafter.layer_types is sliding_attention; list the sliding layers or set drafter.sliding_window=null")
-    need(d.sliding_window is None or d.sliding_window >= d.block_size,
-         f"drafter.sliding_window ({d.sliding_window}) must be >= drafter.block_size ({d.block_size}): "
-         "the window must cover the whole block")
 
 
 def check_data(r: Recipe) -> None:
@@ -124,6 +89,7 @@ def check_objective(r: Recipe) -> None:
     need(o.num_anchors <= r.data.row_length,
          f"objective.num_anchors ({o.num_anchors}) exceeds data.row_length ({r.data.row_length}); lower it "
          "(null = 512 per 3,072 row tokens)")
+    need(o.gamma is None or o.gamma > 0, f"objective.gamma must be > 0 (or null for the default), got {o.gamma}")
     need(o.loss_chunks >= 1, "objective.loss_chunks must be >= 1")
     need(o.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {o.kl_weight}")
     need(o.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {o.kl_temperature}")

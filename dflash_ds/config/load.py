@@ -73,6 +73,12 @@ def _coerce(value, tp, path: str):
     return value
 
 
+# Keys a recipe may no longer set, and what to do instead: one line, never a silent default.
+REMOVED = {
+    "objective.fused_loss": "the fused lm_head loss is the only loss; delete the key",
+}
+
+
 def _build(cls, raw: dict, prefix: str = ""):
     """An instance of the dataclass `cls` from a mapping; a key it has no field for is refused, naming
     the keys it does have (the fields left out keep their defaults)."""
@@ -81,6 +87,8 @@ def _build(cls, raw: dict, prefix: str = ""):
     kwargs = {}
     for key, value in raw.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if path in REMOVED:
+            raise RecipeError(f"recipe key '{path}' is gone: {REMOVED[path]}")
         if key not in names:
             known = ", ".join(sorted(n for n in names if n != "source"))
             raise RecipeError(f"unknown recipe key '{path}'; known keys here: {known}")

@@ -37,8 +37,8 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     """transformers attention implementation for the target."""
     quantization: str = "none"
-    """none, or fp8: the target's decoder linear layers run in FP8 on the GPU (H100/H200), ~1.4-1.5x the
-    bf16 target rate at the 27B geometry. From a bf16 checkpoint the weights are quantized once at load
+    """none, or fp8: the target's decoder linear layers run in FP8 on the GPU (H100/H200), faster than
+    bf16 (docs/performance.md, "The target in FP8"). From a bf16 checkpoint the weights are quantized once at load
     (per-row scales); an FP8 checkpoint as published (config.json quantization_config: fp8, 128 x 128
     blocks) is used as stored, the numerics it is served with. An FP8 checkpoint with `none` is
     dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16."""
@@ -187,10 +187,8 @@ class ObjectiveConfig:
     whose block drafts the turn's first tokens: the round llama-speculative-simple runs first (it
     prefills the prompt without that token). false = anchors on supervised tokens only, the paper's."""
     loss_chunks: int = 16
-    """lm_head + cross-entropy computed in this many checkpointed chunks."""
-    fused_loss: bool = True
-    """lm_head + CE with the input gradient computed in the forward pass (2 lm_head matmuls per chunk
-    instead of 3, no fp32 logits round trips); false = the checkpointed autograd path."""
+    """lm_head + cross-entropy computed in this many chunks of slots (only one chunk's logits exist at a
+    time; the input gradient is computed in the forward pass, model/loss.py)."""
     kl_weight: float = 0.0
     """Weight of a distillation term KL(target || drafter) added to the hard-label CE at every slot
     (0 = plain CE, the paper's recipe). Target ranks then also send their final-norm hidden state
@@ -250,7 +248,7 @@ class TopologyConfig:
     max_in_flight: int = 4
     """Payload sends a target may have outstanding (bounded run-ahead)."""
     payload_ctas: int = 1
-    """Thread blocks (SMs) NCCL may use for payload transfers (0: NCCL's choice, 16 on an H200); a
+    """Thread blocks (SMs) NCCL may use for payload transfers (0: NCCL's choice); a
     posted transfer holds them until its peer arrives, slowing the GEMMs beside it (docs/performance.md)."""
     peer_timeout_s: float = 1200.0
     """A rank waiting this long on a peer (a payload, a send, a collective) names the peer and ends
@@ -269,7 +267,8 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto: continue from latest.json's checkpoint, stop if it is missing or damaged; fallback: the
     same, but fall back to the newest complete earlier checkpoint with a warning; restart: start
-    from step 0 over an existing run directory. (true = auto, false = restart.)"""
+    from step 0 over an existing run directory, the previous run's checkpoints moved aside into
+    checkpoints/previous-<time>/. (true = auto, false = restart.)"""
     universal: bool = False
     """Load a universal checkpoint (after ds_to_universal) to change the number of drafter ranks."""
 

@@ -1,9 +1,9 @@
-"""Documents -> fixed-length rows, and the positions a packed row needs.
+"""Documents -> fixed-length rows.
 
 Rows are `S` tokens holding whole documents (never split across rows): `input_ids` int32 [S]
 (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens), `doc_ids` int32 [S]
-(document index inside the row, -1 on padding). Position ids restart at 0 for every document:
-`position_ids_from_doc_ids`. A packed row holds several documents and the target must not attend
+(document index inside the row, -1 on padding). Position ids restart at 0 for every document
+(`model.blocks.position_ids_from_doc_ids`, computed where the rows are used). A packed row holds several documents and the target must not attend
 across them. With transformers (5.x) the simplest correct call is
 `model(input_ids, position_ids=position_ids_from_doc_ids(doc_ids), attention_mask=None, use_cache=False)`:
 its masking utilities then detect the restarts and build the block-diagonal mask themselves (with the
@@ -16,23 +16,6 @@ import os
 from array import array
 
 import numpy as np
-
-
-# ----------------------------------------------------------------------------- positions
-
-def position_ids_from_doc_ids(doc_ids):
-    """Positions restarting at 0 at every document (padding counts as one more run). numpy or torch."""
-    if isinstance(doc_ids, np.ndarray):
-        idx = np.broadcast_to(np.arange(doc_ids.shape[-1]), doc_ids.shape)
-        new = np.ones(doc_ids.shape, dtype=bool)
-        new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-        return (idx - np.maximum.accumulate(np.where(new, idx, 0), axis=-1)).astype(np.int64)
-    import torch
-
-    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand(doc_ids.shape)
-    new = torch.ones(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
-    new[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    return idx - torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), dim=-1).values
 
 
 # ----------------------------------------------------------------------------- packing

@@ -39,7 +39,7 @@ from dflash_ds.data.cache import (FORMAT_VERSION, LENGTHS_FILE, MANIFEST_FILE, R
                                   cache_damage, discard, write_manifest)
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 
 
@@ -269,12 +269,8 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
     Packing (data.pack) suits every target: the target forward keeps packed documents apart in
     every layer, Gated DeltaNet layers included (target.packed). Beside the audit, lengths.json
     lists every conversation's token count (the bench's --lengths FILE)."""
-    if cfg.truncation not in ("drop", "truncate"):
-        raise ValueError(f"data.truncation: {cfg.truncation!r}; use 'drop' or 'truncate'")
-    if cfg.max_length < 2:
-        raise ValueError(f"data.max_length: {cfg.max_length}; must be at least 2")
-    if row_length(cfg) < cfg.max_length:
-        raise ValueError(f"data.row_length: {row_length(cfg)} is shorter than data.max_length ({cfg.max_length})")
+    # The recipe's checks (config/checks.py) hold these; a data section from elsewhere must too.
+    assert cfg.truncation in ("drop", "truncate") and 2 <= cfg.max_length <= row_length(cfg), cfg
     encoder = ChatEncoder(tokenizer, cfg.thinking)
     path, path_setting = _train_source(cfg, recipe)
     cache_dir = Path(cfg.cache_dir)
@@ -304,9 +300,9 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
             else:
                 check_drops(data.report, cfg, final)
                 if verbose:
-                    print(f"[data] reusing {final}", flush=True)
+                    say(f"data: reusing {final}")
                 return data
-        print(f"[data] prepared data in {final} is damaged: {damage}; rebuilding it", flush=True)
+        say(f"data: prepared data in {final} is damaged: {damage}; rebuilding it")
         discard(final)
 
     ds = loaded["train"] if "train" in loaded else load_rows(path, cfg.split, hf_cache, path_setting=path_setting)
@@ -373,7 +369,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
         write_manifest(tmp)  # last: an entry without it was never finished
     data = _load_cached(final, fp)
     if verbose:
-        print(report_text(data.report), end="", flush=True)
+        say("data: " + report_text(data.report).rstrip("\n"))
     check_drops(data.report, cfg, final)
     return data
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
 from dflash_ds.io import write_text_atomic
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 SHARD_SIZE = 256
 FORMAT_VERSION = 1
@@ -263,14 +263,14 @@ def regenerate(cfg, target_path: str, *, shards: Shards = Shards(), generator=No
         summary["samples_out"] += len(kept)
         summary["unfinished_turns"] += unfinished
         if verbose:
-            line = (f"[regenerate] rank {rank}: {shard_name(i)} ({summary['shards_written']}/{len(mine)}) "
+            line = (f"regenerate: rank {rank}: {shard_name(i)} ({summary['shards_written']}/{len(mine)}) "
                     f"{len(kept)}/{len(convs)} samples, {unfinished} unfinished turns, {time.time() - t0:.1f} s")
             if client is not None:
                 st, dt = client.stats, max(time.time() - t_start, 1e-9)
                 line += (f" | {st.completion_tokens / dt:,.0f} generated tok/s, {st.prompt_tokens:,} prompt + "
                          f"{st.completion_tokens:,} generated tokens, {st.requests} requests, {st.retries} retries, "
                          f"{summary['failed_samples']} failed samples")
-            print(line, flush=True)
+            say(line)
     if client is not None:
         summary.update(requests=client.stats.requests, retries=client.stats.retries,
                        prompt_tokens=client.stats.prompt_tokens, completion_tokens=client.stats.completion_tokens)
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     try:
         summary = regenerate(recipe.data, recipe.target.path, shards=shards)
     except (ValueError, RuntimeError) as e:  # settings, data, or too many failed requests: one line
-        print(f"[regenerate] error: {e}", file=sys.stderr, flush=True)
+        say(f"regenerate: error: {e}")
         return Exit.USER if isinstance(e, ValueError) else Exit.FAILED
     print(f"[regenerate] rank {rank} done: {summary}")
     if rank == 0:

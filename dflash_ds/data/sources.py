@@ -11,6 +11,24 @@ DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arr
 MANIFEST = ".manifest.json"
 
 
+def local_path_problem(path: str, setting: str) -> str | None:
+    """One line when `path` looks like a local path (absolute, ./ ../ ~, a data-file suffix, more than
+    one '/', or a first component that exists here) but does not exist: such a path must not be
+    looked up on the hub (30 s of retries before the same answer). None otherwise."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return None
+    first = Path(path).parts[0] if Path(path).parts else ""
+    local = (p.is_absolute() or path.startswith((".", "~")) or p.suffix.lower() in DATA_SUFFIXES
+             or path.count("/") > 1 or ("/" in path and Path(first).is_dir()))
+    if not local:
+        return None
+    parent = next((q for q in p.parents if q.exists()), None)
+    where = f" ({parent} exists: a typo?)" if parent is not None and str(parent) not in ("", ".", "/") else ""
+    return (f"{setting}: {path} does not exist{where}; point {setting} at an existing local path (hub ids look like "
+            "'org/name')")
+
+
 def _local_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -30,14 +48,15 @@ def source_identity(path: str, split: str) -> dict | None:
 
 def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setting: str = "data.path",
               split_setting: str = "data.split"):
-    """A `datasets.Dataset` from a hub id, a local .json/.jsonl/.parquet/.arrow file or a directory."""
+    """A `datasets.Dataset` from a hub id, a local .json/.jsonl/.parquet/.arrow file or a directory of
+    such files (all of them, whatever their format)."""
     import datasets
 
     p = Path(path)
     kw = {"cache_dir": cache_dir} if cache_dir else {}
-    if not p.exists() and (p.is_absolute() or path.startswith(".") or p.suffix.lower() in DATA_SUFFIXES):
-        raise ValueError(f"{path_setting}: {path} does not exist (local paths must exist; hub ids look like "
-                         "'org/name')")
+    problem = local_path_problem(path, path_setting)
+    if problem:
+        raise ValueError(problem)
     if p.is_file() or (p.is_dir() and not (p / "state.json").exists() and not (p / "dataset_dict.json").exists()):
         from dflash_ds.data.validate import check_local
 
@@ -59,7 +78,7 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
             files = [f for f in _local_files(p) if f.suffix.lower() in DATA_SUFFIXES]
             if not files:
                 raise ValueError(f"{path_setting}: no data files ({sorted(DATA_SUFFIXES)}) in {path}")
-            ds = datasets.load_dataset(str(p), split=split, **kw)
+            ds = _load_directory(p, split, kw, (path_setting, split_setting))
         else:
             ds = datasets.load_dataset(path, split=split, **kw)
     except ValueError as e:
@@ -82,6 +101,33 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
     if isinstance(ds, datasets.IterableDataset):
         raise ValueError(f"{path_setting}: streaming datasets are not supported")
     return ds
+
+
+def _load_directory(p: Path, split: str, kw: dict, settings: tuple[str, str]):
+    """Every data file of directory `p` in `split`, whatever its format: `datasets` alone would read
+    the most common extension and silently skip the files of the others."""
+    import datasets
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    path_setting, split_setting = settings
+    splits = DataFilesDict.from_patterns(get_data_patterns(str(p)), base_path=str(p))
+    if split not in splits:
+        raise ValueError(f"{split_setting}: split {split!r} not in {p} (its files give {sorted(map(str, splits))})")
+    by_builder: dict[str, list[str]] = {}
+    for f in splits[split]:
+        builder = DATA_SUFFIXES.get(Path(f).suffix.lower())
+        if builder is not None:
+            by_builder.setdefault(builder, []).append(f)
+    if len(by_builder) < 2:
+        return datasets.load_dataset(str(p), split=split, **kw)
+    parts = [datasets.load_dataset(b, data_files={split: fs}, split=split, **kw) for b, fs in sorted(by_builder.items())]
+    try:
+        return datasets.concatenate_datasets([parts[0]] + [d.cast(parts[0].features) for d in parts[1:]])
+    except (ValueError, TypeError, KeyError) as exc:
+        listed = "; ".join(f"{b}: {', '.join(Path(f).name for f in fs[:3])}" for b, fs in sorted(by_builder.items()))
+        raise ValueError(_mixed_formats(p, path_setting) or (
+            f"{path_setting}: {p} holds files of several formats whose columns differ ({listed}; "
+            f"{str(exc).splitlines()[0][:160]}); convert them to one format")) from None
 
 
 def _mixed_formats(p: Path, setting: str) -> str | None:

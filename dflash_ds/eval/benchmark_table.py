@@ -23,7 +23,7 @@ from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sam
                                     tau_of_trajectory)
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def run_recipe(recipe) -> list[dict] | None:
             result = (tau_on_prompts(responder, prompts) if name == HELDOUT
                       else tau_on_conversations(responder, tokenizer, convs))
             rows.append(bench_row(name, result))
-            print("[dflash] " + table_lines(rows[-1:])[1], flush=True)
+            say(table_lines(rows[-1:])[1])
     return rows
 
 
@@ -165,14 +165,14 @@ def after_training(recipe) -> int:
     from dflash_ds.model_card import add_benchmarks_to_card
 
     e = recipe.eval
-    print(f"[dflash] benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="
-          f"{str(recipe.data.thinking).lower()} as data.thinking, {e.bench_limit} prompts each, "
-          f"{e.max_new_tokens} new tokens):", flush=True)
-    print("[dflash] " + table_lines([])[0], flush=True)
+    say(f"benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="
+        f"{str(recipe.data.thinking).lower()} as data.thinking, {e.bench_limit} prompts each, "
+        f"{e.max_new_tokens} new tokens):")
+    say(table_lines([])[0])
     try:
         rows = run_recipe(recipe)
     except ValueError as err:
-        print(f"[dflash] error: {err}", file=sys.stderr, flush=True)
+        say(f"error: {err}")
         return Exit.USER
     run_dir = Path(recipe.run.output_dir)
     (run_dir / "benchmarks.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -185,15 +185,15 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python -m dflash_ds.eval.benchmark_table RECIPE [key=value ...]", file=sys.stderr)
+        say("usage: python -m dflash_ds.eval.benchmark_table RECIPE [key=value ...]")
         return Exit.USER
     try:
         recipe = load_recipe(argv[0], argv[1:])
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(f"error: {err}")
         return Exit.USER
     if not recipe.eval.benchmarks:
-        print("eval.benchmarks is empty: nothing to evaluate", file=sys.stderr)
+        say("eval.benchmarks is empty: nothing to evaluate")
         return Exit.OK
     code = after_training(recipe)
     if code == Exit.OK:

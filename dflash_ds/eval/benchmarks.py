@@ -56,23 +56,23 @@ def parse_names(text: str, setting: str = "--bench") -> list[str]:
     return names
 
 
-def _records_from_file(path: Path) -> list[dict]:
+def _records_from_file(path: Path, name: str) -> list[dict]:
+    """The records of a local benchmark file; ValueError naming the set, the file and the line."""
     if path.suffix == ".parquet":
         from datasets import load_dataset
 
-        return list(load_dataset("parquet", data_files=str(path), split="train"))
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-        return data if isinstance(data, list) else [data]
-    out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-    return out
+        try:
+            return list(load_dataset("parquet", data_files=str(path), split="train"))
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors name neither the file nor the set
+            raise ValueError(f"benchmark {name}: {path} cannot be read as parquet ({type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0][:160]})") from None
+    from dflash_ds.data.validate import check_json_file
+
+    check_json_file(path, f"benchmark {name}")  # empty, not UTF-8, a malformed line: file and line named
+    text = path.read_text(encoding="utf-8").lstrip("\ufeff")
+    if path.suffix == ".json" and text.lstrip()[:1] == "[":
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _records(name: str, bench_dir: str | None, setting: str) -> tuple[list[dict], str]:
@@ -84,7 +84,7 @@ def _records(name: str, bench_dir: str | None, setting: str) -> tuple[list[dict]
             raise ValueError(f"benchmark {name}: no {name}.jsonl/.json/.parquet in {setting} {bench_dir}; put the "
                              f"records of {b.source} there (field '{b.field}'), or drop {setting} to load it "
                              "from the hub")
-        return _records_from_file(found), str(found)
+        return _records_from_file(found, name), str(found)
     try:
         from datasets import load_dataset
 

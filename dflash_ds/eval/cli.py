@@ -21,7 +21,7 @@ from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model_card import trained_thinking
-from dflash_ds.safety import Exit
+from dflash_ds.safety import Exit, say
 
 
 def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_template_kwargs: dict | None = None) -> list[list[int]]:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return Exit.USER
 
 
@@ -124,14 +124,16 @@ def _thinking(args, kwargs: dict | None) -> bool:
     else:
         thinking = bool(trained)
     if trained is not None and thinking != trained:
-        print(f"warning: evaluating with enable_thinking={str(thinking).lower()} but {args.drafter} was trained with "
-              f"enable_thinking={str(trained).lower()} (data.thinking): acceptance drops when they differ",
-              file=sys.stderr)
+        say(f"warning: evaluating with enable_thinking={str(thinking).lower()} but {args.drafter} was trained with "
+            f"enable_thinking={str(trained).lower()} (data.thinking): acceptance drops when they differ")
     return thinking
 
 
 def _run(args) -> int:
     kwargs = _check_args(args)
+    # The sets first: a bad file is named before any model loads.
+    sets = {name: load_conversations(name, args.bench_dir, args.limit) for name in parse_names(args.bench)} \
+        if args.bench else {}
     target, tokenizer, model = load_pair(args.target, args.drafter)
     thinking = _thinking(args, kwargs)
     opts = BenchOptions(max_new_tokens=args.max_new_tokens, samples=args.samples, seed=args.seed,
@@ -146,8 +148,7 @@ def _run(args) -> int:
         for sampling in settings[1:]:
             prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
             rows.append(bench_row("prompts", tau_on_prompts(Responder(target, model, sampling, opts), prompts)))
-    for name in parse_names(args.bench) if args.bench else []:
-        convs = load_conversations(name, args.bench_dir, args.limit)
+    for name, convs in sets.items():
         for sampling in settings:
             responder = Responder(target, model, sampling, opts)
             rows.append(bench_row(name, tau_on_conversations(responder, tokenizer, convs)))

@@ -39,8 +39,8 @@ def greedy_continuation(target, prompt_ids: torch.Tensor, *, max_new_tokens: int
                            pad_token_id=eos[0] if eos else 0)
     # Every prompt length and decode step is a new shape. The target's compiled kernels have fixed
     # shapes: they would recompile per shape and, past Dynamo's recompile limit, run eager for the
-    # training shape too (measured: a 64-layer target at 9.0K tok/s instead of 11.5K). Generation is
-    # rare and short, so it runs eager.
+    # training shape too (docs/performance.md, "Figures behind the code"). Generation is rare and
+    # short, so it runs eager.
     with torch.compiler.set_stance("force_eager"):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
     return out[0].cpu()

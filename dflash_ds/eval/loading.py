@@ -15,7 +15,7 @@ def load_eval_target(path: str, device: torch.device):
     try:
         load_config(path)
     except ValueError as e:
-        raise ValueError(str(e).replace("target.path", "--target")) from None
+        raise ValueError(f"--target: {e}") from None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -39,9 +39,8 @@ from typing import Sequence
 import torch
 
 from dflash_ds.model.attention import build_layer_masks
-# draft_tokens (a v1 drafter's proposals) lives with DraftModel.draft; still importable from here.
-from dflash_ds.model.draft_model import DraftModel, draft_tokens  # noqa: F401
-from dflash_ds.model.objective import block_inputs
+from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.blocks import block_inputs
 
 DEFAULT_BATCH_ANCHORS = 64
 
@@ -107,7 +106,7 @@ def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor
                                  doc_ids[:, :s_ctx], B, drafter.config.layer_attentions(), kind="dense")
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
-        # The path the engines propose: argmax per slot (v1) or the selector's walk (DFlash2).
+        # The path the engines propose: the architecture's walk (DraftModel.draft).
         drafts = model.draft(hidden.view(n, B, -1)[:, 1:], block_ids.view(n, B)[:, 0])  # [n, B-1]
         out[c0 - start:c0 - start + n] = drafts.cpu()
     return out

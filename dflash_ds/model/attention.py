@@ -219,7 +219,7 @@ def _mask_mod(att: LayerAttention, block_size: int, s: int, lookups):
 
 def _check_inputs(anchors, anchor_valid, doc_ids, block_size) -> None:
     if block_size < 2:
-        raise ValueError(f"drafter.block_size must be >= 2, got {block_size}")
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
     if anchors.dim() != 2 or anchor_valid.shape != anchors.shape:
         raise ValueError(f"anchors {tuple(anchors.shape)} and anchor_valid {tuple(anchor_valid.shape)} must be [b, N]")
     if doc_ids.dim() != 2 or doc_ids.shape[0] != anchors.shape[0]:

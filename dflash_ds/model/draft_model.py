@@ -13,20 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.dflash2 import greedy_path
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
-
-
-def draft_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
-    """Greedy tokens of drafter states [..., D] through the target lm_head, in chunks of rows so
-    the [rows, vocab] logits of a 248K vocabulary stay small (a v1 drafter's proposal)."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    w = lm_head_weight.to(device=flat.device, dtype=flat.dtype)
-    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
-    for i in range(0, flat.shape[0], chunk):
-        out[i:i + chunk] = (flat[i:i + chunk] @ w.T).argmax(-1)
-    return out.view(hidden.shape[:-1])
 
 
 @dataclass(frozen=True)
@@ -69,10 +57,6 @@ class DraftModel:
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The tokens the engines propose at temperature 0 from the final states `[n, B-1, D]` of the
-        drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the argmax of
-        each slot (v1; the target's logit transform is monotonic, so it does not change the argmax),
-        or the candidate selector's greedy path (DFlash2)."""
-        selector = self.drafter.candidate_selector
-        if selector is None:
-            return draft_tokens(hidden, self.lm_head)
-        return greedy_path(selector, hidden, self.lm_head, anchors.to(hidden.device), self.config.logit_transform)
+        drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the architecture's
+        walk (`DrafterVariant.draft`: each slot's argmax for v1, the selector's greedy path for DFlash2)."""
+        return self.config.variant.draft(self, hidden, anchors)

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.model.attention import DFlashMask, attend
-from dflash_ds.model.dflash2 import BlockConv, CandidateSelector
 from dflash_ds.model.shape import INIT_STD, DrafterShape
 
 
@@ -123,9 +122,9 @@ class SwiGLU(nn.Module):
 class DFlashLayer(nn.Module):
     """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP.
 
-    DFlash2 wraps both sublayers in a block convolution (dflash2.BlockConv): the normalised input
-    is convolved before the sublayer and its output after it, with coefficients from one projection
-    of that normalised input; the residual adds the convolved output.
+    An architecture may wrap both sublayers (`DrafterVariant.wrappers`, e.g. DFlash2's block
+    convolution): the wrapper's `prepare` turns the normalised input into the sublayer's input and
+    its `finish` the sublayer's output into what the residual adds.
     """
 
     def __init__(self, cfg: DrafterShape):
@@ -134,21 +133,28 @@ class DFlashLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention_conv = self.mlp_conv = None
-        if cfg.dflash2:
-            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
-            # Built on a side stream of random numbers: the backbone's init draws stay those of a v1 drafter.
-            with torch.random.fork_rng(devices=[]):
-                self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
+        self.wrapped: tuple[str, str] | None = None  # the wrappers' names (attention side, MLP side)
+        # Built on a side stream of random numbers: the backbone's init draws stay those of a v1 drafter.
+        with torch.random.fork_rng(devices=[]):
+            wrappers = cfg.variant.wrappers(cfg)
+        if wrappers is not None:
+            (a_name, a_mod), (m_name, m_mod) = wrappers
+            self.add_module(a_name, a_mod)
+            self.add_module(m_name, m_mod)
+            self.wrapped = (a_name, m_name)
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        if self.attention_conv is None:
+        if self.wrapped is None:
             x = x + self.self_attn(self.input_layernorm(x), inputs)
             return x + self.mlp(self.post_attention_layernorm(x))
-        h, after = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, inputs), after)
-        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(h), after)
+        attention_wrap, mlp_wrap = (getattr(self, n) for n in self.wrapped)
+        h, after = attention_wrap.prepare(self.input_layernorm(x))
+        x = x + attention_wrap.finish(self.self_attn(h, inputs), after)
+        h, after = mlp_wrap.prepare(self.post_attention_layernorm(x))
+        return x + mlp_wrap.finish(self.mlp(h), after)
+
+    def variant_modules(self) -> list[nn.Module]:
+        return [getattr(self, n) for n in self.wrapped] if self.wrapped is not None else []
 
 
 class DFlashDrafter(nn.Module):
@@ -161,12 +167,12 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # DFlash2: read by the loss and the draft walk, not by forward (its input is the output).
-        self.candidate_selector = None
-        if cfg.dflash2:
-            with torch.random.fork_rng(devices=[]):
-                self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
-                                                            cfg.selector_top_k)
+        # The architecture's heads: read by the loss and the draft walk, not by forward (their input is its output).
+        with torch.random.fork_rng(devices=[]):
+            heads = cfg.variant.heads(cfg)
+        for name, module in heads.items():
+            self.add_module(name, module)
+        self.head_names = tuple(heads)
         # Set from outside: `fn(function, *tensors)` wrapping each of the first
         # `checkpoint_layers` layers (DeepSpeed's non_reentrant_checkpoint at runtime).
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
@@ -175,11 +181,12 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """HF-style init: linears N(0, 0.02), norms 1; then DFlash2's modules their own (the
-        convolutions an exact no-op, the selector adding nothing). Deterministic under
-        torch.manual_seed, and a DFlash2 drafter's backbone draws the same numbers as a v1 drafter's
-        of the same shape (the DFlash2 modules draw after it)."""
-        extra = [m for m in self.modules() if isinstance(m, (BlockConv, CandidateSelector))]
+        """HF-style init: linears N(0, 0.02), norms 1; then the architecture's modules their own
+        (DFlash2: the convolutions an exact no-op, the selector adding nothing). Deterministic under
+        torch.manual_seed, and the backbone draws the same numbers whatever the architecture (its
+        modules draw after it, layers' wrappers first, then the heads)."""
+        extra = [m for layer in self.layers for m in layer.variant_modules()]
+        extra += [getattr(self, n) for n in self.head_names]
         owned = {id(sub) for m in extra for sub in m.modules()}
         for module in self.modules():
             if id(module) in owned:

@@ -1,178 +1,491 @@
-"""The drafter's work on one received micro-batch: anchors, blocks, mask, forward and loss.
+"""The loss: the target's frozen lm_head on the drafter's states and a weighted cross-entropy, with
+the optional distillation term and an architecture's own terms, the gradients computed in the forward.
 
-Pure torch (no torch.distributed, no deepspeed), so the distributed runtime, the colocated mode,
-the single-process reference and the bench all run exactly this code.
+The lm_head of a 248K-token vocabulary is the drafter's most expensive matmul. The loss is a sum over
+rows, so each chunk's gradient is known as soon as its logits are: the forward computes a chunk's
+logits, one fused elementwise pass gives the CE (and the KL), the argmax hit and the logits' gradient,
+and one matmul turns that into the input gradient; the backward only scales the saved gradients by
+the incoming one. Two lm_head matmuls per chunk (three with the target's logits), and only one
+chunk's logits ever exist. An autograd version with checkpointed chunks would run the lm_head three
+times per chunk and walk the logits several times in fp32 (docs/performance.md).
+
+`linear_cross_entropy` works on rows `[n, D]`; `block_loss` on the blocks of a micro-batch (it
+drops slot 0 of every block by shape and returns the per-slot results in block layout).
+
+Model code: no torch.distributed, no deepspeed.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from dflash_ds.model.attention import DFlashMask, LayerAttention, build_layer_masks
-from dflash_ds.model.dflash2 import SelectorRows, SelectorTerm, selector_alpha, selector_loss
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.objective import (KLTerm, LossOptions, block_inputs, block_targets, chunked_loss, default_gamma,
-                                       sample_anchors, slot_rows)
-from dflash_ds.data.packing import position_ids_from_doc_ids
+from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.compile import compile_once
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
+from dflash_ds.model.top_k import block_top_k
 
 
-@dataclass(frozen=True)
-class StepSettings:
-    """What `make_blocks` and `drafter_loss` need besides the micro-batch: the drafter's shape (block
-    size and mask id come from it, nowhere else) and the objective's knobs, which are not shape."""
+class KLTerm(NamedTuple):
+    """The distillation term and the target's states: every row adds weight * T^2 * KL(p_T || q_T),
+    p_T the target's and q_T the drafter's distribution softened by the temperature T (T^2 keeps the
+    gradient's size independent of T). The target's logits are `target_hidden` (its final-norm states
+    for the same rows) through the same lm_head, chunk by chunk. With weight 0 there is no KL, but a
+    ChunkTerm still sees the target's logits."""
 
-    shape: DrafterShape
-    num_anchors: int
-    gamma: float
-    loss_chunks: int
-    mask_kind: str  # "dense" (CPU, SDPA) or "flex" (GPU, compiled flex_attention)
-    seed: int
-    fused_loss: bool = True
-    kl_weight: float = 0.0
-    kl_temperature: float = 1.0
-    selector: SelectorSchedule | None = None  # DFlash2 drafters only
-    anchor_prompt_end: bool = False  # objective.anchor_last_prompt_token
-
-    @property
-    def block_size(self) -> int:
-        return self.shape.block_size
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.shape.mask_token_id
-
-    @property
-    def attentions(self) -> tuple[LayerAttention, ...]:
-        """Every drafter layer's attention; one mask is built per distinct one."""
-        return self.shape.layer_attentions()
-
-    @classmethod
-    def of(cls, shape: DrafterShape, objective, seed: int, device: torch.device) -> "StepSettings":
-        """The settings of a run: `objective` is the recipe's objective section (read by attribute name)."""
-        gamma = objective.gamma if objective.gamma is not None else default_gamma(shape.block_size)
-        return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
-                   mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
-                   fused_loss=objective.fused_loss, kl_weight=objective.kl_weight,
-                   kl_temperature=objective.kl_temperature,
-                   selector=SelectorSchedule.of(objective) if shape.dflash2 else None,
-                   anchor_prompt_end=objective.anchor_last_prompt_token)
-
-    def selector_term(self, step: int, total_steps: int) -> SelectorTerm | None:
-        """The selector loss at optimizer step `step` (0-based) of `total_steps`; None without a selector."""
-        sel = self.selector
-        if sel is None:
-            return None
-        alpha = selector_alpha(step, total_steps, sel.alpha, sel.warmup_ratio, sel.ramp_ratio)
-        return SelectorTerm(alpha, sel.inject_gold, sel.detach)
+    weight: float
+    temperature: float = 1.0
+    target_hidden: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class SelectorSchedule:
-    """objective.selector_* of a DFlash2 recipe."""
+class LossOptions(NamedTuple):
+    """How the rows are projected, and what else the loss returns."""
 
-    alpha: float = 1.0
-    inject_gold: bool = False
-    detach: bool = False
-    warmup_ratio: float = 0.0
-    ramp_ratio: float = 0.0
-
-    @classmethod
-    def of(cls, objective) -> "SelectorSchedule":
-        """objective.selector_* of the recipe's objective section (read by attribute name)."""
-        o = objective
-        return cls(o.selector_alpha, o.selector_inject_gold, o.selector_detach, o.selector_warmup_ratio,
-                   o.selector_ramp_ratio)
+    num_chunks: int
+    """At most this many chunks of rows; only one chunk's logits ever exist."""
+    top_k: int = 0
+    """> 0: also return each row's top-k token ids and raw logits (DFlash2's selector candidates)."""
+    transform: LogitTransform = IDENTITY
+    """The target's logit scaling / softcap (model/logit_transform.py), applied to the drafter's
+    logits (and the target's) before the softmax; the top-k logits are the raw ones."""
+    term: "ChunkTerm | None" = None
+    """An architecture's term on each chunk's logits (ChunkTerm)."""
 
 
-@dataclass
-class MicroBatch:
-    taps: torch.Tensor  # [R, S, T*D]
-    input_ids: torch.Tensor  # [R, S] int64
-    loss_mask: torch.Tensor  # [R, S] bool
-    doc_ids: torch.Tensor  # [R, S] int32, -1 = padding
-    final_hidden: torch.Tensor | None = None  # [R, S, D] target final-norm states (KL term on)
+class ChunkView(NamedTuple):
+    """One chunk's rows as a `ChunkTerm` sees them."""
+
+    z: torch.Tensor
+    """[c, V] the drafter's logits, biased and through the target's transform, in fp32 or wider (differentiable)."""
+    target_z: torch.Tensor | None
+    """[c, V] the target's logits of the same rows through its transform (a constant), when the
+    target's final-norm states are given; None otherwise."""
+    labels: torch.Tensor  # [c] (0 where the weight is 0)
+    weights: torch.Tensor  # [c] slot weights, fp32 or wider (0 on the padding rows)
+    rows: tuple[torch.Tensor, ...]  # the chunk's slices of `ChunkTerm.rows` (differentiable where they were)
+    params: tuple[torch.Tensor, ...]  # `ChunkTerm.params` (differentiable where they were)
 
 
-@dataclass
-class Blocks:
-    anchors: torch.Tensor  # [R, N]
-    valid: torch.Tensor  # [R, N]
-    block_ids: torch.Tensor  # [R, N*B]
-    block_positions: torch.Tensor  # [R, N*B]
-    ctx_positions: torch.Tensor  # [R, S]
-    labels: torch.Tensor  # [R, N*B]
-    weights: torch.Tensor  # [R, N*B] float32
-    mask: tuple[DFlashMask, ...]  # one per drafter layer: dense boolean (CPU) or flex BlockMask (GPU)
+class ChunkTerm(NamedTuple):
+    """A term an architecture evaluates inside the fused loss, on each chunk's logits while they exist.
+
+    `bias(rows, params) -> [c, V]` is added to the drafter's raw logits before the target's transform
+    (the CE, the KL, the argmax hit and `loss` all see the biased logits; the top-k candidates are the
+    unbiased ones). `loss(view) -> (loss_sum, sums)`: a differentiable scalar added to the chunk's
+    sum(w * CE) (so it is divided by the same normaliser) and `num_sums` detached values summed over
+    the chunks for the logs. Gradients reach the drafter's states through the logits and the
+    tensors of `rows` and `params` that require them; both functions run under autograd on the
+    chunk alone, so only one chunk's graph ever exists. Padding rows have weight 0, rows of zeros
+    (a term must weight what it adds by `view.weights`)."""
+
+    rows: tuple[torch.Tensor, ...] = ()
+    """Per-row tensors `[n, ...]` in the loss's row order (`blocks.slot_rows`)."""
+    params: tuple[torch.Tensor, ...] = ()
+    """Tensors read whole by every chunk (e.g. a head's weights)."""
+    bias: Callable | None = None
+    loss: Callable | None = None
+    num_sums: int = 0
 
 
-def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generator:
-    """Anchors depend only on (seed, micro-batch id, device type): identical in split, colocated and
-    resumed runs. The generator lives on the data's device so sampling needs no host round trip."""
-    digest = hashlib.blake2b(f"{seed}:{micro_index}".encode(), digest_size=8).digest()
-    g = torch.Generator(device=device)
-    g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return g
+class _Settings(NamedTuple):
+    # Everything but the rows: one argument for the autograd Function. `kl` is None when the term
+    # is off, else it holds the target's states, detached and in the drafter's dtype: a constant of
+    # the loss, so autograd need not see that tensor.
+    num_chunks: int
+    grad_hidden: bool
+    grad_weight: bool
+    kl: KLTerm | None
+    top_k: int = 0  # > 0: also return each row's top_k token ids and raw logits, taken from the chunk's logits
+    transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
+    term: ChunkTerm | None = None  # an architecture's term (its tensors travel as the Function's inputs)
+    target: torch.Tensor | None = None  # the target's final-norm states [n, D] for `term` (detached), KL off
 
 
-@torch.no_grad()
-def make_blocks(mb: MicroBatch, s: StepSettings, micro_index: int) -> Blocks:
-    device = mb.input_ids.device
-    anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
-                                    anchor_generator(s.seed, micro_index, device), s.anchor_prompt_end)
-    ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
-    block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
-    labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)
-    mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
-    r = anchors.shape[0]
-    return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,
-                  labels.reshape(r, -1), weights.reshape(r, -1).float(), mask)
+def _ce_stats(logits, labels, weights, transform):
+    # fp32 (or wider) statistics of bf16 logits; under torch.compile these fuse into one pass.
+    # x: the logits the target's distribution is made of (scaled / capped as the target does).
+    x = scale_logits(logits.to(weights.dtype), *transform)
+    m = x.amax(-1, keepdim=True)
+    e = (x - m).exp()
+    s = e.sum(-1, keepdim=True)
+    target = x.gather(1, labels.unsqueeze(1))
+    ce = (m + s.log() - target).squeeze(1)
+    hit = (x.argmax(-1) == labels) & (weights > 0)
+    return (ce * weights).sum(), hit, e, s, x
 
 
-def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings,
-                 selector: SelectorTerm | None = None):
-    """sum(w * (CE [+ KL])) / normaliser for one micro-batch (the caller supplies the whole step's weight).
-
-    A DFlash2 drafter adds selector.alpha * sum(w * selector CE) / normaliser (`selector`, from
-    StepSettings.selector_term; None = the full selector_alpha, no warm-up); its detached sums are
-    in the output's `selector` field. The selector's candidates are the base loss's top-k."""
-    ctx = model.drafter.fuse(mb.taps)
-    block_embeds = model.embed_tokens(blocks.block_ids, ctx)
-    hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
-    kl = None
-    if settings.kl_weight > 0:
-        if mb.final_hidden is None:
-            raise ValueError("objective.kl_weight > 0 but the payload carries no target final-norm states")
-        kl = KLTerm(settings.kl_weight, settings.kl_temperature,
-                    slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
-    head = model.drafter.candidate_selector
-    options = LossOptions(settings.loss_chunks, settings.block_size, checkpoint=True, fused=settings.fused_loss,
-                          top_k=head.top_k if head is not None else 0, logits=settings.shape.logit_transform)
-    out = chunked_loss(hidden, model.lm_head, blocks.labels, blocks.weights, normaliser, options, kl)
-    if head is None:
-        return out
-    if selector is None:
-        sched = settings.selector or SelectorSchedule()
-        selector = SelectorTerm(sched.alpha, sched.inject_gold, sched.detach)
-    b = settings.block_size
-    labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
-    # Teacher forcing: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor).
-    predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
-    rows = SelectorRows(slot_rows(hidden, b), out.candidates, slot_rows(blocks.labels, b), slot_rows(predecessors, b),
-                        slot_rows(blocks.weights, b), out.candidate_logits)
-    stats = selector_loss(head, model.lm_head, rows, selector, settings.shape.logit_transform)
-    loss = out.loss + (selector.alpha / normaliser) * stats.loss_sum
-    return out._replace(loss=loss, selector=(stats.loss_sum.detach(), stats.covered, stats.correct))
+def _ce_forward(logits, labels, weights, transform):
+    ce_sum, hit, _, _, _ = _ce_stats(logits, labels, weights, transform)
+    return ce_sum, hit
 
 
-def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[R, S, D] -> [R, N*B, D]: for slot k of the block at anchor a, the target's state at a+k-1,
-    whose next-token distribution is the one for the token at a+k (the slot's label). Positions
-    past the row are clamped; their slots have weight 0."""
-    s = final_hidden.shape[1]
-    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1).clamp(0, s - 1)
-    pos = pos.reshape(anchors.shape[0], -1)
-    return torch.gather(final_hidden, 1, pos[..., None].expand(-1, -1, final_hidden.shape[-1]))
+def _ce_forward_and_grad(logits, labels, weights, scale, transform):
+    # d(sum(scale * CE)) / d(logits) = (softmax - onehot(label)) * scale * dz/dx (the transform's
+    # slope; 1 without one), in the logits' dtype (what autograd would hand the lm_head matmul's backward).
+    ce_sum, hit, e, s, x = _ce_stats(logits, labels, weights, transform)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = vocab == labels.unsqueeze(1)
+    grad = (e / s - onehot.to(e.dtype)) * logit_slope(x, *transform) * scale.unsqueeze(1)
+    return ce_sum, hit, grad.to(logits.dtype)
+
+
+def _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform):
+    # KL(p || q) of the temperature-softened target (p) and drafter (q) distributions, per row; both
+    # through the target's logit transform (the target's distribution is made of it).
+    ce_sum, hit, e, s, z = _ce_stats(logits, labels, weights, transform)
+    x = z / temperature
+    log_q = x - x.amax(-1, keepdim=True)
+    log_q = log_q - log_q.exp().sum(-1, keepdim=True).log()
+    log_p = torch.log_softmax(scale_logits(t_logits.to(weights.dtype), *transform) / temperature, dim=-1)
+    p = log_p.exp()
+    kl = (p * (log_p - log_q)).sum(-1)
+    return ce_sum, hit, e, s, (kl * weights).sum(), log_q, p, z
+
+
+def _ce_kl_forward(logits, t_logits, labels, weights, kl, transform):
+    # kl: (kl_coef, temperature)
+    ce_sum, hit, _, _, kl_sum, _, _, _ = _ce_kl_stats(logits, t_logits, labels, weights, kl[1], transform)
+    return ce_sum, hit, kl_sum
+
+
+def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl, transform):
+    # loss = sum(scale * (CE + kl_coef * T^2 * KL)), kl = (kl_coef, T): d/d(logits) = scale * dz/dx *
+    # ((softmax - onehot) + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL gradient's size independent of T.
+    kl_coef, temperature = kl
+    ce_sum, hit, e, s, kl_sum, log_q, p, z = _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = vocab == labels.unsqueeze(1)
+    g = e / s - onehot.to(e.dtype) + (kl_coef * temperature) * (log_q.exp() - p)
+    return ce_sum, hit, kl_sum, (g * logit_slope(z, *transform) * scale.unsqueeze(1)).to(logits.dtype)
+
+
+def _elementwise(fn, device: torch.device):
+    """`fn` compiled (once per process) on CUDA, where fusing it saves several passes over the
+    logits; plain on CPU and meta (tests, no compiler needed)."""
+    if device.type != "cuda":
+        return fn
+    return compile_once(fn, dynamic=False, fullgraph=True)
+
+
+def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_tensors=()):
+    """The whole computation; the gradients are those of loss = (sum(w * (CE + kl_weight * T^2 * KL))
+    + the chunk term's loss) / normaliser, the KL term's target states [n, D] being those of the same
+    rows. `term_tensors`: the chunk term's rows then params (their gradients come back last)."""
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target = settings
+    target = kl_term.target_hidden if kl_term is not None else term_target
+    kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
+    n, d = hidden.shape
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    w = weights.to(acc_dtype)
+    # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their CE finite and
+    # lets their labels be anything (padding, out-of-vocabulary ids).
+    lab = torch.where(w > 0, labels, torch.zeros_like(labels))
+    want_grad = grad_hidden or grad_weight or any(t.requires_grad for t in term_tensors)
+    scale = w / normaliser if want_grad else None
+    size = max(1, -(-n // num_chunks))
+    chunks = -(-n // size)
+    ce_total = hidden.new_zeros((), dtype=acc_dtype)
+    hits = []
+    # Sized for whole chunks, so every input-gradient matmul writes `size` rows in place.
+    g_hidden = hidden.new_empty(chunks * size, d) if grad_hidden else None
+    g_weight = torch.zeros_like(weight) if grad_weight else None
+    # DFlash2's selector rescores these: taken here, from logits that exist anyway.
+    top = hidden.new_empty(chunks * size, top_k, dtype=torch.long) if top_k else None
+    top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
+    kl = kl_term is not None
+    kl_total = hidden.new_zeros((), dtype=acc_dtype)
+    runner = _TermRunner(chunk_term, term_tensors, n, size, normaliser) if chunk_term is not None else None
+    if kl:
+        fn = _elementwise(_ce_kl_forward_and_grad if want_grad else _ce_kl_forward, hidden.device)
+    else:
+        fn = _elementwise(_ce_forward_and_grad if want_grad else _ce_forward, hidden.device)
+    for i in range(chunks):
+        lo, hi = i * size, min(n, (i + 1) * size)
+        hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
+        sc = scale[lo:hi] if want_grad else None
+        tc = target[lo:hi] if target is not None else None
+        pad = size - (hi - lo)
+        if pad:
+            # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
+            hc = F.pad(hc, (0, 0, 0, pad))
+            lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
+            sc = F.pad(sc, (0, pad)) if want_grad else None
+            tc = F.pad(tc, (0, 0, 0, pad)) if tc is not None else None
+        logits = torch.mm(hc, weight.t())
+        if top_k:
+            top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
+        # The target's logits of the same rows: one more lm_head matmul per chunk, and only
+        # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
+        t_logits = torch.mm(tc, weight.t()) if tc is not None else None
+        if runner is not None:
+            logits = runner.biased(logits, lo, hi, acc_dtype)
+        if kl:
+            if want_grad:
+                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, (kl_weight, temperature), transform)
+            else:
+                ce, hit, kl_c = fn(logits, t_logits, lc, wc, (kl_weight, temperature), transform)
+            kl_total = kl_total + kl_c
+        elif want_grad:
+            ce, hit, g_logits = fn(logits, lc, wc, sc, transform)
+        else:
+            ce, hit = fn(logits, lc, wc, transform)
+        if runner is not None:
+            g_logits = runner.chunk(logits, t_logits, ChunkView(None, None, lc, wc, (), ()), transform,
+                                    g_logits if want_grad else None)
+            g_logits = g_logits.to(weight.dtype) if want_grad else None
+        del logits, t_logits
+        ce_total = ce_total + ce
+        hits.append(hit)
+        if grad_hidden:
+            torch.mm(g_logits, weight, out=g_hidden[i * size:(i + 1) * size])
+        if grad_weight:
+            # Accumulates in the weight's dtype, as autograd would across chunks.
+            g_weight.addmm_(g_logits.t(), hc)
+        if want_grad:
+            del g_logits
+    correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    if top_k:
+        top, top_logits = top[:n], top_logits[:n]
+    else:
+        top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
+    extra = runner.result(ce_total) if runner is not None else _TermResult(0.0, ce_total.new_zeros(0), ())
+    return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, (top, top_logits), extra
+
+
+class _TermResult(NamedTuple):
+    loss: torch.Tensor | float  # the term's loss summed over the chunks (detached), before the normaliser
+    sums: torch.Tensor  # [num_sums] detached
+    grads: tuple  # one per term tensor (None where it needs none)
+
+
+
+class _TermRunner:
+    """A ChunkTerm on each chunk: its bias and loss under autograd on that chunk alone; the gradients
+    of its tensors accumulate here (scaled by 1 / normaliser like the rest of the loss)."""
+
+    def __init__(self, term: ChunkTerm, tensors, n: int, size: int, normaliser):
+        self.term, self.n, self.size, self.normaliser = term, n, size, normaliser
+        k = len(term.rows)
+        self.rows, self.params = tuple(tensors[:k]), tuple(tensors[k:])
+        self.row_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.rows]
+        self.param_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.params]
+        self.sums = None
+        self.loss = 0.0
+        self.bias_graph = None
+
+    def _leaves(self, lo: int, hi: int):
+        pad = self.size - (hi - lo)
+        rows = []
+        for t in self.rows:
+            c = t[lo:hi].detach()
+            if pad:
+                c = torch.cat([c, c.new_zeros(pad, *c.shape[1:])])
+            rows.append(c.requires_grad_(t.requires_grad))
+        params = [t.detach().requires_grad_(t.requires_grad) for t in self.params]
+        return rows, params
+
+    def biased(self, logits, lo: int, hi: int, dtype):
+        """The chunk's raw logits plus the term's bias, in `dtype` (the bias's graph kept for `chunk`)."""
+        self.lo, self.hi = lo, hi
+        self.chunk_rows, self.chunk_params = self._leaves(lo, hi)
+        if self.term.bias is None:
+            self.bias_graph = None
+            return logits
+        with torch.enable_grad():
+            bias = self.term.bias(tuple(self.chunk_rows), tuple(self.chunk_params))
+        self.bias_graph = bias
+        return logits.to(dtype) + bias.detach().to(dtype)
+
+    def chunk(self, logits, t_logits, view: ChunkView, transform: LogitTransform, g_logits):
+        """The logits' gradient with the term's part added; the term's loss, its sums and its tensors'
+        gradients are accumulated."""
+        grad = g_logits is not None
+        g = g_logits.to(view.weights.dtype) if grad else None
+        if self.term.loss is not None:
+            with torch.enable_grad():
+                x = logits.detach().to(view.weights.dtype).requires_grad_(grad)
+                z = transform.apply(x)
+                tz = transform.apply(t_logits.to(view.weights.dtype)) if t_logits is not None else None
+                loss_sum, sums = self.term.loss(view._replace(z=z, target_z=tz, rows=tuple(self.chunk_rows),
+                                                              params=tuple(self.chunk_params)))
+                sums = sums.detach().to(view.weights.dtype)
+                self.sums = sums if self.sums is None else self.sums + sums
+                if grad:
+                    wanted = [x] + [t for t in self.chunk_rows + self.chunk_params if t.requires_grad]
+                    got = torch.autograd.grad(loss_sum / self.normaliser, wanted, allow_unused=True)
+                    g = g + got[0]
+                    self._collect(got[1:])
+            self.loss = self.loss + loss_sum.detach()
+        if grad and self.bias_graph is not None:
+            wanted = [t for t in self.chunk_rows + self.chunk_params if t.requires_grad]
+            if wanted:
+                self._collect(torch.autograd.grad(self.bias_graph, wanted, g.to(self.bias_graph.dtype),
+                                                  allow_unused=True))
+        self.bias_graph = None
+        return g
+
+    def _collect(self, grads) -> None:
+        it = iter(grads)
+        lo, hi = self.lo, self.hi
+        for i, t in enumerate(self.chunk_rows):
+            if t.requires_grad:
+                got = next(it)
+                if got is not None:
+                    self.row_grads[i][lo:hi] += got[:hi - lo].to(self.row_grads[i].dtype)
+        for i, t in enumerate(self.chunk_params):
+            if t.requires_grad:
+                got = next(it)
+                if got is not None:
+                    self.param_grads[i] += got.to(self.param_grads[i].dtype)
+
+    def result(self, like: torch.Tensor) -> _TermResult:
+        sums = self.sums if self.sums is not None else like.new_zeros(self.term.num_sums)
+        return _TermResult(self.loss, sums, tuple(self.row_grads) + tuple(self.param_grads))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, call: tuple, *term_tensors):
+        normaliser, settings = call  # one argument: the normaliser and the settings are constants here
+        ce_total, correct, g_hidden, g_weight, kl_total, top, extra = _run(hidden, weight, labels, weights,
+                                                                           normaliser, settings, term_tensors)
+        ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in extra.grads))
+        ctx.term_grads = tuple(g is not None for g in extra.grads)
+        loss = (_total(ce_total, kl_total, settings.kl) + extra.loss) / normaliser
+        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top, extra.sums)
+        return loss, ce_total, correct, kl_total, *top, extra.sums
+
+    @staticmethod
+    def backward(ctx, g_loss, *_non_differentiable):
+        if torch.is_grad_enabled():
+            # create_graph=True: the saved gradients are constants here, so a second derivative
+            # would silently come out as zero.
+            raise RuntimeError("linear_cross_entropy cannot be differentiated twice (backward with create_graph=True)")
+        # loss is linear in the saved gradients' scale: only the upstream factor is left to apply.
+        g_hidden, g_weight, *g_term = ctx.saved_tensors
+        gh = g_hidden * g_loss if g_hidden is not None else None
+        gw = g_weight * g_loss if g_weight is not None else None
+        gt = tuple(g * g_loss if kept else None for g, kept in zip(g_term, ctx.term_grads))
+        return gh, gw, None, None, None, *gt
+
+
+def _total(ce_total, kl_total, kl: KLTerm | None):
+    return ce_total + (kl.weight * kl.temperature ** 2) * kl_total if kl is not None else ce_total
+
+
+class LinearCE(NamedTuple):
+    loss: torch.Tensor  # (sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the term's loss) / normaliser, differentiable
+    ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider
+    correct: torch.Tensor  # bool [n]: argmax == label on rows of weight > 0
+    kl_sum: torch.Tensor  # sum(w * KL), detached (0 without the term)
+    top_ids: torch.Tensor  # int64 [n, top_k], best first ([n, 0] without)
+    top_logits: torch.Tensor  # [n, top_k] raw logits of those ids (the logits' dtype), detached
+    term_sums: torch.Tensor  # [term.num_sums] the chunk term's sums, detached ([0] without a term)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normaliser: float | torch.Tensor,
+    options: LossOptions,
+    kl: KLTerm | None = None,
+) -> LinearCE:
+    """sum(w * CE(t(hidden @ weight.T), labels)) / normaliser (t the target's logit transform), plus
+    the KL term and the chunk term of `options`, without materialising all logits.
+
+    hidden `[n, D]`, weight `[V, D]` (same dtype; logits in that dtype, CE in fp32, or float64 for
+    float64 inputs), labels `[n]` int, weights `[n]`, normaliser a float or a 0-dim tensor (a
+    constant: it gets no gradient). Rows are cut into at most `options.num_chunks` chunks of
+    ceil(n / num_chunks) rows, the last padded with zero-weight rows, so every chunk has the same
+    shape. Rows of weight 0 add exactly 0 and their labels may be anything. `loss` is
+    differentiable w.r.t. `hidden`, `weight` when it requires grad, and the chunk term's tensors;
+    with gradients enabled the forward also computes them (saved until backward, which only scales
+    them); under no_grad it computes the loss only. Static shapes and no host synchronisation.
+    Differentiable once only.
+    """
+    num_chunks, top_k, transform, term = options
+    if not 0 <= top_k <= weight.shape[0]:
+        raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+        raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{hidden.shape[0]}]")
+    kl_weight, temperature = (kl.weight, kl.temperature) if kl is not None else (0.0, 1.0)
+    if not kl_weight >= 0 or not temperature > 0:
+        raise ValueError(f"the KL weight must be >= 0 and its temperature > 0, got {kl_weight}, {temperature}")
+    target = kl.target_hidden if kl is not None else None
+    if target is not None and target.shape != hidden.shape:
+        raise ValueError(f"target_hidden {tuple(target.shape)} must match hidden {tuple(hidden.shape)}")
+    if kl_weight > 0 and target is None:
+        raise ValueError("a KL weight > 0 needs the target's states (KLTerm.target_hidden)")
+    target = target.detach().to(hidden.dtype) if target is not None and (kl_weight > 0 or term is not None) else None
+    kl_on = KLTerm(kl_weight, temperature, target) if kl_weight > 0 else None
+    if isinstance(normaliser, torch.Tensor):
+        normaliser = normaliser.detach()
+    grad_on = torch.is_grad_enabled()
+    grad_hidden = grad_on and hidden.requires_grad
+    grad_weight = grad_on and weight.requires_grad
+    tensors = (tuple(term.rows) + tuple(term.params)) if term is not None else ()
+    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, term,
+                         target if kl_on is None else None)
+    if not (grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
+        ce_total, correct, _, _, kl_total, top, extra = _run(hidden.detach(), weight.detach(), labels, weights,
+                                                             normaliser, settings, tuple(t.detach() for t in tensors))
+        loss = (_total(ce_total, kl_total, kl_on) + extra.loss) / normaliser
+        return LinearCE(loss, ce_total, correct, kl_total, *top, extra.sums)
+    return LinearCE(*_LinearCrossEntropy.apply(hidden, weight, labels, weights, (normaliser, settings), *tensors))
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # (sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the architecture's terms) / normaliser
+    ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
+    correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
+    kl_sum: torch.Tensor  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
+    # LossOptions.top_k > 0: int64 [rows, k] top-k token ids of every supervised slot, best first, in
+    # `blocks.slot_rows` order (taken from the loss's own logits), and their raw lm_head logits [rows, k]
+    # (before the target's transform; the lm_head's dtype, detached); None otherwise.
+    candidates: torch.Tensor | None = None
+    candidate_logits: torch.Tensor | None = None
+    # The architecture's detached sums, in its `log_sums` order (the chunk term's, then its extra loss's).
+    extra: tuple = ()
+
+
+def block_loss(
+    hidden: torch.Tensor,
+    lm_head: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normaliser: float | torch.Tensor,
+    options: LossOptions,
+    kl: KLTerm | None = None,
+) -> LossOutput:
+    """`linear_cross_entropy` of a micro-batch's blocks: hidden `[b, N*B, D]`, labels and weights
+    `[b, N, B]` (the block size is their last dimension), `kl.target_hidden` `[b, N*B, D]`.
+
+    Slot 0 of every block (the anchor) is skipped by shape, so its weight is ignored (block_targets
+    always makes it 0): the B-1 drafted slots of every block are copied into rows (cheap next to the
+    lm_head), in `slot_rows` order; the chunk term's rows are in that order too. Every other slot is
+    projected whatever its weight (zero-weight slots add exactly 0).
+    """
+    b, n, block_size = labels.shape
+    q, d = n * block_size, hidden.shape[-1]
+    if hidden.shape[:2] != (b, q):
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [{b}, {q}, D] for labels {tuple(labels.shape)}")
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    rows_kl = None
+    if kl is not None:
+        target = kl.target_hidden
+        rows_kl = kl._replace(target_hidden=slot_rows(target, block_size) if target is not None else None)
+    out = linear_cross_entropy(slot_rows(hidden, block_size), lm_head, slot_rows(labels.view(b, q), block_size),
+                               slot_rows(weights.view(b, q).to(acc_dtype), block_size), normaliser, options, rows_kl)
+    correct = out.correct.view(b * n, block_size - 1)
+    correct = torch.cat([correct.new_zeros(b * n, 1), correct], dim=1).view(b, q)
+    top = options.top_k > 0
+    return LossOutput(out.loss, out.ce_sum, correct, out.kl_sum.to(acc_dtype), out.top_ids if top else None,
+                      out.top_logits if top else None, tuple(out.term_sums.unbind()) if options.term is not None else ())

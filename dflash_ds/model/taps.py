@@ -1,16 +1,10 @@
-"""Which target layers a drafter reads (docs/algorithm.md section 2): the default spread and the
-published presets that differ from it.
+"""Which target layers a drafter reads (docs/algorithm.md section 2): the default spread (published
+presets that differ from it belong to their architecture: `DrafterVariant.tap_presets`).
 
 Model code: no torch.distributed, no deepspeed.
 """
 
 from __future__ import annotations
-
-# Published taps that differ from build_target_layer_ids, keyed by (drafter.architecture, target layers,
-# taps): z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read [5, 19, 33, 47, 61] (v1 reads
-# [1, 16, 31, 46, 61] there). Used when drafter.target_layer_ids is null.
-TAP_PRESETS = {("dflash2", 64, 5): (5, 19, 33, 47, 61)}
-
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """Target layers whose outputs feed the drafter (docs/algorithm.md section 2).

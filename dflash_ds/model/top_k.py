@@ -1,9 +1,9 @@
 """Top-k over a large vocabulary in two cheap passes instead of one radix select.
 
-`torch.topk` over a row of 248,320 logits runs a multi-pass radix select: on an H200 it took
-~0.5 ms for 224 rows, some twenty times the time of reading those logits once, and DFlash2 needs
-the top 16 of every drafted slot's logits at every step (the selector's candidates). The logits
-are already in memory, so the selection is done in two stages:
+`torch.topk` over a row of 248,320 logits runs a multi-pass radix select, many times the cost of
+reading those logits once (docs/performance.md, "Figures behind the code"), and DFlash2 needs the
+top 16 of every drafted slot's logits at every step (the selector's candidates). The logits are
+already in memory, so the selection is done in two stages:
 
 1. the maximum of every group of `group` consecutive logits (one read of the row, a plain
    reduction), then the top k of those group maxima;
@@ -34,8 +34,8 @@ def _group_max(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def group_maxima(x: torch.Tensor, group: int) -> torch.Tensor:
     """`[n, V]` -> `[n, V / group]`, the maximum of every group of `group` consecutive entries.
-    Compiled on CUDA: the eager reduction over 128-wide groups read bf16 logits at ~0.6 TB/s on an
-    H200 (0.75 ms for 896 x 248,320), the generated one runs near the memory's rate."""
+    Compiled on CUDA: the eager reduction over 128-wide groups reads bf16 logits far below the
+    memory's rate, the generated kernel near it (docs/performance.md)."""
     if x.device.type != "cuda":
         return _group_max(x, group)
     return compile_once(_group_max, dynamic=False, fullgraph=True)(x, group)

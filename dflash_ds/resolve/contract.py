@@ -5,11 +5,15 @@ what does not change the drafter's shape, the data stream or the taps.
 start whose recipe differs is recorded beside it (`recipe.resume-<step>.yaml`; after
 `checkpoint.resume=restart` the previous run's record moves to `recipe.before-restart-<n>.yaml` and the
 new run's becomes recipe.yaml). Before a resume, `compare` puts the recipe against the record:
-- CONTRACT keys (the drafter's shape, the rows and their order, the anchors' seed, what the target
-  taps) must be equal, else one line names each key with both values;
-- every other setting (learning rate and schedule, steps, checkpoints, evaluation, logging,
-  timeouts...) may change and is listed in one line.
-The drafter's shape keys are those `model.shape.COMPARED` names (the one structure defining it).
+- the drafter's shape must be equal, every field of it: the `DrafterShape` each recipe resolves to
+  (with the target's config) is compared field by field, nested dataclasses included, so a field an
+  architecture adds is compared without being listed here. `selector_top_k` is one: it changes no
+  weight, but the export's dflash_config carries it (the engines rescore that many candidates), so a
+  selector trained with one top-k would be exported with another;
+- CONTRACT keys (the rows and their order, the anchors' seed, what the target taps) must be equal;
+- a difference in either stops in one line naming each setting with both values; every other setting
+  (learning rate and schedule, steps, checkpoints, evaluation, logging, timeouts...) may change and is
+  listed in one line.
 """
 
 from __future__ import annotations
@@ -22,16 +26,11 @@ from pathlib import Path
 import yaml
 
 from dflash_ds.config import Recipe, RecipeError, build_recipe, dump_yaml
-from dflash_ds.model.shape import COMPARED
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape as resolve_shape
 
 RECORD = "recipe.yaml"
 
-# The recipe keys behind the drafter's shape: the first word of each COMPARED entry (the setting),
-# plus the ones every shape field is built from.
-SHAPE_KEYS = tuple(sorted({v.split()[0] for v in COMPARED.values()}
-                          | {"drafter.num_layers", "drafter.block_size", "drafter.mask_token_id",
-                             "drafter.target_layer_ids", "drafter.intermediate_size", "drafter.num_attention_heads",
-                             "drafter.num_key_value_heads", "drafter.head_dim"}))
 # The rows, their order on every drafter rank, the anchors drawn from them.
 DATA_KEYS = ("data.path", "data.split", "data.max_samples", "data.max_length", "data.row_length", "data.pack",
              "data.truncation", "data.thinking", "data.seed", "data.eval_path", "data.eval_split", "data.num_eval",
@@ -39,7 +38,7 @@ DATA_KEYS = ("data.path", "data.split", "data.max_samples", "data.max_length", "
              "optim.grad_accum", "topology.drafters_per_node")
 # What the target sends: its weights and the hidden states it taps.
 TAP_KEYS = ("target.path", "target.adapter", "target.dtype", "objective.kl_weight")
-CONTRACT = tuple(dict.fromkeys(SHAPE_KEYS + DATA_KEYS + TAP_KEYS))
+CONTRACT = tuple(dict.fromkeys(DATA_KEYS + TAP_KEYS))
 # Changing the number of drafter ranks is what a universal checkpoint is for.
 UNIVERSAL_MAY_CHANGE = ("topology.drafters_per_node",)
 
@@ -87,20 +86,64 @@ def _show(value) -> str:
     """A value as the recipe would write it (null, true, [1,2])."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    return str(value).replace(" ", "")
+    return str(list(value) if isinstance(value, tuple) else value).replace(" ", "")
+
+
+def shape_differences(then: DrafterShape, now: DrafterShape) -> list[tuple[str, object, object]]:
+    """(field, recorded value, value now) for every field of two shapes that differs (`DrafterShape.flat`:
+    an architecture's own fields by their names; a field only one shape has counts as a difference)."""
+    a, b = then.flat(), now.flat()
+    return [(k, a.get(k), b.get(k)) for k in dict.fromkeys([*b, *a]) if a.get(k) != b.get(k)]
+
+
+def drafter_shape(recipe: Recipe, fallback_config=None) -> DrafterShape:
+    """The shape a recipe's drafter resolves to with its target's config (`fallback_config` when the
+    recorded run's target cannot be read any more: target.path itself is compared as a setting)."""
+    from dflash_ds.target_model.model import load_config
+
+    try:
+        config = load_config(recipe.target.path)
+    except ValueError:
+        if fallback_config is None:
+            raise
+        config = fallback_config
+    return resolve_shape(config, recipe.drafter)
+
+
+def _setting_of(field: str, recipe: Recipe) -> str:
+    """The recipe key that sets shape field `field`, or the field with what decides it."""
+    if field in {f.name for f in dataclasses.fields(recipe.drafter)}:
+        return f"drafter.{field}"
+    hint = RECIPE_KEYS.get(field)
+    if hint and " " not in hint:
+        return hint
+    return f"the drafter's {field} (from {hint or 'the drafter section and the target'})"
 
 
 def compare(recipe: Recipe, before: Recipe) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
-    """(contract differences, allowed differences) as (key, recorded value, value now)."""
+    """(contract differences, allowed differences) as (key, recorded value, value now): the drafter's
+    shape field by field, the CONTRACT keys, then the settings that may change."""
+    from dflash_ds.target_model.model import load_config
+
+    shape_now = drafter_shape(recipe)
+    try:
+        shape_then = drafter_shape(before, fallback_config=load_config(recipe.target.path))
+    except ValueError as exc:
+        raise RecipeError(f"{Path(recipe.run.output_dir) / RECORD}: the recorded recipe's drafter cannot be "
+                          f"resolved ({str(exc).splitlines()[0]}); resume with a version that reads it, or start a new "
+                          "run (checkpoint.resume=restart or another run.output_dir)") from None
+    refused = [(_setting_of(k, recipe), a, b) for k, a, b in shape_differences(shape_then, shape_now)]
     now, then = flat(recipe), flat(before)
     may_change = UNIVERSAL_MAY_CHANGE if recipe.checkpoint.universal else ()
-    refused, allowed = [], []
+    allowed = []
     for key in now:
         if now[key] == then.get(key):
             continue
         entry = (key, then.get(key), now[key])
         (refused if key in CONTRACT and key not in may_change else allowed).append(entry)
-    return refused, allowed
+    # A drafter setting that changed the shape is named by its shape entry, not listed as allowed too.
+    named = {k for k, _, _ in refused}
+    return refused, [e for e in allowed if e[0] not in named]
 
 
 def check_resume(recipe: Recipe, step: int) -> str | None:

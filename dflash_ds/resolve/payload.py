@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.loss import MicroBatch
+from dflash_ds.model.blocks import MicroBatch
 
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 

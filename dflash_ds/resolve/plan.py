@@ -48,7 +48,8 @@ class Plan:
 
 @functools.lru_cache(maxsize=2)
 def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
-    """The row order of one epoch, computed once (not per micro-batch: 800K rows cost ~10 ms)."""
+    """The row order of one epoch, computed once, not per micro-batch (a permutation of all the rows
+    is too slow to draw at every step: docs/performance.md)."""
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
@@ -87,12 +88,6 @@ def lr_factor(step: int, plan: Plan, min_ratio: float) -> float:
     span = max(plan.total_steps - plan.warmup_steps, 1)
     progress = min((step - plan.warmup_steps) / span, 1.0)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def drafter_params(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int, taps: int) -> int:
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 2 * head_dim
-    mlp = 3 * hidden * inter
-    return layers * (attn + mlp + 2 * hidden) + taps * hidden * hidden + 2 * hidden
 
 
 def receive_depth(grad_accum: int) -> int:

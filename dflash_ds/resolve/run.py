@@ -18,15 +18,18 @@ from pathlib import Path
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.model.loss import StepSettings
-from dflash_ds.model.shape import COMPARED, DrafterShape
+from dflash_ds.model.objective import StepSettings
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
+from dflash_ds.resolve.files import check_files
 from dflash_ds.resolve.payload import PayloadLayout
-from dflash_ds.resolve.plan import Plan, drafter_params, memory_estimate, resolve
+from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
-from dflash_ds.target_model import fp8
-from dflash_ds.target_model.model import TargetShape, load_config, target_geometry
+from dflash_ds.resolve.quantization import check_quantization
+from dflash_ds.safety import say
+from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
 
 @dataclass(frozen=True)
@@ -89,18 +92,21 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
     dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
+    check_files(recipe)
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
             and Path(recipe.target.adapter).exists():
         raise RecipeError(f"target.adapter {recipe.target.adapter!r} has no adapter_config.json; point it at a PEFT adapter directory")
-    tcfg = load_config(recipe.target.path)
-    refused = fp8.recipe_refusal(recipe.target, device.type, target_kind, tcfg)
-    if refused:
-        raise RecipeError(refused)
+    try:
+        tcfg = load_config(recipe.target.path)
+    except TargetError as exc:
+        raise RecipeError(f"target.path: {exc}") from None
+    check_quantization(recipe.target, device.type, target_kind, tcfg)
     geo = target_geometry(tcfg)
-    dcfg = DrafterShape.from_target(tcfg, recipe.drafter)
-    refused = dcfg.serving_refusal()
-    if refused:
-        raise RecipeError(refused)
+    try:
+        dcfg = drafter_shape(tcfg, recipe.drafter)
+        check_servable(dcfg)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
@@ -109,8 +115,8 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
             "kernel to keep the packed documents of a row apart (without it the exact per-document fallback is "
             "far too slow); pip install 'dflash-ds[gpu]' (flash-linear-attention), or set data.pack=false")
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
-        print("[dflash] warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
-              "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')", flush=True)
+        say("warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
+            "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')")
     payload = payload_layout(recipe, dcfg, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()
@@ -127,12 +133,17 @@ def payload_layout(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> P
     """One micro-batch on the wire: the shape's taps at its width (the target's hidden size), in
     `dtype`. With the KL term on, targets also send their final-norm states (one more tap)."""
     return PayloadLayout(recipe.optim.rows_per_micro_batch, recipe.data.row_length, shape.num_taps, shape.hidden_size,
-                       dtype, final_norm=recipe.objective.kl_weight > 0)
+                       dtype, final_norm=wants_target_logits(recipe, shape))
+
+
+def wants_target_logits(recipe: Recipe, shape: DrafterShape) -> bool:
+    """Targets send their final-norm states too: the KL term or the architecture's loss needs them."""
+    return recipe.objective.kl_weight > 0 or shape.variant.needs_target_logits
 
 
 def check_init_from(path: str, shape: DrafterShape) -> None:
     """`drafter.init_from` must be an export of the drafter this recipe describes: the same taps,
-    block size, mask id, layers, widths and attention types (model.shape.COMPARED). A mismatch
+    block size, mask id, layers, widths and attention types (resolve.drafter.RECIPE_KEYS). A mismatch
     would train silently and export a config that disagrees with how the drafter was trained."""
     from dflash_ds.export import read_export_config
 
@@ -140,12 +151,12 @@ def check_init_from(path: str, shape: DrafterShape) -> None:
         exported = DrafterShape.from_hf_config(read_export_config(path))
     except (KeyError, TypeError, ValueError) as exc:
         raise RecipeError(f"drafter.init_from: {exc}") from None
-    diff = exported.mismatches(shape)
+    diff = exported.mismatches(shape, RECIPE_KEYS)
     if diff:
         name, theirs, ours = diff[0]
         more = f" (and {len(diff) - 1} more: {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
         raise RecipeError(f"drafter.init_from {path!r} has {name}={_plain(theirs)} but the recipe gives "
-                          f"{name}={_plain(ours)} (set by {COMPARED[name]}){more}; make the recipe match the export "
+                          f"{name}={_plain(ours)} (set by {RECIPE_KEYS[name]}){more}; make the recipe match the export "
                           "or drop drafter.init_from")
 
 
@@ -157,15 +168,10 @@ def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetS
                     num_rows: int) -> tuple[Plan, dict[str, float]]:
     """The plan for `num_rows` prepared rows and the rough memory per rank it implies."""
     plan = resolve(recipe, world_size, num_rows)
-    dp = drafter_params(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
-                        c.num_key_value_heads, c.head_dim, c.num_taps)
-    if c.dflash2:
-        # The selector's two [vocab, rank] codebooks and projection, and the block convolutions.
-        d, k = c.hidden_size, c.conv_kernel_size
-        conv = 2 * k * d + (2 * k * d // c.conv_group_size) * d  # base kernel + kernel projection
-        dp += (2 * c.vocab_size + d) * c.selector_rank + c.num_hidden_layers * 2 * conv
-    # The KL term keeps every target layer and sends one more tap (the final-norm state).
-    kl = recipe.objective.kl_weight > 0
+    dp = c.num_parameters
+    # The target's logits at the drafter (the KL term, or the architecture's) keep every target layer
+    # and send one more tap (the final-norm state).
+    kl = wants_target_logits(recipe, c)
     last = g.num_layers if kl else max(c.target_layer_ids) + 1
     tp = int(12 * g.hidden_size * g.hidden_size * last + g.vocab_size * g.hidden_size)  # dense estimate
     return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))

@@ -1,26 +1,32 @@
 """Checkpoints: the drafter engine + run position, written so that a crash never loses one.
 
 DeepSpeed writes each checkpoint into its own tag directory. Once every drafter rank finished,
-the lead writes `<tag>/complete.json` (every file with its size) and then replaces `latest.json`
-(ours, not DeepSpeed's `latest`) atomically, so `latest.json` only ever names a complete
-checkpoint and a truncated file is found by its size before torch reads it. The run position is
+the lead writes `<tag>/complete.json` (every file with its size), the last file of the checkpoint,
+and then replaces `latest.json` (ours, not DeepSpeed's `latest`) atomically. A checkpoint is
+complete when its complete.json exists and every file it lists has its size, and only then: a
+truncated file is found by its size before torch reads it, and a write cut short before the end
+leaves no complete.json. The run position is
 the step number: the data order and the anchors are functions of (seed, micro-batch id), so
 nothing else needs saving for an identical stream.
 
 Where to start is decided once, on the lead (global rank 0), by `checkpoint.resume`:
   auto      latest.json's checkpoint; a missing, unreadable or incomplete one stops the run
   fallback  the same, but falls back to the newest complete earlier checkpoint with a warning
-  restart   step 0, even over a directory that holds checkpoints (they are replaced as the run
-            reaches their steps)
-A directory with checkpoints but no latest.json never restarts silently under auto.
+  restart   step 0: the previous run's checkpoints are moved aside into
+            `checkpoints/previous-<time>/` (`set_aside`), so none of them is pruned into, or resumed
+            by, the new run
+A directory with checkpoints but no latest.json never restarts silently under auto. Pruning keeps
+the newest `checkpoint.keep_last` checkpoints up to the one just written.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -29,17 +35,16 @@ import torch.distributed as dist
 from dflash_ds.io import file_sizes, size_mismatch, write_json_atomic
 from dflash_ds.runtime.deepspeed_patches import barriers_on
 from dflash_ds.runtime.watchdog import waiting_on
-from dflash_ds.safety import CheckpointError
+from dflash_ds.safety import CheckpointError, say
 
 LATEST = "latest.json"
 MANIFEST = "complete.json"
 MODES = ("auto", "fallback", "restart")
+ASIDE = "previous-"  # checkpoints/previous-<time>/: a run's checkpoints moved aside by a restart
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
 
 
 def tag_of(step: int) -> str:
@@ -64,10 +69,7 @@ def verify(tag_dir: Path) -> str | None:
         return f"checkpoint directory {tag_dir} does not exist"
     manifest = tag_dir / MANIFEST
     if not manifest.is_file():
-        # Written before manifests existed: DeepSpeed's model states are the minimum.
-        if not (tag_dir / "mp_rank_00_model_states.pt").is_file():
-            return f"{tag_dir} is incomplete (no {MANIFEST} and no mp_rank_00_model_states.pt)"
-        return None
+        return f"{tag_dir} is incomplete (no {MANIFEST}: its write did not finish)"
     try:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -119,8 +121,26 @@ def resolve(run_dir: str | Path, mode: str) -> dict | None:
                         "warning": f"{problem}; falling back to the newest complete checkpoint {ck / tag}"}
         raise CheckpointError(f"{problem}, and no complete earlier checkpoint exists; set checkpoint.resume=restart "
                               "to start over from step 0")
-    raise CheckpointError(f"{problem}; set checkpoint.resume=fallback to continue from the newest complete earlier "
-                          "checkpoint, or checkpoint.resume=restart to start over from step 0")
+    raise CheckpointError(f"{problem}; {_earlier(run_dir, bad)}")
+
+
+def set_aside(run_dir: str | Path) -> Path | None:
+    """Move everything of the previous run in `checkpoints/` (its tags, latest.json) into
+    `checkpoints/previous-<time>/`; returns that directory, None when there was nothing to move.
+    Called by the lead under the run lock when `checkpoint.resume=restart` starts a run over a directory."""
+    ck = checkpoint_dir(run_dir)
+    old = [p for p in ck.iterdir() if not p.name.startswith(ASIDE)] if ck.is_dir() else []
+    if not old:
+        return None
+    aside = ck / f"{ASIDE}{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = ck / f"{ASIDE}{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    aside.mkdir()
+    for p in old:
+        os.rename(p, aside / p.name)
+    return aside
 
 
 def mismatch(text: str) -> str | None:
@@ -149,12 +169,14 @@ def mismatch(text: str) -> str | None:
     return "; ".join(parts) or text.strip().splitlines()[0]
 
 
-def _earlier(run_dir: str | Path, tag: str) -> str:
-    """The way out after `tag` would not load: an earlier complete checkpoint when one exists."""
+def _earlier(run_dir: str | Path, tag: str | None) -> str:
+    """The way out after `tag` would not load: fallback when another complete checkpoint exists, else restart."""
     ck = checkpoint_dir(run_dir)
-    if any(t != tag and verify(ck / t) is None for t in tags(ck)):
-        return "set checkpoint.resume=fallback to use the newest complete earlier checkpoint"
-    return "no complete earlier checkpoint exists; set checkpoint.resume=restart to start over from step 0"
+    other = next((t for t in reversed(tags(ck)) if t != tag and verify(ck / t) is None), None)
+    if other is not None:
+        return (f"set checkpoint.resume=fallback to continue from the newest complete checkpoint ({other}), or "
+                "checkpoint.resume=restart to start over from step 0")
+    return "no complete checkpoint exists to fall back to; set checkpoint.resume=restart to start over from step 0"
 
 
 def load_failure(exc: BaseException, run_dir: str | Path, tag: str) -> str:
@@ -170,8 +192,11 @@ def load_failure(exc: BaseException, run_dir: str | Path, tag: str) -> str:
     return f"could not load checkpoint {where}: {describe_error(exc)}; {_earlier(run_dir, tag)}"
 
 
-def describe_error(exc: BaseException) -> str:
-    """The cause of a failed write in words: errno text and file when known (disk full, read-only...)."""
+def describe_error(exc: BaseException, folder: Path | None = None) -> str:
+    """The cause of a failed write in words: errno text and file when known (disk full, read-only...);
+    a permission error says that `folder` (where the write went) is not writable."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and folder is not None:
+        return f"{folder} is not writable ({os.strerror(exc.errno)}: {exc.filename})"
     if isinstance(exc, OSError) and exc.errno is not None:
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{os.strerror(exc.errno)}{where}"
@@ -202,7 +227,7 @@ def _any(flag: bool, group, device) -> bool:
     return bool(t.item())
 
 
-def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last: int, extra: dict | None = None) -> str:
+def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last: int) -> str:
     """Collective over the drafter group. Returns the tag written.
 
     A failed write on any drafter rank (disk full, permissions, I/O error) removes the partial tag
@@ -216,9 +241,11 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
     state = {"step": step, "rng_cpu": torch.get_rng_state(), UNIVERSAL_CHECKPOINT_INFO: {}}
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state()
-    state.update(extra or {})
     error = None
     try:
+        # DeepSpeed logs and swallows a failed makedirs, and torch then reports a "parent directory
+        # that does not exist": creating it here first keeps the real cause (permissions, a read-only disk).
+        (ck / tag).mkdir(parents=True, exist_ok=True)
         with barriers_on(group):
             engine.save_checkpoint(str(ck), tag=tag, client_state=state, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch reports a full disk as RuntimeError
@@ -235,20 +262,22 @@ def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last
     if failed:
         if is_lead:
             shutil.rmtree(ck / tag, ignore_errors=True)
-        cause = describe_error(error) + _space_note(ck) if error is not None else "it failed on another drafter rank"
+        cause = describe_error(error, ck) + _space_note(ck) if error is not None else "it failed on another drafter rank"
         prev = next((t for t in reversed(tags(ck)) if t != tag and verify(ck / t) is None), None)
         kept = f"the previous checkpoint {ck / prev} is untouched" if prev else "no earlier checkpoint exists"
         raise CheckpointError(f"could not write checkpoint {ck / tag}: {cause}; the partial directory was removed and "
                               f"{kept}")
     if is_lead:
-        prune(ck, keep_last)
+        prune(ck, keep_last, step)
     with waiting_on("the checkpoint barrier", dist.get_process_group_ranks(group)):
         dist.barrier(group=group)
     return tag
 
 
-def prune(ck: Path, keep_last: int) -> None:
-    for old in tags(ck)[:-keep_last]:
+def prune(ck: Path, keep_last: int, step: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints up to `step` (the one just written)."""
+    upto = [t for t in tags(ck) if step_of(t) <= step]
+    for old in upto[:-keep_last]:
         shutil.rmtree(ck / old, ignore_errors=True)
 
 
@@ -279,5 +308,5 @@ def load(engine, run_dir: str | Path, group, info: dict | None, universal: bool 
     if "rng_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng_cuda"])
     if is_lead:
-        print(f"[dflash] resumed from step {int(state['step'])} (checkpoint {ck / tag})", flush=True)
+        say(f"resumed from step {int(state['step'])} (checkpoint {ck / tag})")
     return int(state["step"])

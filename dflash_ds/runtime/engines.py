@@ -131,7 +131,10 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
                                  adapter=t.adapter), kind
     fp8 = t.quantization == "fp8"
     if fp8:
-        fp8_target.check_device(device)
+        try:
+            fp8_target.check_device(device)
+        except fp8_target.QuantizationError as exc:
+            raise fp8_target.QuantizationError(f"target.quantization: fp8: {exc}; set target.quantization=none") from None
     model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation,
                         keep_fp8=fp8)
     return quantized_replica(recipe, model, cfg, device), kind

@@ -1,4 +1,10 @@
-"""A profile of a few steps on every rank: `log.profile_start` (a step number, 0 = off) and `log.profile_steps`.
+"""Where a rank's time goes: the wait timers behind the progress line's shares, and a profile of a few steps.
+
+`WaitTimer` times a role's waits on its transfers (runtime/transport.py), `SyncStallTimer` a
+drafter's idle in device-wide synchronisations: the progress line's "data wait", "send wait" and
+"sync stall" shares.
+
+A profile of a few steps on every rank: `log.profile_start` (a step number, 0 = off) and `log.profile_steps`.
 
 The progress line gives each role's rate and waits; it cannot say where a role's time goes inside a
 step, e.g. which role of a split runs below its bench. For steps profile_start .. profile_start +
@@ -22,12 +28,13 @@ import gzip
 import json
 import os
 import shutil
-import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 import torch
+
+from dflash_ds.safety import say
 
 GPU_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -119,6 +126,79 @@ def _kernel_entry(name: str, seconds: float, calls: int, beside) -> dict:
     return entry
 
 
+class WaitTimer:
+    """Time a role spent waiting on its transfers, as the device saw it.
+
+    On CPU (gloo) `work.wait()` blocks the host, so host time is the wait. On CUDA (NCCL) it only
+    makes the current stream wait and returns at once: the host never sees the stall. There, two
+    timing events around the wait measure how long the stream sat idle between the work queued
+    before it and the transfer's completion; they are read lazily (no host synchronisation).
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.host = 0.0
+        self.stream = 0.0
+        self.events: deque = deque()
+
+    def wait(self, work) -> None:
+        self.around(work.wait)
+
+    def around(self, call, *args, **kwargs):
+        """call(*args, **kwargs), timing the stream's idle across it (the host's time on CPU)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.host += time.perf_counter() - t0
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        out = call(*args, **kwargs)
+        after.record()
+        self.events.append((before, after))
+        return out
+
+    @property
+    def seconds(self) -> float:
+        while self.events and self.events[0][1].query():
+            before, after = self.events.popleft()
+            self.stream += before.elapsed_time(after) / 1000.0
+        return self.host + self.stream
+
+
+class SyncStallTimer:
+    """Time a drafter's stream sat idle while its host was blocked in a device-wide synchronisation.
+
+    DeepSpeed's ZeRO-2 (with overlap_comm) synchronises the whole device in every backward's
+    epilogue. That also waits for a payload receive posted ahead whose target has not sent it yet,
+    so a drafter can idle without its stream ever waiting for data, which the data-wait timer cannot
+    see. Wraps the accelerator's synchronize until close(); the events around each call measure from
+    the stream's last queued kernel to the host's return, i.e. only the idle part.
+    """
+
+    def __init__(self, accelerator, device):
+        self.accelerator, self.original = accelerator, accelerator.synchronize
+        self.timer = WaitTimer(device)
+        accelerator.synchronize = lambda *args, **kwargs: self.timer.around(self.original, *args, **kwargs)
+
+    @property
+    def seconds(self) -> float:
+        return self.timer.seconds
+
+    def close(self) -> None:
+        self.accelerator.synchronize = self.original
+
+
+class NoSyncTimer:
+    """A sync-stall timer that measures nothing: for code that steps a trainer outside a run (the bench)."""
+
+    seconds = 0.0
+
+    def close(self) -> None:
+        pass
+
+
 class StepProfiler:
     """Call `before(n)` and `after(n)` around step n (1-based); inactive unless log.profile_start > 0."""
 
@@ -172,5 +252,4 @@ class StepProfiler:
         (self.dir / f"{self.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
         busy = summary.get("gpu_busy_share")
         what = "" if busy is None else f": GPU busy {busy:.0%}, NCCL kernels {summary['nccl_share']:.0%}"
-        print(f"[dflash] {self.name}: profile of steps {self.first}-{self.last} in {self.dir}{what}",
-              file=sys.stderr, flush=True)
+        say(f"profile of steps {self.first}-{self.last} in {self.dir}{what}", self.name)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from dflash_ds.data.packing import position_ids_from_doc_ids
+from dflash_ds.model.blocks import position_ids_from_doc_ids
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import target_counters, write_status
@@ -128,7 +128,7 @@ class TargetWorker:
 
     def run(self, start: int, group=None) -> None:
         """The target rank's loop: evaluation payloads first, then every scheduled micro-batch from
-        `start` (the step the run control decided, runtime.control), sent over `group` (None: the
+        `start` (the step the run control decided, guard.control), sent over `group` (None: the
         default group)."""
         spec, rank = self.spec, self.rank
         r, plan, lay = spec.recipe, spec.plan, spec.layout

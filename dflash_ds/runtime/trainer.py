@@ -22,16 +22,16 @@ from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import drafter_loss, make_blocks
-from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.model.blocks import make_blocks
+from dflash_ds.model.objective import acceptance_proxy, drafter_loss
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.profiling import StepProfiler
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.transport import NoSyncTimer, Receiver, SyncStallTimer
+from dflash_ds.runtime.profiling import NoSyncTimer, StepProfiler, SyncStallTimer
+from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
-from dflash_ds.safety import CheckpointError, Stopped
+from dflash_ds.safety import CheckpointError, Stopped, say
 from dflash_ds.resolve.payload import PayloadLayout, unpack
 from dflash_ds.resolve.plan import receive_depth
 from dflash_ds.resolve.run import RunSpec
@@ -44,8 +44,7 @@ class StepStats:
     accept: torch.Tensor
     anchors: torch.Tensor
     kl_sum: torch.Tensor | float = 0.0  # sum(w * KL) of the step (0 with the KL term off)
-    # DFlash2: sum(w * selector CE), sum(w) with the gold among the candidates, sum(w) ranked first by the selector
-    selector: tuple = (0.0, 0.0, 0.0)
+    extra: tuple = ()  # the architecture's sums of the step (its variant's log_sums)
 
 
 class LocalSource:
@@ -98,7 +97,7 @@ class LogWindow:
 
 class DrafterTrainer:
     def __init__(self, spec: RunSpec, rank: int, parts: DrafterParts, control):
-        """`control`: runtime.control.RunControl (stop votes); the bench passes control.NullControl."""
+        """`control`: guard.control.RunControl (stop votes); the bench passes control.NullControl."""
         self.spec, self.rank, self.control = spec, rank, control
         self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
@@ -153,8 +152,8 @@ class DrafterTrainer:
         with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
             dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors, kl_sum, sel = 0.0, 0.0, 0.0, 0.0, (0.0, 0.0, 0.0)
-        term = s.selector_term(step, plan.total_steps)
+        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_sums)
+        term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(self.model, mb, bl, weight / scale, s, term)
             self.engine.backward(out.loss)
@@ -163,18 +162,18 @@ class DrafterTrainer:
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
             kl_sum = kl_sum + out.kl_sum
-            if out.selector is not None:
-                sel = tuple(a + b for a, b in zip(sel, out.selector))
+            extra = tuple(a + b for a, b in zip(extra, out.extra))
         # The profile window closes before the releases post the next receives: a transfer started
         # inside the window and finished after it would close its profiler record on a profiler that
         # is gone (a crash in the wait).
         self.profiler.after(step + 1)
         for p in payloads:
             self.source.release(p)
-        return StepStats(ce_sum, weight, accept, anchors, kl_sum, sel)
+        return StepStats(ce_sum, weight, accept, anchors, kl_sum, extra)
 
     def train(self) -> None:
         r, plan, start, eval_set = self.spec.recipe, self.spec.plan, self.start, self.eval_set
+        metrics = self.metrics  # opened before the first step: a wandb.init that fails costs no training
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
         t0 = time.perf_counter()
@@ -195,20 +194,20 @@ class DrafterTrainer:
                 self.stop(done, saved)
         if self.lead and eval_set and r.eval.at_end:
             self.log_tau(plan.total_steps, eval_set, "after training")
-        self.metrics.close()
+        metrics.close()
         if self.lead:
             finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
 
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
-                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.selector)])
+                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.extra)])
         with waiting_on("the metrics all-reduce", self.spec.layout.drafter_ranks):
             dist.all_reduce(vec, group=self.group)
         if not self.lead:
             return
         plan = self.spec.plan
-        ce, acc, anchors, kl, sel_ce, sel_covered, sel_correct = vec.tolist()
+        ce, acc, anchors, kl, *extra = vec.tolist()
         tokens = steps * plan.tokens_per_step
         elapsed = time.perf_counter() - t0
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
@@ -218,12 +217,7 @@ class DrafterTrainer:
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
-        if self.settings.selector is not None:
-            # Weighted over the slots like "loss": sum(w * selector CE) / sum(w), the share of the weight
-            # whose gold is among the unary top-k, and how often the selector ranks it first there.
-            rec["selector_loss"] = sel_ce / float(stats.weight)
-            rec["selector_recall"] = sel_covered / float(stats.weight)
-            rec["selector_accuracy"] = sel_correct / max(sel_covered, 1e-9)
+        rec.update(self.settings.shape.variant.log_record(extra, float(stats.weight)))
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
@@ -239,8 +233,9 @@ class DrafterTrainer:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
         self.last_tau = report
         self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
-        print(f"[dflash] tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
-              f"{len(report.cycles)} responses)\n[dflash] {report.position_line()}", flush=True)
+        say(f"tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
+            f"{len(report.cycles)} responses)")
+        say(report.position_line())
 
     def save(self, step: int) -> None:
         from dflash_ds.export import save_drafter
@@ -248,7 +243,7 @@ class DrafterTrainer:
         r = self.spec.recipe
         t0 = time.perf_counter()
         if self.lead and step == self.spec.plan.total_steps:
-            print(f"[dflash] step {step}: writing the final checkpoint and export", flush=True)
+            say(f"step {step}: writing the final checkpoint and export")
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
         if self.lead:
             t1 = time.perf_counter()
@@ -260,8 +255,8 @@ class DrafterTrainer:
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
-            print(f"[dflash] step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
-                  f"({time.perf_counter() - t1:.0f} s)", flush=True)
+            say(f"step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
+                f"({time.perf_counter() - t1:.0f} s)")
 
     def stop(self, done: int, saved: bool) -> None:
         """Every drafter rank voted at the same step boundary, so all of them save this step."""

@@ -11,8 +11,10 @@ A peer on this host is also watched as a process: under NCCL a rank whose peer w
 get an error, it blocks in the next host synchronisation (no guarded wait, so the timeout above would
 be the only bound), and the DeepSpeed launcher's SIGTERM asks it for a checkpoint it can no longer
 finish, so it would sit there until the launcher's SIGKILL 30 s later. A peer process that is gone
-without having announced its exit (`left`: ranks leaving on purpose write their PID to
-`<left_dir>/rank<N>` first) ends this rank within a second, naming the peer.
+without having announced its exit (`left`: ranks leaving on purpose write their PID and exit code to
+`<left_dir>/rank<N>` first) ends this rank within a second, naming the peer. A peer that announced a
+failure (a non-zero code) has said why in its own line: this rank then ends with the same code and
+adds nothing, so the job stops with that one line and one exit code.
 """
 
 from __future__ import annotations
@@ -84,19 +86,32 @@ class Watchdog:
             with self.lock:
                 self.stack.pop()
 
-    def mark_left(self) -> None:
-        """Announce that this rank exits on purpose (finished, stopped, or failing with its own line)."""
+    def mark_left(self, code: int = 0) -> None:
+        """Announce that this rank exits on purpose with `code` (finished, stopped, or failing with its
+        own line)."""
         self.leaving = True
         if self.left_dir is not None:
             with contextlib.suppress(OSError):
                 self.left_dir.mkdir(parents=True, exist_ok=True)
-                (self.left_dir / f"rank{self.me.rank}").write_text(str(self.me.pid))
+                (self.left_dir / f"rank{self.me.rank}").write_text(f"{self.me.pid} {int(code)}")
 
-    def has_left(self, peer: Peer) -> bool:
+    def left_code(self, peer: Peer) -> int | None:
+        """The exit code `peer` announced before leaving, None when it announced nothing."""
+        if self.left_dir is None:
+            return None
         try:
-            return int((self.left_dir / f"rank{peer.rank}").read_text()) == peer.pid
+            pid, _, code = (self.left_dir / f"rank{peer.rank}").read_text().partition(" ")
+            return int(code or 0) if int(pid) == peer.pid else None
         except (OSError, ValueError):
-            return False
+            return None
+
+    def announced_failure(self) -> int | None:
+        """The exit code of a peer that left announcing a failure (its own line said why), else None."""
+        for r, p in self.peers.items():
+            code = self.left_code(p) if r != self.me.rank else None
+            if code:
+                return code
+        return None
 
     def check_local_peers(self) -> None:
         if self.leaving:  # this rank is finishing: peers may exit in any order now
@@ -104,11 +119,14 @@ class Watchdog:
         for r, p in list(self.local.items()):
             if alive(p.pid):
                 continue
-            if self.has_left(p):
-                del self.local[r]
-                continue
-            exit_now(Exit.PEER, f"lost {p}: its process (PID {p.pid}) ended without finishing (killed or crashed); "
-                     "stopping the job", self.me)
+            code = self.left_code(p)
+            if code is None:
+                exit_now(Exit.PEER, f"lost {p}: its process (PID {p.pid}) ended without finishing (killed or "
+                         "crashed); stopping the job", self.me)
+            if code:
+                self.mark_left(code)  # for the peers that watch this rank in turn
+                exit_now(code)  # the peer's own line said why: the job ends with its code
+            del self.local[r]
 
     def _watch(self) -> None:
         while True:

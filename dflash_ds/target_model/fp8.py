@@ -189,9 +189,9 @@ def eligible(linear: nn.Linear, blocks: bool = False) -> bool:
 
 def block_gemm_shape(n: int, k: int) -> bool:
     """Widths the 128 x 128-block GEMM takes: multiples of 128, and the input width a multiple of
-    512. With K/128 = 1 or 2 and N > 128, cuBLAS's block-scaled GEMM returned garbage on an H200
-    (relative error ~1e3; K/128 = 4 and every 27B shape were exact), most likely the alignment of
-    the scale rows [N/128, K/128] (4 float32 = 16 bytes)."""
+    512: with K/128 = 1 or 2 and N > 128 cuBLAS's block-scaled GEMM returned wrong results
+    (docs/performance.md, "Figures behind the code"), most likely the alignment of the scale rows
+    [N/128, K/128] (4 float32 = 16 bytes)."""
     return n % BLOCK == 0 and k % (4 * BLOCK) == 0
 
 
@@ -212,8 +212,8 @@ def quantize_model(model: nn.Module, scheme: str = ROWS) -> Quantized:
     # model.model.layers of a causal LM (target.model.decoder_layers, which imports this module).
     layers = getattr(getattr(model, "model", model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise QuantizationError(f"cannot find the decoder layers of {type(model).__name__} to quantize; "
-                                "set target.quantization=none")
+        raise QuantizationError(f"cannot find the decoder layers of {type(model).__name__} to quantize: this "
+                                "target cannot run in FP8")
     for i, layer in enumerate(layers):
         for name, mod in list(layer.named_modules()):
             if type(mod) is not nn.Linear:
@@ -320,46 +320,18 @@ def checkpoint_fp8(config) -> bool:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = str(qc.get("quant_method", ""))
     if method != "fp8":
-        raise QuantizationError(f"target.path is quantized with {method!r}; only bf16 checkpoints and fine-grained "
+        raise QuantizationError(f"the target is quantized with {method!r}; only bf16 checkpoints and fine-grained "
                                 "FP8 ones (quant_method fp8, weight_block_size [128, 128]) are supported")
     block = list(qc.get("weight_block_size") or [])
     if block != [BLOCK, BLOCK] or qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise QuantizationError(f"target.path is an FP8 checkpoint with weight_block_size {block or None} and "
+        raise QuantizationError(f"the target is an FP8 checkpoint with weight_block_size {block or None} and "
                                 f"activation_scheme {qc.get('activation_scheme')!r}; only [128, 128] blocks with "
                                 "dynamic activations are supported")
     return True
-
-
-def refusal(target, device_type: str, target_kind: str, fp8_checkpoint: bool) -> str | None:
-    """Why the recipe's `target` section cannot run this way (one line naming the setting), or None."""
-    quantization = target.quantization
-    if quantization == "fp8" and device_type != "cuda":
-        return ("target.quantization: fp8 needs an FP8 GPU (compute capability 8.9+: H100, H200, L40S, ...); "
-                "run.device is cpu, where there is no FP8 matmul: set target.quantization=none")
-    if target_kind == "zero3" and (quantization == "fp8" or fp8_checkpoint):
-        what = "target.quantization: fp8" if quantization == "fp8" else "an FP8 checkpoint (target.path)"
-        return (f"{what} needs a full target replica per GPU, but target.ds_config is a ZeRO-3 JSON; an FP8 27B "
-                "target (~22 GiB) fits one GPU: use ds_configs/target_replica.json")
-    if quantization == "fp8" and target.dtype != "bfloat16":
-        return (f"target.quantization: fp8 computes in bfloat16 around the FP8 matmuls, but target.dtype is "
-                f"{target.dtype}: set target.dtype=bfloat16 (and \"dtype\": \"bfloat16\" in target.ds_config)")
-    if target.adapter and fp8_checkpoint:
-        return ("target.adapter cannot be merged into the FP8 weights of target.path: point target.path at the bf16 "
-                "checkpoint (the adapter is merged first, then quantized with target.quantization: fp8)")
-    return None
-
-
-def recipe_refusal(target, device_type: str, target_kind: str, config) -> str | None:
-    """Before launch: `refusal` for the checkpoint `config` describes (its quantization_config read)."""
-    try:
-        return refusal(target, device_type, target_kind, checkpoint_fp8(config))
-    except QuantizationError as exc:
-        return str(exc)
 
 
 def check_device(device: torch.device) -> None:
     """At load, on the rank: the GPU must have FP8 tensor cores."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-        raise QuantizationError(f"target.quantization: fp8 needs compute capability 8.9+ but this rank has {name}; "
-                                "set target.quantization=none")
+        raise QuantizationError(f"FP8 matmuls need compute capability 8.9+ but this rank has {name}")

@@ -39,10 +39,10 @@ def use_fla_short_conv() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The target's elementwise work: RMSNorms computed in fp32 (5-6 kernels each, ~20% of the 27B
-# target's forward time) and the SwiGLU product. Compiling just these small pure functions fuses
-# each into one kernel; compiling whole decoder layers instead was slower (graph breaks around
-# the linear-attention kernels). The math is exactly transformers', so only rounding order moves.
+# The target's elementwise work: RMSNorms computed in fp32 (5-6 kernels each, a large share of the
+# target's forward time: docs/performance.md, "What each optimisation bought") and the SwiGLU
+# product. Compiling just these small pure functions fuses each into one kernel; compiling whole
+# decoder layers instead was slower (graph breaks around the linear-attention kernels). The math is exactly transformers', so only rounding order moves.
 
 def _compile(fn):
     from dflash_ds.model.compile import compile_once

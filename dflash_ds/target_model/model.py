@@ -61,15 +61,15 @@ def target_geometry(config) -> TargetShape:
 
 
 def load_config(path: str):
-    """AutoConfig for target.path, with an error that names the setting when it cannot be read."""
+    """AutoConfig of the target at `path`; TargetError (naming the path and the fix) when it cannot be read."""
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise TargetError(
-            f"target.path {path!r} cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-            "set target.path to a local model directory or a hub id this machine can reach "
+            f"the target {path!r} cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            "give a local model directory or a hub id this machine can reach "
             "(HF_HUB_OFFLINE=1 needs the model in the local cache)") from None
 
 
@@ -112,7 +112,7 @@ def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16
     if fp8.checkpoint_fp8(config):
         unscaled = [k for k in info.get("missing_keys", ()) if k.endswith("weight_scale_inv")]
         if unscaled:
-            raise TargetError(f"target.path {path!r}: the FP8 checkpoint has no weight_scale_inv for {unscaled[0]} "
+            raise TargetError(f"the FP8 checkpoint {path!r} has no weight_scale_inv for {unscaled[0]} "
                               f"(and {len(unscaled) - 1} more); its quantization_config.modules_to_not_convert must "
                               "list the layers it stores unquantized")
     if adapter:
@@ -137,8 +137,8 @@ def merge_adapter(model: nn.Module, adapter: str) -> nn.Module:
 
             hf_hub_download(adapter, "adapter_config.json")
         except Exception:
-            raise TargetError(f"target.adapter {adapter!r} is not a PEFT adapter directory or reachable hub id; "
-                              "point it at the directory holding adapter_config.json") from None
+            raise TargetError(f"the adapter {adapter!r} is not a PEFT adapter directory or reachable hub id; "
+                              "give the directory holding adapter_config.json") from None
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, adapter).merge_and_unload()
@@ -155,20 +155,20 @@ class TapCapture:
         layers = decoder_layers(model)
         bad = [k for k in self.layer_ids if not 0 <= k < len(layers)]
         if bad:
-            raise TargetError(f"drafter.target_layer_ids {bad} are outside the target's {len(layers)} layers")
+            raise TargetError(f"tap layer ids {bad} are outside the target's {len(layers)} layers")
         self.out: torch.Tensor | None = None
         self.handles = [layers[k].register_forward_hook(self._hook(i)) for i, k in enumerate(self.layer_ids)]
         if final_norm:
-            # The KL term's extra tap: the output of the final norm, the state the lm_head reads
-            # (the model must then keep all its layers: see truncate_after).
+            # The extra tap (the KL term's, or an architecture's): the output of the final norm, the
+            # state the lm_head reads (the model must then keep all its layers: see truncate_after).
             full = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", len(layers))
             if len(layers) != full:
-                raise TargetError(f"the KL term needs the target's final norm after all {full} layers, but the "
-                                  f"model was cut after {len(layers)}; do not truncate it when objective.kl_weight > 0")
+                raise TargetError(f"the final-norm tap needs the target's final norm after all {full} layers, but "
+                                  f"the model was cut after {len(layers)}; keep every layer when it is tapped")
             norm = getattr(base_model(model), "norm", None)
             if not isinstance(norm, nn.Module):
-                raise TargetError(f"cannot find the final norm (model.norm) of {type(model).__name__}; "
-                                  "set objective.kl_weight to 0 for this target")
+                raise TargetError(f"cannot find the final norm (model.norm) of {type(model).__name__}: this target "
+                                  "cannot send its final-norm state")
             self.handles.append(norm.register_forward_hook(self._hook(len(self.layer_ids))))
 
     def _hook(self, slot: int):
@@ -229,7 +229,7 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
     else:
         single = root / "model.safetensors"
         if not single.is_file():
-            raise TargetError(f"target.path {path!r} has no safetensors weights; convert the checkpoint to safetensors")
+            raise TargetError(f"the target {path!r} has no safetensors weights; convert the checkpoint to safetensors")
         with safe_open(str(single), "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
 
@@ -242,7 +242,7 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
     embed_name = find(["embed_tokens.weight"])
     head_name = find(["lm_head.weight"]) or embed_name  # tied embeddings
     if embed_name is None:
-        raise TargetError(f"target.path {path!r}: no embed_tokens weight found in the checkpoint")
+        raise TargetError(f"the target {path!r} has no embed_tokens weight in its checkpoint")
     out = []
     for name in (embed_name, head_name):
         with safe_open(str(root / weight_map[name]), "pt", device="cpu") as f:

@@ -14,37 +14,22 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dflash_ds.config import RecipeError
+from dflash_ds.guard import launch
+from dflash_ds.guard.lock import RunLock
+from dflash_ds.guard.signals import StopRequest
 from dflash_ds.runtime import checkpoint, watchdog
-from dflash_ds.runtime.lock import RunLock
-from dflash_ds.runtime.preflight import check_locations, check_wandb_service
-from dflash_ds.runtime.signals import StopRequest
 from dflash_ds.runtime.watchdog import Peer, Watchdog
-from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, exit_now, say, \
-    transport_failure
-from dflash_ds.resolve import contract
+from dflash_ds.safety import CheckpointError, Exit, LockError, PeerLost, RunFailure, Stopped, before_exit, exit_now, \
+    say, transport_failure
 
 LEFT_DIR = ".left"  # under run.output_dir: ranks that exited on purpose (see watchdog.Watchdog.mark_left)
-
-
-def decide_start(recipe) -> dict | None:
-    """Where a run starts: the checkpoint `checkpoint.resume` picks in run.output_dir (latest.json's,
-    or with `fallback` the newest complete one), None for step 0. Raises CheckpointError.
-
-    A resume must keep the run's contract (resolve/contract.py): one that changes the drafter's shape,
-    the data stream or the taps raises RecipeError naming each key; the settings it may change and
-    does are in the result's "changed" line."""
-    start = checkpoint.resolve(recipe.run.output_dir, recipe.checkpoint.resume)
-    if start is not None:
-        changed = contract.check_resume(recipe, int(start["step"]))
-        if changed:
-            start = {**start, "changed": changed}
-    return start
 
 
 class RunControl:
@@ -76,6 +61,7 @@ class RunControl:
         t = recipe.topology
         c.dog = Watchdog(c.me, {p.rank: p for p in peers}, t.peer_timeout_s, t.peer_report_s, c.stop,
                          left_dir=Path(recipe.run.output_dir) / LEFT_DIR).start()
+        c.stop.peer_failed = c.peer_failed
         watchdog.install(c.dog)
         # The stop vote is a CPU all-reduce per step: on gloo it costs microseconds and never waits
         # for the GPU stream (an NCCL vote would add a host synchronisation to every step).
@@ -92,16 +78,16 @@ class RunControl:
     def _decide(self) -> dict:
         r = self.recipe
         try:  # what launch.sh checks before launch, again for runs started by the deepspeed launcher alone
-            check_locations(r)
-            os.environ.update(check_wandb_service(r))  # the lead alone logs to wandb
+            os.environ.update(launch.lead_checks(r))  # the lead alone logs to wandb
         except RecipeError as exc:
             return {"error": str(exc)}
         try:
             self.lock = RunLock(r.run.output_dir).acquire()
         except LockError as exc:
             return {"error": str(exc)}
+        before_exit(self.release)  # whichever way this process ends (a watchdog, a second signal), no lock stays
         try:
-            start = decide_start(r)
+            start = launch.decide_start(r)
         except (CheckpointError, RecipeError) as exc:
             self.release()
             return {"error": str(exc)}
@@ -109,6 +95,16 @@ class RunControl:
             say(f"warning: {start['warning']}")
         if start and "changed" in start:
             say(start["changed"])
+        if r.checkpoint.resume == "restart":
+            try:
+                aside = checkpoint.set_aside(r.run.output_dir)
+            except OSError as exc:
+                self.release()
+                return {"error": f"checkpoint.resume=restart: could not move the previous run's checkpoints aside in "
+                                 f"{checkpoint.checkpoint_dir(r.run.output_dir)} ({exc.strerror or exc})"}
+            if aside is not None:
+                say(f"checkpoint.resume=restart: the previous run's checkpoints are now in {aside}; this run starts "
+                    "at step 0")
         return {"start": start}
 
     @property
@@ -137,10 +133,15 @@ class RunControl:
             except (AttributeError, RuntimeError, ValueError):
                 pass  # this backend keeps its own timeout; our waits are still bounded by the watchdog
 
-    def leaving(self) -> None:
-        """This rank is about to exit on purpose: same-host peers must not take its exit for a crash."""
+    def leaving(self, code: int = Exit.OK) -> None:
+        """This rank is about to exit on purpose with `code`: same-host peers must not take its exit for
+        a crash, and after a failure (its own line printed) they end with the same code."""
         if self.dog is not None:
-            self.dog.mark_left()
+            self.dog.mark_left(code)
+
+    def peer_failed(self) -> int | None:
+        """The exit code a peer announced failing with (its line said why), None when none did."""
+        return self.dog.announced_failure() if self.dog is not None else None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -158,9 +159,10 @@ class NullControl:
         return False
 
 
-def _exit(control: RunControl, code: Exit, line: str) -> int:
-    say(line)
-    control.leaving()
+def _exit(control: RunControl, code: Exit | int, line: str | None) -> int:
+    if line:
+        say(line)
+    control.leaving(code)
     control.release()
     exit_now(code)
     return int(code)  # not reached: exit_now ends the process
@@ -170,7 +172,9 @@ def run_guarded(fn, control: RunControl) -> int:
     """Run a rank's role; every way it can end early becomes one line and its exit code.
 
     Failures are told apart by type (safety.RunFailure and its subclasses); an error a
-    communication backend raises untyped becomes PeerLost in `safety.transport_failure`."""
+    communication backend raises untyped becomes PeerLost in `safety.transport_failure`. A lost
+    peer that announced its own failure is that failure: this rank ends with its code and no line of
+    its own. An unexpected error ends with its traceback and Exit.FAILED, announced like the others."""
     me = control.me
     try:
         fn()
@@ -185,9 +189,14 @@ def run_guarded(fn, control: RunControl) -> int:
             failure = PeerLost(f"{me}: a peer of the drafter or target group is gone or stalled ({cause}); "
                                "stopping the job")
         if failure is None:
-            raise
+            traceback.print_exc()  # the message of an unexpected error (Exit.FAILED)
+            return _exit(control, Exit.FAILED, None)
         if isinstance(failure, PeerLost) and control.stop.requested and control.role == "target":
             # The drafters stopped on request and closed their side: this is the same stop.
             return _exit(control, Exit.STOPPED, f"{me}: stopped ({control.stop.name})")
+        if isinstance(failure, PeerLost):
+            code = control.peer_failed()
+            if code:
+                return _exit(control, code, None)
         return _exit(control, failure.code, failure.line(me))
     return Exit.OK

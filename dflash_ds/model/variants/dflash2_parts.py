@@ -60,8 +60,8 @@ class BlockConv(nn.Module):
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
         super().__init__()
         if kernel_size < 1 or group_size < 1 or hidden_size % group_size:
-            raise ValueError(f"drafter.conv_kernel_size ({kernel_size}) must be >= 1 and drafter.conv_group_size "
-                             f"({group_size}) must divide the hidden size {hidden_size}")
+            raise ValueError(f"kernel_size ({kernel_size}) must be >= 1 and group_size ({group_size}) must divide "
+                             f"the hidden size {hidden_size}")
         self.kernel_size, self.groups, self.block_size = kernel_size, hidden_size // group_size, block_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
@@ -92,8 +92,7 @@ class CandidateSelector(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
         super().__init__()
         if rank < 1 or not 1 <= top_k <= vocab_size:
-            raise ValueError(f"drafter.selector_rank ({rank}) must be >= 1 and drafter.selector_top_k ({top_k}) "
-                             f"in [1, {vocab_size}] (the vocabulary)")
+            raise ValueError(f"rank ({rank}) must be >= 1 and top_k ({top_k}) in [1, {vocab_size}] (the vocabulary)")
         self.top_k = top_k
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))

@@ -90,8 +90,22 @@ def main(argv: list[str]) -> int:
         time.sleep(0.2)
     # The runner is gone; whatever it leaves behind in the group is an orphan of this job.
     kill_group(pgid)
-    rc = proc.returncode
-    return Exit.of_signal(-rc) if rc < 0 else rc
+    return job_status(proc.returncode)
+
+
+def job_status(rc: int) -> int:
+    """launch.sh's exit status for the launcher's return code `rc`.
+
+    The launcher itself killed by signal N: 128 + N. DeepSpeed's launcher reports a rank that died of
+    signal N (kill -9, the OOM killer) by exiting with the rank's negative status, which the shell sees
+    as 256 - N (247 for SIGKILL): that rank was lost, which the survivors name in their line, so the
+    job's status is Exit.PEER. Every status the ranks end with themselves (safety.Exit, 128 + N for a
+    second stop signal) is at most 192."""
+    if rc < 0:
+        return Exit.of_signal(-rc)
+    if rc > Exit.of_signal(64):
+        return Exit.PEER
+    return rc
 
 
 if __name__ == "__main__":

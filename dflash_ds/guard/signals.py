@@ -23,6 +23,11 @@ class StopRequest:
         self.signum: int | None = None
         self.count = 0
         self._thread: threading.Thread | None = None
+        # What the first signal does now, said in its line (`finishing` changes it once training is over).
+        self.first = "stopping after the current step" if saves else "serving the drafters until they have stopped"
+        # A peer's announced failure code (RunControl sets it): the launcher's SIGTERM that follows a
+        # failing rank is no stop request, and this rank then ends with that code, silently.
+        self.peer_failed = lambda: None
 
     @property
     def requested(self) -> bool:
@@ -55,13 +60,28 @@ class StopRequest:
                 if signum in STOP_SIGNALS:
                     self.on_signal(signum)
 
+    def finishing(self, what: str) -> None:
+        """The work left is `what` (the run's end, its checkpoint written), not a step: a first signal
+        lets it finish."""
+        self.first, self.saves = what, False
+
+    def done(self) -> None:
+        """Nothing is left to stop: stop signals are ignored from here until the process exits (a
+        Python process tearing down restores the default handlers, and dying of a late SIGTERM would
+        make the launcher signal the ranks still at work)."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
     def on_signal(self, signum: int) -> None:
         self.count += 1
         name = signal.Signals(signum).name
+        code = self.peer_failed()
+        if code:
+            exit_now(code)
+            return
         if self.count == 1:
             self.signum = signum
-            what = "stopping after the current step" if self.saves else "serving the drafters until they have stopped"
-            say(f"{name} received; {what} (send it again to stop at once)", self.who)
+            say(f"{name} received; {self.first} (send it again to stop at once)", self.who)
             return
         what = "exiting now without a checkpoint" if self.saves else "exiting now"
         exit_now(Exit.of_signal(signum), f"{name} received again; {what}", self.who)

@@ -1,0 +1,356 @@
+"""DSpark's additions to the DFlash drafter: a Markov head, a confidence head, their walks and loss.
+
+DSpark (DeepSeek's DeepSpec) keeps the DFlash backbone and changes three things:
+
+1. The block is anchor-first: the block of anchor `a` is `[token at a, MASK x (B-1)]` at positions
+   `a .. a+B-1` as in DFlash, but slot k predicts the token at `a + k + 1`, so every one of the B
+   slots is a drafting slot (B drafts per cycle; the engines call this `sample_from_anchor`).
+2. `MarkovHead`: the logits of a drafting slot get a low-rank bias from the token just before the
+   one it predicts, `logits = base + markov_w2(markov_w1[prev])` (rank r). In training `prev` is the
+   gold token (teacher forcing); when drafting, slot 0's `prev` is the anchor and slot k's the token
+   chosen at slot k - 1 (`greedy_walk`, `sampled_walk`): the block becomes semi-autoregressive.
+3. `ConfidenceHead`: `sigmoid(proj([h ; markov_w1[prev]]))` per slot, trained (BCE) toward the
+   acceptance probability `1 - TV(drafter, target)` of that slot; the engines use it to cut the
+   verified prefix.
+
+The loss of a slot is `ce * CE + l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV)` with q the
+drafter's distribution (Markov bias included), p the target's, TV = ||q - p||_1 / 2; its weight w is
+the usual decay times mask. `chunk_grads` gives one chunk's sums and its gradients in closed form,
+for a fused chunk loop that never holds more than one chunk of logits; `dspark_terms` is the same
+computation for autograd.
+
+Model code: no torch.distributed, no deepspeed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_ds.model.gather import take_rows
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.model.blocks import decay_weights
+
+# DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
+_INIT_STD = 0.02
+
+
+class MarkovHead(nn.Module):
+    """The vanilla Markov head, the only type the engines load: `bias(prev) = markov_w2 @ markov_w1[prev]`.
+
+    Parameters (the exported names): `markov_w1.weight` `[V, r]` (an embedding of the previous token)
+    and `markov_w2.weight` `[V, r]` (a bias-free `r -> V` projection)."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"the Markov head's rank must be >= 1, got {rank}")
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.markov_w1.weight.normal_(0.0, _INIT_STD)
+        self.markov_w2.weight.normal_(0.0, _INIT_STD)
+
+    def embed(self, prev: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`markov_w1[prev]` `[..., r]`; the gradient is `take_rows`' deterministic segmented sum (the
+        same few tokens are the predecessors of most slots)."""
+        return take_rows(self.markov_w1.weight, prev, dtype)
+
+    def bias(self, embedding: torch.Tensor) -> torch.Tensor:
+        """`[..., r]` -> `[..., V]`, in the embedding's dtype."""
+        return F.linear(embedding, self.markov_w2.weight.to(embedding.dtype))
+
+    def forward(self, base_logits: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits: `base_logits` `[..., V]` plus the bias of the predecessors `prev` `[...]`."""
+        return base_logits + self.bias(self.embed(prev, base_logits.dtype))
+
+
+class ConfidenceHead(nn.Module):
+    """`proj([h ; markov_w1[prev]])`, a raw logit per slot (the engines apply the sigmoid).
+
+    Parameters: `proj.weight` `[1, D + r]` (`[1, D]` without the Markov embedding) and `proj.bias` `[1]`.
+    Computed in at least float32, as vLLM and SGLang load and run it."""
+
+    def __init__(self, hidden_size: int, rank: int = 0):
+        super().__init__()
+        self.with_markov = rank > 0
+        self.proj = nn.Linear(hidden_size + rank, 1)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.proj.weight.normal_(0.0, _INIT_STD)
+        self.proj.bias.zero_()
+
+    def forward(self, hidden: torch.Tensor, embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden `[..., D]` (the drafter's final-norm state of the slot), embedding `[..., r]` (the
+        Markov embedding of its predecessor) -> `[...]`."""
+        work = torch.promote_types(hidden.dtype, torch.float32)
+        features = hidden.to(work)
+        if self.with_markov:
+            if embedding is None:
+                raise ValueError("this confidence head reads the Markov embedding of the previous token")
+            features = torch.cat([features, embedding.to(work)], dim=-1)
+        return F.linear(features, self.proj.weight.to(work), self.proj.bias.to(work)).squeeze(-1)
+
+
+def shift_in(first: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The predecessors of a block's slots `[..., L]`: `first` `[...]` (the anchor) for slot 0, then
+    `tokens[..., :-1]`: with the labels, teacher forcing; with the drafted tokens, the walk's."""
+    return torch.cat([first.unsqueeze(-1).to(tokens.dtype), tokens[..., :-1]], dim=-1)
+
+
+class MarkovWalk(NamedTuple):
+    tokens: torch.Tensor  # [n, L] drafted tokens
+    logits: torch.Tensor  # [n, L, V] the logits each was drawn from (base + Markov bias)
+    predecessors: torch.Tensor  # [n, L] the token each slot's bias was conditioned on
+
+
+@torch.no_grad()
+def greedy_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor) -> MarkovWalk:
+    """The engines' walk at temperature 0 over the drafting slots' logits `[n, L, V]` of n blocks:
+    slot 0 is conditioned on `first` `[n]` (the anchor), slot k on the argmax chosen at slot k - 1."""
+    return _walk(head, base_logits, first, None)
+
+
+class Sampling(NamedTuple):
+    temperature: float
+    noise: torch.Tensor  # [n, L, V] independent Exp(1) draws (the caller's generator)
+
+
+@torch.no_grad()
+def sampled_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor, sampling: Sampling) -> MarkovWalk:
+    """The walk at temperature T > 0 (DeepSpec's evaluator, vLLM, SGLang): slot k's token is drawn
+    from softmax(logits_k / T) and conditions slot k + 1. The draw is the exponential race
+    `argmax(softmax(logits / T) / noise)` (a sample of that softmax; SGLang's kernel draws this way),
+    so the randomness is explicit. The draft probabilities the verifier needs are
+    `softmax(walk.logits / T)`."""
+    if not sampling.temperature > 0:
+        raise ValueError(f"sampling temperature must be > 0 (use greedy_walk for 0), got {sampling.temperature}")
+    return _walk(head, base_logits, first, sampling)
+
+
+def _walk(head, base_logits, first, sampling: Sampling | None) -> MarkovWalk:
+    prev = first.to(base_logits.device).long()
+    tokens, logits, predecessors = [], [], []
+    for slot in range(base_logits.shape[1]):
+        step = head(base_logits[:, slot], prev)
+        predecessors.append(prev)
+        if sampling is None:
+            prev = step.argmax(-1)
+        else:
+            probs = torch.softmax(step.float() / sampling.temperature, dim=-1)
+            prev = (probs / sampling.noise[:, slot].to(probs.device)).argmax(-1)
+        tokens.append(prev)
+        logits.append(step)
+    return MarkovWalk(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(predecessors, 1))
+
+
+def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                         anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                         gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels `[b, N, B]` (slot k: the token at a + k + 1) and float32 weights `[b, N, B]` of the
+    anchor-first block, DeepSpec's rule: `exp(-k / gamma)` times a mask that is 1 on the longest
+    prefix of slots whose label is inside the row, supervised and in the anchor's document (the first
+    slot that is not ends the block's supervision), times block validity. Labels where the weight
+    is 0 are 0."""
+    b, n = anchors.shape
+    s = input_ids.shape[1]
+    k = torch.arange(block_size, device=anchors.device)
+    idx = anchors.long().unsqueeze(-1) + 1 + k
+    flat = idx.clamp(max=s - 1).view(b, n * block_size)
+    labels = torch.gather(input_ids, 1, flat).view(b, n, block_size)
+    supervised = torch.gather(loss_mask.bool(), 1, flat).view(b, n, block_size)
+    anchor_doc = torch.gather(doc_ids, 1, anchors.long()).unsqueeze(-1)
+    same_doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size) == anchor_doc
+    ok = (idx < s) & supervised & same_doc & valid.bool().unsqueeze(-1)
+    keep = ok.to(torch.int32).cumprod(-1).bool()
+    # exp(-k / gamma) for slot k: DFlash's decay of a block one longer, without its slot 0.
+    decay = decay_weights(block_size + 1, gamma, anchors.device)[1:]
+    return torch.where(keep, labels, torch.zeros_like(labels)), decay * keep
+
+
+class DSparkTerms(NamedTuple):
+    """The weights of the three terms (DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+    and the target's logit transform (model/logit_transform.py), applied to the lm_head logits before
+    the Markov bias is added (DeepSpec's order)."""
+
+    ce: float = 0.1
+    l1: float = 0.9
+    confidence: float = 1.0
+    transform: LogitTransform = IDENTITY
+
+
+class DSparkRows(NamedTuple):
+    """One chunk of slots for `dspark_terms`: the drafter's logits `[c, V]` (Markov bias included),
+    the target's `[c, V]` (its next-token logits at the position before each slot's label), labels
+    `[c]`, weights `[c]` and the raw confidence logits `[c]` (None without a confidence head)."""
+
+    logits: torch.Tensor
+    target_logits: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    confidence: torch.Tensor | None = None
+
+
+class DSparkSums(NamedTuple):
+    ce: torch.Tensor  # sum(w * CE)
+    l1: torch.Tensor  # sum(w * ||q - p||_1)  (twice the total variation)
+    confidence: torch.Tensor  # sum(w * BCE(c, 1 - TV)); 0 without a confidence head
+    accept: torch.Tensor  # [c] 1 - TV per slot, clamped to [0, 1], detached
+    correct: torch.Tensor  # [c] bool: argmax == label on slots of weight > 0
+
+
+def dspark_terms(rows: DSparkRows) -> DSparkSums:
+    """The three weighted sums of a chunk, differentiable by autograd (the checkpointed path) in at
+    least float32. The confidence target `1 - TV` is a constant (detached), as in DeepSpec; the
+    confidence logits keep their graph (the term trains the head, the states and `markov_w1`)."""
+    w, lab, x, p = _prepared(rows)
+    logq = torch.log_softmax(x, dim=-1)
+    ce = -logq.gather(1, lab.unsqueeze(1)).squeeze(1)
+    l1 = (logq.exp() - p).abs().sum(-1)
+    accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    conf = w.new_zeros(())
+    if rows.confidence is not None:
+        bce = F.binary_cross_entropy_with_logits(rows.confidence.to(w.dtype), accept, reduction="none")
+        conf = (bce * w).sum()
+    correct = (x.detach().argmax(-1) == lab) & (w > 0)
+    return DSparkSums((ce * w).sum(), (l1 * w).sum(), conf, accept, correct)
+
+
+def _prepared(rows: DSparkRows):
+    w = rows.weights.to(torch.promote_types(rows.logits.dtype, torch.float32))
+    # Zero-weight rows add exactly 0; an in-vocabulary label keeps their CE finite.
+    lab = torch.where(w > 0, rows.labels, torch.zeros_like(rows.labels)).long()
+    p = torch.softmax(rows.target_logits.detach().to(w.dtype), dim=-1)
+    return w, lab, rows.logits.to(w.dtype), p
+
+
+class DSparkChunk(NamedTuple):
+    """One chunk of slots for `chunk_grads`: the drafter's final-norm states `[c, D]`, the Markov
+    embeddings of their predecessors `[c, r]`, the target's (transformed) logits `[c, V]`, labels
+    `[c]`, weights `[c]`, raw confidence logits `[c]` or None."""
+
+    hidden: torch.Tensor
+    embedding: torch.Tensor
+    target_logits: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    confidence: torch.Tensor | None = None
+
+
+class DSparkGrads(NamedTuple):
+    """Gradients of (ce * sum(w CE) + l1 * sum(w L1) + confidence * sum(w BCE)) / normaliser."""
+
+    hidden: torch.Tensor  # [c, D], in the states' dtype
+    embedding: torch.Tensor  # [c, r]: into markov_w1 through the predecessors' rows
+    markov_w2: torch.Tensor  # [V, r]: this chunk's share, in at least float32
+    confidence: torch.Tensor | None  # [c]: into the confidence head (and its inputs)
+
+
+@torch.no_grad()
+def chunk_grads(chunk: DSparkChunk, lm_head: torch.Tensor, markov_w2: torch.Tensor, terms: DSparkTerms,
+                normaliser: float | torch.Tensor) -> tuple[DSparkSums, DSparkGrads]:
+    """One chunk of the fused loss: the logits `t(hidden @ lm_head.T) + embedding @ markov_w2.T`, the
+    sums of `dspark_terms` and the gradients in closed form, so a chunk loop keeps no graph and no
+    more than one chunk of `[c, V]` logits. With q = softmax(logits), p the target's, s = sign(q - p):
+    d CE / d logits = q - onehot, d L1 / d logits = q * (s - <s, q>), d BCE / d c = sigmoid(c) - (1 - TV);
+    the lm_head is frozen (no gradient). Summing the chunks' sums and gradients gives the whole loss's."""
+    h, e = chunk.hidden, chunk.embedding
+    work = torch.promote_types(h.dtype, torch.float32)
+    z = terms.transform.apply(torch.mm(h, lm_head.t()).to(work))
+    logits = z + torch.mm(e.to(work), markov_w2.t().to(work))
+    rows = DSparkRows(logits, chunk.target_logits, chunk.labels, chunk.weights, chunk.confidence)
+    w, lab, x, p = _prepared(rows)
+    q = torch.softmax(x, dim=-1)
+    ce = torch.logsumexp(x, -1) - x.gather(1, lab.unsqueeze(1)).squeeze(1)
+    gap = q - p  # one [c, V] pass for both the L1 sum and its sign
+    sign = torch.sign(gap)
+    l1 = gap.abs().sum(-1)
+    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+    scale = w / normaliser
+    g = q * (terms.l1 * (sign - (sign * q).sum(-1, keepdim=True)) + terms.ce)
+    g.scatter_add_(1, lab.unsqueeze(1), torch.full_like(lab, -terms.ce, dtype=g.dtype).unsqueeze(1))
+    g = g * scale.unsqueeze(1)
+    conf_sum, g_conf = w.new_zeros(()), None
+    if chunk.confidence is not None:
+        c = chunk.confidence.to(work)
+        conf_sum = (F.binary_cross_entropy_with_logits(c, accept, reduction="none") * w).sum()
+        g_conf = (terms.confidence * scale * (torch.sigmoid(c) - accept)).to(chunk.confidence.dtype)
+    g_raw = g * terms.transform.slope(z)
+    grads = DSparkGrads(torch.mm(g_raw.to(lm_head.dtype), lm_head).to(h.dtype),
+                        torch.mm(g, markov_w2.to(work)).to(e.dtype), torch.mm(g.t(), e.to(work)), g_conf)
+    correct = (x.argmax(-1) == lab) & (w > 0)
+    return DSparkSums((ce * w).sum(), (l1 * w).sum(), conf_sum, accept, correct), grads
+
+
+def dspark_loss(sums: DSparkSums, terms: DSparkTerms, normaliser: float | torch.Tensor) -> torch.Tensor:
+    """(ce * sum(w CE) + l1 * sum(w L1) + confidence * sum(w BCE)) / normaliser: DeepSpec's total with
+    one normaliser for the three terms (theirs are the same sum of weights), here the whole step's."""
+    return (terms.ce * sums.ce + terms.l1 * sums.l1 + terms.confidence * sums.confidence) / normaliser
+
+
+def expected_tau(accept: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSpec's `tau_probabilistic` as (sum, count) over blocks: per block `[..., B]`,
+    `1 + sum_k prod_{j <= k} accept_j` over the supervised slots (weight > 0; the supervised slots
+    are a prefix), counted for blocks with at least one supervised slot."""
+    ok = weights > 0
+    survive = torch.cumprod(accept * ok, dim=-1)
+    has = ok.any(-1)
+    return ((survive.sum(-1) + 1.0) * has).sum(), has.sum()
+
+
+def survival(confidence_logits: torch.Tensor) -> torch.Tensor:
+    """`[..., L]` -> the predicted probability that slots 0 .. k are all accepted, the cumulative
+    product of the per-slot sigmoids (vLLM's and SGLang's schedulers rank slots by it)."""
+    return torch.cumprod(torch.sigmoid(confidence_logits.float()), dim=-1)
+
+
+def confident_prefix(confidence_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Drafts to verify per block `[...]` from `[..., L]`: the slots before the first whose own
+    sigmoid is below `threshold` (llama.cpp's `--spec-draft-p-min`, DeepSpec's confidence_threshold;
+    per slot, not cumulative); threshold 0 keeps all L."""
+    below = torch.sigmoid(confidence_logits.float()) < threshold
+    return (~below).to(torch.int32).cumprod(-1).sum(-1)
+
+
+class Calibration(NamedTuple):
+    """Weighted sums (add them across chunks and ranks, then divide by `weight`)."""
+
+    weight: torch.Tensor  # sum(w)
+    abs_error: torch.Tensor  # sum(w * |pred - target|)
+    bias: torch.Tensor  # sum(w * (pred - target))
+    bin_weight: torch.Tensor  # [L, bins] sum(w) of predictions in each bin, per slot
+    bin_pred: torch.Tensor  # [L, bins] sum(w * pred)
+    bin_target: torch.Tensor  # [L, bins] sum(w * target)
+
+
+def calibration(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, bins: int = 20) -> Calibration:
+    """Calibration of probabilities `pred` `[..., L]` against `target` `[..., L]` (1 - TV in training;
+    0/1 accepted-prefix outcomes with `survival` predictions when serving), weights `[..., L]`:
+    mean absolute error, bias, and per-slot reliability bins of equal width on [0, 1] (DeepSpec
+    reports 20), in float64."""
+    length = pred.shape[-1]
+    p = pred.detach().reshape(-1, length).double()
+    t = target.detach().reshape(-1, length).double()
+    w = weights.detach().reshape(-1, length).double()
+    at = (p * bins).long().clamp(0, bins - 1) + torch.arange(length, device=p.device) * bins
+
+    def binned(values):
+        return torch.zeros(length * bins, dtype=torch.float64, device=p.device).index_add_(
+            0, at.reshape(-1), values.reshape(-1)).view(length, bins)
+
+    return Calibration(w.sum(), (w * (p - t).abs()).sum(), (w * (p - t)).sum(), binned(w), binned(w * p),
+                       binned(w * t))
+
+
+def expected_calibration_error(stats: Calibration) -> torch.Tensor:
+    """Per slot `[L]`: sum over bins of bin weight * |mean pred - mean target|, over the slot's weight."""
+    gap = (stats.bin_pred - stats.bin_target).abs()
+    return gap.sum(-1) / stats.bin_weight.sum(-1).clamp(min=1e-12)

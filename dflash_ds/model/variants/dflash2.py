@@ -1,0 +1,174 @@
+"""DFlash2 (docs/algorithm.md section 8): the backbone with a block convolution around every sublayer
+and a candidate selector that rescores the unary top-k; the engines walk the selector's greedy path.
+
+The modules and their math are in dflash2_parts.py; this module says where they go, what they
+hold, how they are trained and logged, and how an export names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.variants.base import DrafterVariant, ExtraLoss, FieldError, LossContext, Tensor, Wrappers
+from dflash_ds.model.variants.dflash2_parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
+                                                    greedy_path, selector_alpha, selector_loss)
+
+
+@dataclass(frozen=True)
+class DFlash2Fields:
+    """DFlash2's shape, in dflash_config order; the defaults are the published shape (z-lab's)."""
+
+    conv_kernel_size: int = 2
+    """Taps of the block convolution around every attention and MLP sublayer."""
+    conv_group_size: int = 16
+    """Channels sharing one dynamic convolution coefficient."""
+    selector_rank: int = 256
+    """Rank of the candidate selector's pair scores."""
+    selector_top_k: int = 16
+    """Unary candidates the selector rescores per slot."""
+
+
+@dataclass(frozen=True)
+class SelectorSchedule:
+    """The selector loss's settings (the recipe's objective.selector_*)."""
+
+    alpha: float = 1.0
+    inject_gold: bool = False
+    detach: bool = False
+    warmup_ratio: float = 0.0
+    ramp_ratio: float = 0.0
+
+
+class DFlash2(DrafterVariant):
+    name = "dflash2"
+    class_name = "DFlash2DraftModel"
+    title = "DFlash2"
+    auto_map = {"AutoConfig": "modeling_dflash.DFlash2Config", "AutoModel": "modeling_dflash.DFlash2DraftModel"}
+    fields = DFlash2Fields
+    # z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read these (v1 reads [1, 16, 31, 46, 61]).
+    tap_presets = {(64, 5): (5, 19, 33, 47, 61)}
+    log_sums = ("selector_loss_sum", "selector_covered", "selector_correct")
+
+    def check(self, shape) -> None:
+        f = shape.arch_fields
+        for name, value in dataclasses.asdict(f).items():
+            if value < 1:
+                raise FieldError(name, f"= {value} must be >= 1 (DFlash2 publishes 2, 16, 256, 16)")
+        if f.conv_kernel_size > shape.block_size:
+            raise FieldError("conv_kernel_size", f"= {f.conv_kernel_size} must not exceed the block size "
+                             f"{shape.block_size}: the convolution runs inside one block")
+        if shape.hidden_size % f.conv_group_size:
+            raise FieldError("conv_group_size", f"= {f.conv_group_size} must divide the hidden size {shape.hidden_size}")
+        if f.selector_top_k > shape.vocab_size:
+            raise FieldError("selector_top_k", f"= {f.selector_top_k} exceeds the vocabulary ({shape.vocab_size})")
+
+    def check_serving(self, shape) -> None:
+        # llama.cpp returns each position's top-k candidates and their k x k transition scores in one
+        # hidden-width row, and refuses a drafter whose row is too narrow for them.
+        k, width = shape.arch_fields.selector_top_k, shape.hidden_size
+        if k * (k + 1) > width:
+            largest = max(j for j in range(1, k) if j * (j + 1) <= width) if width >= 2 else 0
+            raise FieldError("selector_top_k", f"= {k} needs a hidden size of at least k(k+1) = {k * (k + 1)} for "
+                             f"llama.cpp to serve the export; the target's is {width}: set it to {largest} or less")
+
+    def config_entries(self, shape) -> dict:
+        # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
+        return {"block_size": shape.block_size, **super().config_entries(shape)}
+
+    # ---------------------------------------------------------------------------------- modules
+
+    def wrappers(self, shape) -> Wrappers:
+        f = shape.arch_fields
+        conv = (shape.hidden_size, f.conv_kernel_size, f.conv_group_size, shape.block_size)
+        return Wrappers(("attention_conv", BlockConv(*conv)), ("mlp_conv", BlockConv(*conv)))
+
+    def heads(self, shape) -> dict:
+        f = shape.arch_fields
+        return {"candidate_selector": CandidateSelector(shape.hidden_size, shape.vocab_size, f.selector_rank,
+                                                        f.selector_top_k)}
+
+    def tensors(self, shape) -> dict[str, Tensor]:
+        f, d, v = shape.arch_fields, shape.hidden_size, shape.vocab_size
+        k, r = f.conv_kernel_size, f.selector_rank
+        out = {}
+        for i in range(shape.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                out[f"layers.{i}.{conv}.base_kernel"] = Tensor((2, k, d))
+                out[f"layers.{i}.{conv}.kernel_projection.weight"] = Tensor((2 * k * d // f.conv_group_size, d), "block")
+        out["candidate_selector.hidden_projection.weight"] = Tensor((r, d), "block")
+        out["candidate_selector.predecessor_codebook"] = Tensor((v, r), "table")
+        out["candidate_selector.successor_codebook"] = Tensor((v, r), "table")
+        return out
+
+    def extra_flops(self, shape, block_tokens: int) -> int:
+        # The unary scores from the gathered lm_head rows (forward + input gradient); the
+        # elementwise convolutions and the rank-r pair scores are not matmuls.
+        return 4 * shape.arch_fields.selector_top_k * shape.hidden_size * block_tokens
+
+    # --------------------------------------------------------------------------------- the walk
+
+    def draft(self, model, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        return greedy_path(model.drafter.candidate_selector, hidden, model.lm_head, anchors.to(hidden.device),
+                           model.config.logit_transform)
+
+    # --------------------------------------------------------------------------------- the loss
+
+    def loss_settings(self, objective: Any) -> SelectorSchedule:
+        o = objective
+        return SelectorSchedule(o.selector_alpha, o.selector_inject_gold, o.selector_detach, o.selector_warmup_ratio,
+                                o.selector_ramp_ratio)
+
+    def step_term(self, settings: SelectorSchedule | None, step: int | None = None, total_steps: int = 0):
+        """The selector term at optimizer step `step` of `total_steps` (warm-up, then ramp); step None:
+        the full weight."""
+        s = settings or SelectorSchedule()
+        alpha = s.alpha if step is None else selector_alpha(step, total_steps, s.alpha, s.warmup_ratio, s.ramp_ratio)
+        return SelectorTerm(alpha, s.inject_gold, s.detach)
+
+    def candidates(self, shape) -> int:
+        return shape.arch_fields.selector_top_k
+
+    def extra_loss(self, ctx: LossContext) -> ExtraLoss:
+        """alpha * sum(w * selector CE) / normaliser over the base loss's top-k candidates, teacher-forced."""
+        model, blocks, term = ctx.model, ctx.blocks, ctx.term
+        b = model.config.block_size
+        labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
+        # Teacher forcing: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor).
+        predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
+        rows = SelectorRows(slot_rows(ctx.hidden, b), ctx.base.candidates, slot_rows(blocks.labels, b),
+                            slot_rows(predecessors, b), slot_rows(blocks.weights, b), ctx.base.candidate_logits)
+        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, model.config.logit_transform)
+        return ExtraLoss((term.alpha / ctx.normaliser) * stats.loss_sum,
+                         (stats.loss_sum.detach(), stats.covered, stats.correct))
+
+    def log_record(self, sums: list[float], weight: float) -> dict[str, float]:
+        # Weighted over the slots like "loss": sum(w * selector CE) / sum(w), the share of the weight
+        # whose gold is among the unary top-k, and how often the selector ranks it first there.
+        ce, covered, correct = sums
+        return {"selector_loss": ce / weight, "selector_recall": covered / weight,
+                "selector_accuracy": correct / max(covered, 1e-9)}
+
+    # --------------------------------------------------------------------------------- the card
+
+    def card_rows(self, shape) -> list[str]:
+        f = shape.arch_fields
+        return [f"| block convolution | {f.conv_kernel_size} taps, groups of {f.conv_group_size} channels |",
+                f"| candidate selector | top {f.selector_top_k} unary candidates, pair scores at rank "
+                f"{f.selector_rank} |"]
+
+    def serving_note(self) -> list[str]:
+        return [
+            "Both engines serve it with their DFlash method and select DFlash2 (the convolutions and the",
+            "candidate selector) from `architectures: [\"DFlash2DraftModel\"]` and the four DFlash2 fields of",
+            "`dflash_config`: SGLang from PR #35371 on, vLLM from PR #52816 on. Older releases would",
+            "silently run the backbone alone.",
+            "",
+        ]
+
+
+VARIANT = DFlash2()

@@ -1,0 +1,334 @@
+"""The loss (model/loss.py) against the float64 dense reference (tests/reference.py, dense_loss): the
+loss, its sums, the hits and both gradients for even and uneven chunkings, with and without the KL
+term, under a target's logit transform; the top-k candidates; slot 0 of every block skipped by shape;
+two lm_head matmuls per chunk (three with the target's logits) and one chunk of logits at a time;
+no_grad; the absence of host syncs and data-dependent shapes; the compiled elementwise pass."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.model.loss import (KLTerm, LossOptions, _ce_forward, _ce_forward_and_grad, block_loss,
+                                  linear_cross_entropy)
+from tests.reference import dense_loss
+from tests.test_objective import NoHostSync
+
+N, D, V = 23, 16, 50  # 23 rows: most chunk counts are uneven
+TRANSFORM = LogitTransform(0.5, 3.0)  # a target's scaling and softcap, strong enough to show when missing
+
+
+def case(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(V, D, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::2] = (hidden.double() @ weight.double().T).argmax(-1)[::2]  # half the rows are hits
+    weights = torch.rand(N, generator=g) + 0.1
+    zero = torch.rand(N, generator=g) < 0.3
+    zero[:2] = True
+    weights[zero] = 0.0
+    # Unsupervised rows: arbitrary labels, even out of the vocabulary, must not matter...
+    labels[zero] = torch.randint(V, 10 * V, (int(zero.sum()),), generator=g)
+    # ...nor count as hits: row 0 predicts token 0 and row 1 its own label.
+    hidden[0] = (3 * weight[0].double()).to(dtype)
+    labels[1] = (hidden[1].double() @ weight.double().T).argmax()
+    return hidden, weight, labels, weights
+
+
+def target_states(dtype, seed=1, n=N):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, D, generator=g, dtype=torch.float64).to(dtype)
+
+
+CHUNK_COUNTS = (1, 2, 3, 5, 7, N, N + 4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("weight_grad", [False, True])
+@pytest.mark.parametrize("transform", [IDENTITY, TRANSFORM])
+def test_matches_dense_reference(dtype, tol, weight_grad, transform):
+    hidden, weight, labels, weights = case(dtype)
+    norm = torch.tensor(float(weights.sum()) * 1.7)  # 0-dim tensor, a step-wide normaliser
+    h_ref = hidden.to(torch.float64, copy=True).requires_grad_()
+    w_ref = weight.to(torch.float64, copy=True).requires_grad_()
+    loss_ref, ce_ref, _, correct_ref = dense_loss(h_ref, w_ref, labels, weights, norm.double(), None, transform)
+    (2.5 * loss_ref).backward()
+    # Both values of `correct` occur among supervised rows, so a wrong hit test shows.
+    assert 0 < correct_ref.sum() < (weights > 0).sum()
+    for num_chunks in CHUNK_COUNTS:
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_(weight_grad)
+        out = linear_cross_entropy(h, w, labels, weights, norm, LossOptions(num_chunks, transform=transform))
+        assert out.loss.requires_grad and not out.ce_sum.requires_grad and out.correct.dtype == torch.bool
+        assert out.loss.dtype == out.ce_sum.dtype == torch.promote_types(dtype, torch.float32)
+        (2.5 * out.loss).backward()  # backward scales by the incoming gradient
+        torch.testing.assert_close(out.loss.double(), loss_ref.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(out.ce_sum.double(), ce_ref.detach(), rtol=tol, atol=tol)
+        assert torch.equal(out.correct, correct_ref), num_chunks
+        torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=tol, atol=tol)
+        if weight_grad:
+            torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=tol, atol=tol)
+        else:
+            assert w.grad is None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("transform", [IDENTITY, TRANSFORM])
+def test_kl_term_matches_dense_reference(dtype, tol, temperature, transform):
+    hidden, weight, labels, weights = case(dtype)
+    kl = KLTerm(0.7, temperature, target_states(dtype))
+    norm = torch.tensor(float(weights.sum()) * 1.3)
+    h_ref = hidden.to(torch.float64, copy=True).requires_grad_()
+    loss_ref, ce_ref, kl_ref, _ = dense_loss(h_ref, weight, labels, weights, norm.double(), kl, transform)
+    (2.0 * loss_ref).backward()
+    assert kl_ref > 0.05 * ce_ref  # large enough for a mistake in the term to show
+    for num_chunks in (1, 3, 7, N + 2):
+        h = hidden.clone().requires_grad_()
+        out = linear_cross_entropy(h, weight, labels, weights, norm, LossOptions(num_chunks, transform=transform), kl)
+        (2.0 * out.loss).backward()
+        torch.testing.assert_close(out.loss.double(), loss_ref.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(out.ce_sum.double(), ce_ref.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(out.kl_sum.double(), kl_ref.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=tol, atol=tol)
+    # The KL gradient is really in there: without the term the input gradient differs.
+    h = hidden.clone().requires_grad_()
+    linear_cross_entropy(h, weight, labels, weights, norm, LossOptions(3, transform=transform)).loss.backward()
+    assert (h.grad.double() - h_ref.grad).abs().max() > 100 * tol
+    # Against itself the KL is 0; a KL weight of 0 adds nothing.
+    same = linear_cross_entropy(hidden, weight, labels, weights, norm, LossOptions(3), KLTerm(0.7, temperature, hidden))
+    assert abs(float(same.kl_sum)) < 1e-5
+    off = linear_cross_entropy(hidden, weight, labels, weights, norm, LossOptions(3), kl._replace(weight=0.0))
+    plain = linear_cross_entropy(hidden, weight, labels, weights, norm, LossOptions(3))
+    assert torch.equal(off.loss, plain.loss) and float(off.kl_sum) == 0.0
+
+
+def test_top_k_are_the_dense_top_k_of_the_raw_logits():
+    hidden, weight, labels, weights = case(torch.float64)
+    logits = hidden @ weight.T
+    for k, num_chunks in ((1, 1), (5, 3), (V, 4)):
+        out = linear_cross_entropy(hidden, weight, labels, weights, 1.0, LossOptions(num_chunks, k, TRANSFORM))
+        top = logits.topk(k)
+        assert torch.equal(out.top_ids, top.indices) and out.top_ids.dtype == torch.int64
+        torch.testing.assert_close(out.top_logits, top.values)  # raw: before the transform
+    none = linear_cross_entropy(hidden, weight, labels, weights, 1.0, LossOptions(3))
+    assert none.top_ids.shape == (N, 0) and none.top_logits.shape == (N, 0)
+
+
+def test_float_normaliser_no_grad_and_frozen_hidden():
+    hidden, weight, labels, weights = case(torch.float64)
+    norm = 3.25
+    loss_ref, ce_ref, _, correct_ref = dense_loss(hidden, weight, labels, weights, norm)
+    with torch.no_grad():
+        out = linear_cross_entropy(hidden.clone().requires_grad_(), weight, labels, weights, norm, LossOptions(4))
+    assert out.loss.grad_fn is None
+    torch.testing.assert_close(out.loss, loss_ref)
+    torch.testing.assert_close(out.ce_sum, ce_ref)
+    assert torch.equal(out.correct, correct_ref)
+    # Only the weight trains: its gradient, and none for the hidden states.
+    h = hidden.detach()
+    w_ref = weight.clone().requires_grad_()
+    dense_loss(h, w_ref, labels, weights, norm)[0].backward()
+    w = weight.clone().requires_grad_()
+    linear_cross_entropy(h, w, labels, weights, norm, LossOptions(3)).loss.backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+def test_all_zero_weights_double_backward_and_bad_arguments():
+    hidden, weight, labels, _ = case(torch.float64)
+    h = hidden.clone().requires_grad_()
+    out = linear_cross_entropy(h, weight, labels, torch.zeros(N), 1.0, LossOptions(3))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and out.ce_sum.item() == 0.0 and not out.correct.any() and (h.grad == 0).all()
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(h, weight, labels % V, torch.ones(N), 1.0, LossOptions(3)).loss
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        torch.autograd.grad(loss, h, create_graph=True)
+    for options, kl, words in ((LossOptions(0), None, "num_chunks"), (LossOptions(2, V + 1), None, "top_k"),
+                               (LossOptions(2), KLTerm(0.5), "target's states"),
+                               (LossOptions(2), KLTerm(-1.0, 1.0, hidden), "KL weight")):
+        with pytest.raises(ValueError, match=words):
+            linear_cross_entropy(h, weight, labels, torch.ones(N), 1.0, options, kl)
+
+
+# ---------------------------------------------------------------------------------- blocks
+
+B, ROWS, Q = 4, 2, 28  # 7 blocks per row, 14 in the batch
+
+
+def block_case(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(ROWS, Q, D, generator=g, dtype=torch.float64).to(dtype)
+    lm_head = (torch.randn(V, D, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (ROWS, Q), generator=g)
+    labels[:, ::2] = (hidden.double() @ lm_head.double().T).argmax(-1)[:, ::2]
+    weights = torch.rand(ROWS, Q, generator=g)
+    weights[torch.rand(ROWS, Q, generator=g) < 0.4] = 0.0
+    weights[:, ::B] = 0.0  # slot 0 of every block, as block_targets makes it
+    return hidden, lm_head, labels, weights
+
+
+def blocked(t):
+    return t.view(ROWS, -1, B)
+
+
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_block_loss_is_the_reference_over_the_drafted_slots(with_kl):
+    hidden, lm_head, labels, weights = block_case()
+    g = torch.Generator().manual_seed(5)
+    target = torch.randn(ROWS, Q, D, generator=g, dtype=torch.float64)
+    kl = KLTerm(0.4, 1.5, target) if with_kl else None
+    norm = weights.sum() * 1.1
+    h_ref = hidden.clone().requires_grad_()
+    rows_kl = KLTerm(0.4, 1.5, slot_rows(target, B)) if with_kl else None
+    loss_ref, ce_ref, kl_ref, correct_ref = dense_loss(slot_rows(h_ref, B), lm_head, slot_rows(labels, B),
+                                                       slot_rows(weights, B), norm, rows_kl, TRANSFORM)
+    loss_ref.backward()
+    for num_chunks in (1, 3, 100):
+        h = hidden.clone().requires_grad_()
+        out = block_loss(h, lm_head, blocked(labels), blocked(weights), norm, LossOptions(num_chunks, 3, TRANSFORM), kl)
+        out.loss.backward()
+        for got, want in ((out.loss, loss_ref), (out.ce_sum, ce_ref), (out.kl_sum, kl_ref), (h.grad, h_ref.grad)):
+            torch.testing.assert_close(got.double(), want.detach().double(), rtol=1e-9, atol=1e-11)
+        assert out.correct.shape == (ROWS, Q) and not out.correct[:, ::B].any()
+        assert torch.equal(slot_rows(out.correct, B), correct_ref)
+        assert torch.equal(out.candidates, (slot_rows(hidden, B) @ lm_head.T).topk(3).indices)
+
+
+def test_block_loss_skips_slot_zero_by_shape():
+    # Slot 0 is never projected: a weight there cannot contribute, nor a correct argmax count.
+    hidden, lm_head, labels, weights = block_case()
+    labels[:, ::B] = (hidden @ lm_head.T).argmax(-1)[:, ::B]
+    heavy = weights.clone()
+    heavy[:, ::B] = 1.0
+    out = block_loss(hidden, lm_head, blocked(labels), blocked(heavy), 1.0, LossOptions(2))
+    ref = block_loss(hidden, lm_head, blocked(labels), blocked(weights), 1.0, LossOptions(2))
+    assert torch.equal(out.loss, ref.loss) and not out.correct[:, ::B].any()
+
+
+def test_block_loss_bf16_close_to_reference():
+    hidden, lm_head, labels, weights = block_case(torch.bfloat16)
+    out = block_loss(hidden, lm_head, blocked(labels), blocked(weights), 1.0, LossOptions(4))
+    ref = dense_loss(slot_rows(hidden, B), lm_head, slot_rows(labels, B), slot_rows(weights, B), 1.0)[0]
+    assert out.loss.dtype == torch.float32
+    assert abs(out.loss.item() - ref.item()) < 0.02 * abs(ref.item())
+
+
+# ----------------------------------------------------------------------------- cost and memory
+
+class HeadMatmuls(TorchDispatchMode):
+    """Counts matmuls with the lm_head weight (any view of its storage) as an operand, the row
+    counts they see, and the weight-gradient matmuls (output shaped like the weight)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.ptr = weight.untyped_storage().data_ptr()
+        self.shape = weight.shape
+        self.count, self.grad_w, self.rows = 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "matmul", "linear", "addmm_"):
+            ops = [a for a in args if isinstance(a, torch.Tensor)]
+            if any(t.untyped_storage().data_ptr() == self.ptr for t in ops):
+                self.count += 1
+                self.rows.update(t.shape[0] for t in ops if t.untyped_storage().data_ptr() != self.ptr)
+            elif out.shape == self.shape:
+                self.grad_w += 1
+        return out
+
+
+class PeakOutput(TorchDispatchMode):
+    """The largest tensor any op creates (in elements): a full-vocabulary logits tensor for all
+    rows would show here."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.peak = max(self.peak, t.numel())
+        return out
+
+
+# num_chunks -> (chunks, rows per chunk) for 23 rows: 23/3 -> 8, 8, 7 + 1 padding row.
+CHUNKS = {1: (1, 23), 3: (3, 8), 4: (4, 6), 7: (6, 4), 30: (23, 1)}
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_two_head_matmuls_per_chunk(weight_grad):
+    hidden, weight, labels, weights = case(torch.float32)
+    weight.requires_grad_(weight_grad)
+    for num_chunks, (chunks, rows) in CHUNKS.items():
+        h = hidden.clone().requires_grad_()
+        counter = HeadMatmuls(weight)
+        with counter:
+            loss = linear_cross_entropy(h, weight, labels, weights, torch.tensor(2.0), LossOptions(num_chunks)).loss
+            forward = (counter.count, counter.grad_w)
+            loss.backward()
+        # Forward: the logits and the input gradient of every chunk; backward: no matmul at all.
+        assert forward == (2 * chunks, chunks if weight_grad else 0), num_chunks
+        assert (counter.count, counter.grad_w) == forward
+        assert counter.rows == {rows}, (num_chunks, counter.rows)  # equal chunk shapes
+        with torch.no_grad(), HeadMatmuls(weight) as counter:
+            linear_cross_entropy(h, weight, labels, weights, torch.tensor(2.0), LossOptions(num_chunks))
+        assert (counter.count, counter.grad_w, counter.rows) == (chunks, 0, {rows})
+
+
+def test_kl_adds_one_lm_head_matmul_per_chunk_and_memory_stays_flat():
+    hidden, weight, labels, weights = case(torch.float32)
+    kl = KLTerm(0.5, 2.0, target_states(torch.float32))
+    assert max(N * D, V * D) < N * V  # so the peak check below can tell one chunk of logits from all of them
+    for num_chunks, (chunks, rows) in CHUNKS.items():
+        h = hidden.clone().requires_grad_()
+        with HeadMatmuls(weight) as counter, PeakOutput() as peak:
+            loss = linear_cross_entropy(h, weight, labels, weights, 2.0, LossOptions(num_chunks), kl).loss
+            forward = counter.count
+            loss.backward()
+        # Forward: drafter logits, target logits and the input gradient of every chunk; backward: none.
+        assert (forward, counter.count) == (3 * chunks, 3 * chunks), num_chunks
+        assert counter.rows == {rows}, (num_chunks, counter.rows)
+        assert peak.peak <= max(rows * V, N * D, V * D), (num_chunks, peak.peak)
+        if chunks > 1:
+            assert peak.peak < N * V  # never every row's logits at once
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_no_host_sync(device):
+    # On meta, tensors have no values: anything reading one (a Python branch, a data-dependent
+    # shape) cannot run; NoHostSync also refuses syncing ops and cross-device copies.
+    hidden, lm_head, labels, weights = (t.to(device) for t in block_case(torch.float32))
+    h = hidden.requires_grad_()
+    w = lm_head.requires_grad_()
+    with NoHostSync() as mode:
+        out = block_loss(h, w, blocked(labels), blocked(weights), weights.sum(), LossOptions(3, 2))
+        forward_ops = len(mode.seen)
+        out.loss.backward()
+        flat = linear_cross_entropy(h.detach().flatten(0, 1), w, labels.flatten(), weights.flatten(),
+                                    weights.sum(), LossOptions(5))
+        flat.loss.backward()
+    assert forward_ops < len(mode.seen) and mode.seen.count("mm") >= 2 * 3
+    assert h.grad.shape == hidden.shape and w.grad.shape == lm_head.shape
+    if device == "cpu":
+        assert out.loss.item() > 0 and h.grad.abs().sum() > 0
+
+
+def test_elementwise_traces_as_one_graph():
+    # On CUDA the elementwise functions are compiled with fullgraph=True: they must trace
+    # without graph breaks and give the eager results.
+    hidden, weight, labels, weights = case(torch.float32)
+    logits = hidden @ weight.T
+    lab = torch.where(weights > 0, labels, 0)
+    scale = weights / 3.0
+    for transform in (IDENTITY, TRANSFORM):
+        for fn, args in ((_ce_forward_and_grad, (logits, lab, weights, scale, transform)),
+                         (_ce_forward, (logits, lab, weights, transform))):
+            torch._dynamo.reset()
+            traced = torch.compile(fn, dynamic=False, fullgraph=True, backend="eager")
+            for a, b in zip(traced(*args), fn(*args)):
+                torch.testing.assert_close(a, b)

@@ -1,0 +1,166 @@
+"""The seam per drafter architecture (model/variants/): a new one is its module plus one registry line.
+
+tests/toy_variant.py defines one outside the package (a Markov logit bias from the previous token, a
+total-variation term against the target inside the fused loss, the Markov walk, its own export
+field and tensors). Here it trains a step, exports, loads back and drafts with no edit to the
+package, and its in-loop term matches a float64 dense reference (values and gradients, with and
+without the KL term, under a logit transform)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config
+
+from dflash_ds.config import DrafterConfig
+from dflash_ds.export import load_drafter, save_drafter
+from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.loss import KLTerm, LossOptions, linear_cross_entropy
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.model.blocks import MicroBatch, make_blocks
+from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.model.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.model_card import model_card
+from tests.toy_variant import markov_bias, markov_term, predecessors, register
+
+D, VOCAB, B, S = 32, 96, 4, 40
+
+
+def target_config():
+    return Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                       rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def toy_shape(**kw) -> DrafterShape:
+    section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4],
+                            architecture="toy_markov", **kw)
+    return drafter_shape(target_config(), section)
+
+
+def micro_batch(g: torch.Generator) -> MicroBatch:
+    ids = torch.randint(0, VOCAB - 1, (1, S), generator=g)
+    loss_mask = torch.ones(1, S, dtype=torch.bool)
+    loss_mask[:, :6] = False
+    return MicroBatch(torch.randn(1, S, 2 * D, generator=g, dtype=torch.float64), ids, loss_mask,
+                      torch.zeros(1, S, dtype=torch.int32), torch.randn(1, S, D, generator=g, dtype=torch.float64))
+
+
+def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(monkeypatch, tmp_path):
+    toy = register(monkeypatch)
+    shape = toy_shape()
+    assert shape.variant is toy and shape.arch_fields.markov_rank == 3
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(shape).double()
+    g = torch.Generator().manual_seed(1)
+    embed, head = (torch.randn(VOCAB, D, generator=g, dtype=torch.float64) for _ in range(2))
+    model = DraftModel(drafter, embed, head)
+    settings = StepSettings(shape=shape, num_anchors=6, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
+                            arch_loss=toy.loss_settings(None))
+    mb = micro_batch(g)
+    blocks = make_blocks(mb, settings, 0)
+    weight = blocks.weights.sum()
+    out = drafter_loss(model, mb, blocks, weight, settings, settings.step_term(0, 1))
+    assert len(out.extra) == 1 and float(out.extra[0]) > 0
+    record = toy.log_record([float(out.extra[0])], float(weight))
+    assert 0 < record["tv"] < 1
+    # One optimizer step moves the head and the backbone.
+    opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    out.loss.backward()
+    assert drafter.markov_head.embedding.grad.abs().sum() > 0 and drafter.markov_head.projection.grad.abs().sum() > 0
+    opt.step()
+    moved = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
+    assert {"markov_head.embedding", "markov_head.projection", "fc.weight"} <= moved
+    # Export: its class name, its field in dflash_config, its tensors; no remote code of its own.
+    path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["ToyMarkovDraftModel"] and config["dflash_config"]["markov_rank"] == 3
+    assert "auto_map" not in config and "| Markov head | rank 3 |" in (path / "README.md").read_text()
+    back = load_drafter(path, dtype=torch.float64)
+    assert back.config == shape
+    for n, t in drafter.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[n], t.float().double())
+    # Drafting: the Markov chain, the same for the loaded drafter, against a step-by-step reference.
+    hidden = torch.randn(5, B - 1, D, generator=g, dtype=torch.float64)
+    anchors = torch.randint(0, VOCAB, (5,), generator=g)
+    loaded = DraftModel(back, embed, head)
+    drafts = loaded.draft(hidden, anchors)
+    h = back.markov_head
+    prev = anchors
+    for k in range(B - 1):
+        expect = (hidden[:, k] @ head.T + h.embedding[prev] @ h.projection.T).argmax(-1)
+        assert torch.equal(drafts[:, k], expect)
+        prev = expect
+    assert not torch.equal(drafts, (hidden @ head.T).argmax(-1))  # the bias changes the walk
+    assert "Toy Markov drafter" in model_card(back.config)
+
+
+def test_an_unknown_architecture_names_the_setting_and_the_known_ones():
+    with pytest.raises(ValueError, match=r"drafter\.architecture.*dflash, dflash2"):
+        toy_shape()
+
+
+def test_a_variant_field_error_names_its_recipe_key(monkeypatch):
+    register(monkeypatch)
+    # A section with a key the recipe does not have: a new architecture's own setting.
+    section = SimpleNamespace(**dataclasses.asdict(DrafterConfig(
+        num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4], architecture="toy_markov")),
+        markov_rank=0)
+    with pytest.raises(ValueError, match=r"^drafter\.markov_rank = 0 must be >= 1$"):
+        drafter_shape(target_config(), section)
+
+
+def dense_loss(hidden, weight, labels, w, norm, term_inputs, kl, transform):
+    """Float64, every logit at once, plain autograd: (CE of the biased logits + kl.weight * T^2 * KL +
+    0.5 * TV) summed with the slot weights, over `norm`."""
+    prev, emb, proj = term_inputs
+    x = hidden @ weight.T + markov_bias(prev, emb, proj)
+    z = transform.apply(x)
+    ce = F.cross_entropy(z, labels, reduction="none")
+    tz = transform.apply(kl.target_hidden @ weight.T)
+    tv = 0.5 * (z.softmax(-1) - tz.softmax(-1)).abs().sum(-1)
+    total = (w * ce).sum() + 0.5 * (w * tv).sum()
+    if kl.weight > 0:
+        t = kl.temperature
+        klv = F.kl_div(F.log_softmax(z / t, -1), F.log_softmax(tz / t, -1), reduction="none", log_target=True).sum(-1)
+        total = total + kl.weight * t * t * (w * klv).sum()
+    return total / norm, (w * tv).sum()
+
+
+@pytest.mark.parametrize("kl_weight, transform", [(0.0, IDENTITY), (0.3, IDENTITY), (0.3, LogitTransform(0.7, 9.0))])
+def test_the_in_loop_term_matches_a_float64_dense_reference(kl_weight, transform):
+    g = torch.Generator().manual_seed(3)
+    n = 23  # not a multiple of the chunk size: the last chunk is padded
+    hidden = torch.randn(n, D, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(VOCAB, D, generator=g, dtype=torch.float64)
+    target = torch.randn(n, D, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (n,), generator=g)
+    w = torch.rand(n, generator=g, dtype=torch.float64) * (torch.rand(n, generator=g) > 0.2)
+    prev = torch.randint(0, VOCAB, (n,), generator=g)
+    emb = (0.5 * torch.randn(VOCAB, 3, generator=g, dtype=torch.float64)).requires_grad_()
+    proj = (0.5 * torch.randn(VOCAB, 3, generator=g, dtype=torch.float64)).requires_grad_()
+    kl = KLTerm(kl_weight, 1.5, target)
+    term = markov_term(prev, emb, proj, 0.5)
+    out = linear_cross_entropy(hidden, weight, labels, w, 4.0, LossOptions(4, 0, transform, term), kl)
+    loss, sums = out.loss, out.term_sums
+    ref, tv_ref = dense_loss(hidden, weight, labels, w, 4.0, (prev, emb, proj), kl, transform)
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sums[0], tv_ref, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(loss, [hidden, emb, proj])
+    want = torch.autograd.grad(ref, [hidden, emb, proj])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert all(float(a.abs().sum()) > 0 for a in got)
+
+
+def test_teacher_forced_predecessors():
+    labels = torch.tensor([[7, 1, 2, 3, 8, 4, 5, 6]])
+    assert predecessors(labels, 4).tolist() == [[7, 7, 1, 2, 8, 8, 4, 5]]
