@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]  # a cold build is 
 EXPORTS = {
     "dflash": "recipes/tiny.yaml",
     "dflash2": "recipes/tiny-dflash2.yaml",
+    # "dspark": "recipes/tiny-dspark.yaml",  once model/variants/ has DSpark (its anchor-first block
+    # drafts B tokens a round: project_rounds then walks its drafts from the anchor's own slot).
 }
 TARGET = ROOT / "assets" / "tiny-target"
 TRAIN_PROMPTS, STEPS, ANCHORS, ROWS = 64, 300, 16, 8
