@@ -4,7 +4,8 @@ Every tiny recipe's drafter (trained here against assets/tiny-target with the re
 objective sections, in process) is exported, converted by llama.cpp's own converter and served by
 llama-speculative-simple on the held-out prompts. Greedy: the output is the target's alone
 (llama-completion), and every round's accepted drafts are what the project's drafter predicts under
-llama.cpp's loop (dflash_ds.eval.engine_count); the project's tau cycles are those rounds in its own unit.
+llama.cpp's loop (dflash_ds.eval.engine_count); the project's tau cycles are those rounds in its own unit
+(from the second round on, where both loops anchor alike).
 Sampled (T = 1): llama.cpp's mean acceptance length agrees with the project's within the noise.
 """
 
@@ -43,6 +44,10 @@ TARGET = ROOT / "assets" / "tiny-target"
 TRAIN_PROMPTS, STEPS, ANCHORS, ROWS = 64, 300, 16, 8
 BUDGET = 96  # tokens; every greedy held-out response ends well before it, so no budget rule applies
 SAMPLES = 3  # sampled responses per held-out prompt
+# T = 1: llama.cpp's and the project's mean acceptance lengths are two independent samples of the same
+# quantity; they agree when they differ by at most this many standard errors of the difference (a
+# false alarm about once in 16,000 runs).
+NOISE_SE = 4
 
 
 @pytest.fixture(scope="session")
@@ -125,18 +130,21 @@ def target_alone(llama, tiny, text: str) -> str:
 
 
 def project_rounds(served, tiny, x: torch.Tensor, p: int) -> tuple[list[int], list[int]]:
-    """(llama-speculative-simple's rounds, the project's tau cycles) of one response, from the project's drafter."""
+    """(llama-speculative-simple's rounds, the project's tau cycles from its second round's anchor) of
+    one response, from the project's drafter. After a first round (at the last prompt token) that
+    accepted a drafts, both loops anchor at p + a: with a = 0 these are the response's tau cycles."""
     model = served["model"]
     taps = target_taps(tiny["target"], x, model.layer_ids)
     drafts = anchor_drafts(model, taps, x, p - 1, x.numel())
-    return engine_rounds(drafts, x, p - 1, x.numel(), p + BUDGET, tiny["stop"]), tau_from_taps(model, taps, x, p, x.numel())
+    rounds = engine_rounds(drafts, x, p - 1, x.numel(), p + BUDGET, tiny["stop"])
+    return rounds, tau_from_taps(model, taps, x, p + rounds[0], x.numel())
 
 
-def in_project_unit(rounds: list[int], p: int, end: int) -> list[int]:
-    """llama.cpp's rounds after a first round (at the last prompt token) that accepted nothing: the
-    project's cycles, each emitting a + 1 tokens, a confirmed end token counted as the target's."""
-    cycles, t = [], p
-    for a in rounds[1:]:
+def in_project_unit(rounds: list[int], start: int, end: int) -> list[int]:
+    """llama.cpp's rounds anchored at `start` onwards as the project's cycles: each emits a + 1 tokens,
+    a confirmed end token counted as the target's."""
+    cycles, t = [], start
+    for a in rounds:
         cycles.append(min(a + 1, end - t - 1))
         t += a + 1
     return cycles
@@ -149,7 +157,7 @@ def test_prompts_tokenize_alike(llama, tiny):
 
 def test_greedy_is_lossless_and_every_round_is_predicted(llama, tiny, served):
     tok, target, stop = tiny["tok"], tiny["target"], tiny["stop"]
-    count, tau_cycles, first_zero = EngineCount(), [], 0
+    count, tau_cycles, first_accepted = EngineCount(), [], []
     for ids in tiny["heldout"]:
         text, p = tok.decode(ids), len(ids)
         x = greedy_continuation(target, torch.tensor(ids), max_new_tokens=BUDGET)
@@ -160,17 +168,17 @@ def test_greedy_is_lossless_and_every_round_is_predicted(llama, tiny, served):
         predicted, cycles = project_rounds(served, tiny, x, p)
         assert rounds == predicted, f"{served['name']}: llama.cpp accepted {rounds}, the project predicts {predicted}"
         assert mean == pytest.approx(1 + sum(rounds) / len(rounds), abs=0.005)
-        if rounds[0] == 0:
-            first_zero += 1
-            assert in_project_unit(rounds, p, x.numel()) == cycles
+        assert in_project_unit(rounds[1:], p + rounds[0], x.numel()) == cycles
         count.rounds.append(rounds)
         tau_cycles.append(cycles)
-    assert first_zero >= len(tiny["heldout"]) // 2
+        first_accepted.append(rounds[0])
+    assert sum(len(c) for c in tau_cycles) >= 2 * len(tiny["heldout"])  # the unit check saw many cycles
     assert max(max(r) for r in count.rounds) >= 4  # the drafter accepts several tokens: the test can fail
-    tokens = sum(sum(c) for c in tau_cycles)
+    later = [a for r in count.rounds for a in r[1:]]
     print(f"\n{served['name']}: llama.cpp mean acc len {count.mean_accept_length:.3f}; project tau_pooled "
-          f"{tokens / sum(len(c) for c in tau_cycles):.3f}; first round accepted nothing on {first_zero}/"
-          f"{len(tiny['heldout'])}")
+          f"{sum(map(sum, tau_cycles)) / sum(map(len, tau_cycles)):.3f}; first round accepted "
+          f"{sum(first_accepted) / len(first_accepted):.3f} drafts (none on {first_accepted.count(0)}/"
+          f"{len(first_accepted)}), later rounds {sum(later) / len(later):.3f}")
 
 
 def test_sampled_acceptance_agrees_within_noise(llama, tiny, served):
@@ -186,5 +194,5 @@ def test_sampled_acceptance_agrees_within_noise(llama, tiny, served):
             project.append(project_rounds(served, tiny, x, p)[0])
     (a, se_a), (b, se_b) = (ratio_se([len(r) + sum(r) for r in rs], [len(r) for r in rs]) for rs in (engine, project))
     print(f"\n{served['name']} T=1: llama.cpp mean acc len {a:.3f} +- {se_a:.3f}, project {b:.3f} +- {se_b:.3f}")
-    assert abs(a - b) <= 4 * (se_a ** 2 + se_b ** 2) ** 0.5
+    assert abs(a - b) <= NOISE_SE * (se_a ** 2 + se_b ** 2) ** 0.5
     assert b > 1.2  # sampled drafts are still accepted
