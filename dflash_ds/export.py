@@ -82,10 +82,12 @@ def is_export(path: Path) -> bool:
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-                 card: dict | None = None) -> Path:
+                 card: dict | None = None, num_anchors: int | None = None) -> Path:
     """Write `drafter` as a serving export into `out_dir`, atomically.
 
     `card`: keyword arguments of `model_card.model_card` (target, data, steps, tau, ...).
+    `num_anchors`: the training's blocks per row, written as config.json's `num_anchors` (DeepSpec's
+    DSpark config class requires it; the engines ignore it).
 
     An existing export at `out_dir` is replaced only once the new one is complete (see
     `dflash_ds.io.replace_dir_atomic`). Returns the export path.
@@ -107,6 +109,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config = dict(cfg.to_hf_config())
     # Serving engines pick the weight dtype from here when started with dtype "auto".
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    if num_anchors is not None:
+        config["num_anchors"] = int(num_anchors)
     if cfg.variant.auto_map is not None:
         config["auto_map"] = dict(cfg.variant.auto_map)
 

@@ -93,6 +93,8 @@ def progress_line(r: dict, total_steps: int) -> str:
              f"loss {r.get('loss', float('nan')):.4f}", f"accept {r.get('accept_proxy', float('nan')):.2f}"]
     if "selector_loss" in r:
         parts.append(f"selector {r['selector_loss']:.4f} (top-k recall {r['selector_recall']:.2f})")
+    if "tau_probabilistic" in r:
+        parts.append(f"l1 {r['l1']:.4f} | tau_p {r['tau_probabilistic']:.2f} | confidence MAE {r['confidence_mae']:.3f}")
     if "target_tok_per_s" in r:
         parts.append(f"target {r['target_tok_per_s']:,.0f} tok/s")
     parts.append(f"drafter {r.get('drafter_tok_per_s', 0):,.0f} tok/s")

@@ -40,7 +40,9 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         tau_line = "not measured for this export"
     else:
         tau_line = f"{tau.value:.3f} (exact offline greedy acceptance length on {known(tau_prompts)})"
-    vllm_cfg = json.dumps({"method": "dflash", "model": "DRAFTER_DIR", "num_speculative_tokens": cfg.block_size - 1})
+    serve = cfg.variant.serving(cfg)
+    vllm_cfg = json.dumps({"method": serve.vllm_method, "model": "DRAFTER_DIR",
+                           "num_speculative_tokens": serve.vllm_tokens})
     think = "unknown" if thinking is None else str(bool(thinking)).lower()
     kwargs = json.dumps({"enable_thinking": bool(thinking)})
     # The chat template setting goes into the serving commands only when it is known.
@@ -60,7 +62,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         f"| training data | `{known(data)}` |",
         f"| optimizer steps | {known(steps)} |",
         f"| acceptance length tau | {tau_line} |",
-        f"| block size | {cfg.block_size} (anchor + {cfg.block_size - 1} drafted tokens) |",
+        f"| block size | {cfg.block_size} (anchor + {cfg.block_size - 1} masks, {cfg.num_drafts} drafted tokens) |",
         f"| drafter layers | {cfg.num_hidden_layers}, hidden size {cfg.hidden_size} |",
         f"| target layers tapped | {list(cfg.target_layer_ids)} of {cfg.num_target_layers} |",
         f"| mask token id | {cfg.mask_token_id} |",
@@ -82,14 +84,14 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     ]
     lines += cfg.variant.serving_note()
     lines += [
-        "SGLang (`--speculative-num-draft-tokens` = block size):",
+        f"SGLang (`--speculative-num-draft-tokens` = {serve.sglang_draft_tokens}):",
         "",
         "```",
-        f"python -m sglang.launch_server --model {target_arg} --speculative-algorithm DFLASH \\",
-        f"    --speculative-draft-model-path DRAFTER_DIR --speculative-num-draft-tokens {cfg.block_size}",
+        f"python -m sglang.launch_server --model {target_arg} --speculative-algorithm {serve.sglang_algorithm} \\",
+        f"    --speculative-draft-model-path DRAFTER_DIR --speculative-num-draft-tokens {serve.sglang_draft_tokens}",
         "```",
         "",
-        "vLLM (`num_speculative_tokens` = block size - 1):",
+        f"vLLM (`num_speculative_tokens` = {serve.vllm_tokens}):",
         "",
         "```",
         f"vllm serve {target_arg} --speculative-config '{vllm_cfg}'" + (" \\" if vllm_tail else ""),

@@ -21,9 +21,10 @@ from dflash_ds.safety import Exit, say
 
 # (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records.
 STEP_PANELS = [
-    ("loss", "training loss (weighted CE)", "loss", [("loss", "loss"), ("kl", "KL term")], "log"),
+    ("loss", "training loss (weighted CE)", "loss",
+     [("loss", "loss"), ("kl", "KL term"), ("l1", "L1 term"), ("confidence_loss", "confidence BCE")], "log"),
     ("accept_proxy", "acceptance proxy (anchor-averaged, training batches)", "tokens per block",
-     [("accept_proxy", "accept proxy")], "linear"),
+     [("accept_proxy", "accept proxy"), ("tau_probabilistic", "probabilistic tau")], "linear"),
     ("throughput", "throughput (context tokens/s)", "tokens/s",
      [("tok_per_s", "run"), ("drafter_tok_per_s", "per drafter rank"), ("target_tok_per_s", "per target rank")],
      "linear"),
@@ -167,6 +168,11 @@ def _summary(steps: list[dict], taus: list[dict]) -> list[tuple[str, str]]:
         rows.append(("final loss", f"{last['loss']:.4f}"))
         if _num(last.get("accept_proxy")):
             rows.append(("final acceptance proxy", f"{last['accept_proxy']:.2f}"))
+        if _num(last.get("tau_probabilistic")):
+            rows.append(("final probabilistic tau", f"{last['tau_probabilistic']:.2f}"))
+        if _num(last.get("confidence_mae")):
+            rows.append(("final confidence calibration", f"MAE {last['confidence_mae']:.3f}, "
+                                                         f"bias {last['confidence_bias']:+.3f}"))
         rates = [r["tok_per_s"] for r in steps if _num(r.get("tok_per_s"))]
         if rates:
             rows.append(("median tokens/s", f"{sorted(rates)[len(rates) // 2]:,.0f}"))

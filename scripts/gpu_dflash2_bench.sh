@@ -13,21 +13,7 @@
 # Writes OUT_DIR/v1.json and OUT_DIR/dflash2.json (python -m dflash_ds.bench --role drafter) and
 # OUT_DIR/summary.json: tok/s, peak GiB and parameters of both, and the DFlash2/v1 rate ratio.
 set -u
-if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: bash scripts/gpu_dflash2_bench.sh OUT_DIR [--cpu]" >&2; exit 2
-fi
-OUT=$1; shift
-MODE=gpu
-for a in "$@"; do
-  case $a in
-    --cpu) MODE=cpu ;;
-    *) echo "gpu_dflash2_bench.sh: unknown option $a (only --cpu)" >&2; exit 2 ;;
-  esac
-done
-cd "$(dirname "$0")/.." || exit 1
-. ./scripts/setup_env.sh
-mkdir -p "$OUT" || exit 1
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+. "$(dirname "$0")/gpu_script_args.sh" "$@"
 R=recipes/qwen27b-dflash2.yaml
 if [ "$MODE" = gpu ]; then
   # Flagship width; the 64-layer geometry's taps; compiled layers as in training (drafter.compile); 6 timed

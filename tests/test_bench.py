@@ -201,22 +201,28 @@ def test_setup_from_a_recipe_with_a_local_target(tmp_path):
 # ----------------------------------------------------------------------------- smoke runs
 
 
+def run_concurrently(commands: dict[str, list[str]], out: Path, timeout: int) -> dict:
+    """`python ARGS... --out OUT/NAME.json` for every NAME, all at the same time (independent processes);
+    NAME -> its JSON, with the process's output under "log"."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = {name: subprocess.Popen([sys.executable, *args, "--out", str(out / f"{name}.json")], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, args in commands.items()}
+    results = {}
+    for name, p in procs.items():
+        log, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"{name} failed:\n{log[-4000:]}"
+        results[name] = json.loads((out / f"{name}.json").read_text())
+        results[name]["log"] = log
+    return results
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every compute role once, as the CLI, all at the same time (they are independent processes)."""
+    """Every compute role once, as the CLI, all at the same time."""
     out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    roles = {"target": [], "drafter": [], "colocated": [], "transport": []}
-    procs = {}
-    for role, extra in roles.items():
-        cmd = [sys.executable, "-m", "dflash_ds.bench", "--role", role, *COMMON, "--out", str(out / f"{role}.json"), *extra]
-        procs[role] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    results = {}
-    for role, p in procs.items():
-        log, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, f"--role {role} failed:\n{log[-4000:]}"
-        results[role] = json.loads((out / f"{role}.json").read_text())
-        results[role]["log"] = log
+    roles = ("target", "drafter", "colocated", "transport")
+    results = run_concurrently({r: ["-m", "dflash_ds.bench", "--role", r, *COMMON] for r in roles}, out, 240)
     results["dir"] = out
     return results
 
@@ -237,6 +243,8 @@ def check_timed(r: dict, tokens_per_step: int) -> None:
     assert len(r["step_s"]["all"]) == STEPS and all(t > 0 for t in r["step_s"]["all"])
     assert r["tokens_per_step"] == tokens_per_step
     assert r["tok_s"] == pytest.approx(tokens_per_step * STEPS / r["timed_s"])
+    assert r["tok_s_median"] == pytest.approx(tokens_per_step / r["step_s"]["median"])
+    assert r["steadiness"]["steady"] is None  # 2 timed steps: too few to tell
     assert r["first_step_s"] > 0 and r["first_step_since_build_s"] >= r["first_step_s"]
     assert r["first_step_since_process_start_s"] >= r["first_step_since_build_s"]
     assert r["compile"]["timed"]["unique_graphs"] == 0  # nothing compiled on CPU

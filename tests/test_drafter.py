@@ -101,12 +101,12 @@ def test_from_qwen3_6_27b_geometry():
     assert geometry == (40, 4, 64, 1000)
 
 
-def test_from_moe_config_needs_intermediate_size():
+def test_moe_config_drafter_mlp_defaults_to_three_widths():
     from transformers import Qwen3_5MoeTextConfig
     moe = Qwen3_5MoeTextConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"drafter\.intermediate_size"):
-        drafter_shape(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1))
+    assert not hasattr(moe, "intermediate_size")  # no dense MLP to copy
+    assert drafter_shape(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1)).intermediate_size == 192
     assert drafter_shape(moe, DrafterConfig(num_layers=2, block_size=16, mask_token_id=1,
                                                        intermediate_size=256)).intermediate_size == 256
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.dspark import (ConfidenceHead, DSparkChunk, DSparkRows, DSparkTerms, MarkovHead, Sampling,
+from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkChunk, DSparkRows, DSparkTerms, MarkovHead, Sampling,
                                     anchor_first_targets, calibration, chunk_grads, confident_prefix, dspark_loss,
                                     dspark_terms, expected_calibration_error, expected_tau, greedy_walk,
                                     sampled_walk, shift_in, survival)
@@ -100,7 +100,7 @@ def llama_cpp_dspark(tokens, base, t_embd, weights, layout):
             feat = [float(x) for x in t_embd[row]] + [float(x) for x in w1[prev[b]]]
             conf[row] = sigmoid(sum(float(conf_w[j]) * feat[j] for j in range(len(feat))) + float(conf_b))
             if i + 1 < block_drafts:
-                prev[b] = max(range(V), key=lambda v: float(col[v]))
+                prev[b] = max(range(col.shape[0]), key=lambda v: float(col[v]))
     return out, conf
 
 

@@ -5,69 +5,31 @@ path differs from the per-slot argmax."""
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.attention import DFlashMask
-from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
-from dflash_ds.eval.specdec import draft_block, speculative_generate
+from dflash_ds.eval.generate import greedy_continuation, target_taps
+from dflash_ds.eval.specdec import draft_block
 from dflash_ds.eval.tau import accept_lengths
-from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.variants.base import argmax_tokens
 from dflash_ds.model.variants.dflash2 import SelectorSchedule
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.blocks import MicroBatch, make_blocks
-from dflash_ds.model.objective import StepSettings, drafter_loss
-from dflash_ds.resolve.drafter import drafter_shape
+from tests.eval_world import (LAYER_IDS, MASK, NEW, PROMPT_LEN, online_equals_offline, sampled_cycles_agree,
+                              trained_world)
 
 
-VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40
+B = 8
 
 
 @pytest.fixture(scope="module")
 def world():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
-                      rope_theta=1e6, tie_word_embeddings=False)
-    target = Qwen3ForCausalLM(cfg).double().eval().requires_grad_(False)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 120, (PROMPT_LEN,), generator=gen) for _ in range(6)]
-    sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                              architecture="dflash2", conv_group_size=16, selector_rank=16, selector_top_k=8)
-    shape = drafter_shape(target.config, section)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(shape).double()
-    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    model = DraftModel(drafter, embed, head)
-    x = torch.stack(sequences)
-    loss_mask = torch.zeros_like(x, dtype=torch.bool)
-    loss_mask[:, PROMPT_LEN:] = True
-    mb = MicroBatch(torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences]), x, loss_mask,
-                    torch.zeros_like(x, dtype=torch.int32))
-    settings = StepSettings(shape=shape, num_anchors=24, gamma=4.0, loss_chunks=2, mask_kind="dense", seed=0,
-                            arch_loss=SelectorSchedule(alpha=1.0, inject_gold=True))
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(120):
-        blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, 120))
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    drafter.eval().requires_grad_(False)
-    return dict(target=target, prompts=prompts, sequences=sequences, model=model)
+    return trained_world(section, SelectorSchedule(alpha=1.0, inject_gold=True), gamma=4.0)
 
 
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 def test_dflash2_online_loop_matches_the_offline_selector_walk(world):
-    w = world
-    sequences = []
-    report = offline_tau(w["target"], w["model"], w["prompts"], max_new_tokens=NEW, sequences=sequences)
-    for prompt, x, cycles in zip(w["prompts"], sequences, report.cycles):
-        ids, counts = speculative_generate(w["target"], w["model"], prompt, max_new_tokens=NEW)
-        assert ids.tolist() == x[prompt.numel():].tolist()
-        assert counts == cycles
+    report = online_equals_offline(world)
     accepted = [c - 1 for cycles in report.cycles for c in cycles]
     assert max(accepted) >= 3 and report.tau_mean > 2.0
 
@@ -133,21 +95,5 @@ def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
 def test_dflash2_sampled_walk_equals_online_with_coupled_draws(world, monkeypatch):
     """Under sampling too the offline walk follows the selector's path: with the coupled verifier of
     tests/test_sampled.py (the engines' rule, one draw per position) both paths give the same text and cycles."""
-    import copy
-
-    from dflash_ds.eval import specdec_sampled
-    from dflash_ds.eval.benchmark_table import BenchOptions, Responder
-    from tests.test_sampled import LOGIT_SCALE, SAMPLING, coupled_verify
-
-    target = copy.deepcopy(world["target"])
-    target.get_output_embeddings().weight.mul_(LOGIT_SCALE)
-    monkeypatch.setattr(specdec_sampled, "verify_block", coupled_verify)
-    accepted = []
-    for seed, prompt in enumerate(world["prompts"][:4]):
-        responder = Responder(target, world["model"], SAMPLING, BenchOptions(NEW, seed=seed))
-        response = responder.respond(prompt.tolist())
-        ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
-                                                         torch.Generator().manual_seed(seed), max_new_tokens=NEW)
-        assert ids.tolist() == response and counts == responder.result.report.cycles[0]
-        accepted += [c - 1 for c in counts]
+    accepted = sampled_cycles_agree(world, monkeypatch)
     assert max(accepted) >= 2  # drafts are accepted, so the selector's path is exercised

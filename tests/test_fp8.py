@@ -334,3 +334,23 @@ def test_dry_run_memory_counts_fp8_weights_at_one_byte():
     fp8_ = memory_estimate(q, plan, 10**9, t_params, hidden, vocab, 5)["target"]
     saved = (t_params - vocab * hidden) / 1024 ** 3
     assert abs((bf16 - fp8_) - saved) < 1e-6 and fp8_ < bf16
+
+
+def test_fp8_refusals_of_a_mixture_of_experts_target_name_the_setting():
+    from dflash_ds.resolve.quantization import check_quantization, experts_refusal
+    from dflash_ds.target_model.presets import target_config
+
+    moe = section(experts_implementation="dflash_grouped", expert_parallel=1)
+    assert experts_refusal(moe, False) is None
+    assert "set target.experts_implementation=dflash_grouped" in experts_refusal(
+        section(experts_implementation="grouped_mm", expert_parallel=1), False)
+    split = section(quantization="none", experts_implementation="dflash_grouped", expert_parallel=2)
+    assert experts_refusal(split, False) is None
+    assert "target.path is an FP8 checkpoint" in experts_refusal(split, True)
+    # Asked of the experts only when the target has them: the same stored FP8 config, dense and MoE.
+    stored = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    dense, sparse = target_config("tiny-qwen3"), target_config("tiny-qwen3-moe")
+    dense.quantization_config = sparse.quantization_config = stored
+    check_quantization(split, "cuda", "replica", dense)
+    with pytest.raises(RecipeError, match="target.expert_parallel 2 loads each rank's experts"):
+        check_quantization(split, "cuda", "replica", sparse)

@@ -6,7 +6,8 @@ with the autograd path at the 27B drafter's sizes; fla's short convolution with 
 fallback; packed rows on a hybrid target (fla varlen kernels) with each document run alone; sliding-window
 layers (compiled flex vs dense, and the window's skipped tiles at 12,288-token rows); a DFlash2 drafter with
 compiled layers through flex vs eager dense; DFlash2's selector kernels (two-stage top-k, segmented-sum
-codebook gradients) at the flagship sizes. The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
+codebook gradients) at the flagship sizes; the FP8 drafter (its lm_head GEMMs against their e4m3 operands,
+torchao's float8 layers compiled against bf16). The recorded H200 run is docs/gpu_checks_h200.json; with DFLASH_GPU_RECORD=FILE the
 measured numbers are written there as JSON.
 """
 
@@ -693,3 +694,195 @@ def test_fp8_checkpoint_runs_as_stored_on_the_gpu(record, tmp_path):
     e = rel(got, want)
     record["fp8_checkpoint_taps_rel_rms"] = e
     assert 0.001 < e < 0.15
+
+
+# ---------------------------------------------------------------------------- mixture-of-experts targets
+
+
+def experts_at_35b_width(tokens: int, seed: int = 0):
+    """One Qwen3.5-MoE experts module at the 35B-A3B width (256 experts of 512, D 2048, top 8) in bf16
+    on the GPU, and routed inputs for `tokens` tokens (softmax top-8 of random router logits)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    from dflash_ds.target_model.presets import target_config
+
+    cfg = target_config("qwen3.6-35b-a3b", layers=1)
+    torch.manual_seed(seed)
+    mod = Qwen3_5MoeExperts(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
+    torch.nn.init.normal_(mod.gate_up_proj, 0, 0.02)
+    torch.nn.init.normal_(mod.down_proj, 0, 0.02)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    hidden = torch.randn(tokens, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    probs = torch.randn(tokens, 256, device="cuda", generator=g).softmax(-1)
+    weights, index = probs.topk(8, dim=-1)
+    return mod, hidden, index, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def eager_experts(mod, *args):
+    mod.config._experts_implementation_internal = "eager"
+    return mod(*args)
+
+
+def test_grouped_experts_match_the_eager_loop_on_cuda(record):
+    """dflash_grouped (torch._grouped_mm over tokens sorted by expert) against transformers' eager
+    per-expert loop on the same bf16 weights, at the 35B-A3B width, 3,072 tokens."""
+    from dflash_ds.target_model import moe
+
+    mod, hidden, index, weights = experts_at_35b_width(3072)
+    want = eager_experts(mod, hidden, index, weights)
+    got = moe.grouped_experts_forward(mod, hidden, index, weights)
+    ref = moe.grouped_experts_forward(mod.float(), hidden.float(), index, weights.float())  # fp32: per-expert loop
+    e_eager, e_fp32 = rel(got, want), rel(got, ref)
+    record["moe_grouped_vs_eager_rel"] = e_eager
+    record["moe_grouped_vs_fp32_rel"] = e_fp32
+    assert e_eager < 1e-2 and e_fp32 < 1e-2  # bf16 rounding; a wrong group offset is O(1)
+
+
+def test_expert_chunks_bound_the_transient_memory(record):
+    """12,288 tokens through the experts at the 35B-A3B width: in chunks of 4,096 tokens the transient
+    memory stays bounded (and well under one chunk-free pass) and the sum is the same."""
+    from dflash_ds.target_model import moe
+
+    mod, hidden, index, weights = experts_at_35b_width(12288)
+    peaks, outs = {}, {}
+    for chunk in (12288, 4096):
+        mod.chunk_tokens = chunk
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        outs[chunk] = moe.grouped_experts_forward(mod, hidden, index, weights)
+        torch.cuda.synchronize()
+        peaks[chunk] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    record["moe_transient_gib"] = peaks
+    assert peaks[4096] < 0.6 * peaks[12288] and peaks[4096] < 1.5
+    assert rel(outs[4096], outs[12288]) < 1e-6  # chunks only split the tokens
+
+
+def test_fp8_grouped_experts_match_the_dequantized_product(record):
+    """torch._scaled_grouped_mm (row scales) against the same e4m3 operands multiplied in float32
+    (the CPU path of grouped_linear_fp8), and within FP8 accuracy of the bf16 experts."""
+    from dflash_ds.target_model import moe
+
+    mod, hidden, index, weights = experts_at_35b_width(3072, seed=2)
+    plain = moe.grouped_experts_forward(mod, hidden, index, weights)
+    holder = torch.nn.Module()
+    holder.experts = mod
+    moe.quantize_experts(holder)
+    got = moe.grouped_experts_forward(mod, hidden, index, weights)
+    cpu = mod.to("cpu")
+    want = moe.grouped_experts_forward(cpu, hidden.cpu(), index.cpu(), weights.cpu())
+    e_gemm, e_bf16 = rel(got.cpu(), want), rel(got, plain)
+    record["moe_fp8_vs_dequantized_rel"] = e_gemm
+    record["moe_fp8_vs_bf16_rel"] = e_bf16
+    assert e_gemm < 1e-2
+    assert 0.005 < e_bf16 < 0.08
+
+
+def test_moe_target_taps_with_grouped_experts_match_eager(record):
+    """A 4-layer MoE target at the 35B-A3B width (Gated DeltaNet through fla) with dflash_grouped
+    experts against transformers' eager experts: the tapped states of 2 x 1,024 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ds.target_model import moe
+    from dflash_ds.target_model.model import TapCapture, forward_taps
+    from dflash_ds.target_model.presets import target_config
+
+    torch.manual_seed(3)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(target_config("qwen3.6-35b-a3b", layers=4), dtype=torch.bfloat16)
+    model = model.eval().requires_grad_(False)
+    ids = torch.randint(0, 248320, (2, 1024), device="cuda")
+    outs = {}
+    for impl in ("eager", moe.OWN):
+        moe.use_experts(model, impl)
+        out = torch.empty(2, 1024, 4 * 2048, device="cuda", dtype=torch.bfloat16)
+        cap = TapCapture(model, [0, 1, 2, 3])
+        forward_taps(model, cap, ids, None, out)
+        cap.remove()
+        outs[impl] = out
+    e = rel(outs[moe.OWN], outs["eager"])
+    record["moe_target_taps_grouped_vs_eager_rel"] = e
+    assert e < 2e-2
+
+
+# ---------------------------------------------------------------------------- FP8 drafter (drafter.fp8)
+
+
+def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
+    """The FP8 lm_head's two GEMMs through _scaled_mm against the float64 product of the same e4m3
+    operands (the chunk's rows quantized by the compiled front end, W in its two layouts), and the
+    fused loss through it against the float64 emulation of the same quantization."""
+    from dflash_ds.target_model.fp8 import dequantize, quantize_rows
+    from dflash_ds.target_model.fp8_head import Fp8Head
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, v, d = 1000, 32768, 1024  # 1000 rows: the head pads them to a multiple of 16
+    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16()
+    h = torch.randn(m, d, device="cuda", generator=g).bfloat16()
+    head = Fp8Head(w)
+    hq, hs = quantize_rows(h)
+    ref_logits = dequantize(hq, hs).double() @ dequantize(head.w_rows, head.w_rows_scale.t()).double().t()
+    logits = head.logits(h)
+    grad = torch.softmax(logits.float(), -1)
+    grad[torch.arange(m, device="cuda"), torch.randint(0, v, (m,), device="cuda", generator=g)] -= 1
+    grad = grad.bfloat16()
+    gq, gs = quantize_rows(grad)
+    ref_grad = dequantize(gq, gs).double() @ dequantize(head.w_cols, head.w_cols_scale.t()).double().t()
+    found = {"logits_vs_operands": rel(logits, ref_logits), "input_grad_vs_operands": rel(head.input_grad(grad), ref_grad),
+             "logits_vs_bf16_operands": rel(logits, h.double() @ w.double().t())}
+    head.fast_accum_grad = True
+    found["input_grad_fast_accum_vs_operands"] = rel(head.input_grad(grad), ref_grad)
+    head.fast_accum_grad = False
+    labels = torch.randint(0, v, (m,), device="cuda", generator=g)
+    weights = torch.rand(m, device="cuda", generator=g)
+    x = h.clone().requires_grad_(True)
+    loss = linear_cross_entropy(x, w, labels, weights, float(m), LossOptions(4, head=head)).loss
+    ref = -(weights.double() * torch.log_softmax(ref_logits, -1).gather(1, labels[:, None])[:, 0]).sum() / m
+    loss.backward()
+    found["loss_vs_emulation"] = rel(loss, ref)
+    record["fp8_drafter_lm_head"] = found
+    assert found["logits_vs_operands"] < 5e-3 and found["input_grad_vs_operands"] < 5e-3, found
+    assert found["input_grad_fast_accum_vs_operands"] < 5e-2, found
+    assert 0.01 < found["logits_vs_bf16_operands"] < 0.06, found  # quantized, at e4m3's accuracy
+    assert found["loss_vs_emulation"] < 1e-3 and torch.isfinite(x.grad).all(), found
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
+    """torchao float8 layers inside the compiled drafter layers: forward and gradients near the bf16 drafter's."""
+    pytest.importorskip("torchao")
+    from dflash_ds.runtime.fp8_drafter import convert_layers
+
+    cfg = DrafterShape(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
+                        max_position_embeddings=8192, vocab_size=1024, num_target_layers=8,
+                        target_layer_ids=(1, 3, 5), block_size=16, mask_token_id=1000, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    b, s, n = 1, 2048, 128
+    doc_ids = torch.zeros(b, s, dtype=torch.int32, device="cuda")
+    loss_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
+    anchors, valid = anchors.cuda(), valid.cuda()
+    pos = position_ids_from_doc_ids(doc_ids)
+    block_ids, block_pos = block_inputs(torch.randint(0, 1000, (b, s), generator=g).cuda(), pos, anchors, 16, 1000)
+    taps = torch.randn(b, s, 3 * 1024, generator=g).cuda().bfloat16()
+    emb = torch.randn(1024, 1024, generator=g).cuda().bfloat16()
+    masks = build_layer_masks(anchors, valid, doc_ids, 16, cfg.layer_attentions(), kind="flex")
+    probe = probe_like(b, n * 16, 1024, "cuda")
+    out, grads = {}, {}
+    for name in ("bf16", recipe):
+        torch.manual_seed(0)
+        model = DFlashDrafter(cfg).cuda().bfloat16()
+        if name != "bf16":
+            convert_layers(model, recipe)
+        for layer in model.layers:
+            layer.compile(dynamic=False)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        (h.double() * probe).sum().backward()
+        out[name] = h.detach()
+        grads[name] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    fwd = rel(out[recipe], out["bf16"])
+    proj = max(rel(grads[recipe][k], grads["bf16"][k]) for k in grads["bf16"] if "proj" in k)
+    record.setdefault("fp8_drafter_layers", []).append({"recipe": recipe, "forward_rel_err": fwd,
+                                                        "worst_projection_grad_rel_err": proj})
+    assert 1e-4 < fwd < 0.05 and proj < 0.3, (fwd, proj)

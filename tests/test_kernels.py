@@ -5,12 +5,17 @@ import pytest
 import torch
 import transformers.models.qwen3.modeling_qwen3 as q3
 import transformers.models.qwen3_5.modeling_qwen3_5 as q35
+import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as q35m
+import transformers.models.qwen3_moe.modeling_qwen3_moe as q3m
 
 from dflash_ds.target_model import kernels
 
 # Everything fuse_target_elementwise / use_fla_short_conv may replace.
 PATCHABLE = [(q35.Qwen3_5RMSNorm, "forward"), (q35.Qwen3_5RMSNormGated, "forward"), (q35.Qwen3_5MLP, "forward"),
-             (q3.Qwen3RMSNorm, "forward"), (q3.Qwen3MLP, "forward"), (q35, "causal_conv1d_fn")]
+             (q3.Qwen3RMSNorm, "forward"), (q3.Qwen3MLP, "forward"), (q35, "causal_conv1d_fn"),
+             (q35m.Qwen3_5MoeRMSNorm, "forward"), (q35m.Qwen3_5MoeRMSNormGated, "forward"),
+             (q35m.Qwen3_5MoeMLP, "forward"), (q3m.Qwen3MoeRMSNorm, "forward"), (q3m.Qwen3MoeMLP, "forward"),
+             (q35m, "causal_conv1d_fn")]
 
 
 def _current(obj, name):
@@ -44,6 +49,15 @@ def test_compiled_norm_and_mlp_functions_equal_transformers_modules(transformers
     plain = q3.Qwen3RMSNorm(32)
     plain.weight.data = w.to(torch.bfloat16)
     assert torch.equal(kernels._rms_plain(x, plain.weight, plain.variance_epsilon), plain(x))
+    # The MoE classes' norms are the dense ones' math.
+    for cls, fn in ((q35m.Qwen3_5MoeRMSNorm, kernels._rms_zero_centered), (q3m.Qwen3MoeRMSNorm, kernels._rms_plain)):
+        norm = cls(32)
+        norm.weight.data = (w if fn is kernels._rms_zero_centered else w.to(torch.bfloat16)).clone()
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        assert torch.equal(fn(x, norm.weight, eps), norm(x)), cls.__name__
+    moe_gated = q35m.Qwen3_5MoeRMSNormGated(32)
+    moe_gated.weight.data = w.to(torch.bfloat16)
+    assert torch.equal(kernels._rms_gated(x, gate, moe_gated.weight, moe_gated.variance_epsilon), moe_gated(x, gate))
     assert torch.equal(kernels._swiglu(x, gate), torch.nn.functional.silu(x) * gate)
 
 
@@ -54,8 +68,9 @@ def test_kernel_swaps_patch_only_on_gpu_and_keep_the_numbers(transformers_restor
         # CPU runs use transformers' code unchanged.
         assert patched == [] and swapped == set()
         assert kernels.use_fla_short_conv() is False and q35.causal_conv1d_fn is transformers_restored[q35, "causal_conv1d_fn"]
+        assert q35m.causal_conv1d_fn is transformers_restored[q35m, "causal_conv1d_fn"]
         return
-    assert sorted(patched) == ["qwen3", "qwen3_5"]
+    assert sorted(patched) == ["qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_moe"]
     assert swapped == {key for key in PATCHABLE if key[1] == "forward"}
     # The swapped forwards give transformers' numbers (compiled: only the rounding order may move).
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,3 +85,4 @@ def test_kernel_swaps_patch_only_on_gpu_and_keep_the_numbers(transformers_restor
     has_fla = kernels.fla_short_conv_available()
     assert fla is has_fla
     assert (q35.causal_conv1d_fn is not transformers_restored[q35, "causal_conv1d_fn"]) is has_fla
+    assert (q35m.causal_conv1d_fn is not transformers_restored[q35m, "causal_conv1d_fn"]) is has_fla

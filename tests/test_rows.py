@@ -41,7 +41,8 @@ def test_row_shorter_than_a_conversation_or_fewer_slots_than_anchors_is_refused(
 
 @pytest.mark.parametrize("name, old_steps_tokens", [("qwen27b", 4 * 3072), ("qwen3-8b", 4 * 3072),
                                                      ("qwen27b-2node", 2 * 3072), ("tiny", 4 * 256),
-                                                     ("qwen27b-dflash2", 4 * 3072), ("tiny-dflash2", 4 * 256)])
+                                                     ("qwen27b-dflash2", 4 * 3072), ("tiny-dflash2", 4 * 256),
+                                                     ("qwen36-35b-a3b", 4 * 3072)])
 def test_shipped_recipes_pack_one_row_per_micro_batch_at_the_same_tokens_and_anchor_density(name, old_steps_tokens):
     r = load_recipe(REPO / "recipes" / f"{name}.yaml")
     o, d = r.optim, r.data

@@ -56,7 +56,7 @@ def micro_batch(g: torch.Generator) -> MicroBatch:
 def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(monkeypatch, tmp_path):
     toy = register(monkeypatch)
     shape = toy_shape()
-    assert shape.variant is toy and shape.arch_fields.markov_rank == 3
+    assert shape.variant is toy and shape.arch_fields.toy_rank == 3
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).double()
     g = torch.Generator().manual_seed(1)
@@ -82,7 +82,7 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     # Export: its class name, its field in dflash_config, its tensors; no remote code of its own.
     path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
     config = json.loads((path / "config.json").read_text())
-    assert config["architectures"] == ["ToyMarkovDraftModel"] and config["dflash_config"]["markov_rank"] == 3
+    assert config["architectures"] == ["ToyMarkovDraftModel"] and config["dflash_config"]["toy_rank"] == 3
     assert "auto_map" not in config and "| Markov head | rank 3 |" in (path / "README.md").read_text()
     back = load_drafter(path, dtype=torch.float64)
     assert back.config == shape
@@ -113,8 +113,8 @@ def test_a_variant_field_error_names_its_recipe_key(monkeypatch):
     # A section with a key the recipe does not have: a new architecture's own setting.
     section = SimpleNamespace(**dataclasses.asdict(DrafterConfig(
         num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4], architecture="toy_markov")),
-        markov_rank=0)
-    with pytest.raises(ValueError, match=r"^drafter\.markov_rank = 0 must be >= 1$"):
+        toy_rank=0)
+    with pytest.raises(ValueError, match=r"^drafter\.toy_rank = 0 must be >= 1$"):
         drafter_shape(target_config(), section)
 
 

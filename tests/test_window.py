@@ -52,7 +52,7 @@ def test_window_edge_hand_worked():
 
 def test_window_at_least_the_block():
     anchors, valid, doc_ids, B = packed_case()
-    with pytest.raises(ValueError, match="cover the whole block"):
+    with pytest.raises(AssertionError):
         build_mask(anchors, valid, doc_ids, B, attention=LayerAttention(B - 1))
     with pytest.raises(ValueError, match=">= 1"):
         LayerAttention(0)

@@ -23,7 +23,7 @@ from dflash_ds.model.variants.base import DrafterVariant, FieldError, Tensor
 
 @dataclass(frozen=True)
 class ToyFields:
-    markov_rank: int = 3
+    toy_rank: int = 3
 
 
 class MarkovHead(nn.Module):
@@ -72,14 +72,14 @@ class ToyMarkov(DrafterVariant):
     log_sums = ("tv_sum",)
 
     def check(self, shape) -> None:
-        if shape.arch_fields.markov_rank < 1:
-            raise FieldError("markov_rank", f"= {shape.arch_fields.markov_rank} must be >= 1")
+        if shape.arch_fields.toy_rank < 1:
+            raise FieldError("toy_rank", f"= {shape.arch_fields.toy_rank} must be >= 1")
 
     def heads(self, shape) -> dict:
-        return {"markov_head": MarkovHead(shape.vocab_size, shape.arch_fields.markov_rank)}
+        return {"markov_head": MarkovHead(shape.vocab_size, shape.arch_fields.toy_rank)}
 
     def tensors(self, shape) -> dict:
-        v, r = shape.vocab_size, shape.arch_fields.markov_rank
+        v, r = shape.vocab_size, shape.arch_fields.toy_rank
         return {"markov_head.embedding": Tensor((v, r), "table"), "markov_head.projection": Tensor((v, r), "block")}
 
     def draft(self, model, hidden, anchors):
@@ -94,7 +94,7 @@ class ToyMarkov(DrafterVariant):
     def loss_settings(self, objective) -> float:
         return 0.5  # the TV term's weight (a real architecture reads its recipe keys here)
 
-    def chunk_term(self, model, blocks, term) -> ChunkTerm:
+    def chunk_term(self, model, blocks, term, hidden) -> ChunkTerm:
         head, b = model.drafter.markov_head, model.config.block_size
         return markov_term(slot_rows(predecessors(blocks.labels, b), b), head.embedding, head.projection, term)
 
@@ -102,7 +102,7 @@ class ToyMarkov(DrafterVariant):
         return {"tv": sums[0] / weight}
 
     def card_rows(self, shape) -> list[str]:
-        return [f"| Markov head | rank {shape.arch_fields.markov_rank} |"]
+        return [f"| Markov head | rank {shape.arch_fields.toy_rank} |"]
 
 
 TOY = ToyMarkov()

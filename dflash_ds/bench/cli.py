@@ -4,8 +4,12 @@
     python -m dflash_ds.bench --role target --set target.quantization=fp8 [--compare-bf16] [--fp8-blocks]
     python -m dflash_ds.bench --role drafter   [--anchors 512] [--compile-layers] [--cold-cache]
     python -m dflash_ds.bench --role drafter --recipe recipes/qwen27b-dflash2.yaml --block-size 8 [--architecture dflash]
+    python -m dflash_ds.bench --role drafter --compile-layers --fp8-modes bf16,rowwise,tensorwise,rowwise+lm_head
+    python -m dflash_ds.bench --role lm_head   (the fused loss's lm_head GEMMs: bf16, FP8, torchao's float8)
+    python -m dflash_ds.bench --role quality --compile-layers --layers 4 --fp8-modes bf16,bf16@1,rowwise,rowwise+lm_head
     python -m dflash_ds.bench --role colocated
     python -m dflash_ds.bench --role target --lengths chat|long [--seq-len 3072] [--set data.pack=false]
+    python -m dflash_ds.bench --role target --geometry qwen3.6-35b-a3b --experts eager,grouped_mm,dflash_grouped
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
     python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
@@ -32,13 +36,13 @@ import torch
 from .environment import compile_cache_state, environment
 from .planner import best_split, fractional_split, plan_splits
 from .roles import run_drafter, run_target, run_transport
-from .setup import DEFAULT_RECIPE, REPO, pick_device, resolve_setup
-from .timing import matmul_ceiling
+from .setup import DEFAULT_RECIPE, REPO, init_single_process, pick_device, resolve_setup
+from .timing import drift_warnings, matmul_ceiling
 
 from dflash_ds.safety import Exit, say
 from dflash_ds.model.variants import DEFAULT, VARIANTS
 
-ROLES = ("target", "drafter", "colocated", "transport", "plan", "data")
+ROLES = ("target", "drafter", "colocated", "transport", "lm_head", "quality", "plan", "data")
 
 
 # ============================================================================ the plan role
@@ -150,6 +154,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fp8-blocks", action="store_true",
                    help="target, FP8: 128x128 weight blocks and 1x128 activation groups (a published FP8 "
                         "checkpoint's format) instead of per-row scales")
+    p.add_argument("--experts", default=None, metavar="IMPL[,IMPL...]",
+                   help="target, mixture of experts: time each experts implementation in turn on the same weights "
+                        "(dflash_grouped, grouped_mm, batched_mm, eager) and compare their taps")
+    p.add_argument("--expert-chunk", type=int, default=16384,
+                   help="target, dflash_grouped experts: tokens per chunk (bounds the experts' transient memory)")
+    p.add_argument("--fp8-modes", default=None, metavar="MODE,MODE...",
+                   help="drafter: time these precision modes one after another on the same drafter (bench/fp8_modes.py: "
+                        "bf16, rowwise or tensorwise, each optionally +lm_head, e.g. bf16,rowwise,rowwise+lm_head); "
+                        "quality: train each from the same initialisation (MODE@SEED: from another seed)")
     p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
@@ -161,7 +174,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from", dest="from_files", nargs="+", default=None, help="plan: bench JSONs to read rates from")
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
-    for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth"):
+    for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth",
+                 "expert_chunk"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -193,7 +207,8 @@ def summary_lines(report: dict) -> list[str]:
     c = report.get("ceiling") or {}
     if c:
         lines.append(f"matmul ceiling {c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['size']}^3)")
-    keys = [("tok/s", "tok_s"), ("useful tok/s (non-padding)", "useful_tok_s"), ("padding share", "padding_share"),
+    keys = [("tok/s (mean step)", "tok_s"), ("tok/s (median step)", "tok_s_median"),
+            ("useful tok/s (non-padding)", "useful_tok_s"), ("padding share", "padding_share"),
             ("documents per row", "docs_per_row"), ("MFU", "mfu"), ("TFLOP/s", "tflops"), ("GB/s", "gb_s"), ("payloads/s", "payloads_per_s"),
             ("build s", "build_s"), ("first step s", "first_step_s"), ("first step since build s", "first_step_since_build_s"),
             ("first step since process start s", "first_step_since_process_start_s")]
@@ -214,7 +229,7 @@ def summary_lines(report: dict) -> list[str]:
     if "fp8" in r:
         q = r["fp8"]
         lines.append(f"  {'FP8 (' + q['scheme'] + ') / bf16 tok/s':<34} {q['fp8_tok_s']:,.0f} / {q['bf16_tok_s']:,.0f} "
-                     f"= {q['speedup']:.3f}x")
+                     f"= {q['speedup']:.3f}x (median steps: {q['speedup_median']:.3f}x)")
         taps = ", ".join(f"{k}: {v:.4f}" for k, v in q["taps_rel_rms"].items())
         lines.append(f"  {'taps rel. RMS error vs bf16':<34} {taps}")
         own = ", ".join(f"{k}: {v:.4f}" for k, v in q["taps_own_rel_rms"].items())
@@ -223,10 +238,32 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"  {'  bf16, 1% embedding noise':<34} " + ", ".join(f"{k}: {ctl[int(k)]:.4f}" for k in q["taps_rel_rms"]))
         lines.append(f"  {'FP8 linears / kept / fused MLPs':<34} {q['fp8_linears']} / {len(q['kept_linears'])} / "
                      f"{q['fused_mlps']}")
+    for name, e in (r.get("experts_runs") or {}).items():
+        if "error" in e:
+            lines.append(f"  {'experts ' + name:<34} {e['error']}")
+            continue
+        peak = e.get("memory", {}).get("max_step_peak_gib")
+        lines.append(f"  {'experts ' + name:<34} {e['tok_s']:,.0f} tok/s, MFU {e['mfu']:.3f}, peak "
+                     f"{'-' if peak is None else f'{peak:.1f}'} GiB, taps rel. RMS vs first "
+                     f"{e['taps_rel_rms_vs_first']:.2e}")
+    if report["role"] == "quality":
+        from .fp8_quality import summary_text
+
+        lines += ["  " + line for line in summary_text(r["summary"]).splitlines()]
+    for name, v in r.get("lm_head", {}).items():
+        lines.append(f"  {name:<34} logits {v['logits_ms']:.3f} ms + input grad {v['input_grad_ms']:.3f} ms = "
+                     f"{v['speedup_vs_bf16']:.3f}x bf16; rel. RMS error {v['logits_rel_rms']:.2e} / "
+                     f"{v['input_grad_rel_rms']:.2e}")
+    for name, m in r.get("fp8_modes", {}).items():
+        lines.append(f"  {'mode ' + name:<34} {m['tok_s']:,.0f} tok/s ({m['tok_s_median']:,.0f} median), "
+                     f"{m['vs_first']:.3f}x the first ({m['vs_first_median']:.3f}x median), peak "
+                     f"{m['memory'].get('max_step_peak_gib', 0):.1f} GiB, {m['fp8_layers']} float8 linears"
+                     f"{', FP8 lm_head' if m['lm_head_fp8'] else ''}")
     comp = r.get("compile", {})
     if comp.get("total", {}).get("unique_graphs"):
         lines.append(f"  {'graphs compiled (first/warmup/timed)':<34} {comp['first_step']['unique_graphs']} / "
                      f"{comp['warmup']['unique_graphs']} / {comp['timed']['unique_graphs']}")
+    lines += [f"warning: {w}" for w in drift_warnings(r)]
     return lines
 
 
@@ -263,9 +300,33 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     setup = resolve_setup(args, device)
+    if args.fp8_modes:
+        from .fp8_modes import check_modes, parse_modes
+
+        if args.role not in ("drafter", "quality"):
+            raise ValueError(f"--fp8-modes applies to --role drafter and --role quality, not {args.role}")
+
+        check_modes(setup, parse_modes(args.fp8_modes))  # before anything is built
     ceiling = matmul_ceiling(device)
-    if args.role == "target":
+    if args.role == "target" and args.experts:
+        from .experts import run_target_experts
+
+        init_single_process(device)
+        result = run_target_experts(setup, ceiling)
+    elif args.role == "target":
         result = run_target(setup, ceiling)
+    elif args.role == "lm_head":
+        from .fp8_head_ab import run_lm_head
+
+        result = run_lm_head(setup, ceiling)
+    elif args.role == "quality":
+        from .fp8_quality import run_quality
+
+        result = run_quality(setup, ceiling)
+    elif args.role == "drafter" and args.fp8_modes:
+        from .fp8_modes import run_drafter_modes
+
+        result = run_drafter_modes(setup, ceiling)
     elif args.role in ("drafter", "colocated"):
         result = run_drafter(setup, ceiling, colocated=args.role == "colocated")
     else:

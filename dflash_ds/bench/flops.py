@@ -88,6 +88,19 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
 # ---------------------------------------------------------------------------- counts of a bench run
 
 
+def active_linear_params(layers: nn.Module) -> dict[str, int]:
+    """The matmul weights one token goes through: every linear layer, and of a mixture-of-experts
+    target its routers and experts_per_token / num_experts of the routed experts (MFU on the active
+    parameters); `experts_total` is what the layers hold."""
+    from dflash_ds.target_model.moe import experts_linear_params
+
+    experts, used = experts_linear_params(layers)
+    routers = sum(m.weight.numel() for m in layers.modules() if type(m).__name__.endswith("TopKRouter"))
+    dense = count_linear_params(layers)
+    return {"active": dense + used + routers, "dense": dense, "experts_active": used, "experts_total": experts,
+            "routers": routers}
+
+
 def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
     from dflash_ds.target_model.model import decoder_layers
 
@@ -96,11 +109,14 @@ def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
     types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
     full = sum(1 for t in types[:len(layers)] if t == "full_attention")
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    out = target_forward_flops(count_linear_params(layers), full, tc.num_attention_heads, head_dim,
+    params = active_linear_params(layers)
+    out = target_forward_flops(params["active"], full, tc.num_attention_heads, head_dim,
                                setup.payload.rows, setup.payload.seq_len)
     out["layers_run"] = len(layers)
     out["full_attention_layers_run"] = full
-    out["linear_params_run"] = count_linear_params(layers)
+    out["linear_params_run"] = params["active"]
+    if params["experts_total"]:
+        out["params_run"] = params
     return out
 
 

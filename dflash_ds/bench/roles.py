@@ -74,21 +74,34 @@ def synthetic_payloads(setup: Setup, count: int = 2, rows: dict | None = None) -
     return out
 
 
-def build_drafter_side(setup: Setup, group):
-    """Drafter under the real ZeRO-2 engine with random frozen embedding and lm_head [V, D]."""
+def frozen_matrices(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random frozen embedding and lm_head [V, D] in the run's dtype (seeded by --seed + 1)."""
+    c = setup.drafter_config
+    g = torch.Generator(device=setup.device).manual_seed(setup.args.seed + 1)
+    embed = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=setup.run.dtype)
+    head = torch.empty_like(embed)
+    return embed.normal_(0, 0.02, generator=g), head.normal_(0, 0.02, generator=g)
+
+
+def build_drafter(setup: Setup, group, matrices: tuple[torch.Tensor, torch.Tensor], seed: int):
+    """A drafter initialised from `seed` under the real ZeRO-2 engine, with the frozen (embed, lm_head)
+    `matrices` (drafter.fp8 as the recipe says: its layers converted as the engine is built, the loss's
+    lm_head quantized). Returns (DraftModel, engine, the engine's JSON)."""
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.runtime.engines import build_drafter_engine
+    from dflash_ds.runtime.fp8_drafter import loss_head
 
-    torch.manual_seed(setup.args.seed)
+    torch.manual_seed(seed)
     drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
     engine, ds_cfg = build_drafter_engine(setup.recipe, drafter, setup.plan, group, 0, setup.device)
-    c = setup.drafter_config
-    dtype = setup.run.dtype
-    g = torch.Generator(device=setup.device).manual_seed(setup.args.seed + 1)
-    embed = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=dtype).normal_(0, 0.02, generator=g)
-    head = torch.empty(c.vocab_size, c.hidden_size, device=setup.device, dtype=dtype).normal_(0, 0.02, generator=g)
-    return DraftModel(drafter, embed, head), engine, ds_cfg
+    embed, head = matrices
+    return DraftModel(drafter, embed, head, loss_head(setup.recipe, head)), engine, ds_cfg
+
+
+def build_drafter_side(setup: Setup, group):
+    """Drafter under the real ZeRO-2 engine with random frozen embedding and lm_head [V, D]."""
+    return build_drafter(setup, group, frozen_matrices(setup), setup.args.seed)
 
 
 def drafter_step(setup: Setup, engine, model, source, group):

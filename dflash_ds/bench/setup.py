@@ -100,6 +100,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     output directory are overridden for a single-rank colocated layout, the one every role fits.
     """
     from dflash_ds.config import load_recipe
+    from dflash_ds.resolve import quantization
     from dflash_ds.resolve.run import payload_layout, plan_and_memory
     from dflash_ds.target_model.model import DTYPES, load_config, target_geometry, text_config
     from dflash_ds.target_model.presets import get_geometry, target_config
@@ -156,6 +157,8 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     over.append(f"drafter.compile={'true' if getattr(args, 'compile_layers', False) else 'false'}")
     recipe = load_recipe(recipe_path, over + list(args.set or []))
     dcfg = drafter_shape(tcfg, recipe.drafter)
+    if args.role in ("drafter", "colocated"):
+        quantization.check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
     o = recipe.optim
     geo = target_geometry(tcfg)
     plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)

@@ -15,6 +15,7 @@ def build_target_model(setup: Setup, use_engine: bool):
     """Random-weight target built on the device, truncated after the last tap, under its engine."""
     from transformers import AutoModelForCausalLM
 
+    from dflash_ds.target_model import moe
     from dflash_ds.target_model.model import DTYPES, truncate_after
 
     dtype = DTYPES[setup.recipe.target.dtype]
@@ -25,6 +26,8 @@ def build_target_model(setup: Setup, use_engine: bool):
     truncate_after(model, max(setup.tap_ids))
     model.requires_grad_(False)
     model.eval()
+    if moe.experts_modules(model):
+        moe.use_experts(model, setup.recipe.target.experts_implementation)
     if setup.recipe.target.quantization == "fp8" and getattr(setup.args, "fp8_blocks", False):
         from dflash_ds.target_model.fp8 import BLOCKS, quantize_model
 

@@ -133,9 +133,40 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
+DRIFT = 0.05
+"""The timed steps still drift when the median step of their second half differs from the first half's
+by more than this share."""
+
+
 def step_stats(times: list[float]) -> dict:
     return {"mean": sum(times) / len(times), "median": statistics.median(times), "min": min(times),
             "max": max(times), "all": times}
+
+
+def steadiness(times: list[float]) -> dict:
+    """Whether the timed steps had settled: the median step of the first and of the second half, the
+    second's change over the first (`drift`), and the mean over the median (slow outliers pull the
+    mean, so the rate from the mean reads low). `steady` is None below 4 steps (too few to tell)."""
+    n = len(times)
+    out = {"mean_over_median": (sum(times) / n) / statistics.median(times), "steady": None}
+    if n >= 4:
+        first, second = statistics.median(times[:n // 2]), statistics.median(times[n - n // 2:])
+        drift = second / first - 1
+        out.update(halves_median_s=[first, second], drift=drift, steady=abs(drift) <= DRIFT)
+    return out
+
+
+def drift_warnings(result: dict) -> list[str]:
+    """One line per way the timed steps were not steady (empty when they were)."""
+    st = result.get("steadiness") or {}
+    out = []
+    if st.get("steady") is False:
+        out.append(f"the timed steps still drift: the median step of their second half is {st['drift']:+.1%} from "
+                   "the first half's; time more steps (--steps) or warm up longer (--warmup)")
+    if st.get("mean_over_median", 1.0) > 1 + DRIFT:
+        out.append(f"slow steps pull the mean step {st['mean_over_median'] - 1:.1%} above the median: the median "
+                   "rate (tok_s_median) is the steadier figure")
+    return out
 
 
 # ---------------------------------------------------------------------------- the timed loop
@@ -181,6 +212,7 @@ def drive(step_fn, device: torch.device, warmup: int, steps: int, t_build: float
     times = clock.intervals()
     c3 = dynamo_counters()
     out["step_s"] = step_stats(times)
+    out["steadiness"] = steadiness(times)
     out["timed_s"] = sum(times)
     out["memory"] = mem.summary()
     out["compile"] = {"first_step": _delta(c1, c0), "warmup": _delta(c2, c1), "timed": _delta(c3, c2),
@@ -195,6 +227,7 @@ def record_rates(result: dict, tokens_per_step: int, flops_per_step: float, ceil
     step = result["timed_s"] / len(result["step_s"]["all"])
     result["tokens_per_step"] = tokens_per_step
     result["tok_s"] = tokens_per_step / step
+    result["tok_s_median"] = tokens_per_step / result["step_s"]["median"]
     result["flops_per_step"] = flops_per_step
     result["tflops"] = flops_per_step / step / 1e12
     result["mfu"] = result["tflops"] / ceiling["tflops"]

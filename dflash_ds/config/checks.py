@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.recipe import Recipe
-from dflash_ds.config.sections import BENCHMARK_SETS, RegenerateConfig
+from dflash_ds.config.sections import BENCHMARK_SETS, FP8_LAYER_RECIPES, RegenerateConfig
 
 def need(cond: bool, msg: str) -> None:
     """Stop with `msg` unless `cond` holds."""
@@ -26,6 +26,8 @@ def validate(r: Recipe) -> None:
     check_run(r)
     # The drafter section is checked where it becomes a shape (resolve/drafter.py, model/shape.py and
     # the architecture's own fields): its rules hold for an export too, so they live with the shape.
+    # drafter.fp8 is no part of the shape (it is how the drafter trains), so its values are checked here.
+    check_drafter_fp8(r)
     check_data(r)
     check_objective(r)
     check_optim(r)
@@ -45,6 +47,16 @@ def check_target(r: Recipe) -> None:
 def check_run(r: Recipe) -> None:
     need(r.run.device in ("auto", "cuda", "cpu"), f"run.device must be auto, cuda or cpu, got {r.run.device!r}")
     need(r.run.stop_grace_s > 0, "run.stop_grace_s must be > 0 (seconds to finish a step and checkpoint after a stop signal)")
+
+
+def check_drafter_fp8(r: Recipe) -> None:
+    """drafter.fp8: a known layer recipe, on compiled layers (whether the machine can run it, its GPU and
+    torchao, is resolve/quantization.py's, before launch)."""
+    f = r.drafter.fp8
+    need(f.layers in FP8_LAYER_RECIPES, f"drafter.fp8.layers must be none, rowwise or tensorwise, got {f.layers!r}")
+    need(f.layers == "none" or r.drafter.compile,
+         f"drafter.fp8.layers={f.layers} needs drafter.compile: true (torchao's float8 casts are separate kernels "
+         "unless compiled into the layers); set drafter.compile=true or drafter.fp8.layers=none")
 
 
 def check_data(r: Recipe) -> None:
@@ -96,6 +108,8 @@ def check_objective(r: Recipe) -> None:
     need(o.selector_alpha >= 0, f"objective.selector_alpha must be >= 0, got {o.selector_alpha}")
     need(0 <= o.selector_warmup_ratio <= 1, f"objective.selector_warmup_ratio must be in [0, 1], got {o.selector_warmup_ratio}")
     need(0 <= o.selector_ramp_ratio <= 1, f"objective.selector_ramp_ratio must be in [0, 1], got {o.selector_ramp_ratio}")
+    for key in ("ce_weight", "l1_weight", "confidence_weight"):
+        need(getattr(o, key) >= 0, f"objective.{key} must be >= 0, got {getattr(o, key)}")
 
 
 def check_optim(r: Recipe) -> None:

@@ -41,7 +41,40 @@ class TargetConfig:
     bf16 (docs/performance.md, "The target in FP8"). From a bf16 checkpoint the weights are quantized once at load
     (per-row scales); an FP8 checkpoint as published (config.json quantization_config: fp8, 128 x 128
     blocks) is used as stored, the numerics it is served with. An FP8 checkpoint with `none` is
-    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16."""
+    dequantized to target.dtype. Needs a full replica per GPU (not ZeRO-3), target.dtype bfloat16.
+    On a mixture-of-experts target the routed experts are quantized too (one scale per expert row)."""
+    experts_implementation: str = "dflash_grouped"
+    """Mixture-of-experts targets: how the routed experts run. dflash_grouped (tokens sorted by expert,
+    one grouped GEMM for gate_up and one for down, chunked; FP8 with target.quantization: fp8),
+    or transformers' own grouped_mm, batched_mm, eager (its per-expert loop). Dense targets ignore it."""
+    expert_parallel: int = 1
+    """Mixture-of-experts targets larger than one GPU: every N consecutive target ranks of a node hold
+    one target together, each rank 1/N of every layer's experts (the rest of the model on every rank).
+    Each rank still runs its own micro-batches; the experts' tokens are gathered over the N ranks and
+    their outputs summed back (docs/performance.md, "Mixture-of-experts targets"). N must divide
+    topology.targets_per_node and the expert count. 1 = every target rank holds the whole target."""
+
+
+FP8_LAYER_RECIPES = ("none", "rowwise", "tensorwise")
+
+
+@dataclass(frozen=True)
+class DrafterFp8Config:
+    """drafter.fp8: the drafter's matmuls on FP8 tensor cores (H100/H200), two parts chosen apart. Off by
+    default; docs/performance.md ("The drafter in FP8") has the speed and the loss beside bf16."""
+
+    layers: str = "none"
+    """none, rowwise or tensorwise: every drafter layer's attention and MLP projections (q/k/v/o,
+    gate/up/down) train through torchao's float8 training (pip install 'dflash-ds[fp8]'), the
+    bf16 weights and the ZeRO-2 engine's fp32 master weights unchanged. rowwise: one scale per row of
+    each operand (e4m3, power-of-two scales); tensorwise: one scale per tensor (e5m2 gradients).
+    The fusion layer `fc` (its input is the target's raw hidden states) and DFlash2's block
+    convolutions and selector stay in bf16. Needs drafter.compile true."""
+    lm_head: bool = False
+    """The frozen lm_head of the fused loss (the logits and their input gradient, about half the
+    drafter's FLOPs at a 248K vocabulary) in FP8: the weight quantized once in both layouts (per-row
+    e4m3 scales), each chunk's rows and logits' gradient quantized per row. Evaluation (tau) and
+    the export keep the bf16 lm_head."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +102,10 @@ class DrafterConfig:
     """Block slot k sees only slots <= k of its own block. null = the engines' default for a config
     without it: sliding layers causal, full layers bidirectional; true/false = every layer (exported)."""
     architecture: str = "dflash"
-    """dflash (v1) or dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
-    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8).
-    The four fields below apply to dflash2 only; their defaults are the published DFlash2 shape."""
+    """dflash (v1); dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
+    convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8);
+    dspark: anchor-first blocks, a Markov head and a confidence head (section 9). The fields marked
+    dflash2 or dspark apply to that architecture only; their defaults are its published shape."""
     conv_kernel_size: int = 2
     """dflash2: taps of the block convolution (slot k reads slots k .. k-taps+1 of its own block)."""
     conv_group_size: int = 16
@@ -81,6 +115,17 @@ class DrafterConfig:
     248K vocabulary)."""
     selector_top_k: int = 16
     """dflash2: unary candidates the selector rescores per slot."""
+    markov_rank: int = 256
+    """dspark: rank r of the Markov head, two [vocab, r] tables (DeepSpec: 256; 127M parameters at a
+    248K vocabulary)."""
+    markov_head_type: str = "vanilla"
+    """dspark: the Markov head's form; vanilla only (DeepSpec's default and the only one llama.cpp and
+    vLLM load; its gated and rnn heads are refused)."""
+    enable_confidence_head: bool = True
+    """dspark: train a confidence head (DeepSpec: on, confidence_head_alpha 1.0 > 0)."""
+    confidence_head_with_markov: bool = True
+    """dspark: the confidence head also reads the Markov embedding of the slot's predecessor
+    (DeepSpec: true; llama.cpp loads only this form)."""
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
@@ -89,6 +134,8 @@ class DrafterConfig:
     a mismatch stops before launch naming both values."""
     compile: bool = True
     """torch.compile the drafter layers on GPU (flex_attention is always compiled on GPU)."""
+    fp8: DrafterFp8Config = field(default_factory=DrafterFp8Config)
+    """drafter.fp8.layers / drafter.fp8.lm_head (above); off by default."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +228,8 @@ class ObjectiveConfig:
     """Blocks per row; rows with fewer valid anchors are padded. null = the paper's density, 512 per 3,072
     row tokens (ANCHORS_PER_TOKEN x data.row_length: 512 at 3,072, 2,048 at 12,288)."""
     gamma: float | None = None
-    """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8."""
+    """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8 (dspark, whose B slots all
+    draft: the value of B + 1, 4 for B=7 as DeepSpec's loss_decay_gamma)."""
     anchor_last_prompt_token: bool = True
     """Also anchor blocks at the last token before each assistant turn (the generation prompt's end),
     whose block drafts the turn's first tokens: the round llama-speculative-simple runs first (it
@@ -213,6 +261,15 @@ class ObjectiveConfig:
     selector_detach: bool = False
     """dflash2: the selector loss trains the selector's own parameters only, not the drafter's states
     (SpecForge's dflash2_selector_stop_gradient, default false; speculators and Automodel: false)."""
+    ce_weight: float = 0.1
+    """dspark: weight of the cross-entropy term (DeepSpec's ce_loss_alpha: 0.1). "loss" in the logs
+    stays the unweighted sum(w * CE) / sum(w)."""
+    l1_weight: float = 0.9
+    """dspark: weight of ||q - p||_1 (twice the total variation between the drafter's and the target's
+    distributions at the slot; DeepSpec's l1_loss_alpha: 0.9). Target ranks send their final-norm
+    states, as for kl_weight > 0."""
+    confidence_weight: float = 1.0
+    """dspark: weight of the confidence head's BCE toward 1 - TV (DeepSpec's confidence_head_alpha: 1.0)."""
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class Responder:
         self.target, self.model, self.sampling, self.opts = target, model, sampling, opts
         device = next(target.parameters()).device
         self.gen = torch.Generator(device=device).manual_seed(opts.seed)
-        self.result = SampledTau(sampling, TauReport(block_size=model.block_size))
+        self.result = SampledTau(sampling, TauReport(block_size=model.max_emitted))
 
     @property
     def samples(self) -> int:

@@ -190,7 +190,7 @@ def _online(target, model: DraftModel, prompts, sequences, report: TauReport, ma
     """The reference loop on every prompt, compared response by response with the offline walk."""
     from dflash_ds.eval.specdec import speculative_generate
 
-    online, agree = TauReport(block_size=model.block_size), 0
+    online, agree = TauReport(block_size=model.max_emitted), 0
     for prompt, x, offline_cycles in zip(prompts, sequences, report.cycles):
         ids, counts = speculative_generate(target, model, torch.tensor(prompt), max_new_tokens=max_new_tokens)
         online.cycles.append(counts)

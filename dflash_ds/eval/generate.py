@@ -67,7 +67,7 @@ def offline_tau(target, model: DraftModel, prompts: Sequence[torch.Tensor | Sequ
     """Exact greedy tau of `model` on `prompts` (token ids): greedy response, one teacher-forced
     tap pass over the drafter's tap layers, a(t) for every response position, the walk.
     `sequences`, when a list, receives each prompt + response."""
-    report = TauReport(block_size=model.block_size)
+    report = TauReport(block_size=model.max_emitted)
     for prompt in prompts:
         prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         x = greedy_continuation(target, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

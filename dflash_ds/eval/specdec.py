@@ -77,7 +77,7 @@ def serving_masks(model: DraftModel, t: int, device) -> tuple[DFlashMask, ...]:
 
 @torch.no_grad()
 def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int) -> torch.Tensor:
-    """The B-1 drafted tokens of one block anchored right after `context_taps` [t, T*D]: the block
+    """The drafted tokens (B - 1, or B anchor-first) of one block anchored right after `context_taps` [t, T*D]: the block
     sees the context (within each layer's window) and itself (`serving_masks`)."""
     drafter, block_size = model.drafter, model.block_size
     p = next(drafter.parameters())
@@ -89,7 +89,7 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
     hidden = drafter(embeds, ctx, block_pos, ctx_pos, serving_masks(model, t, p.device))
-    return model.draft(hidden[:, 1:], block[:1]).cpu()[0]
+    return model.draft(model.drafting_states(hidden), block[:1]).cpu()[0]
 
 
 @torch.no_grad()
@@ -104,7 +104,7 @@ def speculative_generate(target, model: DraftModel, prompt_ids: torch.Tensor | S
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    block_size, layer_ids = model.block_size, model.layer_ids
+    layer_ids = model.layer_ids
     stop = set(eos_ids(target, eos_token_id))
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).cpu()
     logits, taps = logits_and_taps(target, prompt, layer_ids)
@@ -117,7 +117,7 @@ def speculative_generate(target, model: DraftModel, prompt_ids: torch.Tensor | S
         seq = torch.cat([prompt, torch.tensor(generated, dtype=torch.long), drafts])
         logits, taps = logits_and_taps(target, seq, layer_ids)
         greedy = logits.argmax(-1)
-        verified = greedy[t:t + block_size].cpu()  # verified[k - 1] = target's token at t + k
+        verified = greedy[t:t + drafts.numel() + 1].cpu()  # verified[k - 1] = target's token at t + k
         a = int((drafts == verified[:-1]).long().cumprod(0).sum())
         new = emitted(drafts[:a].tolist() + [int(verified[a])], max_new_tokens - len(generated), stop)
         counts.append(len(new))

@@ -64,7 +64,7 @@ def speculative_sample(target, model: DraftModel, prompt_ids: torch.Tensor | Seq
         drafts = draft_block(model, taps[:t], generated[-1])
         seq = torch.cat([prompt, torch.tensor(generated, dtype=torch.long), drafts])
         logits, taps = logits_and_taps(target, seq, model.layer_ids)
-        new = emitted(verify_block(logits[t:t + model.block_size], drafts, sampling, generator),
+        new = emitted(verify_block(logits[t:t + drafts.numel() + 1], drafts, sampling, generator),
                       max_new_tokens - len(generated), stop)
         counts.append(len(new))
         generated.extend(new)

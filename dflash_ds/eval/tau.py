@@ -9,8 +9,10 @@ Convention (the one `dflash_ds.eval.specdec.speculative_generate` runs online, c
   The drafter sees the target's tapped hidden states of positions `< t` and the block
   `[x[t], MASK x (B-1)]` at positions `t .. t+B-1`; block slot `k` proposes the token at `t + k`.
 - `a(t)` = the number of leading slots `k = 1 .. B-1` whose drafted token equals `x[t + k]` (the
-  argmax for v1; for DFlash2 the token on the candidate selector's greedy path, walked from the
-  anchor exactly as the engines walk it, `DraftModel.draft`), capped at
+  argmax for v1; for DFlash2 the token on the candidate selector's greedy path, for DSpark the
+  token on the Markov chain, walked from the anchor exactly as the engines walk it,
+  `DraftModel.draft`); an anchor-first drafter (DSpark) drafts from every slot, slot `k` proposing
+  `x[t + k + 1]`, so its drafts run `k = 1 .. B` and a cycle emits up to B + 1 tokens; capped at
   `end - t - 2` so that the cycle's last token, the target's own token at `t + a(t) + 1`, lies in
   the response. The cycle emits `a(t) + 1` tokens; the next cycle is anchored at `t + a(t) + 1`.
 - The walk starts at `t = P` and stops at `t = end - 1` (the last response token, which anchors
@@ -58,7 +60,7 @@ def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tenso
 
 
 def matched_prefix(drafts: torch.Tensor, input_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """a(t) from the drafts [end - start, B-1] of every anchor: the leading slots equal to the
+    """a(t) from the drafts [end - start, L] of every anchor: the leading slots equal to the
     sequence, capped at end - t - 2 (module docstring)."""
     slots = drafts.shape[1]
     ids = input_ids.reshape(-1)[:end].cpu()
@@ -73,7 +75,8 @@ def matched_prefix(drafts: torch.Tensor, input_ids: torch.Tensor, start: int, en
 @torch.no_grad()
 def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
                   batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
-    """The drafter's B-1 greedy tokens at every anchor t in [start, end): LongTensor [end - start, B-1].
+    """The drafter's greedy tokens at every anchor t in [start, end): LongTensor [end - start, L]
+    (L = B - 1 drafts per block, B anchor-first; draft j proposes the token at t + 1 + j).
 
     All anchors go through the drafter in batches of `batch_anchors` blocks with the training
     masks (context strictly before the anchor and inside each layer's window, the own block as the
@@ -87,7 +90,7 @@ def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor
         raise ValueError(f"taps must be [S, T*D] covering positions < {end - 1}, got {tuple(taps.shape)}")
     p = next(drafter.parameters())
     device, dtype = p.device, p.dtype
-    out = torch.zeros(end - start, B - 1, dtype=torch.long)
+    out = torch.zeros(end - start, model.num_drafts, dtype=torch.long)
     if end - start == 0:
         return out
 
@@ -107,7 +110,7 @@ def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
         # The path the engines propose: the architecture's walk (DraftModel.draft).
-        drafts = model.draft(hidden.view(n, B, -1)[:, 1:], block_ids.view(n, B)[:, 0])  # [n, B-1]
+        drafts = model.draft(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0])
         out[c0 - start:c0 - start + n] = drafts.cpu()
     return out
 
@@ -142,6 +145,8 @@ class TauReport:
     """tau over a set of responses, from each response's per-cycle emitted tokens."""
 
     block_size: int
+    """The most tokens a cycle emits (`DraftModel.max_emitted`): the block size B, or B + 1 for an
+    anchor-first drafter, whose B slots all draft."""
     cycles: list[list[int]] = field(default_factory=list)
 
     @property

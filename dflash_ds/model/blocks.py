@@ -37,8 +37,7 @@ def default_gamma(block_size: int) -> float:
     nearest segment (B=2 -> 1, B=12 -> 5.67, B=32 -> 12.33), so gamma keeps growing with the
     block size as the paper's choices do and the last slots keep a usable weight.
     """
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    assert block_size >= 2, block_size  # DrafterShape refuses smaller blocks; this is a caller's bug
     pts = _GAMMA_POINTS
     if block_size <= pts[1][0]:
         (x0, y0), (x1, y1) = pts[0], pts[1]
@@ -122,8 +121,7 @@ def sample_anchors(
     """
     valid = valid_anchor_mask(loss_mask, doc_ids, prompt_end)
     b, s = valid.shape
-    if num_anchors < 1:
-        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    assert num_anchors >= 1, num_anchors  # config/checks.py refuses the recipe value
     if num_anchors > s:
         raise ValueError(
             f"num_anchors = {num_anchors} exceeds the row length {s}: a row has fewer possible anchors than that"
@@ -203,21 +201,23 @@ def block_targets(
     return torch.where(inside, labels, torch.zeros_like(labels)), weights
 
 
-def slot_rows(t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[b, Q, ...]` -> `[rows, ...]`: the supervised slots (every block without its slot 0) in the
-    loss's row order, the order of `model.loss.LossOutput.candidates` and of a ChunkTerm's rows."""
+def slot_rows(t: torch.Tensor, block_size: int, first: int = 1) -> torch.Tensor:
+    """`[b, Q, ...]` -> `[rows, ...]`: the drafting slots (`first` .. B-1 of every block: without
+    slot 0, or all of them anchor-first) in the loss's row order, the order of
+    `model.loss.LossOutput.candidates` and of a ChunkTerm's rows."""
     b, q = t.shape[:2]
     # A strided view until the reshape: slot 0 of every block is dropped by shape, not by its weight.
-    u = t.reshape(b * (q // block_size), block_size, *t.shape[2:])[:, 1:]
+    u = t.reshape(b * (q // block_size), block_size, *t.shape[2:])[:, first:]
     return u.reshape(u.shape[0] * u.shape[1], *t.shape[2:])
 
 
-def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[R, S, D] -> [R, N*B, D]: for slot k of the block at anchor a, the target's state at a+k-1,
-    whose next-token distribution is the one for the token at a+k (the slot's label). Positions
-    past the row are clamped; their slots have weight 0."""
+def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                       label_offset: int = 0) -> torch.Tensor:
+    """[R, S, D] -> [R, N*B, D]: for slot k of the block at anchor a, the target's state at
+    a+k-1+label_offset, whose next-token distribution is the one for the slot's label (the token at
+    a+k+label_offset). Positions past the row are clamped; their slots have weight 0."""
     s = final_hidden.shape[1]
-    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1).clamp(0, s - 1)
+    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1 + label_offset).clamp(0, s - 1)
     pos = pos.reshape(anchors.shape[0], -1)
     return torch.gather(final_hidden, 1, pos[..., None].expand(-1, -1, final_hidden.shape[-1]))
 
@@ -256,13 +256,13 @@ def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generat
 def make_blocks(mb: MicroBatch, s, micro_index: int) -> Blocks:
     """The blocks of micro-batch `micro_index` under `s` (model.objective.StepSettings: the anchors'
     seed and count, whether prompt ends anchor, block size, mask id, gamma, the layers' attentions, the
-    mask kind)."""
+    mask kind; the labels and weights are the architecture's, `DrafterVariant.block_targets`)."""
     device = mb.input_ids.device
     anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
                                     anchor_generator(s.seed, micro_index, device), s.anchor_prompt_end)
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
-    labels, weights = block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, s.block_size, s.gamma)
+    labels, weights = s.shape.variant.block_targets(mb, anchors, valid, s.block_size, s.gamma)
     mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
     r = anchors.shape[0]
     return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,

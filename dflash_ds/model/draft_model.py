@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.loss import HeadGemms
 from dflash_ds.model.shape import DrafterShape
 
 
@@ -22,6 +23,9 @@ class DraftModel:
     drafter: DFlashDrafter
     embed: torch.Tensor  # [V, D] the target's input embedding, frozen
     lm_head: torch.Tensor  # [V, D] the target's output projection, frozen (never exported)
+    # The training loss's lm_head matmuls in FP8 (target_model/fp8_head.Fp8Head of lm_head,
+    # drafter.fp8.lm_head); None: bf16. Drafting and evaluation always read `lm_head`.
+    loss_head: HeadGemms | None = None
 
     @classmethod
     def from_target(cls, drafter: DFlashDrafter, target) -> "DraftModel":
@@ -41,6 +45,16 @@ class DraftModel:
         return self.drafter.config.mask_token_id
 
     @property
+    def num_drafts(self) -> int:
+        """Tokens one block drafts (B - 1; B when the architecture is anchor-first)."""
+        return self.drafter.config.num_drafts
+
+    @property
+    def max_emitted(self) -> int:
+        """The most tokens one speculative cycle emits: every draft accepted plus the target's own."""
+        return self.num_drafts + 1
+
+    @property
     def layer_ids(self) -> list[int]:
         """The target layers whose outputs the drafter reads (the taps it was trained on)."""
         return list(self.drafter.config.target_layer_ids)
@@ -56,7 +70,12 @@ class DraftModel:
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """The tokens the engines propose at temperature 0 from the final states `[n, B-1, D]` of the
-        drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the architecture's
-        walk (`DrafterVariant.draft`: each slot's argmax for v1, the selector's greedy path for DFlash2)."""
+        """The tokens the engines propose at temperature 0 from the final states `[n, num_drafts, D]`
+        of the drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the
+        architecture's walk (`DrafterVariant.draft`: each slot's argmax for v1, the selector's greedy
+        path for DFlash2, the Markov chain for DSpark)."""
         return self.config.variant.draft(self, hidden, anchors)
+
+    def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""
+        return hidden[:, self.config.first_draft_slot:]

@@ -17,7 +17,7 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,17 @@ class KLTerm(NamedTuple):
     target_hidden: torch.Tensor | None = None
 
 
+class HeadGemms(Protocol):
+    """The two lm_head matmuls of a chunk computed some other way than `torch.mm` with the weight
+    (target_model/fp8_head.Fp8Head: FP8), for a frozen weight W [V, D]."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, D] -> hidden @ W.T [n, V]."""
+
+    def input_grad(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] -> grad_logits @ W [n, D]."""
+
+
 class LossOptions(NamedTuple):
     """How the rows are projected, and what else the loss returns."""
 
@@ -52,6 +63,13 @@ class LossOptions(NamedTuple):
     logits (and the target's) before the softmax; the top-k logits are the raw ones."""
     term: "ChunkTerm | None" = None
     """An architecture's term on each chunk's logits (ChunkTerm)."""
+    head: HeadGemms | None = None
+    """The drafter's logits and their input gradient through these instead of `torch.mm` with the
+    weight (which must then be frozen); the target's logits of the same rows stay `torch.mm`."""
+    first_slot: int = 1
+    """`block_loss`: the first slot of every block that is a row (DrafterShape.first_draft_slot)."""
+    ce_weight: float = 1.0
+    """The cross-entropy's coefficient in the loss (`ce_sum` stays the unweighted sum(w * CE))."""
 
 
 class ChunkView(NamedTuple):
@@ -87,6 +105,9 @@ class ChunkTerm(NamedTuple):
     bias: Callable | None = None
     loss: Callable | None = None
     num_sums: int = 0
+    num_row_values: int = 0
+    """> 0: `loss` returns a third value, `[c, num_row_values]` detached per-row values (e.g. a
+    slot's acceptance probability) that the loss returns for all rows (`LinearCE.term_rows`)."""
 
 
 class _Settings(NamedTuple):
@@ -101,6 +122,8 @@ class _Settings(NamedTuple):
     transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
     term: ChunkTerm | None = None  # an architecture's term (its tensors travel as the Function's inputs)
     target: torch.Tensor | None = None  # the target's final-norm states [n, D] for `term` (detached), KL off
+    head: HeadGemms | None = None  # LossOptions.head
+    ce_weight: float = 1.0  # the CE's coefficient in the loss
 
 
 def _ce_stats(logits, labels, weights, transform):
@@ -145,19 +168,20 @@ def _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform):
 
 
 def _ce_kl_forward(logits, t_logits, labels, weights, kl, transform):
-    # kl: (kl_coef, temperature)
+    # kl: (kl_coef, temperature, ce_coef)
     ce_sum, hit, _, _, kl_sum, _, _, _ = _ce_kl_stats(logits, t_logits, labels, weights, kl[1], transform)
     return ce_sum, hit, kl_sum
 
 
 def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl, transform):
-    # loss = sum(scale * (CE + kl_coef * T^2 * KL)), kl = (kl_coef, T): d/d(logits) = scale * dz/dx *
-    # ((softmax - onehot) + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL gradient's size independent of T.
-    kl_coef, temperature = kl
+    # loss = sum(scale * (ce_coef * CE + kl_coef * T^2 * KL)), kl = (kl_coef, T, ce_coef): d/d(logits) =
+    # scale * dz/dx * (ce_coef * (softmax - onehot) + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL
+    # gradient's size independent of T.
+    kl_coef, temperature, ce_coef = kl
     ce_sum, hit, e, s, kl_sum, log_q, p, z = _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     onehot = vocab == labels.unsqueeze(1)
-    g = e / s - onehot.to(e.dtype) + (kl_coef * temperature) * (log_q.exp() - p)
+    g = ce_coef * (e / s - onehot.to(e.dtype)) + (kl_coef * temperature) * (log_q.exp() - p)
     return ce_sum, hit, kl_sum, (g * logit_slope(z, *transform) * scale.unsqueeze(1)).to(logits.dtype)
 
 
@@ -173,9 +197,10 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     """The whole computation; the gradients are those of loss = (sum(w * (CE + kl_weight * T^2 * KL))
     + the chunk term's loss) / normaliser, the KL term's target states [n, D] being those of the same
     rows. `term_tensors`: the chunk term's rows then params (their gradients come back last)."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target = settings
+    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target, head, ce_coef = settings
     target = kl_term.target_hidden if kl_term is not None else term_target
     kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
+    kl_args = (kl_weight, temperature, ce_coef)
     n, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = weights.to(acc_dtype)
@@ -213,7 +238,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
             sc = F.pad(sc, (0, pad)) if want_grad else None
             tc = F.pad(tc, (0, 0, 0, pad)) if tc is not None else None
-        logits = torch.mm(hc, weight.t())
+        logits = torch.mm(hc, weight.t()) if head is None else head.logits(hc)
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
         # The target's logits of the same rows: one more lm_head matmul per chunk, and only
@@ -223,12 +248,12 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
             logits = runner.biased(logits, lo, hi, acc_dtype)
         if kl:
             if want_grad:
-                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, (kl_weight, temperature), transform)
+                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, kl_args, transform)
             else:
-                ce, hit, kl_c = fn(logits, t_logits, lc, wc, (kl_weight, temperature), transform)
+                ce, hit, kl_c = fn(logits, t_logits, lc, wc, kl_args, transform)
             kl_total = kl_total + kl_c
         elif want_grad:
-            ce, hit, g_logits = fn(logits, lc, wc, sc, transform)
+            ce, hit, g_logits = fn(logits, lc, wc, sc * ce_coef, transform)
         else:
             ce, hit = fn(logits, lc, wc, transform)
         if runner is not None:
@@ -238,8 +263,10 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
         del logits, t_logits
         ce_total = ce_total + ce
         hits.append(hit)
-        if grad_hidden:
+        if grad_hidden and head is None:
             torch.mm(g_logits, weight, out=g_hidden[i * size:(i + 1) * size])
+        elif grad_hidden:
+            g_hidden[i * size:(i + 1) * size] = head.input_grad(g_logits)
         if grad_weight:
             # Accumulates in the weight's dtype, as autograd would across chunks.
             g_weight.addmm_(g_logits.t(), hc)
@@ -250,7 +277,8 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
         top, top_logits = top[:n], top_logits[:n]
     else:
         top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
-    extra = runner.result(ce_total) if runner is not None else _TermResult(0.0, ce_total.new_zeros(0), ())
+    extra = runner.result(ce_total) if runner is not None else _TermResult(0.0, ce_total.new_zeros(0), (),
+                                                                             ce_total.new_zeros(n, 0))
     return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, (top, top_logits), extra
 
 
@@ -258,6 +286,7 @@ class _TermResult(NamedTuple):
     loss: torch.Tensor | float  # the term's loss summed over the chunks (detached), before the normaliser
     sums: torch.Tensor  # [num_sums] detached
     grads: tuple  # one per term tensor (None where it needs none)
+    rows: torch.Tensor  # [n, num_row_values] detached
 
 
 
@@ -272,6 +301,7 @@ class _TermRunner:
         self.row_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.rows]
         self.param_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.params]
         self.sums = None
+        self.row_values = torch.zeros(-(-n // size) * size, term.num_row_values)
         self.loss = 0.0
         self.bias_graph = None
 
@@ -308,8 +338,13 @@ class _TermRunner:
                 x = logits.detach().to(view.weights.dtype).requires_grad_(grad)
                 z = transform.apply(x)
                 tz = transform.apply(t_logits.to(view.weights.dtype)) if t_logits is not None else None
-                loss_sum, sums = self.term.loss(view._replace(z=z, target_z=tz, rows=tuple(self.chunk_rows),
-                                                              params=tuple(self.chunk_params)))
+                loss_sum, sums, *values = self.term.loss(view._replace(z=z, target_z=tz, rows=tuple(self.chunk_rows),
+                                                                       params=tuple(self.chunk_params)))
+                if values:
+                    v = values[0].detach()
+                    if self.row_values.device != v.device or self.row_values.dtype != v.dtype:
+                        self.row_values = self.row_values.to(device=v.device, dtype=v.dtype)
+                    self.row_values[self.lo:self.lo + self.size] = v
                 sums = sums.detach().to(view.weights.dtype)
                 self.sums = sums if self.sums is None else self.sums + sums
                 if grad:
@@ -342,7 +377,8 @@ class _TermRunner:
 
     def result(self, like: torch.Tensor) -> _TermResult:
         sums = self.sums if self.sums is not None else like.new_zeros(self.term.num_sums)
-        return _TermResult(self.loss, sums, tuple(self.row_grads) + tuple(self.param_grads))
+        return _TermResult(self.loss, sums, tuple(self.row_grads) + tuple(self.param_grads),
+                           self.row_values[:self.n].to(like.device))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -353,9 +389,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                                            normaliser, settings, term_tensors)
         ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in extra.grads))
         ctx.term_grads = tuple(g is not None for g in extra.grads)
-        loss = (_total(ce_total, kl_total, settings.kl) + extra.loss) / normaliser
-        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top, extra.sums)
-        return loss, ce_total, correct, kl_total, *top, extra.sums
+        loss = (_total(ce_total, kl_total, settings) + extra.loss) / normaliser
+        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top, extra.sums, extra.rows)
+        return loss, ce_total, correct, kl_total, *top, extra.sums, extra.rows
 
     @staticmethod
     def backward(ctx, g_loss, *_non_differentiable):
@@ -371,18 +407,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, *gt
 
 
-def _total(ce_total, kl_total, kl: KLTerm | None):
-    return ce_total + (kl.weight * kl.temperature ** 2) * kl_total if kl is not None else ce_total
+def _total(ce_total, kl_total, settings: _Settings):
+    kl = settings.kl
+    ce = settings.ce_weight * ce_total
+    return ce + (kl.weight * kl.temperature ** 2) * kl_total if kl is not None else ce
 
 
 class LinearCE(NamedTuple):
-    loss: torch.Tensor  # (sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the term's loss) / normaliser, differentiable
+    loss: torch.Tensor  # (ce_weight * sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the term's loss) / normaliser
     ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider
     correct: torch.Tensor  # bool [n]: argmax == label on rows of weight > 0
     kl_sum: torch.Tensor  # sum(w * KL), detached (0 without the term)
     top_ids: torch.Tensor  # int64 [n, top_k], best first ([n, 0] without)
     top_logits: torch.Tensor  # [n, top_k] raw logits of those ids (the logits' dtype), detached
     term_sums: torch.Tensor  # [term.num_sums] the chunk term's sums, detached ([0] without a term)
+    term_rows: torch.Tensor  # [n, term.num_row_values] the chunk term's per-row values, detached
 
 
 def linear_cross_entropy(
@@ -407,7 +446,7 @@ def linear_cross_entropy(
     them); under no_grad it computes the loss only. Static shapes and no host synchronisation.
     Differentiable once only.
     """
-    num_chunks, top_k, transform, term = options
+    num_chunks, top_k, transform, term, head, _, ce_weight = options
     if not 0 <= top_k <= weight.shape[0]:
         raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
     if num_chunks < 1:
@@ -431,19 +470,21 @@ def linear_cross_entropy(
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
+    if head is not None and grad_weight:
+        raise ValueError("LossOptions.head computes the lm_head matmuls of a frozen weight, but the weight requires grad")
     tensors = (tuple(term.rows) + tuple(term.params)) if term is not None else ()
     settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, term,
-                         target if kl_on is None else None)
+                         target if kl_on is None else None, head, ce_weight)
     if not (grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
         ce_total, correct, _, _, kl_total, top, extra = _run(hidden.detach(), weight.detach(), labels, weights,
                                                              normaliser, settings, tuple(t.detach() for t in tensors))
-        loss = (_total(ce_total, kl_total, kl_on) + extra.loss) / normaliser
-        return LinearCE(loss, ce_total, correct, kl_total, *top, extra.sums)
+        loss = (_total(ce_total, kl_total, settings) + extra.loss) / normaliser
+        return LinearCE(loss, ce_total, correct, kl_total, *top, extra.sums, extra.rows)
     return LinearCE(*_LinearCrossEntropy.apply(hidden, weight, labels, weights, (normaliser, settings), *tensors))
 
 
 class LossOutput(NamedTuple):
-    loss: torch.Tensor  # (sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the architecture's terms) / normaliser
+    loss: torch.Tensor  # (ce_weight * sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the architecture's terms) / normaliser
     ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
     correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
     kl_sum: torch.Tensor  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
@@ -454,6 +495,8 @@ class LossOutput(NamedTuple):
     candidate_logits: torch.Tensor | None = None
     # The architecture's detached sums, in its `log_sums` order (the chunk term's, then its extra loss's).
     extra: tuple = ()
+    # The chunk term's per-row values [rows, num_row_values] in `slot_rows` order (None without them).
+    term_rows: torch.Tensor | None = None
 
 
 def block_loss(
@@ -468,10 +511,11 @@ def block_loss(
     """`linear_cross_entropy` of a micro-batch's blocks: hidden `[b, N*B, D]`, labels and weights
     `[b, N, B]` (the block size is their last dimension), `kl.target_hidden` `[b, N*B, D]`.
 
-    Slot 0 of every block (the anchor) is skipped by shape, so its weight is ignored (block_targets
-    always makes it 0): the B-1 drafted slots of every block are copied into rows (cheap next to the
-    lm_head), in `slot_rows` order; the chunk term's rows are in that order too. Every other slot is
-    projected whatever its weight (zero-weight slots add exactly 0).
+    The slots before `options.first_slot` (slot 0, the anchor, unless the layout is anchor-first) are
+    skipped by shape, so their weight is ignored (block_targets always makes it 0): the drafting
+    slots of every block are copied into rows (cheap next to the lm_head), in `slot_rows` order; the
+    chunk term's rows are in that order too. Every drafting slot is projected whatever its weight
+    (zero-weight slots add exactly 0).
     """
     b, n, block_size = labels.shape
     q, d = n * block_size, hidden.shape[-1]
@@ -481,11 +525,17 @@ def block_loss(
     rows_kl = None
     if kl is not None:
         target = kl.target_hidden
-        rows_kl = kl._replace(target_hidden=slot_rows(target, block_size) if target is not None else None)
-    out = linear_cross_entropy(slot_rows(hidden, block_size), lm_head, slot_rows(labels.view(b, q), block_size),
-                               slot_rows(weights.view(b, q).to(acc_dtype), block_size), normaliser, options, rows_kl)
-    correct = out.correct.view(b * n, block_size - 1)
-    correct = torch.cat([correct.new_zeros(b * n, 1), correct], dim=1).view(b, q)
+    first = options.first_slot
+    if kl is not None:
+        target = kl.target_hidden
+        rows_kl = kl._replace(target_hidden=slot_rows(target, block_size, first) if target is not None else None)
+    out = linear_cross_entropy(slot_rows(hidden, block_size, first), lm_head,
+                               slot_rows(labels.view(b, q), block_size, first),
+                               slot_rows(weights.view(b, q).to(acc_dtype), block_size, first), normaliser, options,
+                               rows_kl)
+    correct = out.correct.view(b * n, block_size - first)
+    correct = torch.cat([correct.new_zeros(b * n, first), correct], dim=1).view(b, q)
     top = options.top_k > 0
     return LossOutput(out.loss, out.ce_sum, correct, out.kl_sum.to(acc_dtype), out.top_ids if top else None,
-                      out.top_logits if top else None, tuple(out.term_sums.unbind()) if options.term is not None else ())
+                      out.top_logits if top else None, tuple(out.term_sums.unbind()) if options.term is not None else (),
+                      out.term_rows if options.term is not None and options.term.num_row_values else None)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dflash_ds.model.attention import LayerAttention
-from dflash_ds.model.blocks import Blocks, MicroBatch, default_gamma, slot_target_states
+from dflash_ds.model.blocks import Blocks, MicroBatch, slot_target_states
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
 from dflash_ds.model.shape import DrafterShape
@@ -53,7 +53,7 @@ class StepSettings:
     @classmethod
     def of(cls, shape: DrafterShape, objective, seed: int, device: torch.device) -> "StepSettings":
         """The settings of a run: `objective` is the recipe's objective section (read by attribute name)."""
-        gamma = objective.gamma if objective.gamma is not None else default_gamma(shape.block_size)
+        gamma = objective.gamma if objective.gamma is not None else shape.variant.default_gamma(shape)
         return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
                    mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
                    kl_weight=objective.kl_weight,
@@ -84,9 +84,11 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
             raise ValueError("the loss needs the target's final-norm states (KL term or the architecture's term) "
                              "but the payload carries none")
         kl = KLTerm(settings.kl_weight, settings.kl_temperature,
-                    slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size).to(hidden.dtype))
+                    slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size,
+                                       variant.label_offset).to(hidden.dtype))
     options = LossOptions(settings.loss_chunks, variant.candidates(model.config), settings.shape.logit_transform,
-                          variant.chunk_term(model, blocks, term))
+                          variant.chunk_term(model, blocks, term, hidden), model.loss_head,
+                          settings.shape.first_draft_slot, variant.ce_weight(term))
     r, b = blocks.labels.shape[0], settings.block_size
     out = block_loss(hidden, model.lm_head, blocks.labels.view(r, -1, b), blocks.weights.view(r, -1, b), normaliser,
                      options, kl)
@@ -96,8 +98,8 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     return out._replace(loss=out.loss + extra.loss, extra=out.extra + extra.sums)
 
 
-def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True):
-    """Mean over valid blocks of (leading run of correct supervised slots 1..B-1) + 1.
+def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True, first: int = 1):
+    """Mean over valid blocks of (leading run of correct supervised drafting slots `first`..B-1) + 1.
 
     The run stops at the first slot that is wrong or unsupervised. `correct` may be `[b, Q]` or
     `[b, N, B]`; `weights` is `[b, N, B]`. With `reduce=False` returns (sum, count) so callers can
@@ -105,7 +107,7 @@ def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool 
     This is a cheap training signal, not the acceptance length tau (docs/algorithm.md section 7).
     """
     correct = correct.reshape(weights.shape)
-    ok = (correct.bool() & (weights > 0))[..., 1:]
+    ok = (correct.bool() & (weights > 0))[..., first:]
     run = torch.cumprod(ok.to(torch.int32), dim=-1).sum(-1).float() + 1.0
     block_valid = (weights > 0).any(-1)
     total = (run * block_valid).sum()

@@ -209,6 +209,17 @@ class DrafterShape:
         return sum(t.numel for t in self.tensors().values())
 
     @property
+    def first_draft_slot(self) -> int:
+        """The first slot of a block that drafts a token: 1 (slot 0 is the anchor), 0 for an
+        anchor-first architecture (`DrafterVariant.label_offset`)."""
+        return 1 - self.variant.label_offset
+
+    @property
+    def num_drafts(self) -> int:
+        """Tokens a block drafts: B - 1, or B anchor-first."""
+        return self.block_size - self.first_draft_slot
+
+    @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
@@ -267,6 +278,7 @@ class DrafterShape:
             "sliding_window": self.sliding_window,
             "max_window_layers": self.num_hidden_layers,
             **({} if self.is_causal is None else {"is_causal": self.is_causal}),
+            **self.variant.top_level_entries(self),
         }
 
     @classmethod

@@ -21,7 +21,12 @@ from dflash_ds.model.variants.base import FieldError
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
 # own full-attention layers (head_dim 256, partial rotary) are not what the published drafters
 # use; docs/algorithm.md section 1 gives the 27B geometry. Sizes not listed fall back to the target's values.
-_QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}}
+_QWEN35_DRAFTER_HEADS = {5120: {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+                         # the 35B-A3B MoE width: the heads of Qwen3's 2048-wide models (32 x 128, 4 KV)
+                         2048: {"num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}}
+# A mixture-of-experts target has no dense MLP width to copy: its drafter's MLP is this many times
+# its width (Qwen3's dense ratio, e.g. 6144 at 2048).
+MOE_DRAFTER_MLP_RATIO = 3
 
 # Every field of the shape (DrafterShape.flat names) and the setting that decides it on the recipe's
 # side: an export must share them with the recipe to be continued by a run (`drafter.init_from`).
@@ -117,6 +122,8 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
     if intermediate_size is None:
         # MoE targets (e.g. Qwen3.5-MoE) have no dense MLP width to copy.
         intermediate_size = getattr(text, "intermediate_size", None)
+        if intermediate_size is None and int(getattr(text, "num_experts", 0) or 0) > 0:
+            intermediate_size = MOE_DRAFTER_MLP_RATIO * hidden
         if intermediate_size is None:
             raise ValueError(f"the target ({getattr(text, 'model_type', type(text).__name__)}) has no dense "
                              "intermediate_size: set drafter.intermediate_size")

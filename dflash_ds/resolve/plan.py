@@ -55,7 +55,7 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
 
 def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:
     t = recipe.topology
-    layout = Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated)
+    layout = Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated, recipe.target.expert_parallel)
     o = recipe.optim
     micro_per_step = o.grad_accum * layout.num_drafters
     steps_per_epoch = num_rows // (micro_per_step * o.rows_per_micro_batch)
@@ -123,6 +123,9 @@ def describe(plan: Plan, memory: dict[str, float] | None = None) -> str:
              f"({'colocated' if lay.colocated else f'{lay.drafters_per_node} drafters + {lay.targets_per_node} targets'} per node)"]
     lines += ["  " + l for l in lay.describe()]
     lines.append(f"drafter group {lay.drafter_ranks}; target group {lay.target_ranks}")
+    if lay.expert_parallel > 1:
+        lines.append("targets held by expert-parallel groups (each rank 1/"
+                     f"{lay.expert_parallel} of the experts): {lay.expert_groups()}")
     lines.append(f"rows {plan.num_rows} of {plan.seq_len} tokens; micro-batch {plan.rows_per_micro} rows; "
                  f"grad_accum {plan.grad_accum}; tokens per step {plan.tokens_per_step:,}")
     sched = f"wsd, decay {plan.decay_steps}" if plan.schedule == "wsd" else "cosine"

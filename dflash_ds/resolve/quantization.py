@@ -1,21 +1,34 @@
-"""Which recipes with an FP8 target are refused before launch, in one line naming the setting.
+"""Which recipes with FP8 matmuls (the target's, the drafter's) are refused before launch, in one line
+naming the setting (a mixture-of-experts target's routed experts included: `experts_refusal`).
 
-The mechanism (Fp8Linear, quantizing, reading FP8 checkpoints) is target_model/fp8.py; the policy,
-what the recipe may combine with it, is here, at the resolve step that knows the device and the
-target's engine.
+The mechanisms (Fp8Linear, quantizing, reading FP8 checkpoints: target_model/fp8.py; the drafter's
+float8 layers and FP8 lm_head: runtime/fp8_drafter.py, target_model/fp8_head.py) are elsewhere; the
+policy, what the recipe may combine them with on this machine, is here, at the resolve step that knows
+the device, the target's engine and the drafter's shape. drafter.fp8's recipe-only values are
+config/checks.py's.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from typing import NamedTuple
+
+import torch
+
 from dflash_ds.config import RecipeError
 from dflash_ds.target_model.fp8 import QuantizationError, checkpoint_fp8
+from dflash_ds.target_model.moe import OWN, moe_shape
+
+FP8_GPU = "compute capability 8.9+: H100, H200, L40S, ..."  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
+FP8_CAPABILITY = (8, 9)
+DRAFTER_OFF = "set drafter.fp8.layers=none and drafter.fp8.lm_head=false"
 
 
 def refusal(target, device_type: str, target_kind: str, fp8_checkpoint: bool) -> str | None:
     """Why the recipe's `target` section cannot run this way (one line naming the setting), or None."""
     quantization = target.quantization
     if quantization == "fp8" and device_type != "cuda":
-        return ("target.quantization: fp8 needs an FP8 GPU (compute capability 8.9+: H100, H200, L40S, ...); "
+        return (f"target.quantization: fp8 needs an FP8 GPU ({FP8_GPU}); "
                 "run.device is cpu, where there is no FP8 matmul: set target.quantization=none")
     if target_kind == "zero3" and (quantization == "fp8" or fp8_checkpoint):
         what = "target.quantization: fp8" if quantization == "fp8" else "an FP8 checkpoint (target.path)"
@@ -30,11 +43,86 @@ def refusal(target, device_type: str, target_kind: str, fp8_checkpoint: bool) ->
     return None
 
 
+def experts_refusal(target, fp8_checkpoint: bool) -> str | None:
+    """`refusal` for a mixture-of-experts target: what FP8 asks of its routed experts, or None."""
+    if target.quantization == "fp8" and target.experts_implementation != OWN:
+        return (f"target.quantization: fp8 runs the routed experts through {OWN} only, but "
+                f"target.experts_implementation is {target.experts_implementation}: set "
+                f"target.experts_implementation={OWN}")
+    if target.expert_parallel > 1 and fp8_checkpoint:
+        return (f"target.expert_parallel {target.expert_parallel} loads each rank's experts from a bf16 checkpoint, "
+                "but target.path is an FP8 checkpoint: point target.path at the bf16 one (with "
+                "target.quantization: fp8 every rank quantizes its experts after loading)")
+    return None
+
+
 def check_quantization(target, device_type: str, target_kind: str, config) -> None:
     """RecipeError for the first refusal of the checkpoint `config` describes (its quantization_config read)."""
     try:
-        refused = refusal(target, device_type, target_kind, checkpoint_fp8(config))
+        stored_fp8 = checkpoint_fp8(config)
     except QuantizationError as exc:
         raise RecipeError(f"target.path: {exc}") from None
+    refused = refusal(target, device_type, target_kind, stored_fp8)
+    if refused is None and moe_shape(config) is not None:
+        refused = experts_refusal(target, stored_fp8)
+    if refused:
+        raise RecipeError(refused)
+
+
+class Machine(NamedTuple):
+    """What the drafter's refusals depend on, gathered by `machine` (tests pass their own)."""
+
+    device_type: str
+    capability: tuple[int, int] | None = None  # the GPU's compute capability; None off CUDA
+    gpu_name: str = ""
+    torchao: bool = False  # torchao importable (the layers' float8 training)
+
+
+def machine(device: torch.device) -> Machine:
+    torchao = importlib.util.find_spec("torchao") is not None
+    if device.type != "cuda":
+        return Machine(device.type, torchao=torchao)
+    return Machine("cuda", tuple(torch.cuda.get_device_capability(device)), torch.cuda.get_device_name(device), torchao)
+
+
+def _drafter_parts(fp8) -> str:
+    on = ([f"drafter.fp8.layers={fp8.layers}"] if fp8.layers != "none" else []) + \
+        (["drafter.fp8.lm_head=true"] if fp8.lm_head else [])
+    return " and ".join(on)
+
+
+def drafter_refusal(fp8, m: Machine, shape) -> str | None:
+    """Why the recipe's `drafter.fp8` section cannot run on `m` with the drafter `shape` (a
+    model.shape.DrafterShape), or None (also when it is off)."""
+    what = _drafter_parts(fp8)
+    if not what:
+        return None
+    if m.device_type != "cuda":
+        return (f"{what} needs an FP8 GPU ({FP8_GPU}); run.device is {m.device_type}, where there is no FP8 "
+                f"matmul: {DRAFTER_OFF}")
+    if m.capability < FP8_CAPABILITY:
+        cap = ".".join(map(str, m.capability))
+        return (f"{what} needs FP8 tensor cores ({FP8_GPU}), but this rank's GPU ({m.gpu_name}) has compute "
+                f"capability {cap}: {DRAFTER_OFF}")
+    if fp8.layers != "none" and not m.torchao:
+        return (f"drafter.fp8.layers={fp8.layers} trains the layers through torchao's float8 training, which is "
+                "not installed: pip install 'dflash-ds[fp8]' (torchao), or set drafter.fp8.layers=none")
+    if fp8.layers != "none":
+        widths = {"hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+                  "num_attention_heads x head_dim": shape.num_attention_heads * shape.head_dim,
+                  "num_key_value_heads x head_dim": shape.num_key_value_heads * shape.head_dim}
+        odd = [f"{k} {v}" for k, v in widths.items() if v % 16]
+        if odd:
+            return (f"drafter.fp8.layers={fp8.layers}: FP8 GEMMs need widths that are multiples of 16, but the "
+                    f"drafter has {', '.join(odd)}: set drafter.fp8.layers=none")
+    if fp8.lm_head and (shape.hidden_size % 16 or shape.vocab_size % 16):
+        return (f"drafter.fp8.lm_head: FP8 GEMMs need the hidden size and the vocabulary to be multiples of 16, "
+                f"but they are {shape.hidden_size} and {shape.vocab_size}: set drafter.fp8.lm_head=false")
+    return None
+
+
+def check_drafter_quantization(fp8, device: torch.device, shape) -> None:
+    """RecipeError for `drafter_refusal` on this rank's device; the GPU is queried only when drafter.fp8 is on."""
+    refused = drafter_refusal(fp8, machine(device), shape) if _drafter_parts(fp8) else None
     if refused:
         raise RecipeError(refused)

@@ -24,10 +24,11 @@ from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.files import check_files
+from dflash_ds.resolve.moe import check_moe, target_params
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
-from dflash_ds.resolve.quantization import check_quantization
+from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization
 from dflash_ds.safety import say
 from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
@@ -76,7 +77,7 @@ def resolve_device(name: str, setting: str) -> torch.device:
 def check_world(recipe: Recipe, world_size: int) -> Layout:
     t = recipe.topology
     try:
-        return Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated)
+        return Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated, recipe.target.expert_parallel)
     except TopologyError as exc:
         raise RecipeError(str(exc)) from None
 
@@ -101,6 +102,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     except TargetError as exc:
         raise RecipeError(f"target.path: {exc}") from None
     check_quantization(recipe.target, device.type, target_kind, tcfg)
+    check_moe(recipe, tcfg, target_kind, layout)
     geo = target_geometry(tcfg)
     try:
         dcfg = drafter_shape(tcfg, recipe.drafter)
@@ -109,6 +111,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         raise RecipeError(str(exc)) from None
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
+    check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
     if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
@@ -173,5 +176,5 @@ def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetS
     # and send one more tap (the final-norm state).
     kl = wants_target_logits(recipe, c)
     last = g.num_layers if kl else max(c.target_layer_ids) + 1
-    tp = int(12 * g.hidden_size * g.hidden_size * last + g.vocab_size * g.hidden_size)  # dense estimate
+    tp = target_params(g, last, recipe.target.expert_parallel)
     return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))

@@ -32,6 +32,7 @@ class Layout:
     drafters_per_node: int
     targets_per_node: int
     colocated: bool = False
+    expert_parallel: int = 1  # target ranks per target replica (target.expert_parallel), inside one node
 
     def __post_init__(self):
         per = self.per_node
@@ -41,6 +42,21 @@ class Layout:
                 f"(topology.drafters_per_node {self.drafters_per_node} + topology.targets_per_node "
                 f"{self.targets_per_node} = {per}); launch {per} processes per node "
                 f"(deepspeed --num_gpus {per}) or change the topology section")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        n = self.expert_parallel
+        if n == 1:
+            return
+        if n < 1:
+            raise TopologyError(f"target.expert_parallel must be >= 1, got {n}")
+        if self.colocated:
+            raise TopologyError(f"target.expert_parallel {n} spreads one target over {n} target ranks, but "
+                                "topology.colocated runs one rank per GPU holding both models: set "
+                                "target.expert_parallel=1 or topology.colocated=false")
+        if self.targets_per_node % n:
+            raise TopologyError(f"target.expert_parallel {n} must divide topology.targets_per_node "
+                                f"{self.targets_per_node}: a target's ranks share one node")
 
     @property
     def per_node(self) -> int:
@@ -121,6 +137,19 @@ class Layout:
                     d = self.drafter_rank(node, ld)
                     out.append((g, d, self.micro_index(step, g, grad_accum, d)))
         return out
+
+    def expert_groups(self) -> list[list[int]]:
+        """The target ranks holding one target together (target.expert_parallel consecutive local
+        target ranks of a node); every target rank is in exactly one. Size 1 without expert parallelism."""
+        n, out = self.expert_parallel, []
+        for node in range(self.nodes):
+            ranks = [self.target_rank(node, lt) for lt in range(self.targets_per_node)]
+            out += [ranks[i:i + n] for i in range(0, len(ranks), n)]
+        return out
+
+    def expert_group_of(self, rank: int) -> list[int]:
+        """The ranks of the target `rank` helps hold (just [rank] without expert parallelism)."""
+        return next((g for g in self.expert_groups() if rank in g), [rank])
 
     def eval_target(self) -> int:
         """The target rank that produces the held-out evaluation payloads for drafter rank 0."""

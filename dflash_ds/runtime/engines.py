@@ -14,6 +14,7 @@ from dflash_ds.config import Recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
 from dflash_ds.resolve.plan import Plan, lr_factor
 from dflash_ds.resolve.topology import Layout
+from dflash_ds.runtime.fp8_drafter import apply_layers
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Groups:
     drafter: dist.ProcessGroup
     target: dist.ProcessGroup
     payload: dist.ProcessGroup | None = None
+    experts: dist.ProcessGroup | None = None  # the target ranks holding this rank's target (target.expert_parallel)
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
@@ -44,7 +46,21 @@ def make_groups(layout: Layout, payload_ctas: int = 0) -> Groups:
     # Every rank creates every group, in the same order (new_group is collective over WORLD).
     drafter = dist.new_group(layout.drafter_ranks)
     target = drafter if layout.colocated else dist.new_group(layout.target_ranks)
-    return Groups(drafter, target, payload_group(layout, payload_ctas))
+    payload = payload_group(layout, payload_ctas)
+    return Groups(drafter, target, payload, expert_group(layout))
+
+
+def expert_group(layout: Layout) -> dist.ProcessGroup | None:
+    """This rank's expert group (every rank creates every one, in the same order); None without
+    expert parallelism and on drafter ranks."""
+    if layout.expert_parallel == 1:
+        return None
+    mine = None
+    for ranks in layout.expert_groups():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def payload_group(layout: Layout, ctas: int) -> dist.ProcessGroup | None:
@@ -74,6 +90,8 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
         # reentrant variant would then silently give the checkpointed layers no gradient.
         drafter.checkpoint_fn = deepspeed.checkpointing.non_reentrant_checkpoint
     drafter.checkpoint_layers = n_ckpt
+    # Before the engine: it flattens the parameters the FP8 layers keep.
+    apply_layers(recipe, drafter)
     o = recipe.optim
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt_kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -113,11 +131,13 @@ def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn
     return model.to(device=device, dtype=getattr(torch, name) if name else None)
 
 
-def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
+def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, experts=None):
     """The frozen target from target.path under the engine target.ds_config asks for.
 
     A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the
-    target group at load time, gathered layer by layer each forward.
+    target group at load time, gathered layer by layer each forward. A mixture-of-experts target
+    with target.expert_parallel > 1 is split over the `experts` group instead (kind
+    "expert_parallel"): every rank reads its share of the experts and the rest of the model.
     """
     from dflash_ds.target_model import fp8 as fp8_target
     from dflash_ds.target_model.model import load_target
@@ -135,8 +155,16 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device):
             fp8_target.check_device(device)
         except fp8_target.QuantizationError as exc:
             raise fp8_target.QuantizationError(f"target.quantization: fp8: {exc}; set target.quantization=none") from None
-    model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device, attn_implementation=t.attn_implementation,
-                        keep_fp8=fp8)
+    if t.expert_parallel > 1:
+        from dflash_ds.runtime.expert_group import GroupComm
+        from dflash_ds.target_model.expert_parallel import load_expert_shard
+
+        model = load_expert_shard(t.path, GroupComm(experts), dtype=t.dtype, device=device,
+                                  attn_implementation=t.attn_implementation)
+        kind = "expert_parallel"
+    else:
+        model = load_target(t.path, adapter=t.adapter, dtype=t.dtype, device=device,
+                            attn_implementation=t.attn_implementation, keep_fp8=fp8)
     return quantized_replica(recipe, model, cfg, device), kind
 
 
@@ -146,11 +174,19 @@ def quantized_replica(recipe: Recipe, model: torch.nn.Module, cfg: dict, device:
     shape. The replica JSON's dtype equals target.dtype (checked before launch), which the model was
     loaded in, so the FP8 weights are never cast."""
     from dflash_ds.target_model import fp8 as fp8_target
+    from dflash_ds.target_model import moe
+    from dflash_ds.target_model.model import TargetError
 
+    if moe.experts_modules(model):
+        try:
+            moe.use_experts(model, recipe.target.experts_implementation)
+        except ValueError as exc:
+            raise TargetError(f"target.experts_implementation: {exc}") from None
     if recipe.target.quantization != "fp8":
         return replica(model, cfg, device)
     model = model.to(device)
     if not any(isinstance(m, fp8_target.Fp8Linear) for m in model.modules()):
         fp8_target.quantize_model(model, fp8_target.ROWS)
+        moe.quantize_experts(model)  # the routed experts: one scale per expert row (none on a dense target)
     fp8_target.compile_for(model, recipe.optim.rows_per_micro_batch * recipe.data.max_length)
     return model

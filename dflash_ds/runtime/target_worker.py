@@ -9,6 +9,7 @@ colocated mode and the bench use `fill()` alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -65,19 +66,26 @@ class TargetWorker:
         self.tokens = 0
 
     @classmethod
-    def load(cls, spec: RunSpec, data: PreparedData, rank: int, group, eval_lead: bool) -> "TargetWorker":
+    def load(cls, spec: RunSpec, data: PreparedData, rank: int, group, eval_lead: bool,
+             experts=None) -> "TargetWorker":
         """The target from target.path under its engine; the held-out continuations when this rank
-        produces the evaluation payloads (`eval_lead`), or must join their forwards (ZeRO-3)."""
+        produces the evaluation payloads (`eval_lead`), or must join their forwards (ZeRO-3; the
+        eval lead's expert group)."""
         from dflash_ds.runtime.engines import load_target_engine
 
-        model, kind = load_target_engine(spec.recipe, spec.plan, group, spec.device)
+        model, kind = load_target_engine(spec.recipe, spec.plan, group, spec.device, experts)
         seqs = None
-        # Under ZeRO-3 every forward gathers weights from all target ranks, so they all generate the
-        # (identical, greedy) continuations in lock-step; only the lead keeps and writes them.
-        if wants_eval(spec, data) and (eval_lead or kind == "zero3"):
+        # Under ZeRO-3 every forward gathers weights from all target ranks, and the ranks of one
+        # expert-parallel target gather each other's tokens, so they all generate the (identical,
+        # greedy) continuations in lock-step; only the lead keeps and writes them.
+        lockstep = kind == "zero3" or (kind == "expert_parallel"
+                                       and spec.layout.eval_target() in spec.layout.expert_group_of(rank))
+        if wants_eval(spec, data) and (eval_lead or lockstep):
             cache = Path(spec.recipe.run.output_dir) / "eval_sequences.json"
-            seqs = greedy_sequences(model, data.eval_prompts, spec.recipe.eval.max_new_tokens, spec.device, cache,
-                                    write=eval_lead)
+            same = model.expert_comm.same_inputs() if kind == "expert_parallel" else contextlib.nullcontext()
+            with same:  # every rank of the group generates from the same prompts
+                seqs = greedy_sequences(model, data.eval_prompts, spec.recipe.eval.max_new_tokens, spec.device,
+                                        cache, write=eval_lead)
         if not spec.payload.final_norm:  # the KL term's final-norm tap needs every layer
             truncate_after(model, max(spec.drafter.target_layer_ids))  # after generating, which needs every layer
         return cls(spec, model, data.rows, rank, seqs)
@@ -177,4 +185,5 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
 def run_target(spec: RunSpec, data: PreparedData, rank: int, groups, start: int) -> None:
     """A target rank from `start` (the run control's decision) to the end."""
     is_eval_rank = rank == spec.layout.eval_target()
-    TargetWorker.load(spec, data, rank, groups.target, eval_lead=is_eval_rank).run(start, groups.payload)
+    TargetWorker.load(spec, data, rank, groups.target, eval_lead=is_eval_rank,
+                      experts=groups.experts).run(start, groups.payload)

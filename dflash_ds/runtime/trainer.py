@@ -114,6 +114,7 @@ class DrafterTrainer:
         (fresh or drafter.init_from) under its engine, resumed at the step `control` decided, the
         held-out payloads, and the payload source."""
         from dflash_ds.runtime.engines import build_drafter_engine
+        from dflash_ds.runtime.fp8_drafter import loss_head
         from dflash_ds.target_model.model import embed_and_head
 
         r, lay = spec.recipe, spec.layout
@@ -125,7 +126,7 @@ class DrafterTrainer:
         source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups, start)
         from deepspeed.accelerator import get_accelerator
 
-        parts = DrafterParts(engine, DraftModel(drafter, embed, head), source, groups.drafter,
+        parts = DrafterParts(engine, DraftModel(drafter, embed, head, loss_head(r, head)), source, groups.drafter,
                              SyncStallTimer(get_accelerator(), spec.device), start, eval_set)
         return cls(spec, rank, parts, control)
 
@@ -152,14 +153,14 @@ class DrafterTrainer:
         with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
             dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_sums)
+        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_names(s.shape))
         term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(self.model, mb, bl, weight / scale, s, term)
             self.engine.backward(out.loss)
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
-            run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False)
+            run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=s.shape.first_draft_slot)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
             kl_sum = kl_sum + out.kl_sum
             extra = tuple(a + b for a, b in zip(extra, out.extra))
@@ -249,7 +250,7 @@ class DrafterTrainer:
             t1 = time.perf_counter()
             try:
                 out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export",
-                                   card=card_info(r, step, self.last_tau))
+                                   card=card_info(r, step, self.last_tau), num_anchors=r.objective.num_anchors)
             except OSError as exc:  # the export is swapped in only when complete: the old one stays
                 raise CheckpointError(
                     f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
@@ -289,7 +290,7 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], layout: Pay
                         continue
                     cycles.append(tau_from_taps(model, mb.taps[j, a:b], mb.input_ids[j, a:b], int(resp[0]), b - a))
     drafter.train(was_training)
-    return TauReport(block_size=model.block_size, cycles=cycles)
+    return TauReport(block_size=model.max_emitted, cycles=cycles)
 
 
 def build_drafter(spec: RunSpec):

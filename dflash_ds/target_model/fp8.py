@@ -81,15 +81,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
-def scaled_matmul(xq, x_scale, wq, w_scale, blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_matmul(xq, x_scale, wq, w_scale, blocks: bool, out_dtype: torch.dtype,
+                  fast_accum: bool = True) -> torch.Tensor:
     """x @ w.T from their e4m3 forms: x_scale [M, 1] (rows) or [K/128, M] (groups); w_scale [1, N]
     (rows) or [N/128, K/128] (blocks). FP8 tensor cores on CUDA; elsewhere the same product from
-    the dequantized operands (float32 accumulation)."""
+    the dequantized operands (float32 accumulation). `fast_accum` (rows only): the tensor cores'
+    own accumulator, without the periodic promotion to float32 (faster; less exact over a long K)."""
     if xq.is_cuda:
         if blocks:
             # 1 x 128 activation groups against 128 x 128 weight blocks (cuBLAS, CUDA 12.9+).
             return torch._scaled_mm(xq, wq.t(), scale_a=x_scale.t(), scale_b=w_scale.t(), out_dtype=out_dtype)
-        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype, use_fast_accum=True)
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
+                                 use_fast_accum=fast_accum)
     x = dequantize(xq, x_scale.t() if blocks else x_scale)
     w = dequantize(wq, w_scale if blocks else w_scale.t())
     return (x @ w.t()).to(out_dtype)
@@ -119,7 +122,7 @@ def _front(fn, x: torch.Tensor, compiled: bool):
     return fn(x)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
     # FP8 GEMMs want the token count in multiples of 16 (generation runs single tokens).
     pad = -x.shape[0] % 16
     return F.pad(x, (0, 0, 0, pad)) if pad and x.is_cuda else x
@@ -155,7 +158,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, m = x.shape[:-1], x.shape[:-1].numel()
-        x2 = _pad_rows(x.reshape(m, self.in_features))
+        x2 = pad_rows(x.reshape(m, self.in_features))
         out = self.matmul(*self.quantize_input(x2))
         return out[:m].reshape(*lead, self.out_features)
 
@@ -164,7 +167,7 @@ def fused_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP with gate and up as one FP8 GEMM and SwiGLU + quantization as one kernel."""
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     lead, m = x.shape[:-1], x.shape[:-1].numel()
-    x2 = _pad_rows(x.reshape(m, gate_up.in_features))
+    x2 = pad_rows(x.reshape(m, gate_up.in_features))
     h = gate_up.matmul(*gate_up.quantize_input(x2))
     hq, hs = down.quantize_input(h, _swiglu_groups if down.blocks else _swiglu_rows)
     return down.matmul(hq, hs)[:m].reshape(*lead, down.out_features)

@@ -19,12 +19,13 @@ def fla_short_conv_available() -> bool:
 
 
 def use_fla_short_conv() -> bool:
-    """Route Qwen3.5/3.6's causal_conv1d_fn through fla's Triton kernel. Returns True if patched."""
+    """Route Qwen3.5/3.6's causal_conv1d_fn (dense and MoE) through fla's Triton kernel. True if patched."""
     if not fla_short_conv_available():
         return False
     try:
         from fla.modules.causal_conv1d import causal_conv1d
         import transformers.models.qwen3_5.modeling_qwen3_5 as qwen35
+        import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as qwen35_moe
     except ImportError:
         return False
 
@@ -35,6 +36,7 @@ def use_fla_short_conv() -> bool:
         return out.transpose(1, 2)
 
     qwen35.causal_conv1d_fn = causal_conv1d_fn
+    qwen35_moe.causal_conv1d_fn = causal_conv1d_fn
     return True
 
 
@@ -84,29 +86,37 @@ def _swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def _fuse_qwen35(module, prefix: str) -> None:
+    getattr(module, f"{prefix}RMSNorm").forward = lambda self, x: _compile(_rms_zero_centered)(x, self.weight, self.eps)
+    getattr(module, f"{prefix}RMSNormGated").forward = lambda self, x, gate: _compile(_rms_gated)(
+        x, gate, self.weight, self.variance_epsilon)
+    # The dense MLP, and the shared expert of the MoE classes.
+    getattr(module, f"{prefix}MLP").forward = lambda self, x: self.down_proj(
+        _compile(_swiglu)(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fuse_qwen3(module, prefix: str) -> None:
+    getattr(module, f"{prefix}RMSNorm").forward = lambda self, x: _compile(_rms_plain)(x, self.weight,
+                                                                                       self.variance_epsilon)
+    getattr(module, f"{prefix}MLP").forward = lambda self, x: self.down_proj(
+        _compile(_swiglu)(self.gate_proj(x), self.up_proj(x)))
+
+
 def fuse_target_elementwise() -> list[str]:
-    """Patch the norm and MLP forwards of the Qwen3 / Qwen3.5 target classes (GPU only)."""
+    """Patch the norm and MLP forwards of the Qwen3 / Qwen3.5 target classes, dense and MoE (GPU only)."""
+    import importlib
+
     import torch
 
     if not torch.cuda.is_available():
         return []
     patched = []
-    try:
-        import transformers.models.qwen3_5.modeling_qwen3_5 as q35
-
-        q35.Qwen3_5RMSNorm.forward = lambda self, x: _compile(_rms_zero_centered)(x, self.weight, self.eps)
-        q35.Qwen3_5RMSNormGated.forward = lambda self, x, gate: _compile(_rms_gated)(x, gate, self.weight,
-                                                                                       self.variance_epsilon)
-        q35.Qwen3_5MLP.forward = lambda self, x: self.down_proj(_compile(_swiglu)(self.gate_proj(x), self.up_proj(x)))
-        patched.append("qwen3_5")
-    except ImportError:
-        pass
-    try:
-        import transformers.models.qwen3.modeling_qwen3 as q3
-
-        q3.Qwen3RMSNorm.forward = lambda self, x: _compile(_rms_plain)(x, self.weight, self.variance_epsilon)
-        q3.Qwen3MLP.forward = lambda self, x: self.down_proj(_compile(_swiglu)(self.gate_proj(x), self.up_proj(x)))
-        patched.append("qwen3")
-    except ImportError:
-        pass
+    for name, prefix, fuse in (("qwen3_5", "Qwen3_5", _fuse_qwen35), ("qwen3_5_moe", "Qwen3_5Moe", _fuse_qwen35),
+                               ("qwen3", "Qwen3", _fuse_qwen3), ("qwen3_moe", "Qwen3Moe", _fuse_qwen3)):
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        fuse(module, prefix)
+        patched.append(name)
     return patched

@@ -34,6 +34,14 @@ class TargetShape:
     vocab_size: int
     model_type: str
     hybrid: bool  # has linear-attention (Gated DeltaNet) layers: packed rows go through target.packed
+    num_experts: int = 0  # routed experts per MoE layer (target_model/moe.py); 0 = a dense target
+    experts_per_token: int = 0
+    expert_width: int = 0  # moe_intermediate_size
+    shared_width: int = 0  # the shared expert's intermediate size (0: none)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def is_hybrid(config) -> bool:
@@ -50,13 +58,20 @@ def is_hybrid(config) -> bool:
 
 
 def target_geometry(config) -> TargetShape:
+    from dflash_ds.target_model.moe import moe_shape
+
     tc = text_config(config)
+    moe = moe_shape(tc)
     return TargetShape(
         num_layers=tc.num_hidden_layers,
         hidden_size=tc.hidden_size,
         vocab_size=tc.vocab_size,
         model_type=getattr(tc, "model_type", ""),
         hybrid=is_hybrid(tc),
+        num_experts=moe.num_experts if moe else 0,
+        experts_per_token=moe.experts_per_token if moe else 0,
+        expert_width=moe.expert_width if moe else 0,
+        shared_width=moe.shared_width if moe else 0,
     )
 
 
@@ -218,20 +233,7 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
     """
     from safetensors import safe_open
 
-    root = Path(path)
-    if not root.is_dir():
-        from huggingface_hub import snapshot_download
-
-        root = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        single = root / "model.safetensors"
-        if not single.is_file():
-            raise TargetError(f"the target {path!r} has no safetensors weights; convert the checkpoint to safetensors")
-        with safe_open(str(single), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map = checkpoint_files(path)
 
     def find(suffixes):
         for name in weight_map:
@@ -245,13 +247,32 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
         raise TargetError(f"the target {path!r} has no embed_tokens weight in its checkpoint")
     out = []
     for name in (embed_name, head_name):
-        with safe_open(str(root / weight_map[name]), "pt", device="cpu") as f:
+        with safe_open(str(weight_map[name]), "pt", device="cpu") as f:
             w = f.get_tensor(name)
         scale_name = name + "_scale_inv"  # an FP8 checkpoint that quantized it too: dequantize
         if scale_name in weight_map:
             from dflash_ds.target_model.fp8 import dequantize
 
-            with safe_open(str(root / weight_map[scale_name]), "pt", device="cpu") as f:
+            with safe_open(str(weight_map[scale_name]), "pt", device="cpu") as f:
                 w = dequantize(w, f.get_tensor(scale_name))
         out.append(w.to(dtype=dtype, device=device))
     return out[0], out[1]
+
+
+def checkpoint_files(path: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, for a local model directory or a hub id."""
+    root = Path(path)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = root / "model.safetensors"
+    if not single.is_file():
+        raise TargetError(f"the target {path!r} has no safetensors weights; convert the checkpoint to safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return {k: single for k in f.keys()}

@@ -28,91 +28,117 @@ def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
 
 
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+
+
+def _qwen35_text(n: int) -> dict:
+    # What the published Qwen3.5/3.6 text towers, dense and MoE, share.
+    return dict(vocab_size=248320, num_hidden_layers=n, head_dim=256, linear_num_key_heads=16,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                layer_types=_hybrid_layer_types(n), max_position_embeddings=262144, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, rope_parameters=dict(QWEN35_ROPE))
+
+
 def _qwen36_27b(layers: int | None):
     from transformers import Qwen3_5TextConfig
 
-    n = layers or 64
-    return Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=n,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        layer_types=_hybrid_layer_types(n),
-        max_position_embeddings=262144,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-    )
+    return Qwen3_5TextConfig(**_qwen35_text(layers or 64), hidden_size=5120, intermediate_size=17408,
+                             num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
+
+
+QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
+
+
+def _qwen3_text(n: int) -> dict:
+    # What the published Qwen3 models, dense and MoE, share.
+    return dict(vocab_size=151936, num_hidden_layers=n, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=dict(QWEN3_ROPE))
 
 
 def _qwen3_8b(layers: int | None):
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=layers or 36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
+    return Qwen3Config(**_qwen3_text(layers or 36), hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                       num_key_value_heads=8)
+
+
+def _qwen35_moe(layers: int | None, default_layers: int, **shape):
+    # Qwen3.5/3.6 MoE text towers (Qwen3_5MoeTextConfig): the hybrid layout above, every MLP a routed
+    # mixture (softmax top-k, renormalised) plus one gated shared expert. Values from the published configs.
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**_qwen35_text(layers or default_layers), num_key_value_heads=2, **shape)
+
+
+def _qwen36_35b_a3b(layers: int | None):
+    # Qwen3.5/3.6-35B-A3B: Qwen3_5MoeTextConfig's own defaults are this geometry (D 2048, 16 query heads,
+    # 32 Gated DeltaNet value heads, 256 experts of width 512, 8 routed + 1 shared); only the rotary
+    # settings and the context length are the published checkpoint's rather than the class defaults.
+    return _qwen35_moe(layers, 40, hidden_size=2048, num_attention_heads=16, linear_num_value_heads=32,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
+                       num_experts_per_tok=8)
+
+
+def _qwen35_122b_a10b(layers: int | None):
+    return _qwen35_moe(layers, 48, hidden_size=3072, num_attention_heads=32, linear_num_value_heads=64,
+                       moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=256,
+                       num_experts_per_tok=8)
+
+
+def _qwen35_397b_a17b(layers: int | None):
+    return _qwen35_moe(layers, 60, hidden_size=4096, num_attention_heads=32, linear_num_value_heads=64,
+                       moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=512,
+                       num_experts_per_tok=10)
+
+
+def _qwen3_30b_a3b(layers: int | None):
+    # The plain Qwen3-MoE family: full attention in every layer, 128 experts, no shared expert.
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_qwen3_text(layers or 48), hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True)
+
+
+def _toy_qwen35(n: int) -> dict:
+    # The hybrid layout of Qwen3.5/3.6 at toy width (the same classes run on CPU).
+    return dict(hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, layer_types=_hybrid_layer_types(n), max_position_embeddings=4096,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=dict(QWEN35_ROPE))
 
 
 def _tiny(layers: int | None):
-    # The hybrid layout of Qwen3.5/3.6 at toy width (the same classes run on CPU).
     from transformers import Qwen3_5TextConfig
 
-    n = layers or 8
-    return Qwen3_5TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=n,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        layer_types=_hybrid_layer_types(n),
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-    )
+    return Qwen3_5TextConfig(**_toy_qwen35(layers or 8), vocab_size=512, intermediate_size=128, head_dim=32)
+
+
+def _toy_qwen3(n: int) -> dict:
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters=dict(QWEN3_ROPE))
 
 
 def _tiny_qwen3(layers: int | None):
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers or 6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    )
+    return Qwen3Config(**_toy_qwen3(layers or 6), vocab_size=512)
+
+
+def _tiny_moe(layers: int | None):
+    # 4 experts, top 2; 6 layers, so that 2 drafter layers tap two distinct ones.
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**_toy_qwen35(layers or 6), vocab_size=1024, head_dim=16, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+
+def _tiny_qwen3_moe(layers: int | None):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_toy_qwen3(layers or 6), vocab_size=1024, moe_intermediate_size=32, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True)
 
 
 GEOMETRIES: dict[str, NamedGeometry] = {
@@ -122,10 +148,23 @@ GEOMETRIES: dict[str, NamedGeometry] = {
                       "D 5120, vocab 248320", _qwen36_27b, drafter_layers=5, mask_token_id=248070),
         NamedGeometry("qwen3-8b", "Qwen3-8B: 36 dense layers, D 4096, vocab 151936", _qwen3_8b,
                       drafter_layers=5, mask_token_id=151669),
+        NamedGeometry("qwen3.6-35b-a3b", "Qwen3.5/3.6-35B-A3B text tower: 40 layers (10 x 3 Gated DeltaNet + 1 full "
+                      "attention), D 2048, 256 experts (8 routed + 1 shared, width 512), vocab 248320",
+                      _qwen36_35b_a3b, drafter_layers=5, mask_token_id=248070),
+        NamedGeometry("qwen3.5-122b-a10b", "Qwen3.5-122B-A10B text tower (planning): 48 layers, D 3072, 256 experts "
+                      "(8 routed + 1 shared, width 1024)", _qwen35_122b_a10b, drafter_layers=5, mask_token_id=248070),
+        NamedGeometry("qwen3.5-397b-a17b", "Qwen3.5-397B-A17B text tower (planning): 60 layers, D 4096, 512 experts "
+                      "(10 routed + 1 shared, width 1024)", _qwen35_397b_a17b, drafter_layers=5, mask_token_id=248070),
+        NamedGeometry("qwen3-30b-a3b", "Qwen3-30B-A3B: 48 full-attention MoE layers, D 2048, 128 experts (8 routed, "
+                      "width 768), vocab 151936", _qwen3_30b_a3b, drafter_layers=5, mask_token_id=151669),
         NamedGeometry("tiny", "toy hybrid Qwen3.5-style target (8 layers, D 64) for CPU smoke runs", _tiny,
                       drafter_layers=2, mask_token_id=5),
         NamedGeometry("tiny-qwen3", "toy dense Qwen3 target (6 layers, D 64) for CPU smoke runs", _tiny_qwen3,
                       drafter_layers=2, mask_token_id=5),
+        NamedGeometry("tiny-moe", "toy hybrid Qwen3.5-MoE target (6 layers, D 64, 4 experts, top 2) for CPU runs",
+                      _tiny_moe, drafter_layers=2, mask_token_id=5),
+        NamedGeometry("tiny-qwen3-moe", "toy Qwen3-MoE target (6 layers, D 64, 4 experts, top 2) for CPU runs",
+                      _tiny_qwen3_moe, drafter_layers=2, mask_token_id=5),
     )
 }
 

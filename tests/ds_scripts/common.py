@@ -110,6 +110,17 @@ def run_one_group(ctx: Ctx, work, busy: str) -> None:
     finish(ctx)
 
 
+def targets_work(args: argparse.Namespace, work) -> None:
+    """The target group runs work(ctx) while each drafter rank computes something of its own that never
+    touches the target group, then waits for the targets' release."""
+    ctx = setup(args)
+    if ctx.is_drafter:
+        x = torch.randn(64, 64)
+        for _ in range(10):
+            x = torch.tanh(x @ x.T / 64)
+    run_one_group(ctx, work, busy="target")
+
+
 def finish(ctx: Ctx) -> None:
     dist.barrier()
     dist.destroy_process_group()

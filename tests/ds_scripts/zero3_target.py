@@ -110,13 +110,7 @@ def main() -> None:
         patches.skip_zero3_trace_check = lambda: None
     if "zero_init" in args.without:
         patches.zero_init_on = lambda group: contextlib.nullcontext()
-    ctx = common.setup(args)
-    if ctx.is_drafter:
-        # Drafter work that never touches the target group.
-        x = torch.randn(64, 64)
-        for _ in range(10):
-            x = torch.tanh(x @ x.T / 64)
-    common.run_one_group(ctx, run_target, busy="target")
+    common.targets_work(args, run_target)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from dflash_ds.model.variants import dflash2, v1
+from dflash_ds.model.variants import dflash2, dspark, v1
 from dflash_ds.model.variants.base import DrafterVariant
 
-_VARIANTS = (v1.VARIANT, dflash2.VARIANT)
+_VARIANTS = (v1.VARIANT, dflash2.VARIANT, dspark.VARIANT)
 
 VARIANTS: dict[str, DrafterVariant] = {v.name: v for v in _VARIANTS}
 DEFAULT = v1.VARIANT  # a recipe or config.json that names no architecture

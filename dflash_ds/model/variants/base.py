@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from dflash_ds.model import blocks
+
 # `shape` below is a model.shape.DrafterShape, which imports this module (so its name is not imported here).
 
 class FieldError(ValueError):
@@ -80,6 +82,16 @@ class ExtraLoss(NamedTuple):
     sums: tuple[torch.Tensor, ...]  # detached, in `log_sums` order (after the chunk term's, if any)
 
 
+class Serving(NamedTuple):
+    """How the engines are told to serve a drafter: SGLang's `--speculative-algorithm` and
+    `--speculative-num-draft-tokens`, vLLM's `method` and `num_speculative_tokens`."""
+
+    sglang_algorithm: str
+    sglang_draft_tokens: int
+    vllm_method: str
+    vllm_tokens: int
+
+
 class DrafterVariant:
     """One drafter architecture (module docstring). Subclass it, set the names, override the hooks that differ."""
 
@@ -98,7 +110,12 @@ class DrafterVariant:
     needs_target_logits: bool = False
     """Payloads carry the target's final-norm states, so the chunk term sees the target's logits."""
     log_sums: tuple[str, ...] = ()
-    """Names of the detached sums `LossOutput.extra` holds (chunk term's first, then `extra_loss`'s)."""
+    """Names of the detached sums `LossOutput.extra` holds (chunk term's first, then `extra_loss`'s);
+    `log_names` when their number depends on the shape."""
+    label_offset: int = 0
+    """Slot k of the block at anchor a is trained on, and drafts, the token at a + k + label_offset.
+    0 (DFlash): slot 0 is the anchor itself and drafts nothing, B - 1 drafts per block. 1
+    (anchor-first, the engines' `sample_from_anchor`): every slot drafts, B drafts per block."""
 
     # ---------------------------------------------------------------------------------- the shape
 
@@ -119,6 +136,10 @@ class DrafterVariant:
     def config_entries(self, shape: Any) -> dict:
         """This architecture's `dflash_config` entries of config.json (default: every field by its name)."""
         return dataclasses.asdict(shape.arch_fields)
+
+    def top_level_entries(self, shape: Any) -> dict:
+        """config.json entries beside `dflash_config` that this architecture's readers look for there."""
+        return {}
 
     def fields_from_config(self, dflash_config: dict) -> Any:
         """Inverse of `config_entries`: every field must be present."""
@@ -150,12 +171,22 @@ class DrafterVariant:
     # ------------------------------------------------------------------------------- the walk
 
     def draft(self, model: Any, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """The tokens `[n, B-1]` the engines propose at temperature 0 from the drafting slots' final
-        states `[n, B-1, D]` of blocks whose anchors are `anchors` [n]: each slot's argmax (the
+        """The tokens `[n, L]` the engines propose at temperature 0 from the drafting slots' final
+        states `[n, L, D]` (L = `DrafterShape.num_drafts`) of blocks whose anchors are `anchors` [n]: each slot's argmax (the
         target's logit transform is monotonic, so it does not change the argmax)."""
         return argmax_tokens(hidden, model.lm_head)
 
     # ------------------------------------------------------------------------------- the loss
+
+    def default_gamma(self, shape: Any) -> float:
+        """The slot decay's gamma when the recipe sets none."""
+        return blocks.default_gamma(shape.block_size)
+
+    def block_targets(self, mb: Any, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                      gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Labels and float32 weights `[b, N, B]` of micro-batch `mb`'s blocks (model.blocks.block_targets:
+        same-position labels, slot 0 weight 0)."""
+        return blocks.block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
 
     def loss_settings(self, objective: Any) -> Any:
         """The variant's loss settings from the recipe's objective section (read by attribute name)."""
@@ -166,19 +197,27 @@ class DrafterVariant:
         warm-up); step None: after any warm-up."""
         return settings
 
+    def ce_weight(self, term: Any) -> float:
+        """The cross-entropy's coefficient in the loss under this step's `step_term`."""
+        return 1.0
+
     def candidates(self, shape: Any) -> int:
         """Top-k token ids (and raw logits) per slot the base loss keeps for `extra_loss`; 0 for none."""
         return 0
 
-    def chunk_term(self, model: Any, blocks: Any, term: Any) -> Any:
+    def chunk_term(self, model: Any, blocks: Any, term: Any, hidden: torch.Tensor) -> Any:
         """A model.loss.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
         logits (and the target's, with `needs_target_logits`): a bias added to the logits and/or
-        extra loss terms; None for none."""
+        extra loss terms; None for none. `hidden` `[R, N*B, D]`: the drafter's final states."""
         return None
 
     def extra_loss(self, ctx: LossContext) -> ExtraLoss | None:
         """A term computed after the base loss (e.g. from its candidates), or None."""
         return None
+
+    def log_names(self, shape: Any) -> tuple[str, ...]:
+        """The names of the step's detached sums for a drafter of `shape` (default: `log_sums`)."""
+        return self.log_sums
 
     def log_record(self, sums: list[float], weight: float) -> dict[str, float]:
         """metrics.jsonl fields from the step's `log_sums` (summed over micro-batches and ranks) and
@@ -190,6 +229,10 @@ class DrafterVariant:
     def card_rows(self, shape: Any) -> list[str]:
         """Rows of the model card's table (markdown `| name | value |`)."""
         return []
+
+    def serving(self, shape: Any) -> Serving:
+        """The engines' method names and draft counts (DFlash: SGLang counts the anchor, vLLM the drafts)."""
+        return Serving("DFLASH", shape.block_size, "dflash", shape.block_size - 1)
 
     def serving_note(self) -> list[str]:
         """Lines of the model card's serving section before the commands."""

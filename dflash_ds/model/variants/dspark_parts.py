@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ds.model.blocks import decay_weights
 from dflash_ds.model.gather import take_rows
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.blocks import decay_weights
 
 # DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
 _INIT_STD = 0.02
@@ -91,13 +91,20 @@ class ConfidenceHead(nn.Module):
     def forward(self, hidden: torch.Tensor, embedding: torch.Tensor | None = None) -> torch.Tensor:
         """hidden `[..., D]` (the drafter's final-norm state of the slot), embedding `[..., r]` (the
         Markov embedding of its predecessor) -> `[...]`."""
-        work = torch.promote_types(hidden.dtype, torch.float32)
-        features = hidden.to(work)
-        if self.with_markov:
-            if embedding is None:
-                raise ValueError("this confidence head reads the Markov embedding of the previous token")
-            features = torch.cat([features, embedding.to(work)], dim=-1)
-        return F.linear(features, self.proj.weight.to(work), self.proj.bias.to(work)).squeeze(-1)
+        if self.with_markov and embedding is None:
+            raise ValueError("this confidence head reads the Markov embedding of the previous token")
+        return confidence_logits(hidden, embedding if self.with_markov else None, self.proj.weight, self.proj.bias)
+
+
+def confidence_logits(hidden: torch.Tensor, embedding: torch.Tensor | None, weight: torch.Tensor,
+                      bias: torch.Tensor) -> torch.Tensor:
+    """`ConfidenceHead`'s computation on its parameters `weight` `[1, D (+ r)]`, `bias` `[1]`, in at
+    least float32: `[..., D]` states (and `[..., r]` embeddings, or None) -> `[...]` raw logits."""
+    work = torch.promote_types(hidden.dtype, torch.float32)
+    features = hidden.to(work)
+    if embedding is not None:
+        features = torch.cat([features, embedding.to(work)], dim=-1)
+    return F.linear(features, weight.to(work), bias.to(work)).squeeze(-1)
 
 
 def shift_in(first: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""DSpark (docs/algorithm.md section 9): the backbone with an anchor-first block, a Markov head that
+biases every slot's logits by the token before the one it predicts, and a confidence head trained
+toward each slot's acceptance probability; the engines walk the Markov chain greedily.
+
+The modules and their math are in dspark_parts.py; this module says where they go, what they hold,
+how they are trained (inside the fused loss, on the target's logits the distillation path already
+computes) and logged, and how an export names them for llama.cpp, vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_ds.model.blocks import default_gamma, slot_rows
+from dflash_ds.model.gather import take_rows
+from dflash_ds.model.loss import ChunkTerm
+from dflash_ds.model.variants.base import DrafterVariant, ExtraLoss, FieldError, LossContext, Serving, Tensor
+from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
+                                                   calibration, confidence_logits, expected_tau, greedy_walk,
+                                                   shift_in)
+
+HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
+
+
+@dataclass(frozen=True)
+class DSparkFields:
+    """DSpark's shape, in dflash_config order; the defaults are DeepSpec's published shape."""
+
+    markov_rank: int = 256
+    """Rank r of the Markov head (two [vocab, r] tables)."""
+    markov_head_type: str = "vanilla"
+    """The Markov head's form: vanilla, bias = markov_w2 @ markov_w1[prev]."""
+    enable_confidence_head: bool = True
+    """A confidence head predicting each slot's acceptance probability (vLLM's adaptive verification
+    and llama.cpp's --spec-draft-p-min read it)."""
+    confidence_head_with_markov: bool = True
+    """The confidence head also reads the Markov embedding of the slot's predecessor (llama.cpp loads
+    only this form)."""
+
+
+def _sum_names(block_size: int) -> tuple[str, ...]:
+    slots = [f"{what}_{k}" for k in range(block_size) for what in ("accept_sum", "accept_count")]
+    return ("l1_sum", "confidence_sum", "tau_probabilistic_sum", "tau_probabilistic_blocks",
+            "confidence_abs_error_sum", "confidence_bias_sum", *slots)
+
+
+class DSpark(DrafterVariant):
+    name = "dspark"
+    class_name = "Qwen3DSparkModel"
+    title = "DSpark"
+    auto_map = {"AutoConfig": "modeling_dflash.DSparkConfig", "AutoModel": "modeling_dflash.Qwen3DSparkModel"}
+    fields = DSparkFields
+    needs_target_logits = True
+    label_offset = 1
+
+    def check(self, shape) -> None:
+        f = shape.arch_fields
+        if f.markov_rank < 1:
+            raise FieldError("markov_rank", f"= {f.markov_rank} must be >= 1 (DeepSpec publishes 256)")
+        if f.markov_head_type not in HEAD_TYPES:
+            raise FieldError("markov_head_type", f"= {f.markov_head_type!r} is not served: llama.cpp and vLLM load "
+                             "the vanilla Markov head only; set vanilla")
+        if shape.output_multiplier != 1.0 or shape.final_logit_softcapping is not None:
+            raise FieldError("output_multiplier", "scales or caps the target's logits, and the engines disagree on "
+                             "whether DSpark's Markov bias is added before or after that: DSpark is trained for "
+                             "targets without a logit transform only (Qwen3, Llama)")
+
+    def config_entries(self, shape) -> dict:
+        return {"block_size": shape.block_size, **super().config_entries(shape), "sample_from_anchor": True}
+
+    def top_level_entries(self, shape) -> dict:
+        # DeepSpec's config class, vLLM's and SGLang's readers and llama.cpp's converter read these
+        # at the top level; the converter builds its dflash_config from the top-level ids.
+        return {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(shape.target_layer_ids),
+                **dataclasses.asdict(shape.arch_fields), "sample_from_anchor": True}
+
+    # ---------------------------------------------------------------------------------- modules
+
+    def heads(self, shape) -> dict:
+        f = shape.arch_fields
+        out = {"markov_head": MarkovHead(shape.vocab_size, f.markov_rank)}
+        if f.enable_confidence_head:
+            out["confidence_head"] = ConfidenceHead(shape.hidden_size,
+                                                    f.markov_rank if f.confidence_head_with_markov else 0)
+        return out
+
+    def tensors(self, shape) -> dict[str, Tensor]:
+        f, d, v, r = shape.arch_fields, shape.hidden_size, shape.vocab_size, shape.arch_fields.markov_rank
+        out = {"markov_head.markov_w1.weight": Tensor((v, r), "table"),
+               "markov_head.markov_w2.weight": Tensor((v, r), "block")}
+        if f.enable_confidence_head:
+            out["confidence_head.proj.weight"] = Tensor((1, d + (r if f.confidence_head_with_markov else 0)), "block")
+            out["confidence_head.proj.bias"] = Tensor((1,))
+        return out
+
+    def extra_flops(self, shape, block_tokens: int) -> int:
+        # The target's logits of every slot through the frozen lm_head (forward only), for the L1 term.
+        return 2 * shape.vocab_size * shape.hidden_size * block_tokens
+
+    # --------------------------------------------------------------------------------- the walk
+
+    def draft(self, model, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        # Every slot's lm_head logits, then the chain: slot 0 conditioned on the anchor, slot k on
+        # the token chosen at slot k - 1 (llama.cpp's in-graph chain, vLLM's greedy drafting).
+        base = hidden @ model.lm_head.to(device=hidden.device, dtype=hidden.dtype).T
+        return greedy_walk(model.drafter.markov_head, base, anchors.to(hidden.device)).tokens
+
+    # --------------------------------------------------------------------------------- the loss
+
+    def default_gamma(self, shape) -> float:
+        # DeepSpec's exp(-k / gamma) over the B drafting slots is DFlash's decay of a block one
+        # longer (4.0 at B = 7, as DeepSpec sets it).
+        return default_gamma(shape.block_size + 1)
+
+    def block_targets(self, mb, anchors, valid, block_size, gamma):
+        return anchor_first_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
+
+    def loss_settings(self, objective) -> DSparkTerms:
+        return DSparkTerms(objective.ce_weight, objective.l1_weight, objective.confidence_weight)
+
+    def ce_weight(self, term: DSparkTerms | None) -> float:
+        return (term or DSparkTerms()).ce
+
+    def chunk_term(self, model, blocks, term: DSparkTerms | None, hidden) -> ChunkTerm:
+        """The Markov bias of every slot's logits (teacher-forced predecessor) and, on the biased
+        logits and the target's, l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV), both weighted by the
+        slot weights; per row it returns 1 - TV and the confidence head's probability."""
+        t = term or DSparkTerms()
+        drafter, b = model.drafter, model.config.block_size
+        labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
+        prev = slot_rows(shift_in(blocks.block_ids.view_as(labels)[..., 0], labels).flatten(1), b, 0)
+        head = getattr(drafter, "confidence_head", None)
+        params = (drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight)
+        rows = (prev,)
+        if head is not None:
+            params += (head.proj.weight, head.proj.bias)
+            rows += (slot_rows(hidden, b, 0),)
+
+        def bias(rows, params):
+            return F.linear(take_rows(params[0], rows[0]), params[1])
+
+        def loss(view):
+            w = view.weights
+            l1 = (view.z.softmax(-1) - view.target_z.softmax(-1)).abs().sum(-1)
+            accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+            l1_sum = (w * l1).sum()
+            conf_sum, prob = w.new_zeros(()), torch.zeros_like(accept)
+            if head is not None:
+                embedding = take_rows(view.params[0], view.rows[0], w.dtype) if head.with_markov else None
+                c = confidence_logits(view.rows[1], embedding, view.params[2], view.params[3]).to(w.dtype)
+                conf_sum = (w * F.binary_cross_entropy_with_logits(c, accept, reduction="none")).sum()
+                prob = torch.sigmoid(c.detach())
+            total = t.l1 * l1_sum + t.confidence * conf_sum
+            return total, torch.stack([l1_sum, conf_sum]).detach(), torch.stack([accept, prob], dim=1)
+
+        return ChunkTerm(rows=rows, params=params, bias=bias, loss=loss, num_sums=2, num_row_values=2)
+
+    def extra_loss(self, ctx: LossContext) -> ExtraLoss:
+        """No loss: the logs' statistics of the rows' 1 - TV and confidence (per slot, per block)."""
+        b = ctx.model.config.block_size
+        values = ctx.base.term_rows.view(-1, b, 2)
+        accept, prob = values[..., 0], values[..., 1]
+        w = ctx.blocks.weights.view(-1, b).to(accept.dtype)
+        tau_sum, tau_blocks = expected_tau(accept, w)
+        stats = calibration(prob, accept, w) if ctx.model.config.arch_fields.enable_confidence_head else None
+        cal = (stats.abs_error, stats.bias) if stats is not None else (w.new_zeros(()), w.new_zeros(()))
+        on = (w > 0).to(accept.dtype)
+        per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
+        sums = (tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind())
+        return ExtraLoss(ctx.hidden.new_zeros(()), tuple(s.detach() for s in sums))
+
+    def log_names(self, shape) -> tuple[str, ...]:
+        return _sum_names(shape.block_size)
+
+    def log_record(self, sums: list[float], weight: float) -> dict[str, float]:
+        # Weighted over the slots like "loss" (sum(w * term) / sum(w)); tau_probabilistic per block
+        # (DeepSpec's 1 + sum_k prod_{j <= k} (1 - TV_j)); acceptance per drafting slot unweighted.
+        l1, conf, tau, blocks, abs_error, bias, *slots = sums
+        rec = {"l1": l1 / weight, "confidence_loss": conf / weight,
+               "tau_probabilistic": tau / max(blocks, 1e-9),
+               "confidence_mae": abs_error / weight, "confidence_bias": bias / weight}
+        for k in range(len(slots) // 2):
+            total, count = slots[2 * k], slots[2 * k + 1]
+            if count > 0:
+                rec[f"accept_rate_pos_{k + 1}"] = total / count
+        return rec
+
+    # --------------------------------------------------------------------------------- the card
+
+    def card_rows(self, shape) -> list[str]:
+        f = shape.arch_fields
+        conf = ("with the Markov embedding" if f.confidence_head_with_markov else "without the Markov embedding") \
+            if f.enable_confidence_head else "none"
+        return [f"| Markov head | {f.markov_head_type}, rank {f.markov_rank} |",
+                f"| confidence head | {conf} |",
+                "| block layout | anchor-first (`sample_from_anchor`): all block slots draft |"]
+
+    def serving(self, shape) -> Serving:
+        return Serving("DSPARK", shape.block_size + 1, "dspark", shape.block_size)
+
+    def serving_note(self) -> list[str]:
+        return [
+            "The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
+            "confidence fields at the top level of config.json. llama.cpp converts it against the target",
+            "and runs it as `draft-dspark` (`--spec-draft-p-min` cuts the draft at the first slot whose",
+            "confidence is below it):",
+            "",
+            "```",
+            "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR",
+            "```",
+            "",
+        ]
+
+
+VARIANT = DSpark()

@@ -1,0 +1,97 @@
+"""The small world the architecture evaluation tests share: a float64 tiny Qwen3 target, six prompts
+and the target's greedy continuations of the first four, a drafter of a given recipe section trained
+on them with the project's drafter_loss, and the sampled-loop check with coupled draws."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ds.eval.generate import greedy_continuation, target_taps
+from dflash_ds.model.blocks import MicroBatch, make_blocks
+from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.resolve.drafter import drafter_shape
+
+VOCAB, MASK, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, [1, 3], 6, 40
+
+
+def final_states(target, x: torch.Tensor) -> torch.Tensor:
+    """The target's final-norm states [S, D] of one sequence (what target ranks send for a loss that
+    reads the target's logits)."""
+    with torch.no_grad():
+        return target.model(input_ids=x[None]).last_hidden_state[0]
+
+
+def trained_world(section, arch_loss, gamma: float, steps: int = 120) -> dict:
+    """target, prompts, sequences and the DraftModel of `section` (a config.DrafterConfig) trained
+    `steps` AdamW steps on the four sequences' response tokens."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                      rope_theta=1e6, tie_word_embeddings=False)
+    target = Qwen3ForCausalLM(cfg).double().eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 120, (PROMPT_LEN,), generator=gen) for _ in range(6)]
+    sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
+    shape = drafter_shape(target.config, section)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(shape).double()
+    model = DraftModel(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    x = torch.stack(sequences)
+    loss_mask = torch.zeros_like(x, dtype=torch.bool)
+    loss_mask[:, PROMPT_LEN:] = True
+    final = torch.stack([final_states(target, s) for s in sequences]) if shape.variant.needs_target_logits else None
+    mb = MicroBatch(torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences]), x, loss_mask,
+                    torch.zeros_like(x, dtype=torch.int32), final)
+    settings = StepSettings(shape=shape, num_anchors=24, gamma=gamma, loss_chunks=2, mask_kind="dense", seed=0,
+                            arch_loss=arch_loss)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        blocks = make_blocks(mb, settings, step)
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, steps))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    drafter.eval().requires_grad_(False)
+    return dict(target=target, prompts=prompts, sequences=sequences, model=model)
+
+
+def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
+    """With the coupled verifier of tests/test_sampled.py (the engines' rule, one draw per position)
+    the offline sampled walk and the online sampled loop give the same text and cycles on the first
+    four prompts; returns the drafts accepted per cycle."""
+    import copy
+
+    from dflash_ds.eval import specdec_sampled
+    from dflash_ds.eval.benchmark_table import BenchOptions, Responder
+    from tests.test_sampled import LOGIT_SCALE, SAMPLING, coupled_verify
+
+    target = copy.deepcopy(world["target"])
+    target.get_output_embeddings().weight.mul_(LOGIT_SCALE)
+    monkeypatch.setattr(specdec_sampled, "verify_block", coupled_verify)
+    accepted = []
+    for seed, prompt in enumerate(world["prompts"][:4]):
+        responder = Responder(target, world["model"], SAMPLING, BenchOptions(NEW, seed=seed))
+        response = responder.respond(prompt.tolist())
+        ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
+                                                         torch.Generator().manual_seed(seed), max_new_tokens=NEW)
+        assert ids.tolist() == response and counts == responder.result.report.cycles[0]
+        accepted += [c - 1 for c in counts]
+    return accepted
+
+
+def online_equals_offline(world: dict):
+    """The exact offline tau's report over the six prompts, after checking that the online reference
+    loop emits the same text and the same cycles for each."""
+    from dflash_ds.eval.generate import offline_tau
+    from dflash_ds.eval.specdec import speculative_generate
+
+    sequences = []
+    report = offline_tau(world["target"], world["model"], world["prompts"], max_new_tokens=NEW, sequences=sequences)
+    for prompt, x, cycles in zip(world["prompts"], sequences, report.cycles):
+        ids, counts = speculative_generate(world["target"], world["model"], prompt, max_new_tokens=NEW)
+        assert ids.tolist() == x[prompt.numel():].tolist()
+        assert counts == cycles
+    return report

@@ -1,0 +1,115 @@
+"""DSpark recipes and settings: recipes/qwen27b-dspark.yaml is DeepSpec's shape at the 27B's depth and
+exports what the engines read, bad DSpark settings stop with one line, `drafter.init_from` takes a
+DSpark export (and a v1 recipe refuses it), and the tiny recipe trains in-process through the same
+target-side payload (final-norm states included) and loss a run uses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.export import save_drafter
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.resolve.run import resolve_run, wants_target_logits
+from dflash_ds.target_model.presets import target_config
+
+TINY = "recipes/tiny-dspark.yaml"
+SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]
+
+
+def test_qwen27b_dspark_recipe_is_deepspecs_shape():
+    recipe = load_recipe("recipes/qwen27b-dspark.yaml")
+    shape = drafter_shape(target_config("qwen3.6-27b"), recipe.drafter)
+    config = shape.to_hf_config()
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 7
+    assert (config["markov_rank"], config["markov_head_type"], config["enable_confidence_head"],
+            config["confidence_head_with_markov"], config["sample_from_anchor"]) == (256, "vanilla", True, True, True)
+    assert config["target_layer_ids"] == [1, 16, 31, 46, 61] and config["layer_types"] == ["full_attention"] * 5
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (5, 5120) and "is_causal" not in config
+    assert shape.num_drafts == 7
+    tensors = shape.tensors()
+    assert tensors["markov_head.markov_w1.weight"].shape == (248320, 256)
+    assert tensors["confidence_head.proj.weight"].shape == (1, 5120 + 256)
+    assert shape.variant.default_gamma(shape) == 4.0 and recipe.objective.gamma is None
+    assert shape.variant.loss_settings(recipe.objective)[:3] == (0.1, 0.9, 1.0)
+    assert wants_target_logits(recipe, shape)  # the target ranks send their final-norm states
+
+
+@pytest.mark.parametrize("override, words", [
+    ("drafter.markov_head_type=gated", "drafter.markov_head_type"),
+    ("drafter.markov_rank=0", "drafter.markov_rank"),
+    ("objective.l1_weight=-1", "objective.l1_weight"),
+    ("objective.confidence_weight=-0.5", "objective.confidence_weight"),
+])
+def test_bad_dspark_settings_stop_with_one_line(override, words):
+    with pytest.raises(RecipeError) as e:
+        resolve_run(load_recipe(TINY, SMALL + [override]), world_size=2)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_init_from_a_dspark_export(tmp_path):
+    from dflash_ds.runtime.trainer import build_drafter
+
+    spec = resolve_run(load_recipe(TINY, SMALL), world_size=2)
+    torch.manual_seed(7)
+    exported = DFlashDrafter(spec.drafter)
+    with torch.no_grad():
+        exported.markov_head.markov_w2.weight.normal_()
+    path = save_drafter(exported, tmp_path / "export")
+    recipe = load_recipe(TINY, SMALL + [f"drafter.init_from={path}", f"run.output_dir={tmp_path / 'run'}"])
+    drafter = build_drafter(resolve_run(recipe, world_size=2))
+    assert drafter.config.architecture == "dspark"
+    assert torch.allclose(drafter.markov_head.markov_w2.weight, exported.markov_head.markov_w2.weight, atol=1e-2)
+    with pytest.raises(RecipeError) as e:
+        resolve_run(load_recipe("recipes/tiny.yaml", SMALL + [f"drafter.init_from={path}"]), world_size=2)
+    assert "drafter." in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.integration  # the tiny target and its data, trained in this process (README, "Tests")
+def test_tiny_dspark_trains_in_process(tmp_path):
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.runtime.trainer import build_drafter
+    from dflash_ds.target_model.model import embed_and_head, load_target
+
+    from .reference import reference_losses
+
+    recipe = load_recipe(TINY, ["optim.max_steps=6", "log.progress=false", f"run.output_dir={tmp_path}"])
+    data = load_training_data(recipe)
+    spec = resolve_run(recipe, world_size=2).with_rows(data.num_rows)
+    target = load_target(recipe.target.path, dtype="float32")
+    embed, head = embed_and_head(recipe.target.path, torch.float32)
+    drafter = build_drafter(spec)
+    before = drafter.markov_head.markov_w2.weight.detach().clone()
+    losses = reference_losses(spec, target, DraftModel(drafter, embed, head), data.rows, steps=6)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert not torch.equal(drafter.markov_head.markov_w2.weight, before)
+
+
+def test_bench_counts_dsparks_matmuls():
+    """The Markov projection and the confidence head per block token (forward, input and weight
+    gradient), and the target's logits through the lm_head (forward only); the table is gathered."""
+    from dflash_ds.bench.flops import drafter_step_flops
+
+    spec = resolve_run(load_recipe(TINY, SMALL), world_size=2)
+    shape = spec.drafter
+    v, d, r, block_tokens = shape.vocab_size, shape.hidden_size, shape.arch_fields.markov_rank, 70
+    plain = drafter_step_flops(shape.replace(architecture="dflash", arch_fields=None), 100, block_tokens, 1234)
+    flops = drafter_step_flops(shape, 100, block_tokens, 1234)
+    assert flops["dspark"] == (6 * (v * r + d + r) + 2 * v * d) * block_tokens
+    assert flops["total"] == plain["total"] + flops["dspark"]
+
+
+def test_progress_line_and_report_show_dsparks_fields():
+    from dflash_ds.metrics import progress_line
+    from dflash_ds.report import _summary
+
+    rec = {"step": 5, "loss": 1.0, "accept_proxy": 2.0, "l1": 0.5, "tau_probabilistic": 2.25,
+           "confidence_mae": 0.125, "confidence_bias": -0.0625}
+    assert "l1 0.5000 | tau_p 2.25 | confidence MAE 0.125" in progress_line(rec, 10)
+    rows = dict(_summary([rec], []))
+    assert rows["final probabilistic tau"] == "2.25" and rows["final confidence calibration"] == "MAE 0.125, bias -0.062"

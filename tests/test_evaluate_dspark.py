@@ -1,0 +1,114 @@
+"""A DSpark drafter's exact offline tau walks the Markov chain from the anchor-first block (B drafts
+per cycle, what the engines accept), and equals the online reference speculative loop cycle for
+cycle. The drafter is trained here with the project's drafter_loss (CE + L1 against the target's
+distribution + the confidence BCE) so that multi-token acceptance occurs and the chain's tokens
+differ from the per-slot argmax; on held-out prompts its proposals equal llama.cpp's in-graph chain
+re-implemented in tests/test_dspark.py."""
+
+import pytest
+import torch
+
+from dflash_ds.config import DrafterConfig
+from dflash_ds.eval.generate import greedy_continuation, target_taps
+from dflash_ds.eval.tau import accept_lengths
+from dflash_ds.model.attention import DFlashMask
+from dflash_ds.model.variants.base import argmax_tokens
+from dflash_ds.model.variants.dspark_parts import DSparkTerms
+from tests.eval_world import (LAYER_IDS, MASK, NEW, PROMPT_LEN, online_equals_offline, sampled_cycles_agree,
+                              trained_world)
+
+B = 7
+
+
+@pytest.fixture(scope="module")
+def world():
+    section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
+                            architecture="dspark", markov_rank=16)
+    return trained_world(section, DSparkTerms(), gamma=4.0)  # default_gamma(B + 1), DeepSpec's at B = 7
+
+
+def block_states(model, taps, token, t):
+    """The drafter's final states [1, B, D] of the block [token, MASK x (B-1)] at positions t .. t+B-1."""
+    drafter, p = model.drafter, next(model.drafter.parameters())
+    block = torch.full((1, B), model.mask_token_id, dtype=torch.long)
+    block[0, 0] = token
+    mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
+    with torch.no_grad():
+        return drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]), torch.arange(t, t + B)[None],
+                       torch.arange(t)[None], mask)
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+def test_dspark_online_loop_matches_the_offline_markov_walk(world):
+    report = online_equals_offline(world)
+    assert report.block_size == B + 1  # every slot drafts: a cycle emits up to B + 1 tokens
+    accepted = [c - 1 for cycles in report.cycles for c in cycles]
+    assert max(accepted) >= 3 and report.tau_mean > 2.0
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+def test_offline_acceptance_follows_the_markov_chain_from_slot_0(world):
+    """a(t) of the batched offline pass equals a step-by-step reference: slot k's token is the argmax
+    of its lm_head logits plus markov_w2 @ markov_w1[prev], prev the anchor for slot 0 and the token
+    chosen at slot k - 1 after; slot k proposes x[t + k + 1]. At some anchors the chain differs from
+    the per-slot argmax."""
+    w = world
+    model = w["model"]
+    x = w["sequences"][1]
+    taps = target_taps(w["target"], x, LAYER_IDS)
+    end = x.numel()
+    a = accept_lengths(model, taps, x, PROMPT_LEN, end, batch_anchors=7)
+    w1, w2 = model.drafter.markov_head.markov_w1.weight, model.drafter.markov_head.markov_w2.weight
+    expected, differs = [], 0
+    for t in range(PROMPT_LEN, end):
+        hidden = block_states(model, taps, int(x[t]), t)[0]
+        prev, chain = int(x[t]), []
+        for k in range(B):
+            prev = int((hidden[k] @ model.lm_head.T + w2 @ w1[prev]).argmax())
+            chain.append(prev)
+        n = 0
+        while n < B and t + n + 1 < end and chain[n] == int(x[t + n + 1]):
+            n += 1
+        expected.append(max(0, min(n, end - t - 2)))
+        differs += int(chain != argmax_tokens(hidden, model.lm_head).tolist())
+    assert a.tolist() == expected
+    assert differs > 0
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
+    """The trained drafter's proposals at anchors of the two prompts it never saw equal llama.cpp's
+    in-graph chain (`build_dspark_markov_head`, sample_from_anchor) and serving loop re-implemented
+    in tests/test_dspark.py, with and without a confidence threshold."""
+    from dflash_ds.model.variants.dspark_parts import confident_prefix
+
+    from .test_dspark import llama_cpp_drafts, llama_cpp_dspark
+
+    model = world["model"]
+    drafter = model.drafter
+    head, conf = drafter.markov_head, drafter.confidence_head
+    weights = (head.markov_w1.weight, head.markov_w2.weight, conf.proj.weight[0], conf.proj.bias[0])
+    checked = 0
+    for prompt in world["prompts"][4:]:
+        x = greedy_continuation(world["target"], prompt, max_new_tokens=NEW)
+        taps = target_taps(world["target"], x, LAYER_IDS)
+        for t in range(PROMPT_LEN, x.numel() - 1, 5):
+            hidden = block_states(model, taps, int(x[t]), t)
+            ours = model.draft(hidden, x[t:t + 1])
+            tokens = torch.cat([x[t:t + 1], torch.full((B - 1,), MASK)])
+            logits, probs = llama_cpp_dspark(tokens, hidden[0] @ model.lm_head.T, hidden[0], weights, (1, B, True))
+            with torch.no_grad():
+                c = conf(hidden, head.embed(torch.cat([x[t:t + 1], ours[0, :-1]])[None]))
+            for p_min in (0.0, 0.5):
+                served = llama_cpp_drafts(logits, probs, 1, 0, p_min)[0]
+                assert ours[0, :int(confident_prefix(c, p_min)[0])].tolist() == served, (t, p_min)
+            checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+def test_dspark_sampled_walk_equals_online_with_coupled_draws(world, monkeypatch):
+    """Under sampling the offline walk follows the chain's B drafts too: with the coupled verifier of
+    tests/test_sampled.py (the engines' rule, one draw per position) both paths give the same text
+    and cycles."""
+    assert max(sampled_cycles_agree(world, monkeypatch)) >= 2
