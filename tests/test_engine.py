@@ -37,8 +37,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]  # a cold build is 
 EXPORTS = {
     "dflash": "recipes/tiny.yaml",
     "dflash2": "recipes/tiny-dflash2.yaml",
-    # "dspark": "recipes/tiny-dspark.yaml",  once model/variants/ has DSpark (its anchor-first block
-    # drafts B tokens a round: project_rounds then walks its drafts from the anchor's own slot).
+    # "dspark": "recipes/tiny-dspark.yaml",  DSpark's place: its anchor-first block drafts B tokens a
+    # round (--spec-draft-n-max B, not B - 1) and the engines may cut a draft by its confidence head,
+    # which the round prediction here does not model yet.
 }
 TARGET = ROOT / "assets" / "tiny-target"
 TRAIN_PROMPTS, STEPS, ANCHORS, ROWS = 64, 300, 16, 8
