@@ -3,7 +3,8 @@
     python -m dflash_ds.report RUN_DIR [--out DIR]
 
 Written to RUN_DIR/report/ (index.html, overview.png and one PNG per panel), and automatically at
-the end of a run on the lead drafter rank. matplotlib (Agg backend: no display needed) draws the
+the end of a run on the lead drafter rank. The run's drafter architecture (its recipe record) may add
+panels of its own fields (`DrafterVariant.report_figures`). matplotlib (Agg backend: no display needed) draws the
 plots; it is a project dependency because hand-drawn PNGs would need their own text rendering.
 """
 
@@ -15,8 +16,13 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NamedTuple
+
+import yaml
 
 from dflash_ds.metrics import read_metrics
+from dflash_ds.model.variants import DEFAULT, VARIANTS
+from dflash_ds.model.variants.base import DrafterVariant
 from dflash_ds.safety import Exit, say
 
 # (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records.
@@ -209,6 +215,50 @@ def bench_html(run_dir: Path) -> str:
             "verification rule on the target's sampled responses, &plusmn; standard error over responses.</p>")
 
 
+class Contents(NamedTuple):
+    steps: list[dict]
+    taus: list[dict]
+    panels: list  # (file stem, draw(ax)) in page order
+    rows: list[tuple[str, str]]  # the summary table
+
+
+def run_variant(run_dir: Path) -> DrafterVariant:
+    """The drafter architecture the run's recipe record names (RUN_DIR/recipe.yaml, written at the
+    run's first start); the default one without a record or with a name this version does not know
+    (then no architecture panels are drawn)."""
+    try:
+        raw = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+        name = (raw.get("drafter") or {}).get("architecture")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return DEFAULT
+    return VARIANTS.get(name, DEFAULT)
+
+
+def report_contents(run_dir: str | Path) -> Contents:
+    """What the report of `run_dir` shows: the panels (the architecture's after the common ones) and
+    the summary rows."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} is missing or empty; pass a run directory (run.output_dir)")
+    steps, taus = split_records(records)
+    figures = run_variant(run_dir).report_figures(steps)
+    return Contents(steps, taus, _panels(steps, taus) + [(f.stem, f.draw) for f in figures],
+                    _summary(steps, taus) + [row for f in figures for row in f.rows])
+
+
+def page_html(run_dir: Path, contents: Contents) -> str:
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in contents.rows)
+    imgs = "".join(f'<figure><img src="{stem}.png" alt="{stem}"></figure>' for stem, _ in contents.panels)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-ds report: {html.escape(run_dir.name)}"
+            "</title><style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "th,td{border:1px solid #ccc;padding:4px 10px;text-align:left}figure{display:inline-block;margin:6px}"
+            "</style></head><body>"
+            f"<h1>dflash-ds run {html.escape(str(run_dir))}</h1><table>{rows}</table>{bench_html(run_dir)}{imgs}"
+            "<p>From metrics.jsonl; tau is the exact offline acceptance length on the held-out prompts.</p>"
+            "</body></html>\n")
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Draw the report of `run_dir` into `out_dir` (default RUN_DIR/report); returns index.html."""
     import matplotlib
@@ -217,13 +267,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
-    if not records:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} is missing or empty; pass a run directory (run.output_dir)")
-    steps, taus = split_records(records)
+    contents = report_contents(run_dir)
     out = Path(out_dir) if out_dir else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    panels = _panels(steps, taus)
+    panels = contents.panels
     for stem, draw in panels:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
         draw(ax)
@@ -241,17 +288,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     fig.tight_layout()
     fig.savefig(out / "overview.png")
     plt.close(fig)
-
-    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _summary(steps, taus))
-    imgs = "".join(f'<figure><img src="{stem}.png" alt="{stem}"></figure>' for stem, _ in panels)
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-ds report: {html.escape(run_dir.name)}"
-            "</title><style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-            "th,td{border:1px solid #ccc;padding:4px 10px;text-align:left}figure{display:inline-block;margin:6px}"
-            "</style></head><body>"
-            f"<h1>dflash-ds run {html.escape(str(run_dir))}</h1><table>{rows}</table>{bench_html(run_dir)}{imgs}"
-            "<p>From metrics.jsonl; tau is the exact offline acceptance length on the held-out prompts.</p>"
-            "</body></html>\n")
-    (out / "index.html").write_text(page)
+    (out / "index.html").write_text(page_html(run_dir, contents))
     return out / "index.html"
 
 

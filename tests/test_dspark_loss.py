@@ -15,6 +15,7 @@ from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.objective import StepSettings, acceptance_proxy, drafter_loss
+from dflash_ds.model.variants.dspark import BINS
 from dflash_ds.model.variants.dspark_parts import DSparkTerms
 from dflash_ds.resolve.drafter import drafter_shape
 
@@ -85,6 +86,13 @@ def reference(model, mb, blocks, hidden, normaliser, kl):
     return loss, (l1, bce), accept, prob, hits
 
 
+def dense_hidden(model, mb, blocks):
+    drafter = model.drafter
+    ctx = drafter.fuse(mb.taps)
+    return drafter(model.embed_tokens(blocks.block_ids, ctx), ctx, blocks.block_positions, blocks.ctx_positions,
+                   blocks.mask)
+
+
 @pytest.mark.parametrize("kl_weight", [0.0, 0.3])
 def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
     model, mb, settings = world(kl_weight)
@@ -97,9 +105,7 @@ def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
     out = drafter_loss(model, mb, blocks, normaliser, settings)
     got = torch.autograd.grad(out.loss, params)
     # The reference recomputes the forward under autograd, every term dense.
-    ctx = drafter.fuse(mb.taps)
-    hidden = drafter(model.embed_tokens(blocks.block_ids, ctx), ctx, blocks.block_positions, blocks.ctx_positions,
-                     blocks.mask)
+    hidden = dense_hidden(model, mb, blocks)
     loss, (l1, bce), accept, prob, hits = reference(model, mb, blocks, hidden, normaliser, (kl_weight, 1.5))
     want = torch.autograd.grad(loss, params)
     torch.testing.assert_close(out.loss, loss, rtol=1e-10, atol=1e-12)
@@ -139,3 +145,34 @@ def test_the_ce_weight_scales_only_the_ce_term():
     torch.testing.assert_close(a.loss, a.ce_sum / norm, rtol=1e-12, atol=0)
     torch.testing.assert_close(b.loss, 0.25 * a.ce_sum / norm, rtol=1e-12, atol=0)
     assert torch.equal(a.ce_sum, b.ce_sum)  # the logged "loss" is the unweighted CE
+
+
+def test_the_logged_reliability_bins_match_a_float64_reference():
+    """The confidence head's reliability bins (pooled over the slots) in the step's logged sums and in
+    its log record, against bins counted slot by slot from the reference's confidence, 1 - TV and weights."""
+    model, mb, settings = world(0.0)
+    blocks = make_blocks(mb, settings, 0)
+    norm = blocks.weights.sum()
+    out = drafter_loss(model, mb, blocks, norm, settings)
+    with torch.no_grad():
+        _, _, accept, prob, _ = reference(model, mb, blocks, dense_hidden(model, mb, blocks), norm, (0.0, 1.5))
+    weights = blocks.weights.view(2, -1, B).double()
+    want = torch.zeros(3, BINS, dtype=torch.float64)
+    for p, t, w in zip(prob.flatten().tolist(), accept.flatten().tolist(), weights.flatten().tolist()):
+        i = min(int(p * BINS), BINS - 1)
+        want[:, i] += torch.tensor([w, w * p, w * t], dtype=torch.float64)
+    assert int((want[0] > 0).sum()) >= 3  # the predictions spread over several bins
+    got = torch.tensor([float(x) for x in out.extra[-3 * BINS:]], dtype=torch.float64).view(3, BINS)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    variant, total = model.config.variant, float(norm)
+    record = variant.log_record(list(map(float, out.extra)), float(norm))
+    for row, name in zip(want, ("weight", "pred", "target")):
+        assert record[f"confidence_bin_{name}"] == pytest.approx((row / total).tolist(), rel=1e-10, abs=1e-14)
+    ece = float((want[1] - want[2]).abs().sum() / want[0].sum())
+    assert record["confidence_ece"] == pytest.approx(ece, rel=1e-10)
+    # The bins partition the slots: the bias is the bins' signed gap, and |bias| <= ECE <= MAE.
+    assert record["confidence_bias"] == pytest.approx(float((want[1] - want[2]).sum()) / total, rel=1e-9)
+    assert abs(record["confidence_bias"]) <= record["confidence_ece"] <= record["confidence_mae"] + 1e-12
+    # Empty bins (no confidence head) log no reliability fields.
+    bare = variant.log_record([float(x) for x in out.extra[:-3 * BINS]] + [0.0] * (3 * BINS), float(norm))
+    assert "accept_rate_pos_1" in bare and not any(k.startswith(("confidence_bin", "confidence_ece")) for k in bare)

@@ -78,7 +78,7 @@ def test_tiny_dspark_trains_in_process(tmp_path):
 
     from .reference import reference_losses
 
-    recipe = load_recipe(TINY, ["optim.max_steps=6", "log.progress=false", f"run.output_dir={tmp_path}"])
+    recipe = load_recipe(TINY, ["data.num_proc=1", "optim.max_steps=6", "log.progress=false", f"run.output_dir={tmp_path}"])
     data = load_training_data(recipe)
     spec = resolve_run(recipe, world_size=2).with_rows(data.num_rows)
     target = load_target(recipe.target.path, dtype="float32")

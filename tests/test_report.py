@@ -7,7 +7,7 @@ import pytest
 
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model_card import TauFacts
-from dflash_ds.report import finish_run, main, split_records, write_report
+from dflash_ds.report import finish_run, main, page_html, report_contents, split_records, write_report
 
 
 def png_size(path):
@@ -76,3 +76,73 @@ def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     assert "report:" in capsys.readouterr().err
     assert "2.500 (exact offline" in (tmp_path / "export" / "README.md").read_text()
     assert (tmp_path / "report" / "overview.png").is_file()
+
+
+def write_dspark_run(run_dir, with_bins=True):
+    """Steps 1-20 of a DSpark run whose confidence head predicts 0.12 in bin 2 and 0.87 in bin 17 of 20,
+    where 1 - TV averages 0.2 and 0.8 from step 11 on (0.9 and 0.1 before: the pooled last 10 steps
+    must not see them); even steps put 1/4 of their weight in bin 2, odd steps 3/4."""
+    (run_dir / "recipe.yaml").write_text("drafter:\n  architecture: dspark\n  block_size: 4\n")
+    recs = []
+    for s in range(1, 21):
+        low = 0.25 if s % 2 == 0 else 0.75
+        share = {2: low, 17: 1 - low}
+        late = {2: 0.2, 17: 0.8} if s > 10 else {2: 0.9, 17: 0.1}
+        rec = {"step": s, "loss": 3.0 / s, "accept_proxy": 1.5, "l1": 0.4, "tau_probabilistic": 2.0,
+               "confidence_mae": 0.1 if s > 10 else 0.6,
+               "confidence_bias": low * (0.12 - late[2]) + (1 - low) * (0.87 - late[17])}
+        if with_bins:
+            rec["confidence_bin_weight"] = [share.get(i, 0.0) for i in range(20)]
+            rec["confidence_bin_pred"] = [share[i] * {2: 0.12, 17: 0.87}[i] if i in share else 0.0 for i in range(20)]
+            rec["confidence_bin_target"] = [share[i] * late[i] if i in share else 0.0 for i in range(20)]
+        recs.append(rec)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_a_dspark_report_has_the_reliability_curve_and_its_ece(tmp_path):
+    from matplotlib.figure import Figure
+
+    write_dspark_run(tmp_path)
+    contents = report_contents(tmp_path)
+    panels = dict(contents.panels)
+    assert list(panels)[-1] == "confidence_reliability"
+    # Pooled over steps 11-20: bin 2 predicts 0.12 for 0.2, bin 17 0.87 for 0.8, half the weight each.
+    row = ("confidence calibration, last 10 logged steps (11-20)", "ECE 0.075, MAE 0.100, bias -0.005")
+    assert row in contents.rows
+    page = page_html(tmp_path, contents)
+    assert 'src="confidence_reliability.png"' in page and "ECE 0.075" in page
+    ax = Figure().add_subplot()
+    panels["confidence_reliability"](ax)
+    diagonal, curve = ax.get_lines()
+    assert list(diagonal.get_xdata()) == [0.0, 1.0] == list(diagonal.get_ydata())
+    assert list(curve.get_xdata()) == pytest.approx([0.12, 0.87]) and list(curve.get_ydata()) == pytest.approx([0.2, 0.8])
+    heights = [bar.get_height() for bar in ax.patches]
+    assert len(heights) == 20 and heights[2] == pytest.approx(0.5) and heights[17] == pytest.approx(0.5)
+    assert sum(heights) == pytest.approx(1.0)
+
+
+def test_reports_without_reliability_bins_have_no_reliability_curve(tmp_path):
+    """A v1 run, a run with no recipe record, and a DSpark run without a confidence head (no bins logged)."""
+    v1, bare, headless = (tmp_path / name for name in ("v1", "bare", "headless"))
+    for d in (v1, bare, headless):
+        d.mkdir()
+    write_metrics(v1)
+    (v1 / "recipe.yaml").write_text("drafter:\n  architecture: dflash\n")
+    write_metrics(bare)
+    write_dspark_run(headless, with_bins=False)
+    for run in (v1, bare, headless):
+        contents = report_contents(run)
+        assert "confidence_reliability" not in dict(contents.panels), run
+        assert not any("ECE" in v for _, v in contents.rows), run
+        assert "reliability" not in page_html(run, contents)
+    # The v1 panels stay those the report always drew.
+    assert [s for s, _ in report_contents(v1).panels] == [
+        "loss", "accept_proxy", "tau", "position_acceptance", "throughput", "wait", "lr", "accepted_histogram"]
+
+
+@pytest.mark.integration  # end to end in process, seconds (README, "Tests")
+def test_a_dspark_report_draws_the_reliability_png(tmp_path):
+    write_dspark_run(tmp_path)
+    page = write_report(tmp_path).read_text()
+    assert png_size(tmp_path / "report" / "confidence_reliability.png") == (640, 400)
+    assert 'src="confidence_reliability.png"' in page and "ECE 0.075, MAE 0.100, bias -0.005" in page

@@ -6,9 +6,9 @@ everything that differs: its names (`drafter.architecture`, config.json's `archi
 export's `auto_map`), its shape fields (a frozen dataclass held by `DrafterShape.arch_fields`, with
 their checks and their `dflash_config` entries), the modules it adds (sublayer wrappers in every
 layer, heads on the drafter), the tensors those hold (the export's expected shapes, the parameter
-count and the FLOP count derive from them), the draft walk, the loss terms it adds and their log
-fields, and its model-card rows. The defaults here are plain DFlash (v1): a variant overrides only
-what it changes. docs/architecture.md ("How to add a drafter architecture") is the contract.
+count and the FLOP count derive from them), the draft walk, the loss terms it adds, their log
+fields and report panels, and its model-card rows. The defaults here are plain DFlash (v1): a
+variant overrides only what it changes. docs/architecture.md ("How to add a drafter architecture") is the contract.
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -19,6 +19,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -80,6 +81,16 @@ class LossContext(NamedTuple):
 class ExtraLoss(NamedTuple):
     loss: torch.Tensor  # added to the base loss (already divided by the normaliser), differentiable
     sums: tuple[torch.Tensor, ...]  # detached, in `log_sums` order (after the chunk term's, if any)
+
+
+class ReportFigure(NamedTuple):
+    """A panel an architecture adds to the run report (dflash_ds/report.py): `draw(ax)` draws it on a
+    matplotlib axes (the report imports matplotlib, the variant does not); `rows` are the summary
+    table's (label, value) rows that go with it."""
+
+    stem: str  # the PNG's file name without .png
+    draw: Callable[[Any], None]
+    rows: tuple[tuple[str, str], ...] = ()
 
 
 class Serving(NamedTuple):
@@ -219,10 +230,16 @@ class DrafterVariant:
         """The names of the step's detached sums for a drafter of `shape` (default: `log_sums`)."""
         return self.log_sums
 
-    def log_record(self, sums: list[float], weight: float) -> dict[str, float]:
+    def log_record(self, sums: list[float], weight: float) -> dict[str, float | list[float]]:
         """metrics.jsonl fields from the step's `log_sums` (summed over micro-batches and ranks) and
-        the step's total slot weight."""
+        the step's total slot weight: numbers, or lists of numbers (metrics.jsonl only; wandb gets
+        the numbers)."""
         return {}
+
+    def report_figures(self, steps: list[dict]) -> list[ReportFigure]:
+        """The run report's panels of this architecture's own fields, from the training step
+        records (metrics.jsonl, step order); none by default."""
+        return []
 
     # ------------------------------------------------------------------------------- the card
 

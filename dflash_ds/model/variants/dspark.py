@@ -18,12 +18,17 @@ import torch.nn.functional as F
 from dflash_ds.model.blocks import default_gamma, slot_rows
 from dflash_ds.model.gather import take_rows
 from dflash_ds.model.loss import ChunkTerm
-from dflash_ds.model.variants.base import DrafterVariant, ExtraLoss, FieldError, LossContext, Serving, Tensor
+from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError, LossContext, ReportFigure, Serving,
+                                           Tensor)
 from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
                                                    calibration, confidence_logits, expected_tau, greedy_walk,
                                                    shift_in)
+from dflash_ds.model.variants.dspark_report import draw_reliability, reliability
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
+# Reliability bins of the confidence head, pooled over the block's slots: 60 sums a step, where
+# per-slot bins would be 60 per slot (the report draws one curve).
+BINS = 20
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class DSparkFields:
 
 def _sum_names(block_size: int) -> tuple[str, ...]:
     slots = [f"{what}_{k}" for k in range(block_size) for what in ("accept_sum", "accept_count")]
+    bins = [f"confidence_bin_{what}_{i}" for what in ("weight", "pred", "target") for i in range(BINS)]
     return ("l1_sum", "confidence_sum", "tau_probabilistic_sum", "tau_probabilistic_blocks",
-            "confidence_abs_error_sum", "confidence_bias_sum", *slots)
+            "confidence_abs_error_sum", "confidence_bias_sum", *slots, *bins)
 
 
 class DSpark(DrafterVariant):
@@ -166,20 +172,28 @@ class DSpark(DrafterVariant):
         accept, prob = values[..., 0], values[..., 1]
         w = ctx.blocks.weights.view(-1, b).to(accept.dtype)
         tau_sum, tau_blocks = expected_tau(accept, w)
-        stats = calibration(prob, accept, w) if ctx.model.config.arch_fields.enable_confidence_head else None
-        cal = (stats.abs_error, stats.bias) if stats is not None else (w.new_zeros(()), w.new_zeros(()))
+        if ctx.model.config.arch_fields.enable_confidence_head:
+            stats = calibration(prob, accept, w, BINS)
+            cal = (stats.abs_error, stats.bias)
+            bins = torch.cat([stats.bin_weight.sum(0), stats.bin_pred.sum(0), stats.bin_target.sum(0)])
+        else:
+            cal, bins = (w.new_zeros(()), w.new_zeros(())), w.new_zeros(3 * BINS)
         on = (w > 0).to(accept.dtype)
         per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
-        sums = (tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind())
+        sums = (tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind(),
+                *bins.to(accept.dtype).unbind())
         return ExtraLoss(ctx.hidden.new_zeros(()), tuple(s.detach() for s in sums))
 
     def log_names(self, shape) -> tuple[str, ...]:
         return _sum_names(shape.block_size)
 
-    def log_record(self, sums: list[float], weight: float) -> dict[str, float]:
+    def log_record(self, sums: list[float], weight: float) -> dict[str, float | list[float]]:
         # Weighted over the slots like "loss" (sum(w * term) / sum(w)); tau_probabilistic per block
         # (DeepSpec's 1 + sum_k prod_{j <= k} (1 - TV_j)); acceptance per drafting slot unweighted.
-        l1, conf, tau, blocks, abs_error, bias, *slots = sums
+        # The reliability bins as shares of the step's weight, so that records add up (the report
+        # pools the last few).
+        l1, conf, tau, blocks, abs_error, bias, *rest = sums
+        slots, bins = rest[:-3 * BINS], rest[-3 * BINS:]
         rec = {"l1": l1 / weight, "confidence_loss": conf / weight,
                "tau_probabilistic": tau / max(blocks, 1e-9),
                "confidence_mae": abs_error / weight, "confidence_bias": bias / weight}
@@ -187,7 +201,18 @@ class DSpark(DrafterVariant):
             total, count = slots[2 * k], slots[2 * k + 1]
             if count > 0:
                 rec[f"accept_rate_pos_{k + 1}"] = total / count
+        bin_weight, bin_pred, bin_target = (bins[i * BINS:(i + 1) * BINS] for i in range(3))
+        if sum(bin_weight) > 0:  # a confidence head, and a step with weight
+            rec["confidence_ece"] = sum(abs(p - t) for p, t in zip(bin_pred, bin_target)) / sum(bin_weight)
+            for name, values in (("weight", bin_weight), ("pred", bin_pred), ("target", bin_target)):
+                rec[f"confidence_bin_{name}"] = [v / weight for v in values]
         return rec
+
+    def report_figures(self, steps: list[dict]) -> list[ReportFigure]:
+        pooled = reliability(steps)
+        if pooled is None:
+            return []
+        return [ReportFigure("confidence_reliability", lambda ax: draw_reliability(ax, pooled), (pooled.row(),))]
 
     # --------------------------------------------------------------------------------- the card
 
