@@ -1,7 +1,8 @@
 """The export's README.md: what the drafter was trained on and how to serve it.
 
 Draft-token counts differ between engines: SGLang's `--speculative-num-draft-tokens` counts the
-whole block (anchor included), vLLM's `num_speculative_tokens` counts the drafted tokens only.
+whole block (anchor included), vLLM's `num_speculative_tokens` and llama.cpp's `--spec-draft-n-max`
+count the drafted tokens only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     vllm_tail = [] if thinking is None else [f"    --default-chat-template-kwargs '{kwargs}'"]
     sglang_note = [] if thinking is None else [f"With SGLang, send `\"chat_template_kwargs\": {kwargs}` with each "
                                                "chat request.", ""]
+    llama_tail = [] if thinking is None else [f"    --chat-template-kwargs '{kwargs}'"]
     name = cfg.variant.title
     lines = [
         f"# {name} drafter",
@@ -97,6 +99,20 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "```",
         "",
         *sglang_note,
+        "llama.cpp (`--spec-draft-n-max` = block size - 1; the drafter converted with the target's directory,",
+        "which gives it the tokenizer and the target's shape, and the target converted as usual):",
+        "",
+        "```",
+        "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR --outfile drafter.gguf",
+        "python convert_hf_to_gguf.py TARGET_DIR --outfile target.gguf",
+        f"llama-server -m target.gguf -md drafter.gguf --spec-draft-n-max {cfg.block_size - 1}"
+        + (" \\" if llama_tail else ""),
+        *llama_tail,
+        "```",
+        "",
+        "llama.cpp reads the DFlash type from the drafter's metadata (`--spec-type draft-dflash` says it",
+        "outright); its default draft length is 3.",
+        "",
         "## Loading with transformers",
         "",
         "```python",

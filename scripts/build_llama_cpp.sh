@@ -13,11 +13,19 @@ set -euo pipefail
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-PROGRAMS=(llama-speculative-simple llama-simple llama-tokenize)
+PROGRAMS=(llama-speculative-simple llama-completion llama-tokenize)
+# Static, so the programs keep working after the directory is renamed; no tests, server or web UI; the
+# examples and tools trees are configured (the programs live there) but only the named targets are built.
+CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF
+  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON)
 
 PYTHON="${PYTHON:-python3}"
 CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/dflash-ds"
-DEST="$CACHE_ROOT/llama.cpp-$VERSION-${SHA256:0:12}"
+# The build settings are part of the key: a changed program list or flag builds a new directory
+# instead of finding an old one incomplete.
+BUILD_KEY="$(printf '%s\n' "${PROGRAMS[@]}" "${CMAKE_FLAGS[@]}" | sha256sum | cut -c1-8)"
+DEST="$CACHE_ROOT/llama.cpp-$VERSION-${SHA256:0:12}-$BUILD_KEY"
 JOBS="${DFLASH_LLAMA_CPP_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
 complete() {
@@ -45,11 +53,7 @@ echo "$SHA256  $SDIST" | sha256sum -c --quiet - >&2 || { echo "build_llama_cpp: 
 tar -xzf "$SDIST" -C "$WORK" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
-# Static, so the programs keep working after the directory is renamed; no tests, server or web UI; the
-# examples and tools trees are configured (the programs live there) but only the named targets are built.
-cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
-  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON >&2
+cmake -S "$SRC" -B "$WORK/build" "${CMAKE_FLAGS[@]}" >&2
 cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${PROGRAMS[@]}" >&2
 
 OUT="$WORK/install"

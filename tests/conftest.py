@@ -6,8 +6,10 @@ Every test belongs to exactly one tier (see README, "Tests"):
                speculative loops and evaluation tables run on them, the report drawn, a regeneration
                run through a fake server (no processes either);
   launcher     the real `deepspeed` launcher on gloo, or other spawned processes;
+  engine       exports served by llama.cpp, built by scripts/build_llama_cpp.sh (skipped without a
+               compiler or when the build fails, except under CI=true, where that fails the tier);
   gpu          needs CUDA (skipped without it).
-A test is `unit` unless it is marked `integration`, `launcher` or `gpu`. A unit or integration test that
+A test is `unit` unless it is marked `integration`, `launcher`, `engine` or `gpu`. A unit or integration test that
 starts a Python, shell or launcher process, or a multiprocessing worker, fails with a message saying to
 mark it `launcher`, so the in-process tiers cannot silently grow slow. (Other processes, such as wandb's service, are not
 caught: mark those tests by hand.)
@@ -21,7 +23,7 @@ import subprocess
 import pytest
 import torch
 
-TIERS = ("unit", "integration", "launcher", "gpu")
+TIERS = ("unit", "integration", "launcher", "engine", "gpu")
 IN_PROCESS = ("unit", "integration")
 
 

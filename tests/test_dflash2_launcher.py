@@ -52,7 +52,7 @@ def test_tiny_dflash2_trains_exports_and_evaluates(tmp_path):
     assert all(r["selector_loss"] >= 0 and 0 <= r["selector_recall"] <= 1 for r in recs)
     assert recs[-1]["selector_loss"] > 0
     config = json.loads((run_dir / "export" / "config.json").read_text())
-    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 16
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 10
     assert config["layer_types"] == ["sliding_attention"] * 2 and config["is_causal"] is False
     assert "tau after training" in out and "acceptance by position" in out
     tau = [r for r in read_metrics(run_dir) if "tau" in r]

@@ -71,6 +71,17 @@ def test_a_group_size_that_does_not_divide_the_width_is_refused_before_launch():
     assert "drafter.conv_group_size" in str(e.value)
 
 
+def test_a_selector_too_wide_for_llama_cpp_is_refused_before_launch():
+    # llama.cpp packs k candidates and k x k scores into one hidden-width row: 10 * 11 <= 128 < 11 * 12.
+    assert resolve_run(load_recipe(TINY2, SMALL), world_size=2).drafter.arch_fields.selector_top_k == 10
+    with pytest.raises(RecipeError) as e:
+        resolve_run(load_recipe(TINY2, SMALL + ["drafter.selector_top_k=11"]), world_size=2)
+    msg = str(e.value)
+    assert "drafter.selector_top_k" in msg and "132" in msg and "10 or less" in msg and "\n" not in msg
+    v1 = resolve_run(load_recipe(TINY2, SMALL + ["drafter.architecture=dflash", "drafter.selector_top_k=11"]), 2)
+    assert v1.drafter.architecture == "dflash"  # a v1 drafter has no selector to refuse
+
+
 def _export(tmp_path, recipe, overrides=()):
     spec = resolve_run(load_recipe(recipe, SMALL + list(overrides)), world_size=2)
     torch.manual_seed(7)

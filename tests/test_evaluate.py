@@ -259,6 +259,14 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
     assert expected.position_line() in printed
     assert result["position_acceptance"] == [pytest.approx(p) if p is not None else None
                                              for p in expected.position_acceptance]
+    # llama-server's rounds are tau's cycles less their bonus token, without the last cycle when it
+    # has no room for a draft (a plain decoding step there; no EOS in this model, docs/algorithm.md 7.3).
+    end = PROMPT_LEN + 20
+    for cycles, rounds in zip(expected.cycles, result["llama_cpp"]["llama_server"]["rounds"]):
+        starts = [PROMPT_LEN + sum(cycles[:i]) for i in range(len(cycles))]
+        assert rounds == [c - 1 for c, t in zip(cycles, starts) if end - t - 2 > 0]
+    assert len(result["llama_cpp"]["llama_speculative_simple"]["rounds"][0]) >= 1
+    assert "llama.cpp mean acc len: llama-server" in printed
 
     # A target directory passed as the drafter, and an unreachable target.
     assert main(["--target", str(target_dir), "--drafter", str(target_dir), "--prompts", str(prompts)]) == 2

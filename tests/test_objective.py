@@ -44,6 +44,13 @@ def test_valid_anchor_mask_hand_worked():
     assert valid_anchor_mask(LOSS_MASK, DOC_IDS).int().tolist() == [[0, 0, 1, 1, 0, 0, 0, 1, 1, 0]]
     padded = torch.tensor([[1, 1, 1, 1]], dtype=torch.bool)
     assert valid_anchor_mask(padded, torch.tensor([[0, 0, -1, -1]])).int().tolist() == [[1, 0, 0, 0]]
+    # anchor_last_prompt_token: also the token before each supervised span of a document (1 and 5; 6 -> 7
+    # still crosses documents), never padding.
+    assert valid_anchor_mask(LOSS_MASK, DOC_IDS, prompt_end=True).int().tolist() == [[0, 1, 1, 1, 0, 1, 0, 1, 1, 0]]
+    assert valid_anchor_mask(padded, torch.tensor([[0, 0, -1, -1]]), prompt_end=True).int().tolist() == [[1, 0, 0, 0]]
+    prompt = torch.tensor([[0, 0, 0, 1, 1, 0, 1]], dtype=torch.bool)  # two turns of one document
+    assert valid_anchor_mask(prompt, torch.zeros(1, 7, dtype=torch.int32), True).int().tolist() == [[0, 0, 1, 1, 0, 1, 0]]
+    assert valid_anchor_mask(prompt, torch.zeros(1, 7, dtype=torch.int32)).int().tolist() == [[0, 0, 0, 1, 0, 0, 0]]
 
 
 def test_block_inputs_hand_worked():

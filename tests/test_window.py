@@ -276,6 +276,21 @@ def test_automodel_applies_the_windows(tmp_path, layer_types, is_causal):
     assert json.loads((out / "config.json").read_text())["layer_types"] == list(layer_types)
 
 
+def test_automodel_refuses_a_window_shorter_than_the_block(tmp_path):
+    """What load_drafter refuses, the remote code refuses too: such a window cuts into the block, and the
+    engines cut a non-causal block differently (one-sided in llama.cpp, symmetric in vLLM and SGLang)."""
+    from transformers import AutoModel
+
+    from dflash_ds.export import save_drafter
+
+    out = save_drafter(windowed_drafter((S_, S_), window=6, is_causal=False, dtype=torch.float32), tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    config.update(sliding_window=3)  # block_size is 4
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding_window=3 is shorter than block_size=4"):
+        AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------ recipe
 
 @pytest.mark.parametrize("overrides, message", [

@@ -140,7 +140,7 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
         for g in range(plan.grad_accum):
             m = plan.layout.micro_index(step, g, plan.grad_accum, 0)
             anchors, valid = sample_anchors(loss_mask, doc_ids, r.objective.num_anchors,
-                                            anchor_generator(r.run.seed, m))
+                                            anchor_generator(r.run.seed, m), r.objective.anchor_last_prompt_token)
             layers = setup.drafter_config.layer_attentions()
             counts = {att: visible_pairs(anchors, valid, doc_ids, r.drafter.block_size, att) for att in set(layers)}
             p = sum(counts[att] for att in layers) / len(layers)  # mean over the layers

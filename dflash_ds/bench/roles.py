@@ -137,7 +137,8 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
     s = setup.run.settings
     mb = micro_batch_of(setup, payload)
-    anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors, anchor_generator(s.seed, 0))
+    anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors, anchor_generator(s.seed, 0),
+                                    s.anchor_prompt_end)
     anchors, valid = anchors.to(setup.device), valid.to(setup.device)
     times = []
     for _ in range(repeats + 1):

@@ -230,6 +230,11 @@ class ObjectiveConfig:
     gamma: float | None = None
     """Loss decay over block slots; null = 7 for B=16, 5 for B=10, 4 for B=8 (dspark, whose B slots all
     draft: the value of B + 1, 4 for B=7 as DeepSpec's loss_decay_gamma)."""
+    anchor_last_prompt_token: bool = True
+    """Also anchor blocks at the last token before each assistant turn (the generation prompt's end),
+    whose block drafts the turn's first tokens: the round llama-speculative-simple runs first (it
+    prefills the prompt without that token) and a multi-turn request starts each turn with. false =
+    anchors on supervised tokens only, the paper's (docs/performance.md: what the default buys)."""
     loss_chunks: int = 16
     """lm_head + cross-entropy computed in this many chunks of slots (only one chunk's logits exist at a
     time; the input gradient is computed in the forward pass, model/loss.py)."""

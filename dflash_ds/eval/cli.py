@@ -14,7 +14,8 @@ import torch
 from dflash_ds.eval.benchmark_table import (BenchOptions, Responder, bench_row, settings_of, table_lines,
                                       tau_on_conversations, tau_on_prompts)
 from dflash_ds.eval.benchmarks import BENCHMARKS, HELDOUT, load_conversations, parse_names
-from dflash_ds.eval.generate import offline_tau
+from dflash_ds.eval.engine_count import LlamaCppCounts
+from dflash_ds.eval.generate import eos_ids, offline_tau, target_taps
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.loading import load_pair
@@ -166,9 +167,15 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
+    llama_cpp = LlamaCppCounts()
+    for prompt, x in zip(prompts, sequences):
+        llama_cpp.add(model, target_taps(target, x, model.layer_ids), x, len(prompt), args.max_new_tokens,
+                      eos_ids(target))
     result.update(report.as_dict())
+    result["llama_cpp"] = llama_cpp.as_dict()
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
+    print(llama_cpp.line() + " (docs/algorithm.md section 7.3)")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
     if args.online:

@@ -22,7 +22,9 @@ applied). One forward drafts one or more blocks:
 Each layer then narrows the mask as SGLang and vLLM run that layer, from the positions: a
 `sliding_attention` layer (config `layer_types`) lets the query at position p see a key at
 position q only when p - q < `sliding_window`; a causal layer only when q <= p. A layer is causal
-when config `is_causal` says so and, without it, exactly when it is a sliding layer.
+when config `is_causal` says so and, without it, exactly when it is a sliding layer. The window
+must cover the block (sliding_window >= block_size), as dflash-ds's own loader requires: shorter
+windows are refused.
 Returns the drafter's final-norm hidden states [b, Q, D]; `compute_logits(hidden, lm_head)` gives
 the logits. A target that scales its embeddings or its logits (Gemma, Granite, Cohere) has the same
 scaling in `dflash_config` (`input_embedding_scale`: multiply the block token embeddings by it;
@@ -69,6 +71,12 @@ class DFlashConfig(Qwen3Config):
         if sliding and window is None:
             raise ValueError(f"layer {i} is sliding_attention but the config has no sliding_window "
                              "(use_sliding_window must be true)")
+        # A window shorter than the block cuts into the block itself, which the engines do not cut alike
+        # (llama.cpp limits only the keys before a query, vLLM and SGLang both sides of a non-causal
+        # one); dflash-ds neither trains nor loads such a drafter, and neither does this code.
+        if window is not None and window < self.block_size:
+            raise ValueError(f"sliding_window={window} is shorter than block_size={self.block_size}: the "
+                             "engines apply such a window differently; the window must cover the whole block")
         causal = sliding if self.is_causal is None else bool(self.is_causal)
         return window, causal
 
@@ -225,6 +233,8 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
+        for i in range(config.num_hidden_layers):  # refuses what no engine runs alike, at load
+            config.layer_window_and_causal(i)
         n_taps = len(config.target_layer_ids)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, self.dflash2) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(n_taps * config.hidden_size, config.hidden_size, bias=False)

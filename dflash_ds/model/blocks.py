@@ -60,14 +60,18 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | str | No
     return w.float()
 
 
-def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor, prompt_end: bool = False) -> torch.Tensor:
     """bool `[b, S]`: a is valid iff a+1 < S, loss_mask[a] and loss_mask[a+1], same document at a and a+1.
 
+    `prompt_end`: the last token before each supervised span is valid too (loss_mask[a+1] alone): the
+    anchor of the round that drafts a turn's first tokens, which an engine that prefills the prompt
+    without its last token runs first, and a multi-turn request starts each turn with.
     (Padding, doc id -1, never anchors even if its loss mask were set.)
     """
     lm = loss_mask.bool()
     valid = torch.zeros_like(lm)
-    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    here = lm[:, :-1] | prompt_end
+    valid[:, :-1] = here & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
     return valid
 
 
@@ -102,6 +106,7 @@ def sample_anchors(
     doc_ids: torch.Tensor,
     num_anchors: int,
     generator: torch.Generator,
+    prompt_end: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, min(N, #valid) distinct valid anchors, shared out per document, sorted.
 
@@ -112,9 +117,9 @@ def sample_anchors(
     are static. Vectorised (sorts, scatters, no host round trip). Random numbers come from
     `generator` only (drawn on the generator's device), so a seeded generator gives the same anchors
     on any rank. Give it a generator on the data's device: otherwise the keys are copied host ->
-    device, a blocking copy.
+    device, a blocking copy. `prompt_end`: valid_anchor_mask's.
     """
-    valid = valid_anchor_mask(loss_mask, doc_ids)
+    valid = valid_anchor_mask(loss_mask, doc_ids, prompt_end)
     b, s = valid.shape
     assert num_anchors >= 1, num_anchors  # config/checks.py refuses the recipe value
     if num_anchors > s:
@@ -250,11 +255,11 @@ def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generat
 @torch.no_grad()
 def make_blocks(mb: MicroBatch, s, micro_index: int) -> Blocks:
     """The blocks of micro-batch `micro_index` under `s` (model.objective.StepSettings: the anchors'
-    seed and count, block size, mask id, gamma, the layers' attentions, the mask kind; the labels
-    and weights are the architecture's, `DrafterVariant.block_targets`)."""
+    seed and count, whether prompt ends anchor, block size, mask id, gamma, the layers' attentions, the
+    mask kind; the labels and weights are the architecture's, `DrafterVariant.block_targets`)."""
     device = mb.input_ids.device
     anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
-                                    anchor_generator(s.seed, micro_index, device))
+                                    anchor_generator(s.seed, micro_index, device), s.anchor_prompt_end)
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
     labels, weights = s.shape.variant.block_targets(mb, anchors, valid, s.block_size, s.gamma)

@@ -35,6 +35,7 @@ class StepSettings:
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
     arch_loss: Any = None  # the architecture's loss settings (DrafterVariant.loss_settings of the objective)
+    anchor_prompt_end: bool = False  # the last prompt token of each turn anchors a block too
 
     @property
     def block_size(self) -> int:
@@ -56,7 +57,8 @@ class StepSettings:
         return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
                    mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
                    kl_weight=objective.kl_weight,
-                   kl_temperature=objective.kl_temperature, arch_loss=shape.variant.loss_settings(objective))
+                   kl_temperature=objective.kl_temperature, arch_loss=shape.variant.loss_settings(objective),
+                   anchor_prompt_end=objective.anchor_last_prompt_token)
 
     def step_term(self, step: int, total_steps: int) -> Any:
         """The architecture's loss settings at optimizer step `step` (0-based) of `total_steps`, for

@@ -59,6 +59,14 @@ def setting_of(field: str) -> str:
     return RECIPE_KEYS.get(field, f"drafter.{field}").split()[0]
 
 
+def check_servable(shape: DrafterShape) -> None:
+    """ValueError naming the setting when an engine would refuse the shape's export."""
+    try:
+        shape.variant.check_serving(shape)
+    except FieldError as exc:
+        raise ValueError(f"{setting_of(exc.field)} {exc.problem}") from None
+
+
 def _rope_theta(text_config: Any) -> float:
     # transformers 5 moved rope_theta into `rope_parameters`; some models key that dict by
     # layer type. Older configs keep a top-level `rope_theta`.

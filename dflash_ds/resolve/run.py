@@ -20,7 +20,7 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.objective import StepSettings
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape
+from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.files import check_files
@@ -106,6 +106,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     geo = target_geometry(tcfg)
     try:
         dcfg = drafter_shape(tcfg, recipe.drafter)
+        check_servable(dcfg)
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
     if recipe.drafter.init_from:

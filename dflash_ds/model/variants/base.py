@@ -139,6 +139,11 @@ class DrafterVariant:
     def check(self, shape: Any) -> None:
         """Raise FieldError when a field does not fit the rest of the shape."""
 
+    def check_serving(self, shape: Any) -> None:
+        """Raise FieldError when an engine would refuse the export of this shape (docs/algorithm.md
+        section 6, "What the engines refuse"); called before a run, not on loading an export, whose
+        rules are `check`'s."""
+
     def config_entries(self, shape: Any) -> dict:
         """This architecture's `dflash_config` entries of config.json (default: every field by its name)."""
         return dataclasses.asdict(shape.arch_fields)

@@ -67,6 +67,15 @@ class DFlash2(DrafterVariant):
         if f.selector_top_k > shape.vocab_size:
             raise FieldError("selector_top_k", f"= {f.selector_top_k} exceeds the vocabulary ({shape.vocab_size})")
 
+    def check_serving(self, shape) -> None:
+        # llama.cpp returns each position's top-k candidates and their k x k transition scores in one
+        # hidden-width row, and refuses a drafter whose row is too narrow for them.
+        k, width = shape.arch_fields.selector_top_k, shape.hidden_size
+        if k * (k + 1) > width:
+            largest = max(j for j in range(1, k) if j * (j + 1) <= width) if width >= 2 else 0
+            raise FieldError("selector_top_k", f"= {k} needs a hidden size of at least k(k+1) = {k * (k + 1)} for "
+                             f"llama.cpp to serve the export; the target's is {width}: set it to {largest} or less")
+
     def config_entries(self, shape) -> dict:
         # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
         return {"block_size": shape.block_size, **super().config_entries(shape)}

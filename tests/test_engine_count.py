@@ -1,0 +1,43 @@
+"""llama.cpp's rounds from the drafts at every anchor (docs/algorithm.md section 7.3), hand-worked."""
+
+import torch
+
+from dflash_ds.eval.engine_count import EngineCount, engine_rounds
+
+EOS = 2
+
+
+def rows(*drafts):
+    return torch.tensor(drafts)
+
+
+def test_first_round_at_the_last_prompt_token_and_a_confirmed_end_token():
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, 23, EOS])  # prompt of 3, response 20 .. EOS
+    # anchors 2 .. 7, 3 drafted slots each (B = 4); rows the walk jumps over are never read
+    drafts = rows([20, 21, 99], [21, 22, 23], [0, 0, 0], [23, EOS, 50], [0, 0, 0], [0, 0, 0])
+    # llama-speculative-simple: anchor 2 accepts 20, 21; anchor 5 accepts 23, and the confirmed EOS in
+    # slot 2 of 3 is the target's token.
+    assert engine_rounds(drafts, ids, 2, 8, 3 + 64, {EOS}) == [2, 1]
+    # llama-server: first round at the first generated token (anchor 3), as tau's first cycle.
+    assert engine_rounds(drafts[1:], ids, 3, 8, 3 + 64, {EOS}) == [3]
+
+
+def test_an_end_token_in_the_last_drafted_slot_counts_as_accepted():
+    ids = torch.tensor([10, 11, 12, 20, 21, EOS])
+    assert engine_rounds(rows([21, EOS], [0, 0], [0, 0]), ids, 3, 6, 3 + 64, {EOS}) == [2]
+    assert engine_rounds(rows([21, EOS, 7], [0, 0, 0], [0, 0, 0]), ids, 3, 6, 3 + 64, {EOS}) == [1]
+    assert engine_rounds(rows([7, 7, 7], [EOS, 0, 0], [0, 0, 0]), ids, 3, 6, 3 + 64, {EOS}) == [0, 0]
+
+
+def test_the_budget_cuts_the_draft_and_a_step_without_room_is_no_round():
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, 23])  # a budget of 4 tokens, no EOS
+    assert engine_rounds(rows([21, 22, 99], [0] * 3, [0] * 3, [0] * 3), ids, 3, 7, 7, {EOS}) == [2]
+    # anchor 4 has room for 1 draft; anchor 5 has none: a plain decoding step, not a round
+    assert engine_rounds(rows([99] * 3, [22, 23, 0], [23, 0, 0], [0] * 3), ids, 3, 7, 7, {EOS}) == [0, 1]
+    assert engine_rounds(rows([99] * 3, [99] * 3, [23, 0, 0], [0] * 3), ids, 3, 7, 7, {EOS}) == [0, 0]
+
+
+def test_mean_accept_length_is_pooled():
+    count = EngineCount(rounds=[[2, 1], [0, 0, 3]])
+    assert count.mean_accept_length == 1 + 6 / 5
+    assert EngineCount().as_dict()["mean_accept_length"] is None
