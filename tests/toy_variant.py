@@ -17,7 +17,7 @@ from torch import nn
 
 from dflash_ds.model import variants
 from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.loss import ChunkTerm
+from dflash_ds.model.chunk_term import ChunkTerm
 from dflash_ds.model.variants.base import DrafterVariant, FieldError, Tensor
 
 

@@ -217,7 +217,7 @@ class DrafterVariant:
         return 0
 
     def chunk_term(self, model: Any, blocks: Any, term: Any, hidden: torch.Tensor) -> Any:
-        """A model.loss.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
+        """A model.chunk_term.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
         logits (and the target's, with `needs_target_logits`): a bias added to the logits and/or
         extra loss terms; None for none. `hidden` `[R, N*B, D]`: the drafter's final states."""
         return None

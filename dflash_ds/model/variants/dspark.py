@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dflash_ds.model.blocks import default_gamma, slot_rows
 from dflash_ds.model.gather import take_rows
-from dflash_ds.model.loss import ChunkTerm
+from dflash_ds.model.chunk_term import ChunkTerm
 from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError, LossContext, ReportFigure, Serving,
                                            Tensor)
 from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
