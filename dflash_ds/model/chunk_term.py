@@ -71,7 +71,7 @@ class TermRunner:
         self.row_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.rows]
         self.param_grads = [torch.zeros_like(t) if t.requires_grad else None for t in self.params]
         self.sums = None
-        self.row_values = torch.zeros(-(-n // size) * size, term.num_row_values)
+        self.row_values = None  # [chunks x size, num_row_values], made where the first chunk's values are
         self.loss = 0.0
         self.bias_graph = None
 
@@ -112,8 +112,8 @@ class TermRunner:
                                                                        params=tuple(self.chunk_params)))
                 if values:
                     v = values[0].detach()
-                    if self.row_values.device != v.device or self.row_values.dtype != v.dtype:
-                        self.row_values = self.row_values.to(device=v.device, dtype=v.dtype)
+                    if self.row_values is None:  # on the values' device: no host-to-device copy per micro-batch
+                        self.row_values = v.new_zeros(-(-self.n // self.size) * self.size, self.term.num_row_values)
                     self.row_values[self.lo:self.lo + self.size] = v
                 sums = sums.detach().to(view.weights.dtype)
                 self.sums = sums if self.sums is None else self.sums + sums
@@ -148,4 +148,5 @@ class TermRunner:
     def result(self, like: torch.Tensor) -> TermResult:
         sums = self.sums if self.sums is not None else like.new_zeros(self.term.num_sums)
         return TermResult(self.loss, sums, tuple(self.row_grads) + tuple(self.param_grads),
-                           self.row_values[:self.n].to(like.device))
+                           like.new_zeros(self.n, self.term.num_row_values) if self.row_values is None
+                           else self.row_values[:self.n].to(like.device))
