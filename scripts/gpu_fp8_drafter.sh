@@ -20,8 +20,8 @@
 #                       after another in one process: tok/s (mean and median step), ratio to bf16, peak memory
 #   plan.json/.log      the planner's 8-GPU split with that FP8 drafter and the FP8 target's measured rate
 #                       (TARGET_RATE, 17,183 tok/s: docs/performance.md, "The target in FP8")
-#   quality_a.json, quality_b.json/.log   --role quality, two processes side by side on the GPU: bf16 then
-#                       rowwise (a), bf16 seed 1 then rowwise+lm_head (b); Q_STEPS steps (300) on Q_SEQ-token rows
+#   quality_a.json, quality_b.json/.log   --role quality, two processes side by side on the GPU: Q_MODES_A
+#                       (bf16 then rowwise), Q_MODES_B (bf16 seed 1 then rowwise+lm_head); Q_STEPS steps (300) on Q_SEQ-token rows
 #                       (1,024, anchors at the recipe's density: 171) of the bundled conversations, taps of the
 #                       geometry's random target cut to Q_LAYERS layers (8: taps 1-5)
 #   quality.json, quality.txt   the curves side by side, the final losses and their differences from bf16 in
@@ -44,6 +44,8 @@ TARGET_RATE=${TARGET_RATE:-17183}
 Q_STEPS=${Q_STEPS:-300}
 Q_SEQ=${Q_SEQ:-1024}
 Q_LAYERS=${Q_LAYERS:-8}
+Q_MODES_A=${Q_MODES_A:-bf16,rowwise}          # the modes of the two quality processes, each in this order
+Q_MODES_B=${Q_MODES_B:-bf16@1,rowwise+lm_head}
 # The recipe's drafter heads (the bench otherwise gives the drafter the target's).
 HEADS=(--set drafter.num_attention_heads=32 --set drafter.num_key_value_heads=8 --set drafter.head_dim=128)
 status=0
@@ -85,10 +87,10 @@ else
   Q=(--role quality --device cuda --compile-layers "${HEADS[@]}" --layers "$Q_LAYERS" --seq-len "$Q_SEQ"
      --steps "$Q_STEPS")
   echo "[$(date +%T)] quality a, b (at most $limit s): $PYTHON -m dflash_ds.bench ${Q[*]} --fp8-modes ..."
-  timeout "$limit" "$PYTHON" -m dflash_ds.bench "${Q[@]}" --fp8-modes bf16,rowwise --out "$OUT/quality_a.json" \
+  timeout "$limit" "$PYTHON" -m dflash_ds.bench "${Q[@]}" --fp8-modes "$Q_MODES_A" --out "$OUT/quality_a.json" \
     > "$OUT/quality_a.log" 2>&1 &
   pa=$!
-  timeout "$limit" "$PYTHON" -m dflash_ds.bench "${Q[@]}" --fp8-modes bf16@1,rowwise+lm_head \
+  timeout "$limit" "$PYTHON" -m dflash_ds.bench "${Q[@]}" --fp8-modes "$Q_MODES_B" \
     --out "$OUT/quality_b.json" > "$OUT/quality_b.log" 2>&1 &
   pb=$!
   wait $pa || { echo "quality a ended with $?: see $OUT/quality_a.log (its curves so far are kept)" >&2; status=1; }

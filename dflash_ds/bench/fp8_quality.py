@@ -83,6 +83,7 @@ def train_mode(setup: Setup, group, worker, matrices, out: dict) -> Iterator[Non
             pending = []
             out["steps_done"] = i + 1
             out["train_s"] = time.perf_counter() - t0
+            out["save_s"].append(out["train_s"])  # the steady rate, apart from the first steps' compiles
             yield
     synchronize(setup.device)
     out["peak_gib"] = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else 0.0
@@ -114,7 +115,8 @@ def run_quality(setup: Setup, ceiling: dict) -> dict:
         if setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.device)
         entry = result["modes"][mode.name] = {"seed": s.args.seed, "layers": mode.layers, "lm_head": mode.lm_head,
-                                              "loss": [], "accept": [], "steps_done": 0}
+                                              "loss": [], "accept": [], "steps_done": 0,
+                                              "save_s": []}
         for _ in train_mode(s, group, worker, matrices, entry):
             if a.out:  # what has been trained so far survives a run cut short
                 Path(a.out).parent.mkdir(parents=True, exist_ok=True)
