@@ -2,8 +2,8 @@
 confidence head against float64 element-by-element references, the greedy walk against a
 re-implementation of llama.cpp's in-graph chain (`build_dspark_markov_head`, src/models/dflash.cpp)
 and its serving loop (common/speculative.cpp), the sampled walk's law, the anchor-first labels and
-weights hand-worked, the loss terms and their closed-form gradients against float64 references
-(autograd and gradcheck), and the probabilistic tau and calibration statistics hand-worked."""
+weights hand-worked, the L1 term and its closed-form gradient against float64 references, and the
+probabilistic tau and calibration statistics hand-worked (the whole loss: tests/test_dspark_loss.py)."""
 
 import math
 
@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkChunk, DSparkRows, DSparkTerms, MarkovHead, Sampling,
-                                    anchor_first_targets, calibration, chunk_grads, confident_prefix, dspark_loss,
-                                    dspark_terms, expected_calibration_error, expected_tau, greedy_walk,
-                                    sampled_walk, shift_in, survival)
-from dflash_ds.model.logit_transform import LogitTransform
+from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, MarkovHead, Sampling, anchor_first_targets,
+                                                   calibration, confident_prefix, expected_calibration_error,
+                                                   expected_tau, greedy_walk, l1_to_target, sampled_walk, shift_in,
+                                                   survival)
 
 V, R, D = 13, 3, 5
 
@@ -211,150 +210,31 @@ def test_anchor_first_targets_hand_worked():
 
 # ------------------------------------------------------------------------- the loss
 
-def reference_sums(logits, target_logits, labels, weights, confidence):
-    """sum(w CE), sum(w ||q - p||_1), sum(w BCE(c, 1 - TV)), row by row in float64."""
-    ce = l1 = bce = 0.0
-    for i in range(logits.shape[0]):
-        w = float(weights[i])
-        if w == 0:
-            continue
-        x = [float(a) for a in logits[i]]
-        m = max(x)
-        z = sum(math.exp(a - m) for a in x)
-        q = [math.exp(a - m) / z for a in x]
-        y = [float(a) for a in target_logits[i]]
-        my = max(y)
-        zy = sum(math.exp(a - my) for a in y)
-        p = [math.exp(a - my) / zy for a in y]
-        dist = sum(abs(a - b) for a, b in zip(q, p))
-        accept = min(1.0, max(0.0, 1.0 - dist / 2))
-        s = sigmoid(float(confidence[i]))
-        ce += w * -math.log(q[int(labels[i])])
-        l1 += w * dist
-        bce += w * -(accept * math.log(s) + (1 - accept) * math.log(1 - s))
-    return ce, l1, bce
+def reference_l1(logits, target_logits):
+    """||softmax(logits) - softmax(target_logits)||_1 row by row in Python floats."""
+    out = []
+    for x, y in zip(logits.tolist(), target_logits.tolist()):
+        mx, my = max(x), max(y)
+        zx, zy = sum(math.exp(a - mx) for a in x), sum(math.exp(a - my) for a in y)
+        out.append(sum(abs(math.exp(a - mx) / zx - math.exp(b - my) / zy) for a, b in zip(x, y)))
+    return out
 
 
-def loss_case(seed=8, n=7):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(n, V, generator=g, dtype=torch.float64) * 2
-    target = torch.randn(n, V, generator=g, dtype=torch.float64) * 2
-    labels = torch.randint(0, V, (n,), generator=g)
-    weights = torch.rand(n, generator=g, dtype=torch.float64)
-    weights[2] = 0.0
-    labels[2] = V + 5  # an out-of-vocabulary label on a zero-weight row must not matter
-    conf = torch.randn(n, generator=g, dtype=torch.float64)
-    return logits, target, labels, weights, conf
-
-
-def test_loss_terms_match_a_float64_reference():
-    logits, target, labels, weights, conf = loss_case()
-    sums = dspark_terms(DSparkRows(logits, target, labels, weights, conf))
-    ce, l1, bce = reference_sums(logits, target, labels, weights, conf)
-    torch.testing.assert_close(sums.ce, torch.tensor(ce, dtype=torch.float64))
-    torch.testing.assert_close(sums.l1, torch.tensor(l1, dtype=torch.float64))
-    torch.testing.assert_close(sums.confidence, torch.tensor(bce, dtype=torch.float64))
-    q, p = torch.softmax(logits, -1), torch.softmax(target, -1)
-    torch.testing.assert_close(sums.accept, 1 - 0.5 * (q - p).abs().sum(-1))
-    assert sums.correct.tolist() == ((logits.argmax(-1) == labels) & (weights > 0)).tolist()
-    terms = DSparkTerms(0.1, 0.9, 1.0)
-    torch.testing.assert_close(dspark_loss(sums, terms, 3.0), torch.tensor((0.1 * ce + 0.9 * l1 + bce) / 3.0,
-                                                                           dtype=torch.float64))
-
-
-def test_loss_terms_gradcheck_through_both_heads():
-    """gradcheck (float64) of CE + L1 through the teacher-forced Markov bias (markov_w1 via take_rows,
-    markov_w2) and of the confidence term in the confidence logits. The BCE target 1 - TV is a
-    constant of the loss (detached): a finite difference of the logits would move it, so the
-    confidence term is checked with the logits held fixed."""
-    markov, _ = heads(seed=9)
-    logits, target, labels, weights, conf = loss_case(seed=10, n=4)
-    prev = torch.tensor([1, 4, 4, 9])
-
-    def drafter_terms(base, w1, w2):
-        x = torch.func.functional_call(markov, {"markov_w1.weight": w1, "markov_w2.weight": w2}, (base, prev))
-        return dspark_loss(dspark_terms(DSparkRows(x, target, labels, weights, conf)), DSparkTerms(0.3, 0.7, 0.0), 2.0)
-
-    def confidence_term(c):
-        return dspark_terms(DSparkRows(logits, target, labels, weights, c)).confidence
-
-    inputs = (logits.clone().requires_grad_(), markov.markov_w1.weight.detach().clone().requires_grad_(),
-              markov.markov_w2.weight.detach().clone().requires_grad_())
-    assert torch.autograd.gradcheck(drafter_terms, inputs)
-    assert torch.autograd.gradcheck(confidence_term, (conf.clone().requires_grad_(),))
-
-
-def dense_reference_loss(hidden, lm_head, e, w2, c, case):
-    """The whole loss in float64 autograd, written from the definition: logits = t(h W^T) + e W2^T."""
-    target, labels, weights, terms, normaliser = case
-    z = hidden @ lm_head.T
-    if terms.transform.multiplier != 1.0:
-        z = z * terms.transform.multiplier
-    if terms.transform.softcap:
-        z = terms.transform.softcap * torch.tanh(z / terms.transform.softcap)
-    x = z + e @ w2.T
-    logq = torch.log_softmax(x, -1)
-    keep = weights > 0
-    safe = torch.where(keep, labels, 0)
-    ce = -logq.gather(1, safe[:, None])[:, 0]
-    l1 = (logq.exp() - torch.softmax(target, -1)).abs().sum(-1)
-    accept = (1 - l1.detach() / 2).clamp(0, 1)
-    bce = -(accept * F.logsigmoid(c) + (1 - accept) * F.logsigmoid(-c))
-    total = (weights * (terms.ce * ce + terms.l1 * l1 + terms.confidence * bce)).sum()
-    return total / normaliser
-
-
-def test_autograd_terms_treat_the_confidence_target_as_a_constant():
-    """dspark_terms' gradients (the checkpointed path) equal the dense float64 reference, in which
-    the BCE target 1 - TV is detached, for the logits and the confidence logits."""
-    logits, target, labels, weights, conf = loss_case(seed=12)
-    terms = DSparkTerms(0.2, 0.8, 1.0)
-    x, c = logits.clone().requires_grad_(), conf.clone().requires_grad_()
-    dspark_loss(dspark_terms(DSparkRows(x, target, labels, weights, c)), terms, 2.5).backward()
-    xr, cr = logits.clone().requires_grad_(), conf.clone().requires_grad_()
-    nothing = torch.zeros(logits.shape[0], 1, dtype=torch.float64)
-    dense_reference_loss(xr, torch.eye(V, dtype=torch.float64), nothing, torch.zeros(V, 1, dtype=torch.float64), cr,
-                         (target, labels, weights, terms, 2.5)).backward()
-    torch.testing.assert_close(x.grad, xr.grad)
-    torch.testing.assert_close(c.grad, cr.grad)
-
-
-@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(0.8, 3.0)])
-def test_chunk_grads_summed_over_chunks_equal_dense_autograd(transform):
-    g = torch.Generator().manual_seed(11)
-    n = 10
-    hidden = torch.randn(n, D, generator=g, dtype=torch.float64)
-    lm_head = torch.randn(V, D, generator=g, dtype=torch.float64)
-    e = torch.randn(n, R, generator=g, dtype=torch.float64)
-    w2 = torch.randn(V, R, generator=g, dtype=torch.float64)
-    c = torch.randn(n, generator=g, dtype=torch.float64)
-    target = torch.randn(n, V, generator=g, dtype=torch.float64) * 2
-    labels = torch.randint(0, V, (n,), generator=g)
-    weights = torch.rand(n, generator=g, dtype=torch.float64)
-    weights[[1, 6]] = 0.0
-    labels[1], labels[6] = -3, V + 2
-    terms = DSparkTerms(0.2, 0.8, 0.6, transform)
-    normaliser = 4.5
-    leaves = [t.clone().requires_grad_() for t in (hidden, e, w2, c)]
-    ref = dense_reference_loss(leaves[0], lm_head, leaves[1], leaves[2], leaves[3],
-                               (target, labels, weights, terms, normaliser))
-    ref.backward()
-
-    total, g_h, g_e, g_c, g_w2 = 0.0, [], [], [], torch.zeros_like(w2)
-    for lo in range(0, n, 3):
-        part = slice(lo, lo + 3)
-        chunk = DSparkChunk(hidden[part], e[part], target[part], labels[part], weights[part], c[part])
-        sums, grads = chunk_grads(chunk, lm_head, w2, terms, normaliser)
-        total = total + dspark_loss(sums, terms, normaliser)
-        g_h.append(grads.hidden)
-        g_e.append(grads.embedding)
-        g_c.append(grads.confidence)
-        g_w2 += grads.markov_w2
-    torch.testing.assert_close(total, ref.detach())
-    torch.testing.assert_close(torch.cat(g_h), leaves[0].grad)
-    torch.testing.assert_close(torch.cat(g_e), leaves[1].grad)
-    torch.testing.assert_close(g_w2, leaves[2].grad)
-    torch.testing.assert_close(torch.cat(g_c), leaves[3].grad)
+def test_l1_to_target_and_its_gradient_match_float64_references():
+    """The L1 term of the fused loss: its values row by row, and its closed-form gradient (the
+    softmax's Jacobian applied to sign(q - p)) against autograd of the definition, in float64."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(7, V, generator=g, dtype=torch.float64) * 2
+    target = torch.randn(7, V, generator=g, dtype=torch.float64) * 2
+    q = logits.softmax(-1)
+    values, grad = l1_to_target(q, target, True)
+    assert values.tolist() == pytest.approx(reference_l1(logits, target), rel=1e-12)
+    assert l1_to_target(q, target, False)[1] is None
+    torch.testing.assert_close(l1_to_target(q, target, False)[0], values, rtol=0, atol=0)
+    upstream = torch.rand(7, generator=g, dtype=torch.float64)
+    x = logits.clone().requires_grad_()
+    ((x.softmax(-1) - target.softmax(-1)).abs().sum(-1) * upstream).sum().backward()
+    torch.testing.assert_close(grad * upstream[:, None], x.grad, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------- tau and calibration

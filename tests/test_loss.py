@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.loss import (KLTerm, LossOptions, _ce_forward, _ce_forward_and_grad, block_loss,
+from dflash_ds.model.loss import (KLTerm, LossOptions, _chunk_math, _Pass, _Scales, block_loss,
                                   linear_cross_entropy)
 from tests.reference import dense_loss
 from tests.test_objective import NoHostSync
@@ -319,16 +319,28 @@ def test_no_host_sync(device):
 
 
 def test_elementwise_traces_as_one_graph():
-    # On CUDA the elementwise functions are compiled with fullgraph=True: they must trace
-    # without graph breaks and give the eager results.
+    # On CUDA the chunk's elementwise pass is compiled with fullgraph=True: every combination of its
+    # parts (gradient or not, a bias, the KL term, an architecture's vocab term) must trace without
+    # graph breaks and give the eager results.
+    from dflash_ds.model.variants.dspark_parts import l1_to_target
+
     hidden, weight, labels, weights = case(torch.float32)
     logits = hidden @ weight.T
+    t_logits = torch.roll(logits, 1, 0)
+    bias = 0.1 * torch.roll(logits, 2, 1)
     lab = torch.where(weights > 0, labels, 0)
     scale = weights / 3.0
+    scales = _Scales(scale * 0.5, scale * 0.3, scale * 0.7)
     for transform in (IDENTITY, TRANSFORM):
-        for fn, args in ((_ce_forward_and_grad, (logits, lab, weights, scale, transform)),
-                         (_ce_forward, (logits, lab, weights, transform))):
+        for args in ((logits, None, None, lab, weights, _Scales(scale, None, None), _Pass(None, transform, None)),
+                     (logits, None, None, lab, weights, None, _Pass(None, transform, None)),
+                     (logits, None, t_logits, lab, weights, scales, _Pass(1.5, transform, None)),
+                     (logits, bias, t_logits, lab, weights, scales, _Pass(None, transform, l1_to_target)),
+                     (logits, bias, t_logits, lab, weights, None, _Pass(1.5, transform, l1_to_target))):
             torch._dynamo.reset()
-            traced = torch.compile(fn, dynamic=False, fullgraph=True, backend="eager")
-            for a, b in zip(traced(*args), fn(*args)):
-                torch.testing.assert_close(a, b)
+            traced = torch.compile(_chunk_math, dynamic=False, fullgraph=True, backend="eager")
+            got, want = traced(*args), _chunk_math(*args)
+            assert [a is None for a in got] == [b is None for b in want]
+            for a, b in zip(got, want):
+                if b is not None:
+                    torch.testing.assert_close(a, b)

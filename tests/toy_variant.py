@@ -44,17 +44,25 @@ def markov_bias(prev: torch.Tensor, embedding: torch.Tensor, projection: torch.T
     return F.embedding(prev, embedding) @ projection.T
 
 
+def total_variation(q: torch.Tensor, target_z: torch.Tensor, grad: bool):
+    """TV(q, softmax(target_z)) per row and, with `grad`, its gradient w.r.t. the logits of q (a
+    ChunkTerm's `vocab`: module level, traced into the fused loss)."""
+    gap = q - target_z.softmax(-1)
+    tv = 0.5 * gap.abs().sum(-1)
+    if not grad:
+        return tv, None
+    s = 0.5 * torch.sign(gap)
+    return tv, q * (s - (s * q).sum(-1, keepdim=True))
+
+
+def _bias(rows, params):
+    return markov_bias(rows[0], *params)
+
+
 def markov_term(prev: torch.Tensor, embedding: torch.Tensor, projection: torch.Tensor, tv_weight: float) -> ChunkTerm:
     """The bias from each row's previous token `prev` [n], and tv_weight * sum(w * TV(drafter, target))."""
-    def bias(rows, params):
-        return markov_bias(rows[0], *params)
-
-    def loss(view):
-        tv = 0.5 * (view.z.softmax(-1) - view.target_z.softmax(-1)).abs().sum(-1)
-        tv_sum = (tv * view.weights).sum()
-        return tv_weight * tv_sum, tv_sum.detach().reshape(1)
-
-    return ChunkTerm(rows=(prev,), params=(embedding, projection), bias=bias, loss=loss, num_sums=1)
+    return ChunkTerm(rows=(prev,), params=(embedding, projection), bias=_bias, vocab=total_variation,
+                     vocab_weight=tv_weight)
 
 
 def predecessors(labels: torch.Tensor, block_size: int) -> torch.Tensor:

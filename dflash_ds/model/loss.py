@@ -17,13 +17,13 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.chunk_term import ChunkTerm, ChunkView, TermResult, TermRunner
+from dflash_ds.model.chunk_term import ChunkTerm, TermRunner
 from dflash_ds.model.compile import compile_once
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 from dflash_ds.model.top_k import block_top_k
@@ -89,63 +89,67 @@ class _Settings(NamedTuple):
     ce_weight: float = 1.0  # the CE's coefficient in the loss
 
 
-def _ce_stats(logits, labels, weights, transform):
-    # fp32 (or wider) statistics of bf16 logits; under torch.compile these fuse into one pass.
-    # x: the logits the target's distribution is made of (scaled / capped as the target does).
-    x = scale_logits(logits.to(weights.dtype), *transform)
-    m = x.amax(-1, keepdim=True)
-    e = (x - m).exp()
+class _Scales(NamedTuple):
+    # Per-row factors [c] of the logits' gradient: the slot weight over the normaliser times each
+    # term's coefficient. Tensors, not numbers in the compiled graph, so a coefficient that changes
+    # between steps compiles nothing anew.
+    ce: torch.Tensor
+    kl: torch.Tensor | None  # kl_weight * T (the T^2 of the loss over the 1 / T of the softened softmax)
+    vocab: torch.Tensor | None
+
+
+class _Pass(NamedTuple):
+    # What a chunk's pass computes besides the CE: constants of its compiled graph (one per run).
+    temperature: float | None  # the KL term's; None without it
+    transform: LogitTransform
+    vocab: Callable | None  # ChunkTerm.vocab
+
+
+def _chunk_math(logits, bias, t_logits, labels, weights, scales: _Scales | None, how: _Pass):
+    """One chunk's statistics over the vocabulary and, with `scales`, the gradient of its loss w.r.t.
+    the raw logits, in one pass (compiled on CUDA: the `[c, V]` intermediates never exist in memory).
+
+    z = t(logits + bias) the drafter's transformed logits, q = softmax(z): the CE sum(w * CE), the
+    argmax hit, with `temperature` (not None) the KL sum(w * KL(p_T || q_T)) of the softened target
+    and drafter distributions, with `vocab` (ChunkTerm.vocab) its per-row values and their weighted
+    sum. The gradient: dz/dx * (s_ce (q - onehot) + s_kl (q_T - p_T) + s_vocab d values / d z), in
+    the logits' dtype (what autograd would hand the lm_head matmul's backward)."""
+    temperature, transform, vocab = how
+    x = logits.to(weights.dtype)
+    if bias is not None:
+        x = x + bias.to(weights.dtype)
+    z = scale_logits(x, *transform)  # the logits the target's distribution is made of
+    m = z.amax(-1, keepdim=True)
+    e = (z - m).exp()
     s = e.sum(-1, keepdim=True)
-    target = x.gather(1, labels.unsqueeze(1))
-    ce = (m + s.log() - target).squeeze(1)
-    hit = (x.argmax(-1) == labels) & (weights > 0)
-    return (ce * weights).sum(), hit, e, s, x
-
-
-def _ce_forward(logits, labels, weights, transform):
-    ce_sum, hit, _, _, _ = _ce_stats(logits, labels, weights, transform)
-    return ce_sum, hit
-
-
-def _ce_forward_and_grad(logits, labels, weights, scale, transform):
-    # d(sum(scale * CE)) / d(logits) = (softmax - onehot(label)) * scale * dz/dx (the transform's
-    # slope; 1 without one), in the logits' dtype (what autograd would hand the lm_head matmul's backward).
-    ce_sum, hit, e, s, x = _ce_stats(logits, labels, weights, transform)
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    onehot = vocab == labels.unsqueeze(1)
-    grad = (e / s - onehot.to(e.dtype)) * logit_slope(x, *transform) * scale.unsqueeze(1)
-    return ce_sum, hit, grad.to(logits.dtype)
-
-
-def _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform):
-    # KL(p || q) of the temperature-softened target (p) and drafter (q) distributions, per row; both
-    # through the target's logit transform (the target's distribution is made of it).
-    ce_sum, hit, e, s, z = _ce_stats(logits, labels, weights, transform)
-    x = z / temperature
-    log_q = x - x.amax(-1, keepdim=True)
-    log_q = log_q - log_q.exp().sum(-1, keepdim=True).log()
-    log_p = torch.log_softmax(scale_logits(t_logits.to(weights.dtype), *transform) / temperature, dim=-1)
-    p = log_p.exp()
-    kl = (p * (log_p - log_q)).sum(-1)
-    return ce_sum, hit, e, s, (kl * weights).sum(), log_q, p, z
-
-
-def _ce_kl_forward(logits, t_logits, labels, weights, kl, transform):
-    # kl: (kl_coef, temperature, ce_coef)
-    ce_sum, hit, _, _, kl_sum, _, _, _ = _ce_kl_stats(logits, t_logits, labels, weights, kl[1], transform)
-    return ce_sum, hit, kl_sum
-
-
-def _ce_kl_forward_and_grad(logits, t_logits, labels, weights, scale, kl, transform):
-    # loss = sum(scale * (ce_coef * CE + kl_coef * T^2 * KL)), kl = (kl_coef, T, ce_coef): d/d(logits) =
-    # scale * dz/dx * (ce_coef * (softmax - onehot) + kl_coef * T * (q_T - p_T)), the T^2 keeping the KL
-    # gradient's size independent of T.
-    kl_coef, temperature, ce_coef = kl
-    ce_sum, hit, e, s, kl_sum, log_q, p, z = _ce_kl_stats(logits, t_logits, labels, weights, temperature, transform)
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    onehot = vocab == labels.unsqueeze(1)
-    g = ce_coef * (e / s - onehot.to(e.dtype)) + (kl_coef * temperature) * (log_q.exp() - p)
-    return ce_sum, hit, kl_sum, (g * logit_slope(z, *transform) * scale.unsqueeze(1)).to(logits.dtype)
+    ce = (m + s.log() - z.gather(1, labels.unsqueeze(1))).squeeze(1)
+    hit = (z.argmax(-1) == labels) & (weights > 0)
+    q = e / s
+    grad = scales is not None
+    g = None
+    if grad:
+        onehot = torch.arange(z.shape[-1], device=z.device) == labels.unsqueeze(1)
+        g = scales.ce.unsqueeze(1) * (q - onehot.to(q.dtype))
+    tz = scale_logits(t_logits.to(weights.dtype), *transform) if t_logits is not None else None
+    kl_sum = None
+    if temperature is not None:
+        xt = z / temperature
+        log_q = xt - xt.amax(-1, keepdim=True)
+        log_q = log_q - log_q.exp().sum(-1, keepdim=True).log()
+        log_p = torch.log_softmax(tz / temperature, dim=-1)
+        p = log_p.exp()
+        kl_sum = ((p * (log_p - log_q)).sum(-1) * weights).sum()
+        if grad:
+            g = g + scales.kl.unsqueeze(1) * (log_q.exp() - p)
+    values = vocab_sum = None
+    if vocab is not None:
+        values, d_values = vocab(q, tz, grad)
+        vocab_sum = (values * weights).sum()
+        if grad:
+            g = g + scales.vocab.unsqueeze(1) * d_values
+    if grad:
+        g = (g * logit_slope(z, *transform)).to(logits.dtype)
+    return (ce * weights).sum(), hit, kl_sum, values, vocab_sum, g
 
 
 def _elementwise(fn, device: torch.device):
@@ -156,14 +160,21 @@ def _elementwise(fn, device: torch.device):
     return compile_once(fn, dynamic=False, fullgraph=True)
 
 
+class TermResult(NamedTuple):
+    loss: torch.Tensor | float  # vocab_weight * sum(w * values), before the normaliser
+    sums: torch.Tensor  # [1]: sum(w * values), detached ([0] without a vocab term)
+    grads: tuple  # one per term tensor (None where it needs none)
+    rows: torch.Tensor  # [n, 1] the values per row, detached ([n, 0] without)
+
+
 def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_tensors=()):
-    """The whole computation; the gradients are those of loss = (sum(w * (CE + kl_weight * T^2 * KL))
-    + the chunk term's loss) / normaliser, the KL term's target states [n, D] being those of the same
-    rows. `term_tensors`: the chunk term's rows then params (their gradients come back last)."""
+    """The whole computation; the gradients are those of loss = (sum(w * (ce_weight * CE + kl_weight *
+    T^2 * KL + vocab_weight * the chunk term's values))) / normaliser, the KL term's target states
+    [n, D] being those of the same rows. `term_tensors`: the chunk term's rows then params (their
+    gradients come back last)."""
     num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target, head, ce_coef = settings
     target = kl_term.target_hidden if kl_term is not None else term_target
-    kl_weight, temperature = (kl_term.weight, kl_term.temperature) if kl_term is not None else (0.0, 1.0)
-    kl_args = (kl_weight, temperature, ce_coef)
+    temperature = kl_term.temperature if kl_term is not None else None
     n, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = weights.to(acc_dtype)
@@ -171,10 +182,16 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     # lets their labels be anything (padding, out-of-vocabulary ids).
     lab = torch.where(w > 0, labels, torch.zeros_like(labels))
     want_grad = grad_hidden or grad_weight or any(t.requires_grad for t in term_tensors)
-    scale = w / normaliser if want_grad else None
+    vocab = chunk_term.vocab if chunk_term is not None else None
+    if want_grad:
+        scale = w / normaliser
+        scales = _Scales(scale * ce_coef, scale * (kl_term.weight * kl_term.temperature) if kl_term is not None else None,
+                         scale * chunk_term.vocab_weight if vocab is not None else None)
     size = max(1, -(-n // num_chunks))
     chunks = -(-n // size)
     ce_total = hidden.new_zeros((), dtype=acc_dtype)
+    kl_total = hidden.new_zeros((), dtype=acc_dtype)
+    vocab_total = hidden.new_zeros((), dtype=acc_dtype)
     hits = []
     # Sized for whole chunks, so every input-gradient matmul writes `size` rows in place.
     g_hidden = hidden.new_empty(chunks * size, d) if grad_hidden else None
@@ -182,24 +199,21 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     # DFlash2's selector rescores these: taken here, from logits that exist anyway.
     top = hidden.new_empty(chunks * size, top_k, dtype=torch.long) if top_k else None
     top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
-    kl = kl_term is not None
-    kl_total = hidden.new_zeros((), dtype=acc_dtype)
-    runner = TermRunner(chunk_term, term_tensors, n, size, normaliser) if chunk_term is not None else None
-    if kl:
-        fn = _elementwise(_ce_kl_forward_and_grad if want_grad else _ce_kl_forward, hidden.device)
-    else:
-        fn = _elementwise(_ce_forward_and_grad if want_grad else _ce_forward, hidden.device)
+    values = hidden.new_empty(chunks * size, dtype=acc_dtype) if vocab is not None else None
+    runner = TermRunner(chunk_term, term_tensors, size) if chunk_term is not None else None
+    fn = _elementwise(_chunk_math, hidden.device)
+    how = _Pass(temperature, transform, vocab)
     for i in range(chunks):
         lo, hi = i * size, min(n, (i + 1) * size)
         hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
-        sc = scale[lo:hi] if want_grad else None
+        sc = _Scales(*(t[lo:hi] if t is not None else None for t in scales)) if want_grad else None
         tc = target[lo:hi] if target is not None else None
         pad = size - (hi - lo)
         if pad:
             # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
             hc = F.pad(hc, (0, 0, 0, pad))
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
-            sc = F.pad(sc, (0, pad)) if want_grad else None
+            sc = _Scales(*(F.pad(t, (0, pad)) if t is not None else None for t in sc)) if want_grad else None
             tc = F.pad(tc, (0, 0, 0, pad)) if tc is not None else None
         logits = torch.mm(hc, weight.t()) if head is None else head.logits(hc)
         if top_k:
@@ -207,25 +221,18 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
         # The target's logits of the same rows: one more lm_head matmul per chunk, and only
         # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
         t_logits = torch.mm(tc, weight.t()) if tc is not None else None
-        if runner is not None:
-            logits = runner.biased(logits, lo, hi, acc_dtype)
-        if kl:
-            if want_grad:
-                ce, hit, kl_c, g_logits = fn(logits, t_logits, lc, wc, sc, kl_args, transform)
-            else:
-                ce, hit, kl_c = fn(logits, t_logits, lc, wc, kl_args, transform)
-            kl_total = kl_total + kl_c
-        elif want_grad:
-            ce, hit, g_logits = fn(logits, lc, wc, sc * ce_coef, transform)
-        else:
-            ce, hit = fn(logits, lc, wc, transform)
-        if runner is not None:
-            g_logits = runner.chunk(logits, t_logits, ChunkView(None, None, lc, wc, (), ()), transform,
-                                    g_logits if want_grad else None)
-            g_logits = g_logits.to(weight.dtype) if want_grad else None
-        del logits, t_logits
+        bias = runner.bias(lo, hi) if runner is not None else None
+        ce, hit, kl_c, v, v_sum, g_logits = fn(logits, bias, t_logits, lc, wc, sc, how)
+        del logits, t_logits, bias
         ce_total = ce_total + ce
         hits.append(hit)
+        if kl_c is not None:
+            kl_total = kl_total + kl_c
+        if v is not None:
+            values[i * size:(i + 1) * size] = v
+            vocab_total = vocab_total + v_sum
+        if runner is not None:
+            runner.backward(g_logits)
         if grad_hidden and head is None:
             torch.mm(g_logits, weight, out=g_hidden[i * size:(i + 1) * size])
         elif grad_hidden:
@@ -233,15 +240,19 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
         if grad_weight:
             # Accumulates in the weight's dtype, as autograd would across chunks.
             g_weight.addmm_(g_logits.t(), hc)
-        if want_grad:
-            del g_logits
+        del g_logits
     correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
     if top_k:
         top, top_logits = top[:n], top_logits[:n]
     else:
         top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
-    extra = runner.result(ce_total) if runner is not None else TermResult(0.0, ce_total.new_zeros(0), (),
-                                                                             ce_total.new_zeros(n, 0))
+    if runner is None:
+        extra = TermResult(0.0, ce_total.new_zeros(0), (), ce_total.new_zeros(n, 0))
+    elif vocab is None:
+        extra = TermResult(0.0, ce_total.new_zeros(0), runner.grads(), ce_total.new_zeros(n, 0))
+    else:
+        extra = TermResult(chunk_term.vocab_weight * vocab_total, vocab_total.reshape(1), runner.grads(),
+                           values[:n].unsqueeze(1))
     return ce_total, correct, (g_hidden[:n] if grad_hidden else None), g_weight, kl_total, (top, top_logits), extra
 
 
@@ -284,8 +295,8 @@ class LinearCE(NamedTuple):
     kl_sum: torch.Tensor  # sum(w * KL), detached (0 without the term)
     top_ids: torch.Tensor  # int64 [n, top_k], best first ([n, 0] without)
     top_logits: torch.Tensor  # [n, top_k] raw logits of those ids (the logits' dtype), detached
-    term_sums: torch.Tensor  # [term.num_sums] the chunk term's sums, detached ([0] without a term)
-    term_rows: torch.Tensor  # [n, term.num_row_values] the chunk term's per-row values, detached
+    term_sums: torch.Tensor  # [1] sum(w * the chunk term's values), detached ([0] without its vocab term)
+    term_rows: torch.Tensor  # [n, 1] the chunk term's values per row, detached ([n, 0] without)
 
 
 def linear_cross_entropy(
@@ -359,7 +370,7 @@ class LossOutput(NamedTuple):
     candidate_logits: torch.Tensor | None = None
     # The architecture's detached sums, in its `log_sums` order (the chunk term's, then its extra loss's).
     extra: tuple = ()
-    # The chunk term's per-row values [rows, num_row_values] in `slot_rows` order (None without them).
+    # The chunk term's values per row [rows, 1] in `slot_rows` order (None without its vocab term).
     term_rows: torch.Tensor | None = None
 
 
@@ -387,8 +398,6 @@ def block_loss(
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [{b}, {q}, D] for labels {tuple(labels.shape)}")
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     rows_kl = None
-    if kl is not None:
-        target = kl.target_hidden
     first = options.first_slot
     if kl is not None:
         target = kl.target_hidden
@@ -402,4 +411,4 @@ def block_loss(
     top = options.top_k > 0
     return LossOutput(out.loss, out.ce_sum, correct, out.kl_sum.to(acc_dtype), out.top_ids if top else None,
                       out.top_logits if top else None, tuple(out.term_sums.unbind()) if options.term is not None else (),
-                      out.term_rows if options.term is not None and options.term.num_row_values else None)
+                      out.term_rows if options.term is not None and options.term.vocab is not None else None)

@@ -22,7 +22,7 @@ from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError
                                            Tensor)
 from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
                                                    calibration, confidence_logits, expected_tau, greedy_walk,
-                                                   shift_in)
+                                                   l1_to_target, shift_in)
 from dflash_ds.model.variants.dspark_report import draw_reliability, reliability
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
@@ -132,47 +132,34 @@ class DSpark(DrafterVariant):
         return (term or DSparkTerms()).ce
 
     def chunk_term(self, model, blocks, term: DSparkTerms | None, hidden) -> ChunkTerm:
-        """The Markov bias of every slot's logits (teacher-forced predecessor) and, on the biased
-        logits and the target's, l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV), both weighted by the
-        slot weights; per row it returns 1 - TV and the confidence head's probability."""
+        """The Markov bias of every slot's logits (teacher-forced predecessor) and l1 * ||q - p||_1
+        on the biased logits and the target's, inside the fused loss's pass over the vocabulary."""
         t = term or DSparkTerms()
-        drafter, b = model.drafter, model.config.block_size
-        labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
-        prev = slot_rows(shift_in(blocks.block_ids.view_as(labels)[..., 0], labels).flatten(1), b, 0)
-        head = getattr(drafter, "confidence_head", None)
-        params = (drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight)
-        rows = (prev,)
-        if head is not None:
-            params += (head.proj.weight, head.proj.bias)
-            rows += (slot_rows(hidden, b, 0),)
-
-        def bias(rows, params):
-            return F.linear(take_rows(params[0], rows[0]), params[1])
-
-        def loss(view):
-            w = view.weights
-            l1 = (view.z.softmax(-1) - view.target_z.softmax(-1)).abs().sum(-1)
-            accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-            l1_sum = (w * l1).sum()
-            conf_sum, prob = w.new_zeros(()), torch.zeros_like(accept)
-            if head is not None:
-                embedding = take_rows(view.params[0], view.rows[0], w.dtype) if head.with_markov else None
-                c = confidence_logits(view.rows[1], embedding, view.params[2], view.params[3]).to(w.dtype)
-                conf_sum = (w * F.binary_cross_entropy_with_logits(c, accept, reduction="none")).sum()
-                prob = torch.sigmoid(c.detach())
-            total = t.l1 * l1_sum + t.confidence * conf_sum
-            return total, torch.stack([l1_sum, conf_sum]).detach(), torch.stack([accept, prob], dim=1)
-
-        return ChunkTerm(rows=rows, params=params, bias=bias, loss=loss, num_sums=2, num_row_values=2)
+        head = model.drafter.markov_head
+        return ChunkTerm(rows=(_predecessors(blocks, model.config.block_size),),
+                         params=(head.markov_w1.weight, head.markov_w2.weight), bias=_markov_bias,
+                         vocab=l1_to_target, vocab_weight=t.l1)
 
     def extra_loss(self, ctx: LossContext) -> ExtraLoss:
-        """No loss: the logs' statistics of the rows' 1 - TV and confidence (per slot, per block)."""
-        b = ctx.model.config.block_size
-        values = ctx.base.term_rows.view(-1, b, 2)
-        accept, prob = values[..., 0], values[..., 1]
+        """confidence * sum(w * BCE(c, 1 - TV)) / normaliser, the confidence head's logits c read from
+        the slots' final states (and their predecessors' Markov embeddings) against each slot's
+        1 - TV from the fused loss (a constant, as in DeepSpec); and the logs' statistics of 1 - TV
+        and the confidence (per slot, per block)."""
+        t, model, b = ctx.term or DSparkTerms(), ctx.model, ctx.model.config.block_size
+        accept = (1.0 - 0.5 * ctx.base.term_rows.view(-1, b)).clamp(0.0, 1.0)
         w = ctx.blocks.weights.view(-1, b).to(accept.dtype)
+        head = getattr(model.drafter, "confidence_head", None)
+        loss, conf_sum, prob = ctx.hidden.new_zeros(()), w.new_zeros(()), torch.zeros_like(accept)
+        if head is not None:
+            w1 = model.drafter.markov_head.markov_w1.weight
+            embedding = take_rows(w1, _predecessors(ctx.blocks, b)) if head.with_markov else None
+            c = confidence_logits(slot_rows(ctx.hidden, b, 0), embedding, head.proj.weight, head.proj.bias)
+            c = c.to(accept.dtype).view_as(accept)
+            conf_sum = (w * F.binary_cross_entropy_with_logits(c, accept, reduction="none")).sum()
+            loss = t.confidence * conf_sum / ctx.normaliser
+            prob = torch.sigmoid(c.detach())
         tau_sum, tau_blocks = expected_tau(accept, w)
-        if ctx.model.config.arch_fields.enable_confidence_head:
+        if head is not None:
             stats = calibration(prob, accept, w, BINS)
             cal = (stats.abs_error, stats.bias)
             bins = torch.cat([stats.bin_weight.sum(0), stats.bin_pred.sum(0), stats.bin_target.sum(0)])
@@ -180,9 +167,9 @@ class DSpark(DrafterVariant):
             cal, bins = (w.new_zeros(()), w.new_zeros(())), w.new_zeros(3 * BINS)
         on = (w > 0).to(accept.dtype)
         per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
-        sums = (tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind(),
+        sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind(),
                 *bins.to(accept.dtype).unbind())
-        return ExtraLoss(ctx.hidden.new_zeros(()), tuple(s.detach() for s in sums))
+        return ExtraLoss(loss, tuple(s.detach() for s in sums))
 
     def log_names(self, shape) -> tuple[str, ...]:
         return _sum_names(shape.block_size)
@@ -239,6 +226,17 @@ class DSpark(DrafterVariant):
             "```",
             "",
         ]
+
+
+def _predecessors(blocks, block_size: int) -> torch.Tensor:
+    """Teacher forcing: each slot's Markov predecessor (the anchor for slot 0, then the gold tokens),
+    in the loss's row order."""
+    labels = blocks.labels.view(blocks.labels.shape[0], -1, block_size)
+    return slot_rows(shift_in(blocks.block_ids.view_as(labels)[..., 0], labels).flatten(1), block_size, 0)
+
+
+def _markov_bias(rows, params):
+    return F.linear(take_rows(params[0], rows[0]), params[1])
 
 
 VARIANT = DSpark()

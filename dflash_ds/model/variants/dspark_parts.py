@@ -15,9 +15,9 @@ DSpark (DeepSeek's DeepSpec) keeps the DFlash backbone and changes three things:
 
 The loss of a slot is `ce * CE + l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV)` with q the
 drafter's distribution (Markov bias included), p the target's, TV = ||q - p||_1 / 2; its weight w is
-the usual decay times mask. `chunk_grads` gives one chunk's sums and its gradients in closed form,
-for a fused chunk loop that never holds more than one chunk of logits; `dspark_terms` is the same
-computation for autograd.
+the usual decay times mask. `l1_to_target` is the L1 term and its gradient in the fused loss's one
+pass over the vocabulary (model/chunk_term.py); the CE is the loss's own, and the confidence BCE
+is computed after it from each slot's 1 - TV (variants/dspark.py).
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -32,7 +32,6 @@ from torch import nn
 
 from dflash_ds.model.blocks import decay_weights
 from dflash_ds.model.gather import take_rows
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 
 # DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
 _INIT_STD = 0.02
@@ -184,123 +183,24 @@ def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_i
 
 
 class DSparkTerms(NamedTuple):
-    """The weights of the three terms (DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
-    and the target's logit transform (model/logit_transform.py), applied to the lm_head logits before
-    the Markov bias is added (DeepSpec's order)."""
+    """The weights of the three terms (DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)."""
 
     ce: float = 0.1
     l1: float = 0.9
     confidence: float = 1.0
-    transform: LogitTransform = IDENTITY
 
 
-class DSparkRows(NamedTuple):
-    """One chunk of slots for `dspark_terms`: the drafter's logits `[c, V]` (Markov bias included),
-    the target's `[c, V]` (its next-token logits at the position before each slot's label), labels
-    `[c]`, weights `[c]` and the raw confidence logits `[c]` (None without a confidence head)."""
-
-    logits: torch.Tensor
-    target_logits: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-    confidence: torch.Tensor | None = None
-
-
-class DSparkSums(NamedTuple):
-    ce: torch.Tensor  # sum(w * CE)
-    l1: torch.Tensor  # sum(w * ||q - p||_1)  (twice the total variation)
-    confidence: torch.Tensor  # sum(w * BCE(c, 1 - TV)); 0 without a confidence head
-    accept: torch.Tensor  # [c] 1 - TV per slot, clamped to [0, 1], detached
-    correct: torch.Tensor  # [c] bool: argmax == label on slots of weight > 0
-
-
-def dspark_terms(rows: DSparkRows) -> DSparkSums:
-    """The three weighted sums of a chunk, differentiable by autograd (the checkpointed path) in at
-    least float32. The confidence target `1 - TV` is a constant (detached), as in DeepSpec; the
-    confidence logits keep their graph (the term trains the head, the states and `markov_w1`)."""
-    w, lab, x, p = _prepared(rows)
-    logq = torch.log_softmax(x, dim=-1)
-    ce = -logq.gather(1, lab.unsqueeze(1)).squeeze(1)
-    l1 = (logq.exp() - p).abs().sum(-1)
-    accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-    conf = w.new_zeros(())
-    if rows.confidence is not None:
-        bce = F.binary_cross_entropy_with_logits(rows.confidence.to(w.dtype), accept, reduction="none")
-        conf = (bce * w).sum()
-    correct = (x.detach().argmax(-1) == lab) & (w > 0)
-    return DSparkSums((ce * w).sum(), (l1 * w).sum(), conf, accept, correct)
-
-
-def _prepared(rows: DSparkRows):
-    w = rows.weights.to(torch.promote_types(rows.logits.dtype, torch.float32))
-    # Zero-weight rows add exactly 0; an in-vocabulary label keeps their CE finite.
-    lab = torch.where(w > 0, rows.labels, torch.zeros_like(rows.labels)).long()
-    p = torch.softmax(rows.target_logits.detach().to(w.dtype), dim=-1)
-    return w, lab, rows.logits.to(w.dtype), p
-
-
-class DSparkChunk(NamedTuple):
-    """One chunk of slots for `chunk_grads`: the drafter's final-norm states `[c, D]`, the Markov
-    embeddings of their predecessors `[c, r]`, the target's (transformed) logits `[c, V]`, labels
-    `[c]`, weights `[c]`, raw confidence logits `[c]` or None."""
-
-    hidden: torch.Tensor
-    embedding: torch.Tensor
-    target_logits: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-    confidence: torch.Tensor | None = None
-
-
-class DSparkGrads(NamedTuple):
-    """Gradients of (ce * sum(w CE) + l1 * sum(w L1) + confidence * sum(w BCE)) / normaliser."""
-
-    hidden: torch.Tensor  # [c, D], in the states' dtype
-    embedding: torch.Tensor  # [c, r]: into markov_w1 through the predecessors' rows
-    markov_w2: torch.Tensor  # [V, r]: this chunk's share, in at least float32
-    confidence: torch.Tensor | None  # [c]: into the confidence head (and its inputs)
-
-
-@torch.no_grad()
-def chunk_grads(chunk: DSparkChunk, lm_head: torch.Tensor, markov_w2: torch.Tensor, terms: DSparkTerms,
-                normaliser: float | torch.Tensor) -> tuple[DSparkSums, DSparkGrads]:
-    """One chunk of the fused loss: the logits `t(hidden @ lm_head.T) + embedding @ markov_w2.T`, the
-    sums of `dspark_terms` and the gradients in closed form, so a chunk loop keeps no graph and no
-    more than one chunk of `[c, V]` logits. With q = softmax(logits), p the target's, s = sign(q - p):
-    d CE / d logits = q - onehot, d L1 / d logits = q * (s - <s, q>), d BCE / d c = sigmoid(c) - (1 - TV);
-    the lm_head is frozen (no gradient). Summing the chunks' sums and gradients gives the whole loss's."""
-    h, e = chunk.hidden, chunk.embedding
-    work = torch.promote_types(h.dtype, torch.float32)
-    z = terms.transform.apply(torch.mm(h, lm_head.t()).to(work))
-    logits = z + torch.mm(e.to(work), markov_w2.t().to(work))
-    rows = DSparkRows(logits, chunk.target_logits, chunk.labels, chunk.weights, chunk.confidence)
-    w, lab, x, p = _prepared(rows)
-    q = torch.softmax(x, dim=-1)
-    ce = torch.logsumexp(x, -1) - x.gather(1, lab.unsqueeze(1)).squeeze(1)
-    gap = q - p  # one [c, V] pass for both the L1 sum and its sign
-    sign = torch.sign(gap)
+def l1_to_target(q: torch.Tensor, target_z: torch.Tensor, grad: bool):
+    """DSpark's L1 term for the fused loss (a ChunkTerm's `vocab`): per row ||q - p||_1 (twice the
+    total variation) of the drafter's distribution q `[c, V]` and the target's p = softmax(target_z),
+    and its gradient w.r.t. the drafter's logits: with s = sign(q - p), d/dz ||q - p||_1 =
+    q * (s - <s, q>) (the softmax's Jacobian applied to s)."""
+    gap = q - torch.softmax(target_z, dim=-1)
     l1 = gap.abs().sum(-1)
-    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
-    scale = w / normaliser
-    g = q * (terms.l1 * (sign - (sign * q).sum(-1, keepdim=True)) + terms.ce)
-    g.scatter_add_(1, lab.unsqueeze(1), torch.full_like(lab, -terms.ce, dtype=g.dtype).unsqueeze(1))
-    g = g * scale.unsqueeze(1)
-    conf_sum, g_conf = w.new_zeros(()), None
-    if chunk.confidence is not None:
-        c = chunk.confidence.to(work)
-        conf_sum = (F.binary_cross_entropy_with_logits(c, accept, reduction="none") * w).sum()
-        g_conf = (terms.confidence * scale * (torch.sigmoid(c) - accept)).to(chunk.confidence.dtype)
-    g_raw = g * terms.transform.slope(z)
-    grads = DSparkGrads(torch.mm(g_raw.to(lm_head.dtype), lm_head).to(h.dtype),
-                        torch.mm(g, markov_w2.to(work)).to(e.dtype), torch.mm(g.t(), e.to(work)), g_conf)
-    correct = (x.argmax(-1) == lab) & (w > 0)
-    return DSparkSums((ce * w).sum(), (l1 * w).sum(), conf_sum, accept, correct), grads
-
-
-def dspark_loss(sums: DSparkSums, terms: DSparkTerms, normaliser: float | torch.Tensor) -> torch.Tensor:
-    """(ce * sum(w CE) + l1 * sum(w L1) + confidence * sum(w BCE)) / normaliser: DeepSpec's total with
-    one normaliser for the three terms (theirs are the same sum of weights), here the whole step's."""
-    return (terms.ce * sums.ce + terms.l1 * sums.l1 + terms.confidence * sums.confidence) / normaliser
+    if not grad:
+        return l1, None
+    s = torch.sign(gap)
+    return l1, q * (s - (s * q).sum(-1, keepdim=True))
 
 
 def expected_tau(accept: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
