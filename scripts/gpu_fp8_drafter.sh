@@ -1,9 +1,11 @@
 #!/bin/bash
-# The drafter in FP8 (drafter.fp8) on one GPU, in one call: the lm_head A/B, the speed of every mode beside
-# bf16 at the recipe's rows, and the loss of every mode trained from the same initialisation. Under 9
-# minutes on one H200: BUDGET seconds for the parts (510 by default), each capped by what is left; a speed
-# or quality run cut short keeps the modes and steps it finished, and the summary reads whatever is in OUT.
-#   bash scripts/gpu_fp8_drafter.sh OUT
+# The drafter in FP8 (drafter.fp8) on one GPU: the lm_head A/B, the speed of every mode beside bf16 at the
+# recipe's rows, and the loss of every mode trained from the same initialisation. BUDGET seconds for the
+# parts (510 by default), each capped by what is left (the lm_head part also by LM_HEAD_CAP, 240); on one
+# H200 the quality part alone takes about 8 minutes, so it gets a call of its own (PARTS=quality BUDGET=570).
+# A speed or quality run cut short keeps the modes and steps it finished, and the summary reads whatever
+# is in OUT.
+#   PARTS="lm_head speed" bash scripts/gpu_fp8_drafter.sh OUT
 #   PARTS="quality" bash scripts/gpu_fp8_drafter.sh OUT     only some parts (lm_head speed quality), into the
 #                                                            same OUT (e.g. a second call for what did not fit)
 #   PARTS="checks" bash scripts/gpu_fp8_drafter.sh OUT      the GPU-tier FP8 drafter tests alone (not in the default)
@@ -69,7 +71,7 @@ if wants checks; then
     -m gpu -k fp8_drafter tests/test_gpu.py > "$OUT/gpu_checks_fp8_drafter.log" 2>&1 || status=1
   tail -3 "$OUT/gpu_checks_fp8_drafter.log"
 fi
-wants lm_head && part lm_head 90 --role lm_head --device cuda "${HEADS[@]}" --warmup 3 --steps 20
+wants lm_head && part lm_head "${LM_HEAD_CAP:-240}" --role lm_head --device cuda "${HEADS[@]}" --warmup 3 --steps 20
 wants speed && part speed 270 --role drafter --device cuda --compile-layers "${HEADS[@]}" --warmup 2 --steps 6 \
   --fp8-modes bf16,rowwise,tensorwise,rowwise+lm_head
 if wants speed && [ -f "$OUT/speed.json" ]; then
