@@ -188,6 +188,51 @@ def test_fp8_experts_equal_a_per_token_reference():
     assert (got - plain).abs().max() > 1e-6  # it did quantize
 
 
+def test_fp8_grouped_gemms_equal_the_float64_product_of_their_operands(monkeypatch):
+    """The references the GPU tier holds torch._scaled_grouped_mm to (tests/fp8_experts.py), on the CPU
+    emulation: each GEMM the FP8 experts forward runs against the float64 product of its own e4m3
+    operands, on routing with empty experts, groups of 1..129 pairs and experts in nearly every token;
+    the whole forward against the float64 sum over the slots of its own down GEMM's operands."""
+    from dataclasses import replace
+
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    from .fp8_experts import (RARE_SIZES, dequantized_product, gemm_errors, group_sizes, record_fp8_gemms, rel,
+                              skewed_routing, unrouted_sum)
+
+    cfg = target_config("tiny-moe")
+    cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size = 32, 256, 128
+    torch.manual_seed(0)
+    mod = Qwen3_5MoeExperts(cfg).to(torch.bfloat16).requires_grad_(False)
+    torch.nn.init.normal_(mod.gate_up_proj, 0, 0.02)
+    torch.nn.init.normal_(mod.down_proj, 0, 0.02)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(300, 256, generator=g).bfloat16()
+    index, weights = skewed_routing(300, 32, 4, g)
+    holder = torch.nn.Module()
+    holder.experts = mod
+    moe.quantize_experts(holder)
+    calls = record_fp8_gemms(monkeypatch)
+    got = moe.grouped_experts_forward(mod, hidden, index, weights.bfloat16())
+    r = moe.route(index, 32)
+    sizes = group_sizes(r.offsets)
+    assert len(calls) == 2 and all(torch.equal(c.offsets, r.offsets) for c in calls)
+    assert sizes[0] == sizes[-1] == sizes[16] == 0 and sizes[2:2 + len(RARE_SIZES)] == list(RARE_SIZES)
+    assert max(sizes) > 240
+    for call in calls:
+        e = gemm_errors(call)
+        # float32 accumulation: the bf16 output rounding is the only error.
+        assert e["rel"] <= 1.05 * e["floor"] and 1e-3 < e["floor"] < 3e-3 and e["worst_row"] < 2e-2, e
+    ref = unrouted_sum(dequantized_product(calls[1]), r.order, 4)
+    assert rel(got, ref) <= 1.6 * rel(ref.bfloat16(), ref)  # two roundings: the pairs' outputs, their sum
+    # The check can fail: one group boundary moved by a row gives that row another expert's weights.
+    shifted = calls[0].offsets.clone()
+    shifted[5] += 1
+    c = calls[0]
+    bad = replace(c, out=moe.scaled_grouped_mm(c.xq, c.x_scale, c.wq, c.w_scale, shifted, torch.bfloat16))
+    assert gemm_errors(bad)["worst_row"] > 0.5
+
+
 # ---------------------------------------------------------------------------- packed rows
 
 

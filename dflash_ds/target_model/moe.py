@@ -145,19 +145,28 @@ def quantize_rows_3d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grouped_linear_fp8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """grouped_linear with e4m3 weights [G, N, K] and row scales [G, N]; x [P, K] is quantized per row.
+    """grouped_linear with e4m3 weights [G, N, K] and row scales [G, N]; x [P, K] is quantized per row."""
+    from dflash_ds.target_model.fp8 import quantize_rows
+
+    xq, x_scale = quantize_rows(x)
+    return scaled_grouped_mm(xq, x_scale, wq, w_scale, offsets, x.dtype)
+
+
+def scaled_grouped_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                      offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """grouped_linear of e4m3 operands: rows xq [P, K] with scales [P, 1], weights wq [G, N, K] with
+    row scales [G, N] -> [P, N] in out_dtype.
 
     FP8 tensor cores (torch._scaled_grouped_mm) on CUDA; elsewhere the product of the dequantized
     operands through grouped_linear, so both paths share the routing and are tested on CPU."""
-    from dflash_ds.target_model.fp8 import dequantize, quantize_rows
+    from dflash_ds.target_model.fp8 import dequantize
 
-    xq, x_scale = quantize_rows(x)
-    if x.is_cuda:
+    if xq.is_cuda:
         return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), scale_a=x_scale.reshape(-1), scale_b=w_scale,
-                                        offs=offsets, out_dtype=x.dtype, use_fast_accum=True)
+                                        offs=offsets, out_dtype=out_dtype, use_fast_accum=True)
     xd = dequantize(xq, x_scale)
     wd = wq.float() * w_scale.float().unsqueeze(-1)
-    return grouped_linear(xd, wd, offsets).to(x.dtype)
+    return grouped_linear(xd, wd, offsets).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------- the experts forward
