@@ -2,7 +2,7 @@
 
 Draft-token counts differ between engines: SGLang's `--speculative-num-draft-tokens` counts the
 whole block (anchor included), vLLM's `num_speculative_tokens` and llama.cpp's `--spec-draft-n-max`
-count the drafted tokens only.
+count the drafted tokens only (`DrafterVariant.serving`).
 """
 
 from __future__ import annotations
@@ -99,19 +99,21 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "```",
         "",
         *sglang_note,
-        "llama.cpp (`--spec-draft-n-max` = block size - 1; the drafter converted with the target's directory,",
-        "which gives it the tokenizer and the target's shape, and the target converted as usual):",
+        f"llama.cpp (`--spec-draft-n-max` = {serve.llama_cpp_draft_max}, the drafts of one block; the drafter "
+        "converted with",
+        "the target's directory, which gives it the tokenizer and the target's shape, and the target",
+        "converted as usual):",
         "",
         "```",
         "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR --outfile drafter.gguf",
         "python convert_hf_to_gguf.py TARGET_DIR --outfile target.gguf",
-        f"llama-server -m target.gguf -md drafter.gguf --spec-draft-n-max {cfg.block_size - 1}"
+        f"llama-server -m target.gguf -md drafter.gguf --spec-draft-n-max {serve.llama_cpp_draft_max}"
         + (" \\" if llama_tail else ""),
         *llama_tail,
         "```",
         "",
-        "llama.cpp reads the DFlash type from the drafter's metadata (`--spec-type draft-dflash` says it",
-        "outright); its default draft length is 3.",
+        f"llama.cpp reads the speculative type from the drafter's metadata (`--spec-type {serve.llama_cpp_type}`",
+        "says it outright); its default draft length is 3.",
         "",
         "## Loading with transformers",
         "",

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tests.test_engine as tier  # noqa: E402 - the tier's trainer and its round prediction
 from dflash_ds.config import load_recipe  # noqa: E402
 from dflash_ds.eval.cli import read_prompts  # noqa: E402
+from dflash_ds.eval.engine_count import accepted  # noqa: E402
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps  # noqa: E402
 from dflash_ds.eval.tau import accept_lengths, tau_from_taps  # noqa: E402
 
@@ -50,7 +51,7 @@ def main() -> None:
     for ids in heldout:
         p = len(ids)
         x = greedy_continuation(target, torch.tensor(ids), max_new_tokens=tier.BUDGET)
-        rounds, _ = tier.project_rounds({"model": model}, tiny, x, p)
+        rounds = accepted(tier.project_rounds({"model": model}, tiny, x, p)[0])
         first.append(rounds[0])
         later += rounds[1:]
         taps = target_taps(target, x, model.layer_ids)

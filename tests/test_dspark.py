@@ -150,6 +150,42 @@ def test_greedy_walk_equals_llama_cpp_chain(sample_from_anchor):
     assert none is None and torch.equal(unbiased, base)
 
 
+def test_the_proposal_is_llama_cpps_draft_under_its_confidence_cut():
+    """`DrafterVariant.propose` (what the engine count reads): DSpark's tokens, each block's served
+    count under --spec-draft-p-min and the confidences equal llama.cpp's chain and loop on the
+    drafter's states (base = h @ lm_head.T, the confidence on h itself); DFlash models no cut."""
+    from types import SimpleNamespace
+
+    from dflash_ds.model.variants import VARIANTS
+
+    markov, conf_head = heads(seed=6, scale=1.5)
+    g = torch.Generator().manual_seed(7)
+    n_blocks, per = 4, 5
+    hidden = torch.randn(n_blocks, per, D, generator=g, dtype=torch.float64)
+    lm_head = torch.randn(V, D, generator=g, dtype=torch.float64)
+    anchors = torch.randint(0, V, (n_blocks,), generator=g)
+    model = SimpleNamespace(drafter=SimpleNamespace(markov_head=markov, confidence_head=conf_head), lm_head=lm_head)
+    tokens = torch.cat([anchors[:, None], torch.zeros(n_blocks, per - 1, dtype=torch.long)], 1).flatten()
+    flat = hidden.reshape(-1, D)
+    weights = (markov.markov_w1.weight, markov.markov_w2.weight, conf_head.proj.weight[0], conf_head.proj.bias[0])
+    logits, conf = llama_cpp_dspark(tokens, flat @ lm_head.T, flat, weights, (n_blocks, per, True))
+    dspark = VARIANTS["dspark"]
+    for p_min in (0.0, 0.5):
+        got = dspark.propose(model, hidden, anchors, p_min)
+        served = llama_cpp_drafts(logits, conf, n_blocks, 0, p_min)
+        assert [got.tokens[b, :int(got.served[b])].tolist() for b in range(n_blocks)] == served
+        torch.testing.assert_close(got.confidence, conf.view(n_blocks, per))
+    assert any(len(d) < per for d in served)  # the cut at 0.5 shortens some drafts: the check can fail
+    bare = SimpleNamespace(drafter=SimpleNamespace(markov_head=markov), lm_head=lm_head)
+    assert dspark.propose(bare, hidden, anchors).served.tolist() == [per] * n_blocks
+    with pytest.raises(ValueError, match="no confidence head"):
+        dspark.propose(bare, hidden, anchors, 0.5)
+    plain = VARIANTS["dflash"].propose(model, hidden, anchors)
+    assert plain.served.tolist() == [per] * n_blocks and plain.confidence is None
+    with pytest.raises(ValueError, match="--spec-draft-p-min"):
+        VARIANTS["dflash"].propose(model, hidden, anchors, 0.5)
+
+
 def test_teacher_forcing_on_the_walks_own_tokens_reproduces_the_walk():
     markov, _ = heads(seed=4, scale=1.5)
     g = torch.Generator().manual_seed(5)

@@ -2,10 +2,13 @@
 
 Every tiny recipe's drafter (trained here against assets/tiny-target with the recipe's drafter and
 objective sections, in process) is exported, converted by llama.cpp's own converter and served by
-llama-speculative-simple on the held-out prompts. Greedy: the output is the target's alone
-(llama-completion), and every round's accepted drafts are what the project's drafter predicts under
-llama.cpp's loop (dflash_ds.eval.engine_count); the project's tau cycles are those rounds in its own unit
-(from the second round on, where both loops anchor alike).
+llama-speculative-simple on the held-out prompts, with the speculative type and `--spec-draft-n-max`
+its model card gives (B - 1 drafts a round for DFlash, B for the anchor-first DSpark). Greedy: the
+output is the target's alone (llama-completion), and every round's accepted and verified drafts are
+what the project's drafter predicts under llama.cpp's loop (dflash_ds.eval.engine_count); the
+project's tau cycles are those rounds in its own unit (from the second round on, where both loops
+anchor alike). A drafter with a confidence head (DSpark) is served once more with
+`--spec-draft-p-min`, whose cut of every draft the project predicts too.
 Sampled (T = 1): llama.cpp's mean acceptance length agrees with the project's within the noise.
 """
 
@@ -19,16 +22,17 @@ import torch
 
 from dflash_ds.config import load_recipe
 from dflash_ds.eval.cli import read_prompts
-from dflash_ds.eval.engine_count import EngineCount, engine_rounds
+from dflash_ds.eval.engine_count import EngineCount, Round, accepted, engine_rounds
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.sampled import Sampling, ratio_se, sampled_continuation
-from dflash_ds.eval.tau import anchor_drafts, tau_from_taps
+from dflash_ds.eval.tau import anchor_proposals, tau_from_taps
 from dflash_ds.export import save_drafter
 from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
+from tests.eval_world import final_states
 from tests.llama_cpp import FLOAT32, FLOAT32_DRAFT, ROOT, build
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]  # a cold build is part of the first test
@@ -37,9 +41,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]  # a cold build is 
 EXPORTS = {
     "dflash": "recipes/tiny.yaml",
     "dflash2": "recipes/tiny-dflash2.yaml",
-    # "dspark": "recipes/tiny-dspark.yaml",  DSpark's place: its anchor-first block drafts B tokens a
-    # round (--spec-draft-n-max B, not B - 1) and the engines may cut a draft by its confidence head,
-    # which the round prediction here does not model yet.
+    "dspark": "recipes/tiny-dspark.yaml",
 }
 TARGET = ROOT / "assets" / "tiny-target"
 TRAIN_PROMPTS, STEPS, ANCHORS, ROWS = 64, 300, 16, 8
@@ -85,13 +87,17 @@ def train(tiny, recipe_path: str) -> DraftModel:
     loss_mask = torch.zeros(len(seqs), s, dtype=torch.bool)
     doc_ids = torch.full((len(seqs), s), -1, dtype=torch.int32)
     taps = torch.zeros(len(seqs), s, shape.num_taps * shape.hidden_size)
+    # The target's final-norm states, for a loss that reads the target's logits (DSpark's).
+    final = torch.zeros(len(seqs), s, shape.hidden_size) if shape.variant.needs_target_logits else None
     for i, (x, p) in enumerate(zip(seqs, tiny["prompt_lens"])):
         ids[i, :x.numel()], loss_mask[i, p:x.numel()], doc_ids[i, :x.numel()] = x, True, 0
         taps[i, :x.numel()] = target_taps(target, x, shape.target_layer_ids)
+        if final is not None:
+            final[i, :x.numel()] = final_states(target, x)
     opt = torch.optim.AdamW(model.drafter.parameters(), lr=recipe.optim.lr, weight_decay=0.0)
     for step in range(STEPS):
         rows = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(step))[:ROWS]
-        mb = MicroBatch(taps[rows], ids[rows], loss_mask[rows], doc_ids[rows])
+        mb = MicroBatch(taps[rows], ids[rows], loss_mask[rows], doc_ids[rows], None if final is None else final[rows])
         blocks = make_blocks(mb, settings, step)
         out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, STEPS))
         opt.zero_grad()
@@ -110,13 +116,17 @@ def served(request, llama, tiny, tmp_path_factory):
     return dict(name=request.param, model=model, gguf=gguf)
 
 
-def speculative(llama, tiny, served, text: str, sampling: list[str]) -> tuple[str, list[int], float]:
-    """(generated text, accepted drafts per round, llama.cpp's mean acc len) of one llama.cpp run."""
-    block = served["model"].block_size
+def speculative(llama, tiny, served, text: str, options: list[str]) -> tuple[str, list[Round], float]:
+    """(generated text, every round's accepted and verified drafts as logged, llama.cpp's mean acc
+    len) of one llama.cpp run, served as the model card says (speculative type, --spec-draft-n-max)."""
+    model = served["model"]
+    serve = model.config.variant.serving(model.config)
     r = llama.run([llama.program("llama-speculative-simple"), "-m", str(tiny["gguf"]), "-md", str(served["gguf"]),
-                   "-p", text, "-n", str(BUDGET), "--spec-draft-n-max", str(block - 1), "-c", "1024", "-lv", "5",
-                   *FLOAT32, *FLOAT32_DRAFT, *sampling], complete="#mean acc len")
-    rounds = [int(a) for a in re.findall(r"accepted (\d+)/\d+ draft tokens", r.stderr)]
+                   "-p", text, "-n", str(BUDGET), "--spec-draft-n-max", str(serve.llama_cpp_draft_max), "-c", "1024",
+                   "-lv", "5", *FLOAT32, *FLOAT32_DRAFT, *options], complete="#mean acc len")
+    assert f"adding speculative implementation '{serve.llama_cpp_type}'" in r.stderr
+    assert "exceeds the trained block size" not in r.stderr, "llama.cpp cut --spec-draft-n-max to the block"
+    rounds = [Round(int(a), int(n)) for a, n in re.findall(r"accepted (\d+)/(\d+) draft tokens", r.stderr)]
     mean = float(re.search(r"#mean acc len = ([\d.]+)", r.stderr).group(1))
     printed = r.stdout.strip("\n")
     assert printed.startswith(text.strip("\n")), "llama-speculative-simple printed another prompt"
@@ -130,15 +140,16 @@ def target_alone(llama, tiny, text: str) -> str:
     return r.stdout.strip("\n").removesuffix(" [end of text]").strip("\n")
 
 
-def project_rounds(served, tiny, x: torch.Tensor, p: int) -> tuple[list[int], list[int]]:
-    """(llama-speculative-simple's rounds, the project's tau cycles from its second round's anchor) of
-    one response, from the project's drafter. After a first round (at the last prompt token) that
+def project_rounds(served, tiny, x: torch.Tensor, p: int, p_min: float = 0.0):
+    """(llama-speculative-simple's rounds under --spec-draft-p-min p_min, the project's tau cycles
+    from its second round's anchor, the proposals at every anchor from the last prompt token) of one
+    response, from the project's drafter. After a first round (at the last prompt token) that
     accepted a drafts, both loops anchor at p + a: with a = 0 these are the response's tau cycles."""
     model = served["model"]
     taps = target_taps(tiny["target"], x, model.layer_ids)
-    drafts = anchor_drafts(model, taps, x, p - 1, x.numel())
-    rounds = engine_rounds(drafts, x, p - 1, x.numel(), p + BUDGET, tiny["stop"])
-    return rounds, tau_from_taps(model, taps, x, p + rounds[0], x.numel())
+    proposals = anchor_proposals(model, taps, x, p - 1, x.numel(), p_min=p_min)
+    rounds = engine_rounds(proposals.tokens, x, p - 1, x.numel(), p + BUDGET, tiny["stop"], served=proposals.served)
+    return rounds, tau_from_taps(model, taps, x, p + rounds[0].accepted, x.numel()), proposals
 
 
 def in_project_unit(rounds: list[int], start: int, end: int) -> list[int]:
@@ -157,22 +168,24 @@ def test_prompts_tokenize_alike(llama, tiny):
 
 
 def test_greedy_is_lossless_and_every_round_is_predicted(llama, tiny, served):
-    tok, target, stop = tiny["tok"], tiny["target"], tiny["stop"]
-    count, tau_cycles, first_accepted = EngineCount(), [], []
+    """With no confidence cut, then (a drafter with a confidence head) with a --spec-draft-p-min that
+    cuts many drafts."""
+    tok = tiny["tok"]
+    count, tau_cycles, first_accepted, responses, confidences = EngineCount(), [], [], [], []
     for ids in tiny["heldout"]:
         text, p = tok.decode(ids), len(ids)
-        x = greedy_continuation(target, torch.tensor(ids), max_new_tokens=BUDGET)
-        assert int(x[-1]) in stop and x.numel() - p <= BUDGET - 2 * served["model"].block_size
-        response = tok.decode(x[p:-1]).strip("\n")
+        x = greedy_response(tiny, served, ids)
         generated, rounds, mean = speculative(llama, tiny, served, text, ["--temp", "0"])
-        assert generated == response == target_alone(llama, tiny, text)
-        predicted, cycles = project_rounds(served, tiny, x, p)
-        assert rounds == predicted, f"{served['name']}: llama.cpp accepted {rounds}, the project predicts {predicted}"
-        assert mean == pytest.approx(1 + sum(rounds) / len(rounds), abs=0.005)
-        assert in_project_unit(rounds[1:], p + rounds[0], x.numel()) == cycles
-        count.rounds.append(rounds)
+        assert generated == tok.decode(x[p:-1]).strip("\n") == target_alone(llama, tiny, text)
+        predicted, cycles, proposals = project_rounds(served, tiny, x, p)
+        assert rounds == predicted, f"{served['name']}: llama.cpp ran {rounds}, the project predicts {predicted}"
+        assert mean == pytest.approx(1 + sum(accepted(rounds)) / len(rounds), abs=0.005)
+        assert in_project_unit(accepted(rounds)[1:], p + rounds[0].accepted, x.numel()) == cycles
+        count.rounds.append(accepted(rounds))
         tau_cycles.append(cycles)
-        first_accepted.append(rounds[0])
+        first_accepted.append(rounds[0].accepted)
+        responses.append((ids, x))
+        confidences.append(proposals.confidence)
     assert sum(len(c) for c in tau_cycles) >= 2 * len(tiny["heldout"])  # the unit check saw many cycles
     assert max(max(r) for r in count.rounds) >= 4  # the drafter accepts several tokens: the test can fail
     later = [a for r in count.rounds for a in r[1:]]
@@ -181,6 +194,52 @@ def test_greedy_is_lossless_and_every_round_is_predicted(llama, tiny, served):
           f"from the second round's anchor {tau:.3f}; first round accepted "
           f"{sum(first_accepted) / len(first_accepted):.3f} drafts (none on {first_accepted.count(0)}/"
           f"{len(first_accepted)}), later rounds {sum(later) / len(later):.3f}")
+    if confidences[0] is not None:
+        confidence_cut_is_predicted(llama, tiny, served, responses, cut_threshold(torch.cat(confidences)))
+
+
+def greedy_response(tiny, served, ids: list[int]) -> torch.Tensor:
+    """Prompt + the target's greedy response, which ends (EOS) well inside the budget."""
+    x = greedy_continuation(tiny["target"], torch.tensor(ids), max_new_tokens=BUDGET)
+    assert int(x[-1]) in tiny["stop"] and x.numel() - len(ids) <= BUDGET - 2 * served["model"].block_size
+    return x
+
+
+def cut_threshold(confidences: torch.Tensor) -> float:
+    """A --spec-draft-p-min between the 10th and the 30th percentile of the drafter's confidences
+    (every slot at every anchor: many drafts cut short, few to nothing), in the widest gap between
+    two of them: the engine's float32 confidences differ from the project's by far less than half
+    that gap, so no slot falls on the other side of the threshold."""
+    values = confidences.flatten().double().sort().values
+    band = values[len(values) // 10: 3 * len(values) // 10 + 1]
+    gaps = band[1:] - band[:-1]
+    i = int(gaps.argmax())
+    assert gaps[i] > 1e-4, "no confidence gap wide enough to put a threshold in"
+    return float((band[i] + band[i + 1]) / 2)
+
+
+def confidence_cut_is_predicted(llama, tiny, served, responses, p_min: float) -> None:
+    """Served with --spec-draft-p-min p_min: the output is still the target's, and every verified
+    round's accepted and verified drafts are predicted; a draft cut to nothing is a plain decoding
+    step (`accepted 0/0`), which llama.cpp's mean counts once it has verified a draft."""
+    tok, full = tiny["tok"], served["model"].num_drafts
+    cut = verified = plain = 0
+    for ids, x in responses:
+        text, p = tok.decode(ids), len(ids)
+        generated, rounds, mean = speculative(llama, tiny, served, text,
+                                              ["--temp", "0", "--spec-draft-p-min", f"{p_min:.9f}"])
+        assert generated == tok.decode(x[p:-1]).strip("\n")
+        predicted = project_rounds(served, tiny, x, p, p_min)[0]
+        drafted = [r for r in rounds if r.drafted > 0]
+        assert drafted == predicted, f"p_min {p_min}: llama.cpp ran {rounds}, the project predicts {predicted}"
+        counted = rounds[next(i for i, r in enumerate(rounds) if r.drafted > 0):]
+        assert mean == pytest.approx(1 + sum(accepted(counted)) / len(counted), abs=0.005)
+        cut += sum(r.drafted < full for r in drafted)
+        verified += len(drafted)
+        plain += len(rounds) - len(drafted)
+    print(f"{served['name']} --spec-draft-p-min {p_min:.4f}: {cut} of {verified} verified drafts cut short, "
+          f"{plain} cut to nothing")
+    assert 0 < cut < verified  # the threshold cuts drafts, not every one: the test can fail
 
 
 def test_sampled_acceptance_agrees_within_noise(llama, tiny, served):
@@ -191,9 +250,10 @@ def test_sampled_acceptance_agrees_within_noise(llama, tiny, served):
     for ids in tiny["heldout"]:
         p = len(ids)
         for seed in range(SAMPLES):
-            engine.append(speculative(llama, tiny, served, tok.decode(ids), [*sampling, "--seed", str(seed)])[1])
+            run = speculative(llama, tiny, served, tok.decode(ids), [*sampling, "--seed", str(seed)])
+            engine.append(accepted(run[1]))
             x = sampled_continuation(target, torch.tensor(ids), Sampling(temperature=1.0), gen, max_new_tokens=BUDGET)
-            project.append(project_rounds(served, tiny, x, p)[0])
+            project.append(accepted(project_rounds(served, tiny, x, p)[0]))
     (a, se_a), (b, se_b) = (ratio_se([len(r) + sum(r) for r in rs], [len(r) for r in rs]) for rs in (engine, project))
     print(f"\n{served['name']} T=1: llama.cpp mean acc len {a:.3f} +- {se_a:.3f}, project {b:.3f} +- {se_b:.3f}")
     assert abs(a - b) <= NOISE_SE * (se_a ** 2 + se_b ** 2) ** 0.5

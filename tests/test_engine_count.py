@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_ds.eval.engine_count import EngineCount, engine_rounds
+from dflash_ds.eval.engine_count import EngineCount, Round, accepted, engine_rounds
 
 EOS = 2
 
@@ -17,24 +17,36 @@ def test_first_round_at_the_last_prompt_token_and_a_confirmed_end_token():
     drafts = rows([20, 21, 99], [21, 22, 23], [0, 0, 0], [23, EOS, 50], [0, 0, 0], [0, 0, 0])
     # llama-speculative-simple: anchor 2 accepts 20, 21; anchor 5 accepts 23, and the confirmed EOS in
     # slot 2 of 3 is the target's token.
-    assert engine_rounds(drafts, ids, 2, 8, 3 + 64, {EOS}) == [2, 1]
+    assert accepted(engine_rounds(drafts, ids, 2, 8, 3 + 64, {EOS})) == [2, 1]
     # llama-server: first round at the first generated token (anchor 3), as tau's first cycle.
-    assert engine_rounds(drafts[1:], ids, 3, 8, 3 + 64, {EOS}) == [3]
+    assert accepted(engine_rounds(drafts[1:], ids, 3, 8, 3 + 64, {EOS})) == [3]
 
 
 def test_an_end_token_in_the_last_drafted_slot_counts_as_accepted():
     ids = torch.tensor([10, 11, 12, 20, 21, EOS])
-    assert engine_rounds(rows([21, EOS], [0, 0], [0, 0]), ids, 3, 6, 3 + 64, {EOS}) == [2]
-    assert engine_rounds(rows([21, EOS, 7], [0, 0, 0], [0, 0, 0]), ids, 3, 6, 3 + 64, {EOS}) == [1]
-    assert engine_rounds(rows([7, 7, 7], [EOS, 0, 0], [0, 0, 0]), ids, 3, 6, 3 + 64, {EOS}) == [0, 0]
+    assert accepted(engine_rounds(rows([21, EOS], [0, 0], [0, 0]), ids, 3, 6, 3 + 64, {EOS})) == [2]
+    assert accepted(engine_rounds(rows([21, EOS, 7], [0, 0, 0], [0, 0, 0]), ids, 3, 6, 3 + 64, {EOS})) == [1]
+    assert accepted(engine_rounds(rows([7, 7, 7], [EOS, 0, 0], [0, 0, 0]), ids, 3, 6, 3 + 64, {EOS})) == [0, 0]
 
 
 def test_the_budget_cuts_the_draft_and_a_step_without_room_is_no_round():
     ids = torch.tensor([10, 11, 12, 20, 21, 22, 23])  # a budget of 4 tokens, no EOS
-    assert engine_rounds(rows([21, 22, 99], [0] * 3, [0] * 3, [0] * 3), ids, 3, 7, 7, {EOS}) == [2]
-    # anchor 4 has room for 1 draft; anchor 5 has none: a plain decoding step, not a round
-    assert engine_rounds(rows([99] * 3, [22, 23, 0], [23, 0, 0], [0] * 3), ids, 3, 7, 7, {EOS}) == [0, 1]
-    assert engine_rounds(rows([99] * 3, [99] * 3, [23, 0, 0], [0] * 3), ids, 3, 7, 7, {EOS}) == [0, 0]
+    assert accepted(engine_rounds(rows([21, 22, 99], [0] * 3, [0] * 3, [0] * 3), ids, 3, 7, 7, {EOS})) == [2]
+    # anchor 3 has room for 2 drafts, anchor 4 for 1; anchor 5 has none: a plain decoding step, not a round
+    drafts = rows([99] * 3, [22, 23, 0], [23, 0, 0], [0] * 3)
+    assert engine_rounds(drafts, ids, 3, 7, 7, {EOS}) == [Round(0, 2), Round(1, 1)]
+    assert accepted(engine_rounds(rows([99] * 3, [99] * 3, [23, 0, 0], [0] * 3), ids, 3, 7, 7, {EOS})) == [0, 0]
+
+
+def test_the_confidence_cut_shortens_drafts_and_a_draft_cut_to_nothing_is_no_round():
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, 23, 24, EOS])
+    drafts = rows([20, 21, 22], [0] * 3, [0] * 3, [0] * 3, [24, EOS, 0], [0] * 3, [0] * 3)
+    # No cut: anchor 2 accepts all 3; at anchor 6 the confirmed EOS in slot 2 of 3 is the target's.
+    assert engine_rounds(drafts, ids, 2, 9, 3 + 64, {EOS}) == [Round(3, 3), Round(1, 3)]
+    # Cut to 2 at anchor 2 (22 becomes the target's); anchor 5's draft is cut to nothing, a plain
+    # decoding step; anchor 6's cut to 2 puts EOS in the last verified slot, where it counts.
+    served = torch.tensor([2, 3, 3, 0, 2, 3, 3])
+    assert engine_rounds(drafts, ids, 2, 9, 3 + 64, {EOS}, served=served) == [Round(2, 2), Round(2, 2)]
 
 
 def test_mean_accept_length_is_pooled():

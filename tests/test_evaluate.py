@@ -266,7 +266,9 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
         starts = [PROMPT_LEN + sum(cycles[:i]) for i in range(len(cycles))]
         assert rounds == [c - 1 for c, t in zip(cycles, starts) if end - t - 2 > 0]
     assert len(result["llama_cpp"]["llama_speculative_simple"]["rounds"][0]) >= 1
-    assert "llama.cpp mean acc len: llama-server" in printed
+    drafts = result["block_size"] - 1  # a cycle's most tokens, less the target's: llama.cpp's --spec-draft-n-max
+    assert result["llama_cpp"]["spec_draft_n_max"] == drafts
+    assert f"llama.cpp mean acc len (--spec-draft-n-max {drafts}): llama-server" in printed
 
     # A target directory passed as the drafter, and an unreachable target.
     assert main(["--target", str(target_dir), "--drafter", str(target_dir), "--prompts", str(prompts)]) == 2

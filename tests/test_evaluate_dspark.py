@@ -10,7 +10,7 @@ import torch
 
 from dflash_ds.config import DrafterConfig
 from dflash_ds.eval.generate import greedy_continuation, target_taps
-from dflash_ds.eval.tau import accept_lengths
+from dflash_ds.eval.tau import accept_lengths, anchor_proposals
 from dflash_ds.model.attention import DFlashMask
 from dflash_ds.model.variants.base import argmax_tokens
 from dflash_ds.model.variants.dspark_parts import DSparkTerms
@@ -88,10 +88,12 @@ def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
     drafter = model.drafter
     head, conf = drafter.markov_head, drafter.confidence_head
     weights = (head.markov_w1.weight, head.markov_w2.weight, conf.proj.weight[0], conf.proj.bias[0])
-    checked = 0
+    checked, cut = 0, 0
     for prompt in world["prompts"][4:]:
         x = greedy_continuation(world["target"], prompt, max_new_tokens=NEW)
         taps = target_taps(world["target"], x, LAYER_IDS)
+        # The batched pass over every anchor that the engine count reads (tau.anchor_proposals).
+        batched = {p_min: anchor_proposals(model, taps, x, PROMPT_LEN, x.numel(), p_min=p_min) for p_min in (0.0, 0.5)}
         for t in range(PROMPT_LEN, x.numel() - 1, 5):
             hidden = block_states(model, taps, int(x[t]), t)
             ours = model.draft(hidden, x[t:t + 1])
@@ -99,11 +101,14 @@ def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
             logits, probs = llama_cpp_dspark(tokens, hidden[0] @ model.lm_head.T, hidden[0], weights, (1, B, True))
             with torch.no_grad():
                 c = conf(hidden, head.embed(torch.cat([x[t:t + 1], ours[0, :-1]])[None]))
-            for p_min in (0.0, 0.5):
+            for p_min, proposal in batched.items():
                 served = llama_cpp_drafts(logits, probs, 1, 0, p_min)[0]
                 assert ours[0, :int(confident_prefix(c, p_min)[0])].tolist() == served, (t, p_min)
+                i = t - PROMPT_LEN
+                assert proposal.tokens[i, :int(proposal.served[i])].tolist() == served, (t, p_min)
+                cut += int(len(served) < B)
             checked += 1
-    assert checked >= 10
+    assert checked >= 10 and cut > 0
 
 
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")

@@ -269,6 +269,7 @@ def test_export_card_and_permissions(tmp_path):
     assert "Qwen/Qwen3-8B" in card and "chat.jsonl" in card and "| optimizer steps | 120 |" in card
     assert "--speculative-num-draft-tokens 8" in card and '"num_speculative_tokens": 7' in card
     assert "--target-model-dir TARGET_DIR" in card and "-md drafter.gguf --spec-draft-n-max 7" in card
+    assert "`--spec-type draft-dflash`" in card
     assert "not measured" in card
     export.write_card(out, target="Qwen/Qwen3-8B", steps=120, tau=TauFacts(3.25, "eval.jsonl",
                       [0.9, 0.5, None, None, None, None, None]))

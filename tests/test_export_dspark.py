@@ -87,6 +87,8 @@ def test_export_config_and_tensors_follow_the_readers_rules(tmp_path):
     assert "# DSpark drafter" in card and '"method": "dspark"' in card and f'"num_speculative_tokens": {B}' in card
     assert f"--speculative-algorithm DSPARK" in card and f"--speculative-num-draft-tokens {B + 1}" in card
     assert "convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR" in card
+    # llama.cpp verifies all B drafts of the anchor-first block (its n_max limit is B for DSpark).
+    assert f"-md drafter.gguf --spec-draft-n-max {B}" in card and "`--spec-type draft-dspark`" in card
     assert f"{B} drafted tokens" in card and f"rank {RANK}" in card
 
 

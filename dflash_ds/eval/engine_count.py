@@ -11,6 +11,11 @@ quite the project's cycles:
   (the draft is not counted) unless it sits in the last drafted slot, where it counts as accepted.
 - Near the token budget the draft is cut to what still fits (`budget_end - t - 2` slots, the budget
   counted in positions); a round with no room for a draft is a plain decoding step, not a round.
+- An anchor-first drafter (DSpark) drafts B tokens a round (`--spec-draft-n-max B`), a DFlash block
+  B - 1: the drafts' width. With `--spec-draft-p-min` llama.cpp cuts a DSpark draft at its first
+  slot whose confidence is below the threshold (`served`, from `tau.anchor_proposals`); a draft cut
+  to nothing is a plain decoding step too (llama-server counts no round; llama-speculative-simple
+  logs it as `accepted 0/0` and, once it has verified a draft, counts it in its mean).
 
 Given the drafts at every anchor and the response, the rounds follow exactly (greedy verification
 accepts a drafted token iff it is the response's token there).
@@ -19,7 +24,7 @@ accepts a drafted token iff it is the response's token there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Collection, NamedTuple
 
 import torch
 
@@ -27,19 +32,27 @@ from dflash_ds.eval.tau import anchor_drafts
 from dflash_ds.model.draft_model import DraftModel
 
 
-def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int, budget_end: int,
-                  stop: Collection[int]) -> list[int]:
-    """Accepted drafts of every llama.cpp round over the response `ids[P:end]`.
+class Round(NamedTuple):
+    accepted: int  # drafts the target confirmed
+    drafted: int  # drafts it verified (the block's, less the budget's and the confidence cut's)
 
-    drafts [end - first, B-1]: the drafter's tokens at anchors first .. end-1 (`tau.anchor_drafts`);
+
+def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int, budget_end: int,
+                  stop: Collection[int], *, served: torch.Tensor | None = None) -> list[Round]:
+    """Every llama.cpp round over the response `ids[P:end]`.
+
+    drafts [end - first, L]: the drafter's tokens at anchors first .. end-1 (`tau.anchor_drafts`);
     `first`: the first round's anchor (P - 1 or P, module docstring); `budget_end` = P + the token
-    budget (>= end); `stop`: the end-of-generation ids. Stops once a round reaches the response's end.
+    budget (>= end); `stop`: the end-of-generation ids; `served` [end - first]: how many of each
+    anchor's drafts llama.cpp verifies under its confidence cut (None: all L). Stops once a round
+    reaches the response's end.
     """
     ids = ids.reshape(-1)[:end].tolist()
     slots = drafts.shape[1]
+    cut = [slots] * drafts.shape[0] if served is None else served.tolist()
     rounds, t = [], first
     while t < end - 1:
-        room = min(slots, budget_end - t - 2)
+        room = min(slots, cut[t - first], budget_end - t - 2)
         if room <= 0:
             t += 1
             continue
@@ -49,7 +62,7 @@ def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int,
             if ids[t + 1 + a] in stop and a + 1 < room:
                 break
             a += 1
-        rounds.append(a)
+        rounds.append(Round(a, room))
         t += a + 1
     return rounds
 
@@ -58,7 +71,7 @@ def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int,
 class EngineCount:
     """Rounds of many responses and llama.cpp's aggregate of them."""
 
-    rounds: list[list[int]] = field(default_factory=list)
+    rounds: list[list[int]] = field(default_factory=list)  # each response's accepted drafts per round
 
     @property
     def mean_accept_length(self) -> float:
@@ -74,23 +87,32 @@ class EngineCount:
 @dataclass
 class LlamaCppCounts:
     """Both llama.cpp programs' rounds: llama-server's (first round at the first generated token) and
-    llama-speculative-simple's (first round at the last prompt token)."""
+    llama-speculative-simple's (first round at the last prompt token), served with
+    `--spec-draft-n-max` = the drafts a block has and no confidence cut."""
 
     server: EngineCount = field(default_factory=EngineCount)
     speculative_simple: EngineCount = field(default_factory=EngineCount)
+    draft_max: int = 0  # the --spec-draft-n-max they assume (B - 1, or B anchor-first)
 
     def add(self, model: DraftModel, taps: torch.Tensor, ids: torch.Tensor, prompt_len: int, budget: int,
             stop: Collection[int]) -> None:
         """One response `ids[prompt_len:]` (taps [S, T*D] teacher-forced over ids) of at most `budget` tokens."""
         p, end = prompt_len, ids.numel()
         drafts = anchor_drafts(model, taps, ids, p - 1, end)
-        self.speculative_simple.rounds.append(engine_rounds(drafts, ids, p - 1, end, p + budget, stop))
-        self.server.rounds.append(engine_rounds(drafts[1:], ids, p, end, p + budget, stop))
+        self.draft_max = drafts.shape[1]
+        self.speculative_simple.rounds.append(accepted(engine_rounds(drafts, ids, p - 1, end, p + budget, stop)))
+        self.server.rounds.append(accepted(engine_rounds(drafts[1:], ids, p, end, p + budget, stop)))
 
     def line(self) -> str:
-        return (f"llama.cpp mean acc len: llama-server {self.server.mean_accept_length:.3f}, "
-                f"llama-speculative-simple {self.speculative_simple.mean_accept_length:.3f} "
-                "(first round at the last prompt token)")
+        return (f"llama.cpp mean acc len (--spec-draft-n-max {self.draft_max}): llama-server "
+                f"{self.server.mean_accept_length:.3f}, llama-speculative-simple "
+                f"{self.speculative_simple.mean_accept_length:.3f} (first round at the last prompt token)")
 
     def as_dict(self) -> dict:
-        return {"llama_server": self.server.as_dict(), "llama_speculative_simple": self.speculative_simple.as_dict()}
+        return {"spec_draft_n_max": self.draft_max, "llama_server": self.server.as_dict(),
+                "llama_speculative_simple": self.speculative_simple.as_dict()}
+
+
+def accepted(rounds: list[Round]) -> list[int]:
+    """The accepted drafts of each round (what llama.cpp logs as `accepted N/M draft tokens`)."""
+    return [r.accepted for r in rounds]

@@ -43,6 +43,7 @@ import torch
 from dflash_ds.model.attention import build_layer_masks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.blocks import block_inputs
+from dflash_ds.model.variants.base import Proposal
 
 DEFAULT_BATCH_ANCHORS = 64
 
@@ -72,11 +73,18 @@ def matched_prefix(drafts: torch.Tensor, input_ids: torch.Tensor, start: int, en
     return torch.minimum(a, (end - 2 - anchors).clamp(min=0))
 
 
-@torch.no_grad()
 def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
                   batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
     """The drafter's greedy tokens at every anchor t in [start, end): LongTensor [end - start, L]
-    (L = B - 1 drafts per block, B anchor-first; draft j proposes the token at t + 1 + j).
+    (L = B - 1 drafts per block, B anchor-first; draft j proposes the token at t + 1 + j)."""
+    return anchor_proposals(model, taps, input_ids, start, end, batch_anchors=batch_anchors).tokens
+
+
+@torch.no_grad()
+def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
+                     p_min: float = 0.0, batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> Proposal:
+    """`anchor_drafts`'s tokens, how many of each anchor's llama.cpp verifies under `--spec-draft-p-min
+    p_min` and the confidences its cut reads (`DraftModel.propose`), on the CPU.
 
     All anchors go through the drafter in batches of `batch_anchors` blocks with the training
     masks (context strictly before the anchor and inside each layer's window, the own block as the
@@ -90,10 +98,7 @@ def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor
         raise ValueError(f"taps must be [S, T*D] covering positions < {end - 1}, got {tuple(taps.shape)}")
     p = next(drafter.parameters())
     device, dtype = p.device, p.dtype
-    out = torch.zeros(end - start, model.num_drafts, dtype=torch.long)
-    if end - start == 0:
-        return out
-
+    parts: list[Proposal] = []
     s_all = min(taps.shape[0], end)
     ctx = drafter.fuse(taps[None, :s_all].to(device=device, dtype=dtype))
     y = ids[:end].to(device)
@@ -109,10 +114,12 @@ def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor
                                  doc_ids[:, :s_ctx], B, drafter.config.layer_attentions(), kind="dense")
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
-        # The path the engines propose: the architecture's walk (DraftModel.draft).
-        drafts = model.draft(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0])
-        out[c0 - start:c0 - start + n] = drafts.cpu()
-    return out
+        # The path the engines propose: the architecture's walk and its cut (DraftModel.propose).
+        parts.append(model.propose(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0], p_min))
+    if not parts:
+        return Proposal(torch.zeros(0, model.num_drafts, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    confidence = None if parts[0].confidence is None else torch.cat([q.confidence.cpu() for q in parts])
+    return Proposal(torch.cat([q.tokens.cpu() for q in parts]), torch.cat([q.served.cpu() for q in parts]), confidence)
 
 
 def walk(a: Sequence[int] | torch.Tensor, first: int, end: int) -> list[int]:

@@ -76,6 +76,12 @@ class DraftModel:
         path for DFlash2, the Markov chain for DSpark)."""
         return self.config.variant.draft(self, hidden, anchors)
 
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0):
+        """`draft`'s tokens and how many of each block's llama.cpp verifies under `--spec-draft-p-min
+        p_min` (a variants.base.Proposal; `DrafterVariant.propose`: DSpark's confidence head cuts it)."""
+        return self.config.variant.propose(self, hidden, anchors, p_min)
+
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""
         return hidden[:, self.config.first_draft_slot:]

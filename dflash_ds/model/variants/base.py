@@ -95,12 +95,23 @@ class ReportFigure(NamedTuple):
 
 class Serving(NamedTuple):
     """How the engines are told to serve a drafter: SGLang's `--speculative-algorithm` and
-    `--speculative-num-draft-tokens`, vLLM's `method` and `num_speculative_tokens`."""
+    `--speculative-num-draft-tokens`, vLLM's `method` and `num_speculative_tokens`, llama.cpp's
+    speculative type (read from the converted drafter's metadata) and `--spec-draft-n-max`."""
 
     sglang_algorithm: str
     sglang_draft_tokens: int
     vllm_method: str
     vllm_tokens: int
+    llama_cpp_type: str
+    llama_cpp_draft_max: int
+
+
+class Proposal(NamedTuple):
+    """What llama.cpp proposes from n blocks at temperature 0 (`DrafterVariant.propose`)."""
+
+    tokens: torch.Tensor  # [n, L] the greedy drafts (`DrafterVariant.draft`)
+    served: torch.Tensor  # [n] how many of them it verifies under its confidence cut (L without one)
+    confidence: torch.Tensor | None = None  # [n, L] what the cut compares with the threshold; None: no cut
 
 
 class DrafterVariant:
@@ -187,6 +198,17 @@ class DrafterVariant:
         target's logit transform is monotonic, so it does not change the argmax)."""
         return argmax_tokens(hidden, model.lm_head)
 
+    def propose(self, model: Any, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+        """`draft`'s tokens and how many of each block's llama.cpp verifies with `--spec-draft-p-min
+        p_min`, which cuts a draft at its first slot whose confidence is below p_min. The confidence
+        of a DFlash slot there is the draft sampler's probability of its top candidate among the top
+        10 (DFlash2's: the selector's), which is not modelled: only p_min 0, no cut."""
+        tokens = self.draft(model, hidden, anchors)
+        if p_min > 0:
+            raise ValueError(f"llama.cpp's --spec-draft-p-min cut of a {self.title or self.name} draft is not "
+                             "modelled; predict its rounds with p_min 0")
+        return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
+
     # ------------------------------------------------------------------------------- the loss
 
     def default_gamma(self, shape: Any) -> float:
@@ -248,8 +270,9 @@ class DrafterVariant:
         return []
 
     def serving(self, shape: Any) -> Serving:
-        """The engines' method names and draft counts (DFlash: SGLang counts the anchor, vLLM the drafts)."""
-        return Serving("DFLASH", shape.block_size, "dflash", shape.block_size - 1)
+        """The engines' method names and draft counts (DFlash: SGLang counts the anchor, vLLM and
+        llama.cpp the drafts)."""
+        return Serving("DFLASH", shape.block_size, "dflash", shape.block_size - 1, "draft-dflash", shape.block_size - 1)
 
     def serving_note(self) -> list[str]:
         """Lines of the model card's serving section before the commands."""

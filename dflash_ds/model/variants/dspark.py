@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from dflash_ds.model.blocks import default_gamma, slot_rows
 from dflash_ds.model.gather import take_rows
 from dflash_ds.model.chunk_term import ChunkTerm
-from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError, LossContext, ReportFigure, Serving,
-                                           Tensor)
+from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError, LossContext, Proposal,
+                                           ReportFigure, Serving, Tensor)
 from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
-                                                   calibration, confidence_logits, expected_tau, greedy_walk,
-                                                   l1_to_target, shift_in)
+                                                   calibration, confidence_logits, confident_prefix, expected_tau,
+                                                   greedy_walk, l1_to_target, shift_in)
 from dflash_ds.model.variants.dspark_report import draw_reliability, reliability
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
@@ -110,10 +110,23 @@ class DSpark(DrafterVariant):
     # --------------------------------------------------------------------------------- the walk
 
     def draft(self, model, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        # Every slot's lm_head logits, then the chain: slot 0 conditioned on the anchor, slot k on
-        # the token chosen at slot k - 1 (llama.cpp's in-graph chain, vLLM's greedy drafting).
-        base = hidden @ model.lm_head.to(device=hidden.device, dtype=hidden.dtype).T
-        return greedy_walk(model.drafter.markov_head, base, anchors.to(hidden.device)).tokens
+        return _chain(model, hidden, anchors).tokens
+
+    def propose(self, model, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+        # llama.cpp's confidence of slot k is the head's sigmoid on the slot's state and the Markov
+        # embedding of the chain's token before it, computed in the same graph as the chain; its
+        # loop stops the draft at the first slot below the threshold (common/speculative.cpp).
+        walk = _chain(model, hidden, anchors)
+        head = getattr(model.drafter, "confidence_head", None)
+        full = torch.full(walk.tokens.shape[:1], walk.tokens.shape[1], dtype=torch.long)
+        if head is None:
+            if p_min > 0:
+                raise ValueError(f"p_min = {p_min}: this DSpark drafter has no confidence head, and llama.cpp "
+                                 "refuses --spec-draft-p-min > 0 for it; use 0")
+            return Proposal(walk.tokens, full)
+        with torch.no_grad():
+            c = head(hidden, model.drafter.markov_head.embed(walk.predecessors))
+        return Proposal(walk.tokens, confident_prefix(c, p_min).long().cpu(), torch.sigmoid(c))
 
     # --------------------------------------------------------------------------------- the loss
 
@@ -212,14 +225,17 @@ class DSpark(DrafterVariant):
                 "| block layout | anchor-first (`sample_from_anchor`): all block slots draft |"]
 
     def serving(self, shape) -> Serving:
-        return Serving("DSPARK", shape.block_size + 1, "dspark", shape.block_size)
+        # Every slot drafts: vLLM and llama.cpp verify B drafts a round, SGLang counts the anchor too.
+        return Serving("DSPARK", shape.block_size + 1, "dspark", shape.block_size, "draft-dspark", shape.block_size)
 
     def serving_note(self) -> list[str]:
         return [
             "The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
-            "confidence fields at the top level of config.json. llama.cpp converts it against the target",
-            "and runs it as `draft-dspark` (`--spec-draft-p-min` cuts the draft at the first slot whose",
-            "confidence is below it):",
+            "confidence fields at the top level of config.json. All B slots of the block draft, so vLLM's",
+            "`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
+            "against the target and runs it as `draft-dspark`; `--spec-draft-p-min P` (default 0: no cut)",
+            "verifies only the slots before the first whose confidence is below P, and a draft cut to",
+            "nothing is a plain decoding step:",
             "",
             "```",
             "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR",
@@ -237,6 +253,14 @@ def _predecessors(blocks, block_size: int) -> torch.Tensor:
 
 def _markov_bias(rows, params):
     return F.linear(take_rows(params[0], rows[0]), params[1])
+
+
+def _chain(model, hidden: torch.Tensor, anchors: torch.Tensor):
+    """The greedy Markov walk of the drafting slots' states `[n, B, D]`: every slot's lm_head logits,
+    slot 0 conditioned on the anchor, slot k on the token chosen at slot k - 1 (llama.cpp's in-graph
+    chain, vLLM's greedy drafting)."""
+    base = hidden @ model.lm_head.to(device=hidden.device, dtype=hidden.dtype).T
+    return greedy_walk(model.drafter.markov_head, base, anchors.to(hidden.device))
 
 
 VARIANT = DSpark()
