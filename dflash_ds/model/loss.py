@@ -3,8 +3,9 @@ the optional distillation term and an architecture's own terms, the gradients co
 
 The lm_head of a 248K-token vocabulary is the drafter's most expensive matmul. The loss is a sum over
 rows, so each chunk's gradient is known as soon as its logits are: the forward computes a chunk's
-logits, one fused elementwise pass gives the CE (and the KL), the argmax hit and the logits' gradient,
-and one matmul turns that into the input gradient; the backward only scales the saved gradients by
+logits, one fused elementwise pass gives the CE (and the KL, and an architecture's per-row term over
+the vocabulary), the argmax hit and the logits' gradient, and one matmul turns that into the input
+gradient; the backward only scales the saved gradients by
 the incoming one. Two lm_head matmuls per chunk (three with the target's logits), and only one
 chunk's logits ever exist. An autograd version with checkpointed chunks would run the lm_head three
 times per chunk and walk the logits several times in fp32 (docs/performance.md).
