@@ -1,7 +1,7 @@
 """DSpark's building blocks (model/dspark.py): the exported tensor names, the Markov bias and the
 confidence head against float64 element-by-element references, the greedy walk against a
 re-implementation of llama.cpp's in-graph chain (`build_dspark_markov_head`, src/models/dflash.cpp)
-and its serving loop (common/speculative.cpp), the sampled walk's law, the anchor-first labels and
+and its serving loop (common/speculative.cpp), the anchor-first labels and
 weights hand-worked, the L1 term and its closed-form gradient against float64 references, and the
 probabilistic tau and calibration statistics hand-worked (the whole loss: tests/test_dspark_loss.py)."""
 
@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, MarkovHead, Sampling, anchor_first_targets,
-                                                   calibration, confident_prefix, expected_calibration_error,
-                                                   expected_tau, greedy_walk, l1_to_target, sampled_walk, shift_in,
-                                                   survival)
+from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, MarkovHead, anchor_first_targets, calibration,
+                                                   confident_prefix, expected_tau, greedy_walk, l1_to_target,
+                                                   shift_in)
 
 V, R, D = 13, 3, 5
 
@@ -197,30 +196,6 @@ def test_teacher_forcing_on_the_walks_own_tokens_reproduces_the_walk():
     assert torch.equal(walk.tokens, walk.logits.argmax(-1))
 
 
-def test_sampled_walk_is_a_gumbel_max_draw_with_the_markov_law():
-    g = torch.Generator().manual_seed(7)
-    temperature, slots, v = 0.7, 2, 4
-    head = MarkovHead(v, R).double()
-    with torch.no_grad():
-        head.markov_w1.weight.normal_(0.0, 1.2, generator=g)
-        head.markov_w2.weight.normal_(0.0, 1.2, generator=g)
-    base = torch.randn(1, slots, v, generator=g, dtype=torch.float64)
-    n = 40000
-    noise = torch.empty(n, slots, v, dtype=torch.float64).exponential_(1.0, generator=g)
-    walk = sampled_walk(head, base.expand(n, -1, -1), torch.full((n,), 1), Sampling(temperature, noise))
-    # Every draw is the Gumbel-max of the logits over T with Gumbel noise -log(noise).
-    gumbel = (walk.logits / temperature - noise.log()).argmax(-1)
-    assert torch.equal(walk.tokens, gumbel)
-    # The joint law of the two slots is softmax(l0 / T)[t0] * softmax((base1 + bias(t0)) / T)[t1].
-    w1, w2 = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
-    p0 = torch.softmax((base[0, 0] + w2 @ w1[1]) / temperature, -1)
-    joint = torch.stack([p0[a] * torch.softmax((base[0, 1] + w2 @ w1[a]) / temperature, -1) for a in range(v)])
-    counts = torch.bincount(walk.tokens[:, 0] * v + walk.tokens[:, 1], minlength=v * v).double() / n
-    assert 0.5 * (counts - joint.reshape(-1)).abs().sum() < 0.02
-    with pytest.raises(ValueError, match="temperature"):
-        sampled_walk(head, base, torch.ones(1, dtype=torch.long), Sampling(0.0, noise[:1]))
-
-
 # ------------------------------------------------------------------------- labels and weights
 
 def test_anchor_first_targets_hand_worked():
@@ -283,10 +258,9 @@ def test_expected_tau_hand_worked():
     assert float(total) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_survival_and_confident_prefix_hand_worked():
+def test_confident_prefix_hand_worked():
     logit = lambda p: math.log(p / (1 - p))  # noqa: E731
     c = torch.tensor([[logit(0.9), logit(0.4), logit(0.9)], [logit(0.9), logit(0.8), logit(0.7)]])
-    torch.testing.assert_close(survival(c), torch.tensor([[0.9, 0.36, 0.324], [0.9, 0.72, 0.504]]))
     assert confident_prefix(c, 0.5).tolist() == [1, 3]
     assert confident_prefix(c, 0.75).tolist() == [1, 2]
     assert confident_prefix(c, 0.0).tolist() == [3, 3]
@@ -303,4 +277,3 @@ def test_calibration_hand_worked():
     assert stats.bin_weight.tolist() == [[1.0, 0.0], [0.0, 3.0]]
     torch.testing.assert_close(stats.bin_pred, torch.tensor([[0.1, 0.0], [0.0, 2.3]], dtype=torch.float64))
     torch.testing.assert_close(stats.bin_target, torch.tensor([[0.0, 0.0], [0.0, 3.0]], dtype=torch.float64))
-    torch.testing.assert_close(expected_calibration_error(stats), torch.tensor([0.1, 0.7 / 3], dtype=torch.float64))

@@ -54,6 +54,18 @@ def record():
             json.dump(results, f, indent=1)
 
 
+def timed_ms(fn):
+    """fn's mean time in ms over 3 calls after 2 warm-up calls (compiles), and its last output."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        out = fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / 3 * 1e3, out
+
+
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -406,24 +418,14 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
     norm = weights.sum()
     size = -(-n // 16)
 
-    def timed(fn):
-        for _ in range(2):  # warm-up (compile)
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(3):
-            out = fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / 3 * 1e3, out
-
     def fused():
         h = hidden.clone().requires_grad_(True)
         out = linear_cross_entropy(h, weight, labels, weights, norm, LossOptions(16))
         out.loss.backward()
         return float(out.loss.detach()), h.grad.float(), out.correct
 
-    f_ms, (f_loss, f_grad, f_hit) = timed(fused)
-    a_ms, (a_loss, a_grad, a_hit) = timed(lambda: autograd_loss(hidden, weight, labels, weights, norm, size))
+    f_ms, (f_loss, f_grad, f_hit) = timed_ms(fused)
+    a_ms, (a_loss, a_grad, a_hit) = timed_ms(lambda: autograd_loss(hidden, weight, labels, weights, norm, size))
     found = {"autograd_ms": a_ms, "fused_ms": f_ms, "loss_autograd": a_loss, "loss_fused": f_loss,
              "grad_rel_err": rel(f_grad, a_grad.float()), "correct_equal_frac": float((a_hit == f_hit).float().mean())}
     record["fused_loss"] = found
@@ -480,18 +482,8 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
             total += float(loss)
         return total / float(norm), (h.grad.float(), a.grad, b.grad)
 
-    def timed(fn):
-        for _ in range(2):  # warm-up (compile)
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(3):
-            out = fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / 3 * 1e3, out
-
-    f_ms, (f_loss, f_grads) = timed(fused)
-    a_ms, (a_loss, a_grads) = timed(reference)
+    f_ms, (f_loss, f_grads) = timed_ms(fused)
+    a_ms, (a_loss, a_grads) = timed_ms(reference)
     found = {"autograd_ms": a_ms, "fused_ms": f_ms, "loss_autograd": a_loss, "loss_fused": f_loss,
              **{f"{name}_grad_rel_err": rel(x, y) for name, x, y in zip(("hidden", "markov_w1", "markov_w2"),
                                                                         f_grads, a_grads)}}

@@ -88,13 +88,14 @@ class TermRunner:
             return
         got = iter(torch.autograd.grad(graph, wanted, g_logits.to(graph.dtype), allow_unused=True))
         n = self.hi - self.lo
-        for store, leaves in ((self.row_grads, rows), (self.param_grads, params)):
-            for i, t in enumerate(leaves):
-                if t.requires_grad:
-                    g = next(got)
-                    if g is not None:
-                        target = store[i][self.lo:self.hi] if store is self.row_grads else store[i]
-                        target += (g[:n] if store is self.row_grads else g).to(target.dtype)
+        for acc, t in zip(self.row_grads, rows):
+            g = next(got) if t.requires_grad else None
+            if g is not None:
+                acc[self.lo:self.hi] += g[:n].to(acc.dtype)
+        for acc, t in zip(self.param_grads, params):
+            g = next(got) if t.requires_grad else None
+            if g is not None:
+                acc += g.to(acc.dtype)
 
     def grads(self) -> tuple:
         """One per term tensor (rows, then params): the accumulated gradient in that tensor's dtype,

@@ -247,10 +247,9 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
         top, top_logits = top[:n], top_logits[:n]
     else:
         top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
-    if runner is None:
-        extra = TermResult(0.0, ce_total.new_zeros(0), (), ce_total.new_zeros(n, 0))
-    elif vocab is None:
-        extra = TermResult(0.0, ce_total.new_zeros(0), runner.grads(), ce_total.new_zeros(n, 0))
+    if vocab is None:
+        extra = TermResult(0.0, ce_total.new_zeros(0), runner.grads() if runner is not None else (),
+                           ce_total.new_zeros(n, 0))
     else:
         extra = TermResult(chunk_term.vocab_weight * vocab_total, vocab_total.reshape(1), runner.grads(),
                            values[:n].unsqueeze(1))

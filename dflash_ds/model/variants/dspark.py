@@ -162,7 +162,8 @@ class DSpark(DrafterVariant):
         accept = (1.0 - 0.5 * ctx.base.term_rows.view(-1, b)).clamp(0.0, 1.0)
         w = ctx.blocks.weights.view(-1, b).to(accept.dtype)
         head = getattr(model.drafter, "confidence_head", None)
-        loss, conf_sum, prob = ctx.hidden.new_zeros(()), w.new_zeros(()), torch.zeros_like(accept)
+        loss, conf_sum = ctx.hidden.new_zeros(()), w.new_zeros(())
+        cal, bins = (w.new_zeros(()), w.new_zeros(())), w.new_zeros(3 * BINS)
         if head is not None:
             w1 = model.drafter.markov_head.markov_w1.weight
             embedding = take_rows(w1, _predecessors(ctx.blocks, b)) if head.with_markov else None
@@ -170,14 +171,10 @@ class DSpark(DrafterVariant):
             c = c.to(accept.dtype).view_as(accept)
             conf_sum = (w * F.binary_cross_entropy_with_logits(c, accept, reduction="none")).sum()
             loss = t.confidence * conf_sum / ctx.normaliser
-            prob = torch.sigmoid(c.detach())
-        tau_sum, tau_blocks = expected_tau(accept, w)
-        if head is not None:
-            stats = calibration(prob, accept, w, BINS)
+            stats = calibration(torch.sigmoid(c.detach()), accept, w, BINS)
             cal = (stats.abs_error, stats.bias)
             bins = torch.cat([stats.bin_weight.sum(0), stats.bin_pred.sum(0), stats.bin_target.sum(0)])
-        else:
-            cal, bins = (w.new_zeros(()), w.new_zeros(())), w.new_zeros(3 * BINS)
+        tau_sum, tau_blocks = expected_tau(accept, w)
         on = (w > 0).to(accept.dtype)
         per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
         sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind(),

@@ -8,7 +8,7 @@ DSpark (DeepSeek's DeepSpec) keeps the DFlash backbone and changes three things:
 2. `MarkovHead`: the logits of a drafting slot get a low-rank bias from the token just before the
    one it predicts, `logits = base + markov_w2(markov_w1[prev])` (rank r). In training `prev` is the
    gold token (teacher forcing); when drafting, slot 0's `prev` is the anchor and slot k's the token
-   chosen at slot k - 1 (`greedy_walk`, `sampled_walk`): the block becomes semi-autoregressive.
+   chosen at slot k - 1 (`greedy_walk`): the block becomes semi-autoregressive.
 3. `ConfidenceHead`: `sigmoid(proj([h ; markov_w1[prev]]))` per slot, trained (BCE) toward the
    acceptance probability `1 - TV(drafter, target)` of that slot; the engines use it to cut the
    verified prefix.
@@ -120,39 +120,15 @@ class MarkovWalk(NamedTuple):
 
 @torch.no_grad()
 def greedy_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor) -> MarkovWalk:
-    """The engines' walk at temperature 0 over the drafting slots' logits `[n, L, V]` of n blocks:
-    slot 0 is conditioned on `first` `[n]` (the anchor), slot k on the argmax chosen at slot k - 1."""
-    return _walk(head, base_logits, first, None)
-
-
-class Sampling(NamedTuple):
-    temperature: float
-    noise: torch.Tensor  # [n, L, V] independent Exp(1) draws (the caller's generator)
-
-
-@torch.no_grad()
-def sampled_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor, sampling: Sampling) -> MarkovWalk:
-    """The walk at temperature T > 0 (DeepSpec's evaluator, vLLM, SGLang): slot k's token is drawn
-    from softmax(logits_k / T) and conditions slot k + 1. The draw is the exponential race
-    `argmax(softmax(logits / T) / noise)` (a sample of that softmax; SGLang's kernel draws this way),
-    so the randomness is explicit. The draft probabilities the verifier needs are
-    `softmax(walk.logits / T)`."""
-    if not sampling.temperature > 0:
-        raise ValueError(f"sampling temperature must be > 0 (use greedy_walk for 0), got {sampling.temperature}")
-    return _walk(head, base_logits, first, sampling)
-
-
-def _walk(head, base_logits, first, sampling: Sampling | None) -> MarkovWalk:
+    """The engines' walk over the drafting slots' logits `[n, L, V]` of n blocks (greedy drafting,
+    also under a sampling verifier): slot 0 is conditioned on `first` `[n]` (the anchor), slot k on
+    the argmax chosen at slot k - 1."""
     prev = first.to(base_logits.device).long()
     tokens, logits, predecessors = [], [], []
     for slot in range(base_logits.shape[1]):
         step = head(base_logits[:, slot], prev)
         predecessors.append(prev)
-        if sampling is None:
-            prev = step.argmax(-1)
-        else:
-            probs = torch.softmax(step.float() / sampling.temperature, dim=-1)
-            prev = (probs / sampling.noise[:, slot].to(probs.device)).argmax(-1)
+        prev = step.argmax(-1)
         tokens.append(prev)
         logits.append(step)
     return MarkovWalk(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(predecessors, 1))
@@ -213,12 +189,6 @@ def expected_tau(accept: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Ten
     return ((survive.sum(-1) + 1.0) * has).sum(), has.sum()
 
 
-def survival(confidence_logits: torch.Tensor) -> torch.Tensor:
-    """`[..., L]` -> the predicted probability that slots 0 .. k are all accepted, the cumulative
-    product of the per-slot sigmoids (vLLM's and SGLang's schedulers rank slots by it)."""
-    return torch.cumprod(torch.sigmoid(confidence_logits.float()), dim=-1)
-
-
 def confident_prefix(confidence_logits: torch.Tensor, threshold: float) -> torch.Tensor:
     """Drafts to verify per block `[...]` from `[..., L]`: the slots before the first whose own
     sigmoid is below `threshold` (llama.cpp's `--spec-draft-p-min`, DeepSpec's confidence_threshold;
@@ -240,7 +210,7 @@ class Calibration(NamedTuple):
 
 def calibration(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, bins: int = 20) -> Calibration:
     """Calibration of probabilities `pred` `[..., L]` against `target` `[..., L]` (1 - TV in training;
-    0/1 accepted-prefix outcomes with `survival` predictions when serving), weights `[..., L]`:
+    0/1 accepted-prefix outcomes when serving), weights `[..., L]`:
     mean absolute error, bias, and per-slot reliability bins of equal width on [0, 1] (DeepSpec
     reports 20), in float64."""
     length = pred.shape[-1]
@@ -255,9 +225,3 @@ def calibration(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
 
     return Calibration(w.sum(), (w * (p - t).abs()).sum(), (w * (p - t)).sum(), binned(w), binned(w * p),
                        binned(w * t))
-
-
-def expected_calibration_error(stats: Calibration) -> torch.Tensor:
-    """Per slot `[L]`: sum over bins of bin weight * |mean pred - mean target|, over the slot's weight."""
-    gap = (stats.bin_pred - stats.bin_target).abs()
-    return gap.sum(-1) / stats.bin_weight.sum(-1).clamp(min=1e-12)
