@@ -28,6 +28,22 @@ def test_meta_round_trip_is_exact(dtype):
     assert torch.equal(taps_view(buf, layout), taps)  # metadata never overwrites the taps
 
 
+@pytest.mark.parametrize("dtype,hidden,taps,final", [(torch.bfloat16, 5120, 5, False), (torch.bfloat16, 5120, 5, True),
+                                                     (torch.float32, 64, 3, False), (torch.bfloat16, 3, 2, False),
+                                                     (torch.float8_e4m3fn, 2048, 4, True)])
+def test_payload_rows_are_16_byte_aligned(dtype, hidden, taps, final):
+    # The drafter's fc multiplies a strided view of the payload: a row stride that is not a
+    # multiple of 16 bytes sends cuBLAS to a fallback kernel (a third of the GEMM rate on an H200).
+    layout = PayloadLayout(rows=2, seq_len=3, num_taps=taps, hidden=hidden, dtype=dtype, final_norm=final)
+    buf = layout.empty("cpu")
+    assert buf.stride(1) * buf.element_size() % 16 == 0
+    assert taps_view(buf, layout).stride(1) == buf.shape[-1] and layout.meta_cols * buf.element_size() >= 12
+    ids = torch.arange(6).view(2, 3) + 248_000
+    write_meta(buf, layout, ids, torch.ones(2, 3), torch.full((2, 3), 7))
+    i2, l2, d2 = read_meta(buf, layout)
+    assert torch.equal(i2, ids) and bool(l2.all()) and bool((d2 == 7).all())
+
+
 def _worker(rank, port, n, depth, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
