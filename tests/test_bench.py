@@ -61,7 +61,7 @@ def tiny_drafter_flops(pairs: int) -> float:
     dense = 6 * layers * ((2 * d * h * hd + 3 * d * inter) * blk + 2 * d * hk * hd * (ctx + blk))
     fuse = 4 * taps * d * d * ctx
     attention = layers * 3 * 4 * pairs * h * hd
-    head = 4 * vocab * d * blk
+    head = 4 * vocab * d * ROWS * ANCHORS * (BLOCK - 1)  # the drafting slots: the loss skips each anchor
     return dense + fuse + attention + head
 
 
@@ -112,8 +112,8 @@ def test_drafter_flops_by_hand():
     v2 = drafter_shape(target_config("tiny"), DrafterConfig(
         num_layers=2, block_size=BLOCK, mask_token_id=5, architecture="dflash2", selector_rank=32))
     f2 = bench.drafter_step_flops(v2, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
-    per_token = 6 * (2 * 2 * 64 * 16 + 32 * 64) + 4 * 16 * 64
-    assert f2["dflash2"] == per_token * ROWS * ANCHORS * BLOCK
+    per_token = 6 * (2 * 2 * 64 * 16 + 32 * 64)
+    assert f2["dflash2"] == per_token * ROWS * ANCHORS * BLOCK + 4 * 16 * 64 * ROWS * ANCHORS * (BLOCK - 1)
     assert f2["total"] == tiny_drafter_flops(1234) + f2["dflash2"]
 
 
@@ -170,7 +170,7 @@ def test_setup_27b_drafter_geometry_and_layers_override():
             c.mask_token_id, c.vocab_size) == (5, 32, 8, 128, 17408, 248070, 248320)
     assert s.tap_ids == [1, 16, 31, 46, 61]
     # The recipe's rows: one 12,288-token row per micro-batch, 2,048 anchors, one micro-batch per step.
-    assert s.payload.shape == (1, 12288, 5 * 5120 + 3)  # fp32 payload on CPU: 3 int32 metadata columns
+    assert s.payload.shape == (1, 12288, 5 * 5120 + 4)  # fp32 payload on CPU: 3 int32 metadata columns + 1 to align
     assert (s.recipe.objective.num_anchors, s.plan.grad_accum, s.recipe.data.max_length) == (2048, 1, 3072)
     # A shorter row keeps the recipe's anchors per token and cuts conversations to the row.
     args = bench.parse_args(["--role", "drafter", "--device", "cpu", "--seq-len", "3072", "--grad-accum", "4"])
@@ -263,7 +263,7 @@ def test_target_role(runs):
     assert r["flops_per_step"] == expected
     assert r["flops_per_micro"]["layers_run"] == layers_run and r["flops_per_micro"]["full_attention_layers_run"] == 1
     assert r["mfu"] == pytest.approx(expected * r["tok_s"] / (ROWS * SEQ) / 1e12 / report["ceiling"]["tflops"])
-    assert r["payload_bytes"] == ROWS * SEQ * (2 * 64 + 3) * 4
+    assert r["payload_bytes"] == ROWS * SEQ * (2 * 64 + 4) * 4  # 3 int32 metadata columns + 1 to align
 
 
 @pytest.mark.launcher
@@ -302,7 +302,7 @@ def test_colocated_role(runs):
 def test_transport_role(runs):
     report = runs["transport"]
     r = check_common(report, "transport")
-    nbytes = ROWS * SEQ * (2 * 64 + 6) * 2  # bf16 taps of 2 layers x D 64 + 6 metadata columns
+    nbytes = ROWS * SEQ * (2 * 64 + 8) * 2  # bf16 taps of 2 layers x D 64 + 6 metadata columns + 2 to align
     assert r["payload_bytes"] == nbytes and r["payload_shape"] == [ROWS, SEQ, 2 * 64 + 6]
     assert r["payloads"] == STEPS and r["seconds"] > 0
     assert r["payloads_per_s"] == pytest.approx(STEPS / r["seconds"])

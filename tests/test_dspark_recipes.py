@@ -101,7 +101,9 @@ def test_bench_counts_dsparks_matmuls():
     plain = drafter_step_flops(shape.replace(architecture="dflash", arch_fields=None), 100, block_tokens, 1234)
     flops = drafter_step_flops(shape, 100, block_tokens, 1234)
     assert flops["dspark"] == (6 * (v * r + d + r) + 2 * v * d) * block_tokens
-    assert flops["total"] == plain["total"] + flops["dspark"]
+    # Every slot drafts anchor-first: the lm_head runs on the anchor slot too (10 blocks of 7).
+    assert flops["lm_head"] == plain["lm_head"] + 4 * v * d * block_tokens // shape.block_size
+    assert flops["total"] == plain["total"] + flops["dspark"] + 4 * v * d * block_tokens // shape.block_size
 
 
 def test_progress_line_and_report_show_dsparks_fields():

@@ -62,8 +62,10 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
     q, o and MLP over the block tokens, k and v over the context and block tokens; 4 x the fc weight x
     context tokens (no input gradient: the taps are data); attention 4 x pairs x heads x head_dim x 3
     (forward + backward) per layer (`pairs`: the mean over the layers when they attend differently);
-    4 x vocab x D x block tokens for the frozen lm_head (forward + input gradient). An architecture's
-    own weights and matmuls (`DrafterVariant.tensors`, `extra_flops`) are counted under its name;
+    4 x vocab x D x drafting tokens for the frozen lm_head (forward + input gradient: the fused loss
+    runs on the drafting slots only, B - 1 of a block's B, all B anchor-first). An architecture's
+    own weights (`DrafterVariant.tensors`, over their `use` tokens) and matmuls on the drafting slots
+    (`extra_flops`) are counted under its name;
     elementwise tensors and gathered tables are not matmuls and are not counted.
     """
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -75,10 +77,11 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
 
     fuse = sum(4 * t.numel * ctx_tokens for t in backbone.values() if t.use == "context")
     attention = cfg.num_hidden_layers * 3 * 4 * pairs * h * hd
-    lm_head = 4 * cfg.vocab_size * d * block_tokens
+    drafts = block_tokens // cfg.block_size * cfg.num_drafts
+    lm_head = 4 * cfg.vocab_size * d * drafts
     out = {"dense": matmuls(backbone), "fuse": fuse, "attention": attention, "lm_head": lm_head}
     own = cfg.variant.tensors(cfg)
-    extra = matmuls(own) + cfg.variant.extra_flops(cfg, block_tokens)
+    extra = matmuls(own) + cfg.variant.extra_flops(cfg, drafts)
     if own or extra:
         out[cfg.architecture] = extra
     out["total"] = sum(out.values())

@@ -186,8 +186,9 @@ class DrafterVariant:
         """Every tensor the wrappers and heads hold, by export name (the layers' under `layers.{i}.`)."""
         return {}
 
-    def extra_flops(self, shape: Any, block_tokens: int) -> int:
-        """Matmul FLOPs of a step that no tensor of `tensors` accounts for (e.g. gathered lm_head rows)."""
+    def extra_flops(self, shape: Any, draft_tokens: int) -> int:
+        """Matmul FLOPs of a step that no tensor of `tensors` accounts for (e.g. gathered lm_head rows),
+        `draft_tokens` being the drafting slots' rows of the loss (DrafterShape.num_drafts a block)."""
         return 0
 
     # ------------------------------------------------------------------------------- the walk

@@ -105,10 +105,10 @@ class DFlash2(DrafterVariant):
         out["candidate_selector.successor_codebook"] = Tensor((v, r), "table")
         return out
 
-    def extra_flops(self, shape, block_tokens: int) -> int:
+    def extra_flops(self, shape, draft_tokens: int) -> int:
         # The unary scores from the gathered lm_head rows (forward + input gradient); the
         # elementwise convolutions and the rank-r pair scores are not matmuls.
-        return 4 * shape.arch_fields.selector_top_k * shape.hidden_size * block_tokens
+        return 4 * shape.arch_fields.selector_top_k * shape.hidden_size * draft_tokens
 
     # --------------------------------------------------------------------------------- the walk
 

@@ -103,9 +103,9 @@ class DSpark(DrafterVariant):
             out["confidence_head.proj.bias"] = Tensor((1,))
         return out
 
-    def extra_flops(self, shape, block_tokens: int) -> int:
+    def extra_flops(self, shape, draft_tokens: int) -> int:
         # The target's logits of every slot through the frozen lm_head (forward only), for the L1 term.
-        return 2 * shape.vocab_size * shape.hidden_size * block_tokens
+        return 2 * shape.vocab_size * shape.hidden_size * draft_tokens
 
     # --------------------------------------------------------------------------------- the walk
 
