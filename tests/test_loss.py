@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.loss import (KLTerm, LossOptions, _chunk_math, _Pass, _Scales, block_loss,
+from dflash_ds.model.loss import (KLTerm, LossOptions, _chunk_math, _Pass, _Scales, _TargetLogits, block_loss,
                                   linear_cross_entropy)
 from tests.reference import dense_loss
 from tests.test_objective import NoHostSync
@@ -103,6 +103,35 @@ def test_kl_term_matches_dense_reference(dtype, tol, temperature, transform):
     off = linear_cross_entropy(hidden, weight, labels, weights, norm, LossOptions(3), kl._replace(weight=0.0))
     plain = linear_cross_entropy(hidden, weight, labels, weights, norm, LossOptions(3))
     assert torch.equal(off.loss, plain.loss) and float(off.kl_sum) == 0.0
+
+
+@pytest.mark.parametrize("weight_kl", [0.7, 0.0])
+def test_target_states_by_index_equal_the_gathered_rows(weight_kl):
+    # KLTerm.target_index: a table of positions and each row's entry (rows repeat, as overlapping
+    # blocks repeat positions); each chunk multiplies its distinct states once. Everything the loss
+    # returns equals the run on the gathered rows, for every chunking (uneven, one row, more chunks
+    # than rows), with the KL term on and, weight 0, with only a chunk term reading the logits.
+    from dflash_ds.model.chunk_term import ChunkTerm
+    from dflash_ds.model.variants.dspark_parts import l1_to_target
+
+    hidden, weight, labels, weights = case(torch.float64)
+    table = target_states(torch.float64, n=9)
+    index = torch.randint(0, 9, (N,), generator=torch.Generator().manual_seed(4))
+    assert len(set(index.tolist())) < N
+    term = ChunkTerm((), (), None, l1_to_target, 0.6) if weight_kl == 0 else None
+    runs = []
+    for kl in (KLTerm(weight_kl, 1.5, table[index]), KLTerm(weight_kl, 1.5, table, index)):
+        for num_chunks in (1, 3, 7, N + 2):
+            h = hidden.clone().requires_grad_()
+            out = linear_cross_entropy(h, weight, labels, weights, 7.0, LossOptions(num_chunks, term=term), kl)
+            out.loss.backward()
+            runs.append((out.loss, out.ce_sum, out.kl_sum, out.term_sums, out.term_rows, out.correct, h.grad))
+    assert float(runs[0][2] if weight_kl else runs[0][3].sum()) > 0.01  # the target's logits matter
+    for got, want in zip(runs[4:], runs[:4]):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="target_index"):
+        linear_cross_entropy(hidden, weight, labels, weights, 7.0, LossOptions(2), KLTerm(0.5, 1.0, table, index[:-1]))
 
 
 def test_top_k_are_the_dense_top_k_of_the_raw_logits():
@@ -331,12 +360,18 @@ def test_elementwise_traces_as_one_graph():
     lab = torch.where(weights > 0, labels, 0)
     scale = weights / 3.0
     scales = _Scales(scale * 0.5, scale * 0.3, scale * 0.7)
+    # The target's logits by index: a table of fewer rows, rows repeated.
+    t_rows = torch.randint(0, 5, (logits.shape[0],), generator=torch.Generator().manual_seed(3))
+    table = t_logits[:5].contiguous()
     for transform in (IDENTITY, TRANSFORM):
+        by_row = _TargetLogits(t_logits)
         for args in ((logits, None, None, lab, weights, _Scales(scale, None, None), _Pass(None, transform, None)),
                      (logits, None, None, lab, weights, None, _Pass(None, transform, None)),
-                     (logits, None, t_logits, lab, weights, scales, _Pass(1.5, transform, None)),
-                     (logits, bias, t_logits, lab, weights, scales, _Pass(None, transform, l1_to_target)),
-                     (logits, bias, t_logits, lab, weights, None, _Pass(1.5, transform, l1_to_target))):
+                     (logits, None, by_row, lab, weights, scales, _Pass(1.5, transform, None)),
+                     (logits, bias, by_row, lab, weights, scales, _Pass(None, transform, l1_to_target)),
+                     (logits, bias, by_row, lab, weights, None, _Pass(1.5, transform, l1_to_target)),
+                     (logits, bias, _TargetLogits(table, t_rows), lab, weights, scales,
+                      _Pass(1.5, transform, l1_to_target))):
             torch._dynamo.reset()
             traced = torch.compile(_chunk_math, dynamic=False, fullgraph=True, backend="eager")
             got, want = traced(*args), _chunk_math(*args)

@@ -211,15 +211,21 @@ def slot_rows(t: torch.Tensor, block_size: int, first: int = 1) -> torch.Tensor:
     return u.reshape(u.shape[0] * u.shape[1], *t.shape[2:])
 
 
+def slot_target_index(anchors: torch.Tensor, block_size: int, seq_len: int, label_offset: int = 0) -> torch.Tensor:
+    """[R, N] anchors -> [R, N*B] rows of the target's states flattened to [R*S, D]: for slot k of the
+    block at anchor a, position a+k-1+label_offset, whose next-token distribution is the one for the
+    slot's label (the token at a+k+label_offset). Positions past the row are clamped; their slots have
+    weight 0."""
+    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1 + label_offset).clamp(0, seq_len - 1)
+    rows = torch.arange(anchors.shape[0], device=anchors.device).view(-1, 1, 1) * seq_len
+    return (pos + rows).reshape(anchors.shape[0], -1)
+
+
 def slot_target_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int,
                        label_offset: int = 0) -> torch.Tensor:
-    """[R, S, D] -> [R, N*B, D]: for slot k of the block at anchor a, the target's state at
-    a+k-1+label_offset, whose next-token distribution is the one for the slot's label (the token at
-    a+k+label_offset). Positions past the row are clamped; their slots have weight 0."""
-    s = final_hidden.shape[1]
-    pos = (anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1 + label_offset).clamp(0, s - 1)
-    pos = pos.reshape(anchors.shape[0], -1)
-    return torch.gather(final_hidden, 1, pos[..., None].expand(-1, -1, final_hidden.shape[-1]))
+    """[R, S, D] -> [R, N*B, D]: the states `slot_target_index` names."""
+    r, s, d = final_hidden.shape
+    return final_hidden.reshape(r * s, d)[slot_target_index(anchors, block_size, s, label_offset)]
 
 
 @dataclass

@@ -35,11 +35,18 @@ class KLTerm(NamedTuple):
     p_T the target's and q_T the drafter's distribution softened by the temperature T (T^2 keeps the
     gradient's size independent of T). The target's logits are `target_hidden` (its final-norm states
     for the same rows) through the same lm_head, chunk by chunk. With weight 0 there is no KL, but a
-    ChunkTerm still sees the target's logits."""
+    ChunkTerm still sees the target's logits.
+
+    With `target_index`, `target_hidden` is a table `[P, D]` and row i's state is
+    `target_hidden[target_index[i]]`: the target's logits depend on the position only, and the
+    blocks of nearby anchors cover the same positions (at the recipes' anchor density about 38% of a
+    chunk's rows repeat one), so each chunk multiplies its distinct states once and the pass reads
+    each row's logits by index."""
 
     weight: float
     temperature: float = 1.0
     target_hidden: torch.Tensor | None = None
+    target_index: torch.Tensor | None = None
 
 
 class HeadGemms(Protocol):
@@ -86,6 +93,7 @@ class _Settings(NamedTuple):
     transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
     term: ChunkTerm | None = None  # an architecture's term (its tensors travel as the Function's inputs)
     target: torch.Tensor | None = None  # the target's final-norm states [n, D] for `term` (detached), KL off
+    target_index: torch.Tensor | None = None  # KLTerm.target_index of `target`
     head: HeadGemms | None = None  # LossOptions.head
     ce_weight: float = 1.0  # the CE's coefficient in the loss
 
@@ -106,7 +114,14 @@ class _Pass(NamedTuple):
     vocab: Callable | None  # ChunkTerm.vocab
 
 
-def _chunk_math(logits, bias, t_logits, labels, weights, scales: _Scales | None, how: _Pass):
+class _TargetLogits(NamedTuple):
+    # The target's logits of a chunk's rows: `logits` [c, V], or with `rows` [c] a table that row i
+    # reads at rows[i] (read by index inside the pass, so the rows are never copied out).
+    logits: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+def _chunk_math(logits, bias, target: _TargetLogits | None, labels, weights, scales: _Scales | None, how: _Pass):
     """One chunk's statistics over the vocabulary and, with `scales`, the gradient of its loss w.r.t.
     the raw logits, in one pass (compiled on CUDA: the `[c, V]` intermediates never exist in memory).
 
@@ -131,7 +146,10 @@ def _chunk_math(logits, bias, t_logits, labels, weights, scales: _Scales | None,
     if grad:
         onehot = torch.arange(z.shape[-1], device=z.device) == labels.unsqueeze(1)
         g = scales.ce.unsqueeze(1) * (q - onehot.to(q.dtype))
-    tz = scale_logits(t_logits.to(weights.dtype), *transform) if t_logits is not None else None
+    tz = None
+    if target is not None:
+        t_logits = target.logits if target.rows is None else target.logits[target.rows]
+        tz = scale_logits(t_logits.to(weights.dtype), *transform)
     kl_sum = None
     if temperature is not None:
         xt = z / temperature
@@ -168,13 +186,30 @@ class TermResult(NamedTuple):
     rows: torch.Tensor  # [n, 1] the values per row, detached ([n, 0] without)
 
 
+def _distinct_rows(index: torch.Tensor, chunks: int, size: int):
+    """Per chunk of `size` rows of `index` [n] (padded with its last entry): the distinct entries
+    first [chunks, size] (the first `count` of a row are valid), each row's place among them
+    [chunks, size], and the counts (one host synchronisation, for the matmuls' shapes)."""
+    pad = chunks * size - index.shape[0]
+    idx = torch.cat([index, index[-1:].expand(pad)]) if pad else index
+    srt, order = idx.view(chunks, size).sort(dim=1)
+    new = torch.ones_like(srt, dtype=torch.bool)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    rank = new.cumsum(1) - 1
+    place = torch.empty_like(rank).scatter_(1, order, rank)
+    distinct = torch.zeros_like(srt).scatter_(1, rank, srt)  # equal entries write equal values
+    return distinct, place, new.sum(1).tolist()
+
+
 def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_tensors=()):
     """The whole computation; the gradients are those of loss = (sum(w * (ce_weight * CE + kl_weight *
     T^2 * KL + vocab_weight * the chunk term's values))) / normaliser, the KL term's target states
     [n, D] being those of the same rows. `term_tensors`: the chunk term's rows then params (their
     gradients come back last)."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target, head, ce_coef = settings
+    (num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, term_target, term_index, head,
+     ce_coef) = settings
     target = kl_term.target_hidden if kl_term is not None else term_target
+    index = kl_term.target_index if kl_term is not None else term_index
     temperature = kl_term.temperature if kl_term is not None else None
     n, d = hidden.shape
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -202,13 +237,15 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
     values = hidden.new_empty(chunks * size, dtype=acc_dtype) if vocab is not None else None
     runner = TermRunner(chunk_term, term_tensors, size) if chunk_term is not None else None
+    distinct = _distinct_rows(index, chunks, size) if target is not None and index is not None else None
+    t_buf = hidden.new_empty(size, weight.shape[0]) if distinct is not None else None
     fn = _elementwise(_chunk_math, hidden.device)
     how = _Pass(temperature, transform, vocab)
     for i in range(chunks):
         lo, hi = i * size, min(n, (i + 1) * size)
         hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
         sc = _Scales(*(t[lo:hi] if t is not None else None for t in scales)) if want_grad else None
-        tc = target[lo:hi] if target is not None else None
+        tc = target[lo:hi] if target is not None and distinct is None else None
         pad = size - (hi - lo)
         if pad:
             # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
@@ -221,7 +258,11 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
         # The target's logits of the same rows: one more lm_head matmul per chunk, and only
         # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
-        t_logits = torch.mm(tc, weight.t()) if tc is not None else None
+        t_logits = _TargetLogits(torch.mm(tc, weight.t())) if tc is not None else None
+        if distinct is not None:
+            states, count = distinct[0][i], distinct[2][i]
+            torch.mm(target[states[:count]], weight.t(), out=t_buf[:count])
+            t_logits = _TargetLogits(t_buf, distinct[1][i])
         bias = runner.bias(lo, hi) if runner is not None else None
         ce, hit, kl_c, v, v_sum, g_logits = fn(logits, bias, t_logits, lc, wc, sc, how)
         del logits, t_logits, bias
@@ -318,8 +359,8 @@ def linear_cross_entropy(
     shape. Rows of weight 0 add exactly 0 and their labels may be anything. `loss` is
     differentiable w.r.t. `hidden`, `weight` when it requires grad, and the chunk term's tensors;
     with gradients enabled the forward also computes them (saved until backward, which only scales
-    them); under no_grad it computes the loss only. Static shapes and no host synchronisation.
-    Differentiable once only.
+    them); under no_grad it computes the loss only. Static shapes and no host synchronisation, except
+    one with `kl.target_index` (each chunk's count of distinct target states). Differentiable once only.
     """
     num_chunks, top_k, transform, term, head, _, ce_weight = options
     if not 0 <= top_k <= weight.shape[0]:
@@ -334,12 +375,18 @@ def linear_cross_entropy(
     if not kl_weight >= 0 or not temperature > 0:
         raise ValueError(f"the KL weight must be >= 0 and its temperature > 0, got {kl_weight}, {temperature}")
     target = kl.target_hidden if kl is not None else None
-    if target is not None and target.shape != hidden.shape:
+    index = kl.target_index if kl is not None and target is not None else None
+    if index is not None:
+        if index.shape != hidden.shape[:1] or target.dim() != 2 or target.shape[1] != hidden.shape[1]:
+            raise ValueError(f"target_index {tuple(index.shape)} must be [{hidden.shape[0]}] into target_hidden "
+                             f"[P, {hidden.shape[1]}], got target_hidden {tuple(target.shape)}")
+        index = index.detach().long()
+    elif target is not None and target.shape != hidden.shape:
         raise ValueError(f"target_hidden {tuple(target.shape)} must match hidden {tuple(hidden.shape)}")
     if kl_weight > 0 and target is None:
         raise ValueError("a KL weight > 0 needs the target's states (KLTerm.target_hidden)")
     target = target.detach().to(hidden.dtype) if target is not None and (kl_weight > 0 or term is not None) else None
-    kl_on = KLTerm(kl_weight, temperature, target) if kl_weight > 0 else None
+    kl_on = KLTerm(kl_weight, temperature, target, index) if kl_weight > 0 else None
     if isinstance(normaliser, torch.Tensor):
         normaliser = normaliser.detach()
     grad_on = torch.is_grad_enabled()
@@ -349,7 +396,7 @@ def linear_cross_entropy(
         raise ValueError("LossOptions.head computes the lm_head matmuls of a frozen weight, but the weight requires grad")
     tensors = (tuple(term.rows) + tuple(term.params)) if term is not None else ()
     settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, term,
-                         target if kl_on is None else None, head, ce_weight)
+                         target if kl_on is None else None, index if kl_on is None else None, head, ce_weight)
     if not (grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
         ce_total, correct, _, _, kl_total, top, extra = _run(hidden.detach(), weight.detach(), labels, weights,
                                                              normaliser, settings, tuple(t.detach() for t in tensors))
@@ -384,7 +431,8 @@ def block_loss(
     kl: KLTerm | None = None,
 ) -> LossOutput:
     """`linear_cross_entropy` of a micro-batch's blocks: hidden `[b, N*B, D]`, labels and weights
-    `[b, N, B]` (the block size is their last dimension), `kl.target_hidden` `[b, N*B, D]`.
+    `[b, N, B]` (the block size is their last dimension), `kl.target_hidden` `[b, N*B, D]`, or with
+    `kl.target_index` `[b, N*B]` a table `[P, D]` that index reads.
 
     The slots before `options.first_slot` (slot 0, the anchor, unless the layout is anchor-first) are
     skipped by shape, so their weight is ignored (block_targets always makes it 0): the drafting
@@ -400,8 +448,11 @@ def block_loss(
     rows_kl = None
     first = options.first_slot
     if kl is not None:
-        target = kl.target_hidden
-        rows_kl = kl._replace(target_hidden=slot_rows(target, block_size, first) if target is not None else None)
+        target, index = kl.target_hidden, kl.target_index
+        if index is not None:
+            rows_kl = kl._replace(target_index=slot_rows(index.view(b, q), block_size, first))
+        else:
+            rows_kl = kl._replace(target_hidden=slot_rows(target, block_size, first) if target is not None else None)
     out = linear_cross_entropy(slot_rows(hidden, block_size, first), lm_head,
                                slot_rows(labels.view(b, q), block_size, first),
                                slot_rows(weights.view(b, q).to(acc_dtype), block_size, first), normaliser, options,

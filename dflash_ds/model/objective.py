@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dflash_ds.model.attention import LayerAttention
-from dflash_ds.model.blocks import Blocks, MicroBatch, slot_target_states
+from dflash_ds.model.blocks import Blocks, MicroBatch, slot_target_index
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
 from dflash_ds.model.shape import DrafterShape
@@ -83,9 +83,11 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
         if mb.final_hidden is None:
             raise ValueError("the loss needs the target's final-norm states (KL term or the architecture's term) "
                              "but the payload carries none")
-        kl = KLTerm(settings.kl_weight, settings.kl_temperature,
-                    slot_target_states(mb.final_hidden, blocks.anchors, settings.block_size,
-                                       variant.label_offset).to(hidden.dtype))
+        # The states by position (a table and each slot's row of it): the loss multiplies each
+        # chunk's distinct positions once, where overlapping blocks would repeat them.
+        r, s_len, d = mb.final_hidden.shape
+        kl = KLTerm(settings.kl_weight, settings.kl_temperature, mb.final_hidden.reshape(r * s_len, d).to(hidden.dtype),
+                    slot_target_index(blocks.anchors, settings.block_size, s_len, variant.label_offset))
     options = LossOptions(settings.loss_chunks, variant.candidates(model.config), settings.shape.logit_transform,
                           variant.chunk_term(model, blocks, term, hidden), model.loss_head,
                           settings.shape.first_draft_slot, variant.ce_weight(term))
