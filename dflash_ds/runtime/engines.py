@@ -15,6 +15,7 @@ from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, 
 from dflash_ds.resolve.plan import Plan, lr_factor
 from dflash_ds.resolve.topology import Layout
 from dflash_ds.runtime.fp8_drafter import apply_layers
+from dflash_ds.safety import say
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,10 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, 
         drafter.checkpoint_fn = deepspeed.checkpointing.non_reentrant_checkpoint
     drafter.checkpoint_layers = n_ckpt
     # Before the engine: it flattens the parameters the FP8 layers keep.
-    apply_layers(recipe, drafter)
+    converted = apply_layers(recipe, drafter)
+    if (converted or recipe.drafter.fp8.lm_head) and plan.layout.drafter_ranks[0] == rank:
+        say(f"drafter.fp8: {len(converted)} projections train in float8 ({recipe.drafter.fp8.layers}), the loss's "
+            f"lm_head GEMMs in {'FP8' if recipe.drafter.fp8.lm_head else 'bf16'}")
     o = recipe.optim
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt_kwargs = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
