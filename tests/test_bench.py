@@ -303,7 +303,7 @@ def test_transport_role(runs):
     report = runs["transport"]
     r = check_common(report, "transport")
     nbytes = ROWS * SEQ * (2 * 64 + 8) * 2  # bf16 taps of 2 layers x D 64 + 6 metadata columns + 2 to align
-    assert r["payload_bytes"] == nbytes and r["payload_shape"] == [ROWS, SEQ, 2 * 64 + 6]
+    assert r["payload_bytes"] == nbytes and r["payload_shape"] == [ROWS, SEQ, 2 * 64 + 8]
     assert r["payloads"] == STEPS and r["seconds"] > 0
     assert r["payloads_per_s"] == pytest.approx(STEPS / r["seconds"])
     assert r["gb_s"] == pytest.approx(r["payloads_per_s"] * nbytes / 1e9)
