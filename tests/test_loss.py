@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.loss import (KLTerm, LossOptions, _chunk_math, _Pass, _Scales, _TargetLogits, block_loss,
-                                  linear_cross_entropy)
+from dflash_ds.model.loss import KLTerm, LossOptions, block_loss, linear_cross_entropy
+from dflash_ds.model.vocab_pass import Pass, Scales, TargetLogits, chunk_math
 from tests.reference import dense_loss
 from tests.test_objective import NoHostSync
 
@@ -359,22 +359,22 @@ def test_elementwise_traces_as_one_graph():
     bias = 0.1 * torch.roll(logits, 2, 1)
     lab = torch.where(weights > 0, labels, 0)
     scale = weights / 3.0
-    scales = _Scales(scale * 0.5, scale * 0.3, scale * 0.7)
+    scales = Scales(scale * 0.5, scale * 0.3, scale * 0.7)
     # The target's logits by index: a table of fewer rows, rows repeated.
     t_rows = torch.randint(0, 5, (logits.shape[0],), generator=torch.Generator().manual_seed(3))
     table = t_logits[:5].contiguous()
     for transform in (IDENTITY, TRANSFORM):
-        by_row = _TargetLogits(t_logits)
-        for args in ((logits, None, None, lab, weights, _Scales(scale, None, None), _Pass(None, transform, None)),
-                     (logits, None, None, lab, weights, None, _Pass(None, transform, None)),
-                     (logits, None, by_row, lab, weights, scales, _Pass(1.5, transform, None)),
-                     (logits, bias, by_row, lab, weights, scales, _Pass(None, transform, l1_to_target)),
-                     (logits, bias, by_row, lab, weights, None, _Pass(1.5, transform, l1_to_target)),
-                     (logits, bias, _TargetLogits(table, t_rows), lab, weights, scales,
-                      _Pass(1.5, transform, l1_to_target))):
+        by_row = TargetLogits(t_logits)
+        for args in ((logits, None, None, lab, weights, Scales(scale, None, None), Pass(None, transform, None)),
+                     (logits, None, None, lab, weights, None, Pass(None, transform, None)),
+                     (logits, None, by_row, lab, weights, scales, Pass(1.5, transform, None)),
+                     (logits, bias, by_row, lab, weights, scales, Pass(None, transform, l1_to_target)),
+                     (logits, bias, by_row, lab, weights, None, Pass(1.5, transform, l1_to_target)),
+                     (logits, bias, TargetLogits(table, t_rows), lab, weights, scales,
+                      Pass(1.5, transform, l1_to_target))):
             torch._dynamo.reset()
-            traced = torch.compile(_chunk_math, dynamic=False, fullgraph=True, backend="eager")
-            got, want = traced(*args), _chunk_math(*args)
+            traced = torch.compile(chunk_math, dynamic=False, fullgraph=True, backend="eager")
+            got, want = traced(*args), chunk_math(*args)
             assert [a is None for a in got] == [b is None for b in want]
             for a, b in zip(got, want):
                 if b is not None:

@@ -3,8 +3,8 @@ the optional distillation term and an architecture's own terms, the gradients co
 
 The lm_head of a 248K-token vocabulary is the drafter's most expensive matmul. The loss is a sum over
 rows, so each chunk's gradient is known as soon as its logits are: the forward computes a chunk's
-logits, one fused elementwise pass gives the CE (and the KL, and an architecture's per-row term over
-the vocabulary), the argmax hit and the logits' gradient, and one matmul turns that into the input
+logits, one fused elementwise pass (model/vocab_pass.py) gives the CE (and the KL, and an
+architecture's per-row term over the vocabulary), the argmax hit and the logits' gradient, and one matmul turns that into the input
 gradient; the backward only scales the saved gradients by
 the incoming one. Two lm_head matmuls per chunk (three with the target's logits), and only one
 chunk's logits ever exist. An autograd version with checkpointed chunks would run the lm_head three
@@ -18,16 +18,16 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.chunk_term import ChunkTerm, TermRunner
-from dflash_ds.model.compile import compile_once
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.top_k import block_top_k
+from dflash_ds.model.vocab_pass import Pass, Scales, TargetLogits, chunk_pass, distinct_rows
 
 
 class KLTerm(NamedTuple):
@@ -98,107 +98,11 @@ class _Settings(NamedTuple):
     ce_weight: float = 1.0  # the CE's coefficient in the loss
 
 
-class _Scales(NamedTuple):
-    # Per-row factors [c] of the logits' gradient: the slot weight over the normaliser times each
-    # term's coefficient. Tensors, not numbers in the compiled graph, so a coefficient that changes
-    # between steps compiles nothing anew.
-    ce: torch.Tensor
-    kl: torch.Tensor | None  # kl_weight * T (the T^2 of the loss over the 1 / T of the softened softmax)
-    vocab: torch.Tensor | None
-
-
-class _Pass(NamedTuple):
-    # What a chunk's pass computes besides the CE: constants of its compiled graph (one per run).
-    temperature: float | None  # the KL term's; None without it
-    transform: LogitTransform
-    vocab: Callable | None  # ChunkTerm.vocab
-
-
-class _TargetLogits(NamedTuple):
-    # The target's logits of a chunk's rows: `logits` [c, V], or with `rows` [c] a table that row i
-    # reads at rows[i] (read by index inside the pass, so the rows are never copied out).
-    logits: torch.Tensor
-    rows: torch.Tensor | None = None
-
-
-def _chunk_math(logits, bias, target: _TargetLogits | None, labels, weights, scales: _Scales | None, how: _Pass):
-    """One chunk's statistics over the vocabulary and, with `scales`, the gradient of its loss w.r.t.
-    the raw logits, in one pass (compiled on CUDA: the `[c, V]` intermediates never exist in memory).
-
-    z = t(logits + bias) the drafter's transformed logits, q = softmax(z): the CE sum(w * CE), the
-    argmax hit, with `temperature` (not None) the KL sum(w * KL(p_T || q_T)) of the softened target
-    and drafter distributions, with `vocab` (ChunkTerm.vocab) its per-row values and their weighted
-    sum. The gradient: dz/dx * (s_ce (q - onehot) + s_kl (q_T - p_T) + s_vocab d values / d z), in
-    the logits' dtype (what autograd would hand the lm_head matmul's backward)."""
-    temperature, transform, vocab = how
-    x = logits.to(weights.dtype)
-    if bias is not None:
-        x = x + bias.to(weights.dtype)
-    z = scale_logits(x, *transform)  # the logits the target's distribution is made of
-    m = z.amax(-1, keepdim=True)
-    e = (z - m).exp()
-    s = e.sum(-1, keepdim=True)
-    ce = (m + s.log() - z.gather(1, labels.unsqueeze(1))).squeeze(1)
-    hit = (z.argmax(-1) == labels) & (weights > 0)
-    q = e / s
-    grad = scales is not None
-    g = None
-    if grad:
-        onehot = torch.arange(z.shape[-1], device=z.device) == labels.unsqueeze(1)
-        g = scales.ce.unsqueeze(1) * (q - onehot.to(q.dtype))
-    tz = None
-    if target is not None:
-        t_logits = target.logits if target.rows is None else target.logits[target.rows]
-        tz = scale_logits(t_logits.to(weights.dtype), *transform)
-    kl_sum = None
-    if temperature is not None:
-        xt = z / temperature
-        log_q = xt - xt.amax(-1, keepdim=True)
-        log_q = log_q - log_q.exp().sum(-1, keepdim=True).log()
-        log_p = torch.log_softmax(tz / temperature, dim=-1)
-        p = log_p.exp()
-        kl_sum = ((p * (log_p - log_q)).sum(-1) * weights).sum()
-        if grad:
-            g = g + scales.kl.unsqueeze(1) * (log_q.exp() - p)
-    values = vocab_sum = None
-    if vocab is not None:
-        values, d_values = vocab(q, tz, grad)
-        vocab_sum = (values * weights).sum()
-        if grad:
-            g = g + scales.vocab.unsqueeze(1) * d_values
-    if grad:
-        g = (g * logit_slope(z, *transform)).to(logits.dtype)
-    return (ce * weights).sum(), hit, kl_sum, values, vocab_sum, g
-
-
-def _elementwise(fn, device: torch.device):
-    """`fn` compiled (once per process) on CUDA, where fusing it saves several passes over the
-    logits; plain on CPU and meta (tests, no compiler needed)."""
-    if device.type != "cuda":
-        return fn
-    return compile_once(fn, dynamic=False, fullgraph=True)
-
-
 class TermResult(NamedTuple):
     loss: torch.Tensor | float  # vocab_weight * sum(w * values), before the normaliser
     sums: torch.Tensor  # [1]: sum(w * values), detached ([0] without a vocab term)
     grads: tuple  # one per term tensor (None where it needs none)
     rows: torch.Tensor  # [n, 1] the values per row, detached ([n, 0] without)
-
-
-def _distinct_rows(index: torch.Tensor, chunks: int, size: int):
-    """Per chunk of `size` rows of `index` [n] (padded with its last entry): the distinct entries
-    first [chunks, size] (the first `count` of a row are valid), each row's place among them
-    [chunks, size], and the counts (one host synchronisation, for the matmuls' shapes)."""
-    pad = chunks * size - index.shape[0]
-    idx = torch.cat([index, index[-1:].expand(pad)]) if pad else index
-    srt, order = idx.view(chunks, size).sort(dim=1)
-    new = torch.ones_like(srt, dtype=torch.bool)
-    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    rank = new.cumsum(1) - 1
-    place = torch.empty_like(rank).scatter_(1, order, rank)
-    distinct = torch.zeros_like(srt).scatter_(1, rank, srt)  # equal entries write equal values
-    return distinct, place, new.sum(1).tolist()
 
 
 def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_tensors=()):
@@ -221,7 +125,7 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     vocab = chunk_term.vocab if chunk_term is not None else None
     if want_grad:
         scale = w / normaliser
-        scales = _Scales(scale * ce_coef, scale * (kl_term.weight * kl_term.temperature) if kl_term is not None else None,
+        scales = Scales(scale * ce_coef, scale * (kl_term.weight * kl_term.temperature) if kl_term is not None else None,
                          scale * chunk_term.vocab_weight if vocab is not None else None)
     size = max(1, -(-n // num_chunks))
     chunks = -(-n // size)
@@ -237,32 +141,32 @@ def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_
     top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
     values = hidden.new_empty(chunks * size, dtype=acc_dtype) if vocab is not None else None
     runner = TermRunner(chunk_term, term_tensors, size) if chunk_term is not None else None
-    distinct = _distinct_rows(index, chunks, size) if target is not None and index is not None else None
+    distinct = distinct_rows(index, chunks, size) if target is not None and index is not None else None
     t_buf = hidden.new_empty(size, weight.shape[0]) if distinct is not None else None
-    fn = _elementwise(_chunk_math, hidden.device)
-    how = _Pass(temperature, transform, vocab)
+    fn = chunk_pass(hidden.device)
+    how = Pass(temperature, transform, vocab)
     for i in range(chunks):
         lo, hi = i * size, min(n, (i + 1) * size)
         hc, lc, wc = hidden[lo:hi], lab[lo:hi], w[lo:hi]
-        sc = _Scales(*(t[lo:hi] if t is not None else None for t in scales)) if want_grad else None
+        sc = Scales(*(t[lo:hi] if t is not None else None for t in scales)) if want_grad else None
         tc = target[lo:hi] if target is not None and distinct is None else None
         pad = size - (hi - lo)
         if pad:
             # Equal chunk shapes (one compiled graph, one GEMM shape): zero rows of weight 0.
             hc = F.pad(hc, (0, 0, 0, pad))
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
-            sc = _Scales(*(F.pad(t, (0, pad)) if t is not None else None for t in sc)) if want_grad else None
+            sc = Scales(*(F.pad(t, (0, pad)) if t is not None else None for t in sc)) if want_grad else None
             tc = F.pad(tc, (0, 0, 0, pad)) if tc is not None else None
         logits = torch.mm(hc, weight.t()) if head is None else head.logits(hc)
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
         # The target's logits of the same rows: one more lm_head matmul per chunk, and only
         # this chunk's ever exist. The target is frozen, so they are a constant of the loss.
-        t_logits = _TargetLogits(torch.mm(tc, weight.t())) if tc is not None else None
+        t_logits = TargetLogits(torch.mm(tc, weight.t())) if tc is not None else None
         if distinct is not None:
             states, count = distinct[0][i], distinct[2][i]
             torch.mm(target[states[:count]], weight.t(), out=t_buf[:count])
-            t_logits = _TargetLogits(t_buf, distinct[1][i])
+            t_logits = TargetLogits(t_buf, distinct[1][i])
         bias = runner.bias(lo, hi) if runner is not None else None
         ce, hit, kl_c, v, v_sum, g_logits = fn(logits, bias, t_logits, lc, wc, sc, how)
         del logits, t_logits, bias
