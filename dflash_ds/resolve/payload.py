@@ -34,12 +34,15 @@ class PayloadLayout:
     """One more tap after the layer taps: the target's final-norm hidden state (KL term on)."""
 
     @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def meta_cols(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        taps = self.tap_cols * itemsize
+        taps = self.tap_cols * self.itemsize
         if taps % 4:  # the int32 block could not be whole: no alignment to keep (odd toy widths only)
-            return META_FIELDS * 4 // itemsize
-        return (-(-(taps + META_FIELDS * 4) // ROW_ALIGN) * ROW_ALIGN - taps) // itemsize
+            return META_FIELDS * 4 // self.itemsize
+        return (-(-(taps + META_FIELDS * 4) // ROW_ALIGN) * ROW_ALIGN - taps) // self.itemsize
 
     @property
     def tap_cols(self) -> int:
@@ -52,7 +55,7 @@ class PayloadLayout:
     @property
     def nbytes(self) -> int:
         r, s, c = self.shape
-        return r * s * c * torch.empty((), dtype=self.dtype).element_size()
+        return r * s * c * self.itemsize
 
     def empty(self, device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -74,8 +77,7 @@ def final_hidden(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor |
 
 def write_meta(payload: torch.Tensor, layout: PayloadLayout, input_ids, loss_mask, doc_ids) -> None:
     meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
-    itemsize = torch.empty((), dtype=layout.dtype).element_size()
-    meta = torch.nn.functional.pad(meta, (0, layout.meta_cols * itemsize // 4 - META_FIELDS))  # the padding
+    meta = torch.nn.functional.pad(meta, (0, layout.meta_cols * layout.itemsize // 4 - META_FIELDS))  # the padding
     payload[..., layout.tap_cols:] = meta.view(layout.dtype).to(payload.device)
 
 
