@@ -814,6 +814,89 @@ def test_grouped_experts_match_the_eager_loop_on_cuda(record):
     assert e_eager < 1e-2 and e_fp32 < 1e-2  # bf16 rounding; a wrong group offset is O(1)
 
 
+def test_compiled_token_sum_with_dropped_pairs_matches_the_eager_sum(record):
+    """Expert parallelism's path on the GPU: pairs routed to another rank's experts (ids past the
+    module's) add nothing, through the compiled gather-and-sum, against the eager loop on the same
+    weights with those pairs' weights zeroed."""
+    from dflash_ds.target_model import moe
+
+    mod, hidden, index, weights = experts_at_35b_width(3072, seed=4)
+    dropped = torch.rand(index.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)) < 0.5
+    want = eager_experts(mod, hidden, index, weights * ~dropped)
+    mod.config._experts_implementation_internal = moe.OWN
+    mod.drops = True
+    try:
+        got = moe.routed_sum(mod, hidden, torch.where(dropped, mod.num_experts, index), weights, torch.float32)
+    finally:
+        mod.drops = False
+    e = rel(got, want)
+    record["moe_dropped_pairs_vs_eager_rel"] = e
+    assert dropped.any() and got.dtype == torch.float32 and e < 1e-2  # bf16 rounding; a kept dropped pair is O(1)
+
+
+def test_fla_grouped_value_heads_match_repeated_query_and_key(record):
+    """target.packed hands fla's gated delta rule the 16 query/key heads of a 35B-A3B layer with its 32
+    value heads (grouped value attention) instead of repeated copies: equal to the kernel run on the
+    repeated heads, and a wrong head mapping (tiled instead of interleaved) is far off."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from dflash_ds.target_model.packed import Packing, gated_delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, h, hv, d = 4096, 16, 32, 128
+    q, k = (torch.randn(1, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, s, hv, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    beta = torch.rand(1, s, hv, device="cuda", generator=g).bfloat16()
+    decay = -torch.rand(1, s, hv, device="cuda", generator=g) * 0.1
+    doc_ids = torch.zeros(1, s, dtype=torch.int32, device="cuda")
+    doc_ids[:, 2500:] = 1
+    pack = Packing(doc_ids, 4)
+    got = gated_delta_rule(q, k, v, decay, beta, pack)
+
+    def repeated(qq, kk):
+        out, _ = chunk_gated_delta_rule(qq, kk, v, decay, beta, initial_state=None, output_final_state=False,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=pack.cu_seqlens)
+        return out
+
+    want = repeated(q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2))
+    tiled = repeated(q.repeat(1, 1, 2, 1), k.repeat(1, 1, 2, 1))
+    found = {"gva_vs_repeated": rel(got, want), "tiled_vs_repeated": rel(tiled, want)}
+    record["fla_grouped_value_heads"] = found
+    assert found["gva_vs_repeated"] < 1e-3 and found["tiled_vs_repeated"] > 0.3, found
+
+
+def test_compiled_moe_block_matches_the_block_forward(record):
+    """A Qwen3.5-MoE sparse block at the 35B-A3B width, 3,072 tokens, bf16: the compiled block
+    (target_model/moe_block.py, what training runs) against the block's own forward with the
+    dflash_grouped experts, and a block the function does not apply to (FP8 experts) keeps its forward."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qm
+
+    from dflash_ds.target_model import moe, moe_block
+    from dflash_ds.target_model.presets import target_config
+
+    cfg = target_config("qwen3.6-35b-a3b", layers=1)
+    torch.manual_seed(7)
+    block = qm.Qwen3_5MoeSparseMoeBlock(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    moe.register()
+    block.experts.config._experts_implementation_internal = moe.OWN
+    x = torch.randn(1, 3072, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8),
+                    dtype=torch.bfloat16)
+    original = getattr(qm.Qwen3_5MoeSparseMoeBlock.forward, "dflash_original", qm.Qwen3_5MoeSparseMoeBlock.forward)
+    moe_block.fuse_moe_blocks()
+    assert moe_block.traced_usable(block)
+    with torch.no_grad():
+        got, want = block(x), original(block, x)
+    e = rel(got, want)
+    record["moe_compiled_block_vs_forward_rel"] = e
+    assert e < 1e-2  # bf16 rounding; a wrong router or shared-expert gate is O(1)
+    holder = torch.nn.Module()
+    holder.experts = block.experts
+    moe.quantize_experts(holder)
+    assert not moe_block.traced_usable(block)
+
+
 def test_expert_chunks_bound_the_transient_memory(record):
     """12,288 tokens through the experts at the 35B-A3B width: in chunks of 4,096 tokens the transient
     memory stays bounded (and well under one chunk-free pass) and the sum is the same."""
@@ -890,13 +973,18 @@ def test_fp8_grouped_experts_match_the_dequantized_product(record, monkeypatch):
 def test_moe_target_taps_with_grouped_experts_match_eager(record, monkeypatch):
     """A 4-layer MoE target at the 35B-A3B width (Gated DeltaNet through fla), 2 x 1,024 tokens, with
     dflash_grouped experts: every layer's experts call against transformers' eager experts on the same
-    inputs, and the first layer's tapped state against the eager model's."""
+    inputs, and the first layer's tapped state against the eager model's. The experts module's own
+    path: the compiled block, which bypasses the module, is held to this path by
+    test_compiled_moe_block_matches_the_block_forward."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qm
 
     from dflash_ds.target_model import moe
     from dflash_ds.target_model.model import TapCapture, decoder_layers, forward_taps
     from dflash_ds.target_model.presets import target_config
 
+    block = qm.Qwen3_5MoeSparseMoeBlock
+    monkeypatch.setattr(block, "forward", getattr(block.forward, "dflash_original", block.forward))
     torch.manual_seed(3)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(target_config("qwen3.6-35b-a3b", layers=4), dtype=torch.bfloat16)

@@ -144,6 +144,52 @@ def test_model_with_grouped_experts_equals_eager_model(name):
         assert torch.allclose(a, b, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("name", GEOMETRIES)
+def test_traced_moe_block_equals_the_eager_block_in_float64(name):
+    """The function the GPU compiles for a whole sparse MoE block (target_model/moe_block.py), run
+    eagerly on its tensors, against transformers' block with its eager experts, on each family; in
+    chunks too. A block the function does not compute exactly (CPU tensors here; FP8 or
+    expert-parallel experts) keeps its own forward."""
+    from dflash_ds.target_model import moe_block
+
+    model = tiny_moe(name, impl="eager")
+    layer = decoder_layers(model)[0]
+    block = layer.mlp
+    x = torch.randn(2, 19, model.config.hidden_size, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with torch.no_grad():
+        want = block(x)
+        routed, shared = moe_block.block_tensors(block)
+        assert (shared is None) == (name == "tiny-qwen3-moe")
+
+        def traced(r):
+            if shared is not None:
+                return moe_block.qwen35_block(x, r, shared)
+            return moe_block.qwen3_block(x, r, bool(block.gate.norm_topk_prob))
+
+        for chunk in (moe.CHUNK_TOKENS, 7):
+            got = traced(routed._replace(chunk=chunk))
+            assert got.shape == want.shape and want.abs().max() > 1e-3
+            assert torch.allclose(got, want, atol=1e-12, rtol=0), (chunk, (got - want).abs().max())
+            # The check can fail: a router choosing one expert fewer per token gives another sum.
+            fewer = traced(routed._replace(chunk=chunk, top_k=routed.top_k - 1))
+            assert not torch.allclose(fewer, want, atol=1e-6)
+    moe.use_experts(model, moe.OWN)
+    assert not moe_block.traced_usable(block)  # CPU: the block's own forward
+    assert moe_block.fuse_moe_blocks() == []  # and nothing is patched without CUDA
+
+
+def test_silu_experts_equal_the_module_forward_with_chunks():
+    model = tiny_moe()
+    mod = moe.experts_modules(model)[0][1]
+    hidden, index, weights = routed_inputs(mod)
+    want = eager(mod, hidden, index, weights)
+    for chunk in (moe.CHUNK_TOKENS, 5):
+        got = moe.silu_experts(hidden, index, weights, mod.gate_up_proj, mod.down_proj, chunk)
+        assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    swapped = moe.silu_experts(hidden, index.flip(1), weights, mod.gate_up_proj, mod.down_proj)
+    assert not torch.allclose(swapped, want, atol=1e-6)  # the weights follow their own slot
+
+
 def test_unsupported_expert_layout_is_refused():
     model = tiny_moe()
     mod = moe.experts_modules(model)[0][1]

@@ -116,11 +116,13 @@ def speed_up_target_kernels(fla_short_conv: bool = True, fused_elementwise: bool
     """Swap in the faster target kernels of target_model/kernels.py (GPU only). Training always uses both;
     the bench's --no-fla-conv and --no-fused-target leave them out for A/B runs."""
     from dflash_ds.target_model.kernels import fuse_target_elementwise, use_fla_short_conv
+    from dflash_ds.target_model.moe_block import fuse_moe_blocks
 
     if fla_short_conv:
         use_fla_short_conv()
     if fused_elementwise:
         fuse_target_elementwise()
+        fuse_moe_blocks()
 
 
 def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn.Module:
