@@ -370,7 +370,8 @@ def test_the_35b_a3b_recipe_fits_its_target():
         "drafter.intermediate_size=null"]).drafter)
     assert shape.hidden_size == 2048 and shape.target_layer_ids == (1, 10, 19, 28, 37)
     check_moe(recipe, cfg, "replica", check_world(recipe, 8))
-    two = load_recipe("recipes/qwen36-35b-a3b.yaml", ["target.expert_parallel=2"])
+    two = load_recipe("recipes/qwen36-35b-a3b.yaml", ["target.expert_parallel=2", "topology.targets_per_node=4",
+                                                      "topology.drafters_per_node=4"])
     check_moe(two, cfg, "replica", check_world(two, 8))
 
 
