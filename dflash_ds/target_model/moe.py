@@ -30,10 +30,13 @@ one more implementation there, `grouped_experts_forward`:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_ds.model.compile import compile_once
 
 OWN = "dflash_grouped"  # the name `grouped_experts_forward` is registered under
 IMPLEMENTATIONS = (OWN, "grouped_mm", "batched_mm", "eager")
@@ -218,11 +221,7 @@ def _token_sum(pairs_out: torch.Tensor, inverse: torch.Tensor, kept: torch.Tenso
 def _fused(fn, x: torch.Tensor):
     # Compiled once per process on CUDA (the token count varies between training rows and generation:
     # dynamic shapes after the first recompilation); the same function runs eagerly elsewhere (CPU tests).
-    if not x.is_cuda:
-        return fn
-    from dflash_ds.model.compile import compile_once
-
-    return compile_once(fn)
+    return compile_once(fn) if x.is_cuda else fn
 
 
 def _activation(module: nn.Module, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -254,56 +253,65 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     return routed_sum(self, hidden_states, top_k_index, top_k_weights, hidden_states.dtype)
 
 
+class Pairs(NamedTuple):
+    """How a chunk's (token, expert) pairs become outputs: the two grouped projections
+    `(x [P, K], offsets) -> [P, N]`, the activation `(gate_up [P, 2I], routing weight [P]) -> [P, I]` and
+    the gather-and-sum back to tokens (`_token_sum`, compiled or not)."""
+
+    gate_up: Callable
+    act: Callable
+    down: Callable
+    token_sum: Callable
+    num_experts: int
+    drops: bool = False
+
+
 def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """sum over slots of weight * expert(hidden) for hidden [T, D], in `out_dtype` [T, D]; ids past
     the module's experts contribute nothing (with module.drops set, as expert parallelism does)."""
     _check_layout(module)
-    t = hidden.shape[0]
-    chunk = int(getattr(module, "chunk_tokens", CHUNK_TOKENS))
-    drops = bool(getattr(module, "drops", False))
-    parts = [_experts_chunk(module, hidden[a:a + chunk], top_k_index[a:a + chunk], top_k_weights[a:a + chunk], drops,
-                            out_dtype) for a in range(0, t, chunk)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _experts_chunk(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                   drops: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """One chunk's routed sum [t, D] in out_dtype (summed in float32, float64 for float64 inputs)."""
-    t, k = index.shape
-    r = route(index, module.num_experts, drops)
-    if r.kept == 0:  # every pair is another rank's
-        return hidden.new_zeros(t, hidden.shape[-1], dtype=out_dtype)
-    token = torch.div(r.order, k, rounding_mode="floor")
-    h = _project(module, "gate_up_proj", hidden[token], r.offsets)
-    # The routing weight scales the [P, I] activations: down(w * a) = w * down(a), one pass narrower.
-    act = _activation(module, h, weights.reshape(-1)[r.order])
-    y = _project(module, "down_proj", act, r.offsets)
-    inverse = _inverse(r.order, t * k)
-    kept = None
-    if r.kept is not None:
-        kept = torch.zeros(t * k, dtype=torch.bool, device=r.order.device)
-        kept[r.order] = True
-    return _fused(_token_sum, y)(y, inverse, kept, k, out_dtype)
+    pairs = Pairs(lambda x, offsets: _project(module, "gate_up_proj", x, offsets),
+                  lambda h, w: _activation(module, h, w),
+                  lambda x, offsets: _project(module, "down_proj", x, offsets),
+                  _fused(_token_sum, hidden), int(module.num_experts), bool(getattr(module, "drops", False)))
+    return _chunked(hidden, top_k_index, top_k_weights, pairs, int(getattr(module, "chunk_tokens", CHUNK_TOKENS)),
+                    out_dtype)
 
 
 def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                  down: torch.Tensor, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
     """The routed sum [T, D] of SwiGLU (silu) experts gate_up [E, 2I, D], down [E, D, I] for hidden [T, D],
     as a function of tensors alone (no module, no host synchronisation on CUDA): what the compiled MoE
-    block traces (target_model/moe_block.py). The same sum as the `dflash_grouped` forward, in chunks
-    of `chunk` tokens, summed in at least float32 and returned in hidden's dtype."""
-    t, k = index.shape
-    parts = []
-    for a in range(0, t, chunk):
-        idx = index[a:a + chunk]
-        r = route(idx, gate_up.shape[0])
-        token = torch.div(r.order, k, rounding_mode="floor")
-        h = grouped_linear(hidden[a:a + chunk][token], gate_up, r.offsets)
-        act = _silu_weighted(h, weights[a:a + chunk].reshape(-1)[r.order])
-        y = grouped_linear(act, down, r.offsets)
-        parts.append(_token_sum(y, _inverse(r.order, idx.numel()), None, k, hidden.dtype))
+    block traces (target_model/moe_block.py), so nothing in it is compiled on its own. The same sum as
+    the `dflash_grouped` forward, returned in hidden's dtype."""
+    pairs = Pairs(lambda x, offsets: grouped_linear(x, gate_up, offsets), _silu_weighted,
+                  lambda x, offsets: grouped_linear(x, down, offsets), _token_sum, gate_up.shape[0])
+    return _chunked(hidden, index, weights, pairs, chunk, hidden.dtype)
+
+
+def _chunked(hidden, index, weights, pairs: Pairs, chunk: int, out_dtype: torch.dtype) -> torch.Tensor:
+    parts = [_pairs_sum(hidden[a:a + chunk], index[a:a + chunk], weights[a:a + chunk], pairs, out_dtype)
+             for a in range(0, hidden.shape[0], chunk)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _pairs_sum(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, pairs: Pairs,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """One chunk's routed sum [t, D] in out_dtype (summed in float32, float64 for float64 inputs)."""
+    t, k = index.shape
+    r = route(index, pairs.num_experts, pairs.drops)
+    if r.kept == 0:  # every pair is another rank's
+        return hidden.new_zeros(t, hidden.shape[-1], dtype=out_dtype)
+    token = torch.div(r.order, k, rounding_mode="floor")
+    h = pairs.gate_up(hidden[token], r.offsets)
+    # The routing weight scales the [P, I] activations: down(w * a) = w * down(a), one pass narrower.
+    y = pairs.down(pairs.act(h, weights.reshape(-1)[r.order]), r.offsets)
+    kept = None
+    if r.kept is not None:
+        kept = torch.zeros(t * k, dtype=torch.bool, device=r.order.device)
+        kept[r.order] = True
+    return pairs.token_sum(y, _inverse(r.order, t * k), kept, k, out_dtype)
 
 
 # ---------------------------------------------------------------------------- FP8 experts

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ds.model.compile import compile_once
 from dflash_ds.target_model.moe import CHUNK_TOKENS, OWN, silu_experts
 
 
@@ -106,22 +107,16 @@ def traced_usable(block: nn.Module) -> bool:
             and getattr(ex.config, "hidden_act", None) == "silu")
 
 
-def _compiled(fn):
-    from dflash_ds.model.compile import compile_once
-
-    return compile_once(fn)
-
-
 def _qwen35_forward(original, self, hidden_states):
     if not traced_usable(self):
         return original(self, hidden_states)
-    return _compiled(qwen35_block)(hidden_states, *block_tensors(self))
+    return compile_once(qwen35_block)(hidden_states, *block_tensors(self))
 
 
 def _qwen3_forward(original, self, hidden_states):
     if not traced_usable(self):
         return original(self, hidden_states)
-    return _compiled(qwen3_block)(hidden_states, block_tensors(self)[0], bool(self.gate.norm_topk_prob))
+    return compile_once(qwen3_block)(hidden_states, block_tensors(self)[0], bool(self.gate.norm_topk_prob))
 
 
 def _method(forward, original):
