@@ -433,18 +433,70 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
     assert found["correct_equal_frac"] > 0.999, found
 
 
+def test_dspark_pass_kernel_matches_the_compiled_pass(record):
+    """DSpark's hand-written pass over a chunk's vocabulary (variants/dspark_pass.l1_pass: three
+    sweeps a row, the gradient written over the logits) against the generic compiled pass
+    (vocab_pass.chunk_math with l1_to_target) on one chunk at the flagship's sizes (896 rows, the
+    vocabulary 248,320; the target's logits a table of 540 distinct rows read by index), with and
+    without the gradient, and on a vocabulary that is no multiple of the kernel's block."""
+    from dflash_ds.model.logit_transform import IDENTITY
+    from dflash_ds.model.variants.dspark_parts import l1_to_target
+    from dflash_ds.model.variants.dspark_pass import l1_pass
+    from dflash_ds.model.vocab_pass import Pass, Scales, TargetLogits, chunk_pass
+
+    found = {}
+    for c, v, k in ((896, 248320, 540), (37, 50001, 20)):
+        g = torch.Generator(device="cuda").manual_seed(v)
+        logits = (torch.randn(c, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        table = (torch.randn(k, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        rows = torch.randint(0, k, (c,), device="cuda", generator=g)
+        # Some rows drafted close to their target (a small L1), as a trained drafter's are.
+        close = torch.arange(c, device="cuda") % 3 == 0
+        logits[close] = (table[rows[close]].float() + 0.05 * torch.randn(int(close.sum()), v, device="cuda",
+                                                                          generator=g)).to(torch.bfloat16)
+        labels = torch.randint(0, v, (c,), device="cuda", generator=g)
+        labels[::5] = logits[::5].float().argmax(-1)  # hits to count
+        weights = torch.rand(c, device="cuda", generator=g) * (torch.arange(c, device="cuda") % 7 != 0)
+        scales = Scales(weights * 0.1 / 100, None, weights * 0.9 / 100)
+        target = TargetLogits(table, rows)
+        compiled = chunk_pass(logits.device, Pass(None, IDENTITY, l1_to_target))
+        how = Pass(None, IDENTITY, l1_to_target, l1_pass)
+        assert chunk_pass(logits.device, how) is l1_pass
+        for grad in (True, False):
+            sc = scales if grad else None
+            want_ms, want = timed_ms(lambda: compiled(logits, target, labels, weights, sc, how))
+            got_ms, got = timed_ms(lambda: l1_pass(logits.clone(), target, labels, weights, sc, how))
+            key = f"{c}x{v}_{'grad' if grad else 'no_grad'}"
+            found[key] = {"kernel_ms": got_ms, "compiled_ms": want_ms, "ce_rel": rel(got[0], want[0]),
+                          "l1_rows_rel": rel(got[3], want[3]), "l1_sum_rel": rel(got[4], want[4]),
+                          "hits": int(want[1].sum()), "hits_equal": bool(torch.equal(got[1], want[1]))}
+            if grad:
+                found[key]["grad_rel"] = rel(got[5].float(), want[5].float())
+                found[key]["grad_max_abs"] = float((got[5].float() - want[5].float()).abs().max())
+                found[key]["grad_scale"] = float(want[5].float().abs().max())
+            assert got[2] is None and (got[5] is None) == (not grad)
+    record["dspark_pass_kernel"] = found
+    for key, f in found.items():
+        assert f["hits_equal"] and f["hits"] > 0, (key, f)
+        assert f["ce_rel"] < 1e-5 and f["l1_rows_rel"] < 1e-4 and f["l1_sum_rel"] < 1e-5, (key, f)
+        # Both in float32, then rounded to bf16: a last-place difference at most.
+        assert "grad_rel" not in f or (f["grad_rel"] < 1e-2 and f["grad_max_abs"] <= f["grad_scale"] / 128), (key, f)
+
+
 def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
-    """DSpark's loss through the fused pass (compiled: the Markov bias's matmul per chunk, the CE and
-    ||q - p||_1 with their gradient in one elementwise pass, the target's logits by one more lm_head
-    matmul) against plain float32 autograd chunk by chunk (the bias from float32 copies of the Markov
-    tables), bf16, 512 anchors x 7 slots, D 5120, vocabulary 248320, rank 256. The target's states as
-    the objective passes them: a table of a 3,072-token row's positions and each slot's position (the
-    recipe's anchor density, 1 in 6: overlapping blocks share positions), against the same loss on the
-    gathered rows (each row's logits multiplied, no index)."""
+    """DSpark's loss through the fused pass (the Markov bias folded into the lm_head matmul, the
+    target's logits in the same matmul, the CE and ||q - p||_1 with their gradient in the hand-written
+    kernel and, for comparison, the generic compiled pass) against plain float32 autograd chunk by
+    chunk (the bias from float32 copies of the Markov tables), bf16, 512 anchors x 7 slots, D 5120,
+    vocabulary 248320, rank 256. The target's states as the objective passes them: a table of a
+    3,072-token row's positions and each slot's position (the recipe's anchor density, 1 in 6:
+    overlapping blocks share positions), against the same loss on the gathered rows (each row's
+    logits multiplied, no index)."""
     from dflash_ds.model.chunk_term import ChunkTerm
     from dflash_ds.model.gather import take_rows
     from dflash_ds.model.loss import KLTerm
     from dflash_ds.model.variants.dspark_parts import l1_to_target
+    from dflash_ds.model.variants.dspark_pass import l1_pass
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, d, v, r, l1 = 512 * 7, 5120, 248320, 256, 0.9
@@ -461,12 +513,9 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
     weights = torch.rand(n, device="cuda", generator=g)
     norm = weights.sum()
 
-    def bias(rows, params):
-        return torch.nn.functional.linear(take_rows(params[0], rows[0]), params[1])
-
-    def fused(kl=KLTerm(0.0, 1.0, table, index)):
+    def fused(kl=KLTerm(0.0, 1.0, table, index), kernel=l1_pass):
         h, a, b = (t.clone().requires_grad_(True) for t in (hidden, w1, w2))
-        term = ChunkTerm(rows=(prev,), params=(a, b), bias=bias, vocab=l1_to_target, vocab_weight=l1)
+        term = ChunkTerm(take_rows(a, prev, torch.bfloat16), b, l1_to_target, l1, kernel)
         out = linear_cross_entropy(h, weight, labels, weights, norm, LossOptions(16, term=term, ce_weight=0.1), kl)
         out.loss.backward()
         return float(out.loss.detach()), (h.grad.float(), a.grad.float(), b.grad.float())
@@ -488,21 +537,24 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
         return total / float(norm), (h.grad.float(), a.grad, b.grad)
 
     f_ms, (f_loss, f_grads) = timed_ms(fused)
+    c_ms, (c_loss, c_grads) = timed_ms(lambda: fused(kernel=None))
     r_ms, (r_loss, r_grads) = timed_ms(lambda: fused(KLTerm(0.0, 1.0, target)))
     a_ms, (a_loss, a_grads) = timed_ms(reference)
     names = ("hidden", "markov_w1", "markov_w2")
-    found = {"autograd_ms": a_ms, "fused_ms": f_ms, "fused_by_row_ms": r_ms, "loss_autograd": a_loss,
-             "loss_fused": f_loss, "loss_fused_by_row": r_loss,
-             "distinct_target_rows": int(index.unique().numel()), "rows": n,
+    found = {"autograd_ms": a_ms, "fused_ms": f_ms, "fused_compiled_pass_ms": c_ms, "fused_by_row_ms": r_ms,
+             "loss_autograd": a_loss, "loss_fused": f_loss, "loss_fused_compiled_pass": c_loss,
+             "loss_fused_by_row": r_loss, "distinct_target_rows": int(index.unique().numel()), "rows": n,
              **{f"{name}_grad_rel_err": rel(x, y) for name, x, y in zip(names, f_grads, a_grads)},
+             **{f"{name}_grad_vs_compiled_pass": rel(x, y) for name, x, y in zip(names, f_grads, c_grads)},
              **{f"{name}_grad_vs_by_row": rel(x, y) for name, x, y in zip(names, f_grads, r_grads)}}
     record["dspark_fused_loss"] = found
-    assert abs(f_loss - a_loss) <= 1e-4 * abs(a_loss), found
+    assert abs(f_loss - a_loss) <= 1e-4 * abs(a_loss) and abs(f_loss - c_loss) <= 1e-5 * abs(c_loss), found
     # The index only changes which rows one matmul multiplies: equal to the loss on gathered rows
     # up to the GEMM's order of accumulation.
     assert abs(f_loss - r_loss) <= 1e-6 * abs(r_loss) and max(found[f"{k}_grad_vs_by_row"] for k in names) < 1e-3, found
-    # The bias is a bf16 matmul in the fused path and float32 in the reference: the tables' gradients
-    # carry that rounding (bf16: 2^-8 relative per element).
+    assert max(found[f"{k}_grad_vs_compiled_pass"] for k in names) < 1e-2, found
+    # The bias is summed in the bf16 matmul's float32 accumulator, the reference is float32 throughout:
+    # the gradients carry the bf16 rounding of the logits and of their gradient (2^-8 relative).
     assert found["hidden_grad_rel_err"] < 2e-3 and found["markov_w2_grad_rel_err"] < 2e-2, found
     assert found["markov_w1_grad_rel_err"] < 2e-2, found
 

@@ -118,7 +118,7 @@ def test_target_states_by_index_equal_the_gathered_rows(weight_kl):
     table = target_states(torch.float64, n=9)
     index = torch.randint(0, 9, (N,), generator=torch.Generator().manual_seed(4))
     assert len(set(index.tolist())) < N
-    term = ChunkTerm((), (), None, l1_to_target, 0.6) if weight_kl == 0 else None
+    term = ChunkTerm(vocab=l1_to_target, vocab_weight=0.6) if weight_kl == 0 else None
     runs = []
     for kl in (KLTerm(weight_kl, 1.5, table[index]), KLTerm(weight_kl, 1.5, table, index)):
         for num_chunks in (1, 3, 7, N + 2):
@@ -309,7 +309,7 @@ def test_two_head_matmuls_per_chunk(weight_grad):
         assert (counter.count, counter.grad_w, counter.rows) == (chunks, 0, {rows})
 
 
-def test_kl_adds_one_lm_head_matmul_per_chunk_and_memory_stays_flat():
+def test_kl_shares_the_lm_head_matmul_and_memory_stays_flat():
     hidden, weight, labels, weights = case(torch.float32)
     kl = KLTerm(0.5, 2.0, target_states(torch.float32))
     assert max(N * D, V * D) < N * V  # so the peak check below can tell one chunk of logits from all of them
@@ -319,10 +319,11 @@ def test_kl_adds_one_lm_head_matmul_per_chunk_and_memory_stays_flat():
             loss = linear_cross_entropy(h, weight, labels, weights, 2.0, LossOptions(num_chunks), kl).loss
             forward = counter.count
             loss.backward()
-        # Forward: drafter logits, target logits and the input gradient of every chunk; backward: none.
-        assert (forward, counter.count) == (3 * chunks, 3 * chunks), num_chunks
-        assert counter.rows == {rows}, (num_chunks, counter.rows)
-        assert peak.peak <= max(rows * V, N * D, V * D), (num_chunks, peak.peak)
+        # Forward: one matmul for the drafter's and the target's logits of every chunk (their rows
+        # stacked) and the input gradient; backward: none.
+        assert (forward, counter.count) == (2 * chunks, 2 * chunks), num_chunks
+        assert counter.rows == {rows, 2 * rows}, (num_chunks, counter.rows)
+        assert peak.peak <= max(2 * rows * V, N * D, V * D), (num_chunks, peak.peak)
         if chunks > 1:
             assert peak.peak < N * V  # never every row's logits at once
 
@@ -349,14 +350,13 @@ def test_no_host_sync(device):
 
 def test_elementwise_traces_as_one_graph():
     # On CUDA the chunk's elementwise pass is compiled with fullgraph=True: every combination of its
-    # parts (gradient or not, a bias, the KL term, an architecture's vocab term) must trace without
+    # parts (gradient or not, the KL term, an architecture's vocab term) must trace without
     # graph breaks and give the eager results.
     from dflash_ds.model.variants.dspark_parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float32)
     logits = hidden @ weight.T
     t_logits = torch.roll(logits, 1, 0)
-    bias = 0.1 * torch.roll(logits, 2, 1)
     lab = torch.where(weights > 0, labels, 0)
     scale = weights / 3.0
     scales = Scales(scale * 0.5, scale * 0.3, scale * 0.7)
@@ -365,12 +365,12 @@ def test_elementwise_traces_as_one_graph():
     table = t_logits[:5].contiguous()
     for transform in (IDENTITY, TRANSFORM):
         by_row = TargetLogits(t_logits)
-        for args in ((logits, None, None, lab, weights, Scales(scale, None, None), Pass(None, transform, None)),
-                     (logits, None, None, lab, weights, None, Pass(None, transform, None)),
-                     (logits, None, by_row, lab, weights, scales, Pass(1.5, transform, None)),
-                     (logits, bias, by_row, lab, weights, scales, Pass(None, transform, l1_to_target)),
-                     (logits, bias, by_row, lab, weights, None, Pass(1.5, transform, l1_to_target)),
-                     (logits, bias, TargetLogits(table, t_rows), lab, weights, scales,
+        for args in ((logits, None, lab, weights, Scales(scale, None, None), Pass(None, transform, None)),
+                     (logits, None, lab, weights, None, Pass(None, transform, None)),
+                     (logits, by_row, lab, weights, scales, Pass(1.5, transform, None)),
+                     (logits, by_row, lab, weights, scales, Pass(None, transform, l1_to_target)),
+                     (logits, by_row, lab, weights, None, Pass(1.5, transform, l1_to_target)),
+                     (logits, TargetLogits(table, t_rows), lab, weights, scales,
                       Pass(1.5, transform, l1_to_target))):
             torch._dynamo.reset()
             traced = torch.compile(chunk_math, dynamic=False, fullgraph=True, backend="eager")
@@ -379,3 +379,34 @@ def test_elementwise_traces_as_one_graph():
             for a, b in zip(got, want):
                 if b is not None:
                     torch.testing.assert_close(a, b)
+
+def test_a_chunk_terms_bias_is_the_loss_of_the_stacked_operands():
+    # ChunkTerm's bias features @ table.T folded into the lm_head matmul: the loss and every gradient
+    # equal the dense loss of [hidden | features] through [weight | table]; the folded weight kept
+    # between calls follows the table and any change of the weight (in place, or another tensor).
+    from dflash_ds.model.chunk_term import ChunkTerm
+
+    hidden, weight, labels, weights = case(torch.float64)
+    g = torch.Generator().manual_seed(9)
+    features, table = torch.randn(N, 3, generator=g, dtype=torch.float64), torch.randn(V, 3, generator=g,
+                                                                                      dtype=torch.float64)
+    for step in range(4):
+        if step == 1:
+            table.add_(0.5)  # the table trains between calls
+        if step == 2:
+            weight.mul_(1.5)  # an in-place change of the weight
+        if step == 3:
+            weight = weight.clone() + 0.25  # another weight
+        h, f, t = (x.clone().requires_grad_() for x in (hidden, features, table))
+        out = linear_cross_entropy(h, weight, labels, weights, 3.0, LossOptions(3, term=ChunkTerm(f, t)))
+        out.loss.backward()
+        stacked = torch.cat([hidden, features], 1).requires_grad_()
+        w_ref = torch.cat([weight, table], 1).requires_grad_()
+        ref = dense_loss(stacked, w_ref, labels, weights, 3.0)
+        ref[0].backward()
+        torch.testing.assert_close(out.loss, ref[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.cat([h.grad, f.grad], 1), stacked.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(t.grad, w_ref.grad[:, D:], rtol=1e-10, atol=1e-12)
+        assert torch.equal(out.correct, ref[3])
+    with pytest.raises(ValueError, match="features"):
+        linear_cross_entropy(hidden, weight, labels, weights, 1.0, LossOptions(2, term=ChunkTerm(features[:-1], table)))

@@ -55,14 +55,10 @@ def total_variation(q: torch.Tensor, target_z: torch.Tensor, grad: bool):
     return tv, q * (s - (s * q).sum(-1, keepdim=True))
 
 
-def _bias(rows, params):
-    return markov_bias(rows[0], *params)
-
-
 def markov_term(prev: torch.Tensor, embedding: torch.Tensor, projection: torch.Tensor, tv_weight: float) -> ChunkTerm:
-    """The bias from each row's previous token `prev` [n], and tv_weight * sum(w * TV(drafter, target))."""
-    return ChunkTerm(rows=(prev,), params=(embedding, projection), bias=_bias, vocab=total_variation,
-                     vocab_weight=tv_weight)
+    """The bias from each row's previous token `prev` [n] (its embedding row times the projection),
+    and tv_weight * sum(w * TV(drafter, target))."""
+    return ChunkTerm(F.embedding(prev, embedding), projection, total_variation, tv_weight)
 
 
 def predecessors(labels: torch.Tensor, block_size: int) -> torch.Tensor:

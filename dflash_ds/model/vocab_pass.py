@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from dflash_ds.model.compile import compile_once
-from dflash_ds.model.logit_transform import LogitTransform, logit_slope, scale_logits
+from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 
 
 class Scales(NamedTuple):
@@ -34,6 +34,7 @@ class Pass(NamedTuple):
     temperature: float | None  # the KL term's; None without it
     transform: LogitTransform
     vocab: Callable | None  # ChunkTerm.vocab
+    kernel: Callable | None = None  # ChunkTerm.kernel: this pass written by hand (CUDA), or None
 
 
 class TargetLogits(NamedTuple):
@@ -43,20 +44,17 @@ class TargetLogits(NamedTuple):
     rows: torch.Tensor | None = None
 
 
-def chunk_math(logits, bias, target: TargetLogits | None, labels, weights, scales: Scales | None, how: Pass):
+def chunk_math(logits, target: TargetLogits | None, labels, weights, scales: Scales | None, how: Pass):
     """One chunk's statistics over the vocabulary and, with `scales`, the gradient of its loss w.r.t.
     the raw logits, in one pass (compiled on CUDA: the `[c, V]` intermediates never exist in memory).
 
-    z = t(logits + bias) the drafter's transformed logits, q = softmax(z): the CE sum(w * CE), the
+    z = t(logits) the drafter's transformed logits (an architecture's bias already in them), q = softmax(z): the CE sum(w * CE), the
     argmax hit, with `temperature` (not None) the KL sum(w * KL(p_T || q_T)) of the softened target
     and drafter distributions, with `vocab` (ChunkTerm.vocab) its per-row values and their weighted
     sum. The gradient: dz/dx * (s_ce (q - onehot) + s_kl (q_T - p_T) + s_vocab d values / d z), in
     the logits' dtype (what autograd would hand the lm_head matmul's backward)."""
-    temperature, transform, vocab = how
-    x = logits.to(weights.dtype)
-    if bias is not None:
-        x = x + bias.to(weights.dtype)
-    z = scale_logits(x, *transform)  # the logits the target's distribution is made of
+    temperature, transform, vocab, _ = how
+    z = scale_logits(logits.to(weights.dtype), *transform)  # the logits the target's distribution is made of
     m = z.amax(-1, keepdim=True)
     e = (z - m).exp()
     s = e.sum(-1, keepdim=True)
@@ -93,11 +91,14 @@ def chunk_math(logits, bias, target: TargetLogits | None, labels, weights, scale
     return (ce * weights).sum(), hit, kl_sum, values, vocab_sum, g
 
 
-def chunk_pass(device: torch.device):
-    """`chunk_math` compiled (once per process) on CUDA, where fusing it saves several passes over
-    the logits; plain on CPU and meta (tests, no compiler needed)."""
+def chunk_pass(device: torch.device, how: Pass):
+    """The pass a chunk runs: on CUDA a term's own kernel where it applies (no KL term, no logit
+    transform), else `chunk_math` compiled (once per process), where fusing it saves several passes
+    over the logits; plain on CPU and meta (tests, no compiler needed)."""
     if device.type != "cuda":
         return chunk_math
+    if how.kernel is not None and how.temperature is None and how.transform == IDENTITY:
+        return how.kernel
     return compile_once(chunk_math, dynamic=False, fullgraph=True)
 
 

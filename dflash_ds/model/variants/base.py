@@ -241,8 +241,9 @@ class DrafterVariant:
 
     def chunk_term(self, model: Any, blocks: Any, term: Any, hidden: torch.Tensor) -> Any:
         """A model.chunk_term.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
-        logits (and the target's, with `needs_target_logits`): a bias added to the logits and/or
-        extra loss terms; None for none. `hidden` `[R, N*B, D]`: the drafter's final states."""
+        logits (and the target's, with `needs_target_logits`): a low-rank bias of the logits
+        (features @ table.T, folded into the lm_head matmul) and/or a per-row term over the
+        vocabulary; None for none. `hidden` `[R, N*B, D]`: the drafter's final states."""
         return None
 
     def extra_loss(self, ctx: LossContext) -> ExtraLoss | None:

@@ -23,6 +23,7 @@ from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError
 from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
                                                    calibration, confidence_logits, confident_prefix, expected_tau,
                                                    greedy_walk, l1_to_target, shift_in)
+from dflash_ds.model.variants.dspark_pass import l1_pass
 from dflash_ds.model.variants.dspark_report import draw_reliability, reliability
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
@@ -149,9 +150,10 @@ class DSpark(DrafterVariant):
         on the biased logits and the target's, inside the fused loss's pass over the vocabulary."""
         t = term or DSparkTerms()
         head = model.drafter.markov_head
-        return ChunkTerm(rows=(_predecessors(blocks, model.config.block_size),),
-                         params=(head.markov_w1.weight, head.markov_w2.weight), bias=_markov_bias,
-                         vocab=l1_to_target, vocab_weight=t.l1)
+        # The Markov embedding of every slot's predecessor, gathered once for the whole micro-batch
+        # (its gradient one segmented sum); the loss folds embedding @ markov_w2.T into the lm_head.
+        features = head.embed(_predecessors(blocks, model.config.block_size), hidden.dtype)
+        return ChunkTerm(features, head.markov_w2.weight, l1_to_target, t.l1, l1_pass)
 
     def extra_loss(self, ctx: LossContext) -> ExtraLoss:
         """confidence * sum(w * BCE(c, 1 - TV)) / normaliser, the confidence head's logits c read from
@@ -246,10 +248,6 @@ def _predecessors(blocks, block_size: int) -> torch.Tensor:
     in the loss's row order."""
     labels = blocks.labels.view(blocks.labels.shape[0], -1, block_size)
     return slot_rows(shift_in(blocks.block_ids.view_as(labels)[..., 0], labels).flatten(1), block_size, 0)
-
-
-def _markov_bias(rows, params):
-    return F.linear(take_rows(params[0], rows[0]), params[1])
 
 
 def _chain(model, hidden: torch.Tensor, anchors: torch.Tensor):
