@@ -410,3 +410,44 @@ def test_a_chunk_terms_bias_is_the_loss_of_the_stacked_operands():
         assert torch.equal(out.correct, ref[3])
     with pytest.raises(ValueError, match="features"):
         linear_cross_entropy(hidden, weight, labels, weights, 1.0, LossOptions(2, term=ChunkTerm(features[:-1], table)))
+
+
+class _PlainHead:
+    """HeadGemms as plain matmuls: the FP8 head's path through the loss, exact in float64."""
+
+    def __init__(self, weight):
+        self.weight, self.calls = weight, 0
+
+    def logits(self, hidden):
+        self.calls += 1
+        return hidden @ self.weight.T
+
+    def input_grad(self, grad_logits):
+        return grad_logits @ self.weight
+
+
+@pytest.mark.parametrize("by_index", [False, True])
+def test_a_head_of_its_own_gives_the_folded_losses(by_index):
+    # With LossOptions.head (FP8 on the GPU) the drafter's logits, the term's bias and the target's
+    # logits are matmuls of their own instead of one stacked matmul: every output and gradient equal.
+    from dflash_ds.model.chunk_term import ChunkTerm
+    from dflash_ds.model.variants.dspark_parts import l1_to_target
+
+    hidden, weight, labels, weights = case(torch.float64)
+    g = torch.Generator().manual_seed(11)
+    features, table = torch.randn(N, 3, generator=g, dtype=torch.float64), torch.randn(V, 3, generator=g,
+                                                                                      dtype=torch.float64)
+    states = target_states(torch.float64, n=9)
+    index = torch.randint(0, 9, (N,), generator=g)
+    kl = KLTerm(0.0, 1.0, states, index) if by_index else KLTerm(0.0, 1.0, states[index])
+    runs = []
+    for head in (None, _PlainHead(weight)):
+        h, f, t = (x.clone().requires_grad_() for x in (hidden, features, table))
+        term = ChunkTerm(f, t, l1_to_target, 0.6)
+        out = linear_cross_entropy(h, weight, labels, weights, 5.0, LossOptions(3, term=term, head=head), kl)
+        out.loss.backward()
+        runs.append((out.loss, out.ce_sum, out.term_sums, out.term_rows, h.grad, f.grad, t.grad))
+        assert head is None or head.calls == 3
+    assert float(runs[0][2].sum()) > 0.01
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
