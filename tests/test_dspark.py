@@ -81,7 +81,8 @@ def test_the_padded_confidence_bias_loads_saves_and_trains_as_a_linear():
         assigned = ConfidenceHead(D, R)
     assigned.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
     assert assigned.proj.bias_slots.device.type == "cpu" and assigned.proj.bias_slots.dtype == torch.float32
-    assert float(assigned.proj.bias_slots[0]) == pytest.approx(0.3) and not assigned.proj.bias_slots[1:].any()
+    slots = assigned.proj.bias_slots.detach()
+    assert float(slots[0]) == pytest.approx(0.3) and not slots[1:].any()
     with pytest.raises(RuntimeError, match="size mismatch for proj.bias"):
         head.load_state_dict({"proj.weight": state["proj.weight"], "proj.bias": torch.zeros(2)})
     with pytest.raises(RuntimeError, match="proj.extra"):
