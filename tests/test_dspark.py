@@ -46,23 +46,6 @@ def test_exported_tensor_names_and_shapes():
         assert 0.01 < float(p.detach().std()) < 0.04  # DeepSpec's initializer_range 0.02
 
 
-def test_every_flagship_parameter_keeps_zero2_gradients_aligned():
-    """ZeRO-2 lays the gradients back to back in arrival order: a parameter whose size is no multiple of 8
-    elements shifts every later bf16 gradient off 16 bytes (the confidence bias, `[1]`, did: the gradient
-    copies ran 3.5x slower). The flagship DSpark drafter's parameters are all multiples of 8."""
-    from dflash_ds.config import load_recipe
-    from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.resolve.drafter import drafter_shape
-    from dflash_ds.target_model.presets import target_config
-
-    recipe = load_recipe("recipes/qwen27b-dspark.yaml")
-    with torch.device("meta"):
-        drafter = DFlashDrafter(drafter_shape(target_config("qwen3.6-27b"), recipe.drafter))
-    odd = [(n, p.numel()) for n, p in drafter.named_parameters() if p.numel() % 8]
-    assert not odd
-    assert tuple(drafter.state_dict()["confidence_head.proj.bias"].shape) == (1,)
-
-
 def test_the_padded_confidence_bias_loads_saves_and_trains_as_a_linear():
     """`Projection` is nn.Linear(width, 1) to everything outside: the same state dict (names, shapes,
     values; strict errors for a wrong shape or an unknown key), loaded in place or assigned onto a meta

@@ -164,3 +164,22 @@ def test_the_in_loop_term_matches_a_float64_dense_reference(kl_weight, transform
 def test_teacher_forced_predecessors():
     labels = torch.tensor([[7, 1, 2, 3, 8, 4, 5, 6]])
     assert predecessors(labels, 4).tolist() == [[7, 7, 1, 2, 8, 8, 4, 5]]
+
+
+@pytest.mark.parametrize("geometry", ["qwen3.6-27b", "qwen3-8b", "qwen3.6-35b-a3b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("recipe", ["recipes/qwen27b.yaml", "recipes/qwen27b-dflash2.yaml", "recipes/qwen27b-dspark.yaml"])
+def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geometry):
+    """ZeRO-2 lays the gradients back to back in arrival order: a parameter whose size is no multiple of 8
+    elements shifts every later bf16 gradient off 16 bytes (DSpark's one-element confidence bias did: the
+    gradient copies ran 3.5x slower, docs/performance.md "What DSpark costs"). Every architecture, at every
+    real target geometry, keeps its parameters to multiples of 8 (an odd-sized one is stored padded, as
+    variants/dspark_parts.py `Projection`)."""
+    from dflash_ds.config import load_recipe
+    from dflash_ds.target_model.presets import get_geometry, target_config
+
+    drafter_cfg = dataclasses.replace(load_recipe(recipe).drafter, mask_token_id=get_geometry(geometry).mask_token_id,
+                                      target_layer_ids=None)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(drafter_shape(target_config(geometry), drafter_cfg))
+    odd = [(n, p.numel()) for n, p in drafter.named_parameters() if p.numel() % 8]
+    assert not odd
