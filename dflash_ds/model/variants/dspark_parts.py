@@ -96,34 +96,22 @@ class Projection(nn.Module):
             destination[prefix + name] = value if keep_vars else value.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *reports):
-        missing_keys, unexpected_keys, error_msgs = reports  # torch's lists, filled in place
-        assign = local_metadata.get("assign_to_params_buffers", False)
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
-                                   and k[len(prefix):] not in ("weight", "bias"))
-        for name, shape in (("weight", tuple(self.weight.shape)), ("bias", (1,))):
-            key = prefix + name
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
-                                  f"checkpoint, the shape in current model is {torch.Size(shape)}.")
-                continue
-            if name == "weight" and assign:
-                self.weight = nn.Parameter(value, requires_grad=self.weight.requires_grad)
-            elif name == "weight":
-                with torch.no_grad():
-                    self.weight.copy_(value)
-            elif assign:
-                slots = torch.zeros(self.SLOTS, dtype=value.dtype, device=value.device)
-                slots[:1] = value
-                self.bias_slots = nn.Parameter(slots, requires_grad=self.bias_slots.requires_grad)
+        # The stored `bias` [1] becomes `bias_slots` (zero padded); torch's own loader does the rest
+        # (copy or assignment, shapes, missing and unexpected keys).
+        missing_keys, _, error_msgs = reports  # torch's lists, filled in place
+        key, slots = prefix + "bias", prefix + "bias_slots"
+        wrong_shape = False
+        if key in state_dict:
+            state_dict = dict(state_dict)
+            value = state_dict.pop(key)
+            if tuple(value.shape) == (1,):
+                state_dict[slots] = torch.cat([value, value.new_zeros(self.SLOTS - 1)])
             else:
-                with torch.no_grad():
-                    self.bias_slots.zero_()
-                    self.bias_slots[:1].copy_(value)
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                                  f"checkpoint, the shape in current model is torch.Size([1]).")
+                wrong_shape = True
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *reports)
+        missing_keys[:] = [key if k == slots else k for k in missing_keys if not (wrong_shape and k == slots)]
 
 
 class ConfidenceHead(nn.Module):
