@@ -1,4 +1,4 @@
-"""DSpark recipes and settings: recipes/qwen27b-dspark.yaml is DeepSpec's shape at the 27B's depth and
+"""DSpark recipes and settings: recipes/qwen27b-dspark.yaml is DeepSpec's drafter at the 27B's depth and
 exports what the engines read, bad DSpark settings stop with one line, `drafter.init_from` takes a
 DSpark export (and a v1 recipe refuses it), and the tiny recipe trains in-process through the same
 target-side payload (final-norm states included) and loss a run uses."""
@@ -21,22 +21,33 @@ TINY = "recipes/tiny-dspark.yaml"
 SMALL = ["data.num_proc=1", "optim.max_steps=3", "log.progress=false"]
 
 
-def test_qwen27b_dspark_recipe_is_deepspecs_shape():
+def test_qwen27b_dspark_recipe_is_deepspecs_drafter_at_the_flagship_block():
     recipe = load_recipe("recipes/qwen27b-dspark.yaml")
     shape = drafter_shape(target_config("qwen3.6-27b"), recipe.drafter)
     config = shape.to_hf_config()
-    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 7
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 16
     assert (config["markov_rank"], config["markov_head_type"], config["enable_confidence_head"],
             config["confidence_head_with_markov"], config["sample_from_anchor"]) == (256, "vanilla", True, True, True)
     assert config["target_layer_ids"] == [1, 16, 31, 46, 61] and config["layer_types"] == ["full_attention"] * 5
     assert (config["num_hidden_layers"], config["hidden_size"]) == (5, 5120) and "is_causal" not in config
-    assert shape.num_drafts == 7
+    assert shape.num_drafts == 16
     tensors = shape.tensors()
     assert tensors["markov_head.markov_w1.weight"].shape == (248320, 256)
     assert tensors["confidence_head.proj.weight"].shape == (1, 5120 + 256)
-    assert shape.variant.default_gamma(shape) == 4.0 and recipe.objective.gamma is None
+    # The flagship's anchors are v1's (recipes/qwen27b.yaml), so the two compare at the same block and anchors.
+    v1 = load_recipe("recipes/qwen27b.yaml")
+    assert (recipe.drafter.block_size, recipe.objective.num_anchors, recipe.data.row_length) == \
+        (v1.drafter.block_size, v1.objective.num_anchors, v1.data.row_length)
+    assert math.isclose(shape.variant.default_gamma(shape), 22 / 3) and recipe.objective.gamma is None
     assert shape.variant.loss_settings(recipe.objective)[:3] == (0.1, 0.9, 1.0)
     assert wants_target_logits(recipe, shape)  # the target ranks send their final-norm states
+
+
+def test_qwen27b_dspark_recipe_at_deepspecs_block_is_one_override():
+    recipe = load_recipe("recipes/qwen27b-dspark.yaml", ["drafter.block_size=7"])
+    shape = drafter_shape(target_config("qwen3.6-27b"), recipe.drafter)
+    assert shape.to_hf_config()["block_size"] == 7 and shape.num_drafts == 7
+    assert shape.variant.default_gamma(shape) == 4.0  # DeepSpec's loss_decay_gamma at its block 7
 
 
 @pytest.mark.parametrize("override, words", [
