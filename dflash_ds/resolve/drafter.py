@@ -115,6 +115,7 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
         arch = variant(getattr(choices, "architecture", DEFAULT.name))
     except ValueError as exc:
         raise ValueError(f"drafter.architecture: {exc}") from None
+    _refuse_foreign_fields(arch, choices)
     if target_layer_ids is None:
         # Without layers there is nothing to spread the taps over: the shape names num_layers.
         target_layer_ids = arch.tap_presets.get((num_target_layers, num_layers)) or \
@@ -157,3 +158,16 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
         )
     except FieldError as exc:
         raise ValueError(f"{setting_of(exc.field)} {exc.problem}") from None
+
+
+def _refuse_foreign_fields(arch, choices: Any) -> None:
+    """A field of another architecture set away from its default would be silently ignored (the
+    drafter trains without it): stop and name it. At the default it is just the section's value."""
+    own = {f.name for f in dataclasses.fields(arch.fields)}
+    for other in VARIANTS.values():
+        for f in dataclasses.fields(other.fields):
+            value = getattr(choices, f.name, f.default)
+            if f.name not in own and value != f.default:
+                raise ValueError(f"drafter.{f.name} = {value!r} is a {other.name} setting, and this drafter is "
+                                 f"drafter.architecture: {arch.name}, which does not read it: remove the key, or "
+                                 f"set drafter.architecture: {other.name}")
