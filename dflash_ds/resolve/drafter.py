@@ -115,7 +115,6 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
         arch = variant(getattr(choices, "architecture", DEFAULT.name))
     except ValueError as exc:
         raise ValueError(f"drafter.architecture: {exc}") from None
-    _refuse_foreign_fields(arch, choices)
     if target_layer_ids is None:
         # Without layers there is nothing to spread the taps over: the shape names num_layers.
         target_layer_ids = arch.tap_presets.get((num_target_layers, num_layers)) or \
@@ -160,14 +159,14 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
         raise ValueError(f"{setting_of(exc.field)} {exc.problem}") from None
 
 
-def _refuse_foreign_fields(arch, choices: Any) -> None:
-    """A field of another architecture set away from its default would be silently ignored (the
-    drafter trains without it): stop and name it. At the default it is just the section's value."""
-    own = {f.name for f in dataclasses.fields(arch.fields)}
-    for other in VARIANTS.values():
-        for f in dataclasses.fields(other.fields):
-            value = getattr(choices, f.name, f.default)
-            if f.name not in own and value != f.default:
-                raise ValueError(f"drafter.{f.name} = {value!r} is a {other.name} setting, and this drafter is "
-                                 f"drafter.architecture: {arch.name}, which does not read it: remove the key, or "
-                                 f"set drafter.architecture: {other.name}")
+def unread_fields(shape: DrafterShape, choices: Any) -> list[str]:
+    """One line per field of another architecture that the recipe's drafter section sets away from
+    its default: this drafter trains without it. Not an error: switching drafter.architecture on a
+    recipe of another architecture (its plain backbone, say) is a use; a typo'd architecture is not,
+    and the line names the key. At the default a field is only the section's value."""
+    own = {f.name for f in dataclasses.fields(shape.variant.fields)}
+    return [f"drafter.{f.name} = {getattr(choices, f.name)!r} is a {other.name} setting; this drafter is "
+            f"drafter.architecture: {shape.variant.name} and trains without it (remove the key, or set "
+            f"drafter.architecture: {other.name})"
+            for other in VARIANTS.values() for f in dataclasses.fields(other.fields)
+            if f.name not in own and getattr(choices, f.name, f.default) != f.default]

@@ -20,7 +20,7 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.objective import StepSettings
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape
+from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape, unread_fields
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.files import check_files
@@ -109,6 +109,8 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         check_servable(dcfg)
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
+    for line in unread_fields(dcfg, recipe.drafter):
+        say(f"warning: {line}")
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
