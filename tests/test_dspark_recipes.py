@@ -62,18 +62,18 @@ def test_bad_dspark_settings_stop_with_one_line(override, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("recipe, override, key", [
-    ("recipes/tiny.yaml", "drafter.markov_rank=64", "drafter.markov_rank"),
-    ("recipes/tiny-dflash2.yaml", "drafter.markov_rank=64", "drafter.markov_rank"),
+@pytest.mark.parametrize("recipe, key, value, default", [
+    ("recipes/tiny.yaml", "drafter.markov_rank", 64, 256),
+    ("recipes/tiny-dflash2.yaml", "drafter.markov_rank", 64, 256),
     # DFlash2's convolution is no part of a DSpark drafter (llama.cpp builds it only for DFlash2).
-    (TINY, "drafter.conv_kernel_size=3", "drafter.conv_kernel_size"),
+    (TINY, "drafter.conv_kernel_size", 3, 2),
 ])
-def test_another_architectures_setting_is_named_as_unread(recipe, override, key, capsys):
-    spec = resolve_run(load_recipe(recipe, SMALL + [override]), world_size=2)
+def test_another_architectures_setting_is_named_as_unread(recipe, key, value, default, capsys):
+    spec = resolve_run(load_recipe(recipe, SMALL + [f"{key}={value}"]), world_size=2)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if key in ln]
     assert len(lines) == 1 and "warning" in lines[0] and f"drafter.architecture: {spec.drafter.architecture}" in lines[0]
     # At the default the key is only the section's value: no line.
-    resolve_run(load_recipe(recipe, SMALL + [override.split("=")[0] + "=" + ("2" if "conv" in key else "256")]), 2)
+    resolve_run(load_recipe(recipe, SMALL + [f"{key}={default}"]), world_size=2)
     assert key not in capsys.readouterr().err
 
 

@@ -162,8 +162,8 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
 def unread_fields(shape: DrafterShape, choices: Any) -> list[str]:
     """One line per field of another architecture that the recipe's drafter section sets away from
     its default: this drafter trains without it. Not an error: switching drafter.architecture on a
-    recipe of another architecture (its plain backbone, say) is a use; a typo'd architecture is not,
-    and the line names the key. At the default a field is only the section's value."""
+    recipe of another architecture (its plain backbone, say) is a use; a mistaken one is not, and
+    the line names the key. At the default a field is only the section's value."""
     own = {f.name for f in dataclasses.fields(shape.variant.fields)}
     return [f"drafter.{f.name} = {getattr(choices, f.name)!r} is a {other.name} setting; this drafter is "
             f"drafter.architecture: {shape.variant.name} and trains without it (remove the key, or set "
