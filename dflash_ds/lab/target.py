@@ -1,0 +1,274 @@
+"""The lab target: a dense Qwen3ForCausalLM built from a config (no hub), pretrained on the corpus's
+training documents and then fine-tuned on the training conversations (loss on assistant tokens only),
+each phase under a wall-clock budget, and saved as a HF model directory that `target.path` loads.
+
+Both phases feed packed fixed-length rows (documents, or rendered conversations, end to end) and
+train with AdamW and a cosine schedule in bf16 autocast. A phase's step count is planned from its
+budget after a few timed steps (or fixed with `steps`, to repeat an earlier run exactly), and a hard
+wall-clock stop ends it early if the rate drops; the steps actually taken are recorded.
+Deterministic from the corpus and the seed up to the GPU's own nondeterminism (atomics in backward).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_ds.lab.tokenizer import IM_END, PAD
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+SHAPES = {
+    # ~71M parameters at a 16,384 vocabulary (46M in the blocks, 25M in the untied embedding and head)
+    "lab": Shape(hidden=768, layers=10, heads=12, kv_heads=4, head_dim=64, intermediate=2048),
+    "tiny": Shape(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, intermediate=192),
+}
+
+
+@dataclass(frozen=True)
+class Phase:
+    seconds: float  # wall-clock budget, timed steps and compilation included
+    steps: int | None  # fixed step count (None: planned from the budget)
+    lr: float
+    rows: int  # rows per step
+    warmup: float = 0.02
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: str
+    seq_len: int
+    pretrain: Phase
+    sft: Phase
+    seed: int = 0
+    compile: bool = True
+
+
+def build_model(shape: Shape, tokenizer, seq_len: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab = int(math.ceil(len(tokenizer) / 64) * 64)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=max(seq_len, 4096), rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD))
+    return Qwen3ForCausalLM(config)
+
+
+def pack(seqs, seq_len: int, masks=None) -> tuple[list[list[int]], list[list[int]]]:
+    """Sequences end to end, cut into full rows of `seq_len` (the tail that does not fill a row is
+    dropped); with `masks`, each token's loss flag travels with it (else every token counts)."""
+    ids, flags, rows, row_flags = [], [], [], []
+    for k, s in enumerate(seqs):
+        ids += s
+        flags += masks[k] if masks is not None else [1] * len(s)
+        while len(ids) >= seq_len:
+            rows.append(ids[:seq_len])
+            row_flags.append(flags[:seq_len])
+            ids, flags = ids[seq_len:], flags[seq_len:]
+    return rows, row_flags
+
+
+def document_rows(tokenizer, docs: list[dict], seq_len: int) -> tuple[list[list[int]], int]:
+    """Training documents tokenised, each followed by the end-of-text id, packed; and the token count."""
+    sep = tokenizer.convert_tokens_to_ids(PAD)
+    texts = [d["text"] for d in docs]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    seqs = [e + [sep] for e in encoded]
+    rows, _ = pack(seqs, seq_len)
+    return rows, sum(len(s) for s in seqs)
+
+
+def conversation_rows(tokenizer, convs: list[dict], seq_len: int):
+    """Conversations rendered as training renders them (data.thinking false), assistant tokens flagged."""
+    from dflash_ds.data.chat import ChatEncoder, SampleError
+
+    encoder = ChatEncoder(tokenizer, thinking=False, tokenizer_setting="lab tokenizer")
+    seqs, masks = [], []
+    for c in convs:
+        try:
+            e = encoder.encode(c["messages"])
+        except SampleError:
+            continue
+        seqs.append(e.input_ids)
+        masks.append(e.loss_mask)
+    return pack(seqs, seq_len, masks)
+
+
+class Clock:
+    """Wall time of a phase and the step plan drawn from it."""
+
+    def __init__(self, phase: Phase, rows: int):
+        self.phase, self.t0 = phase, time.monotonic()
+        epochs_cap = max(1, rows // phase.rows) * 50
+        self.total = phase.steps or epochs_cap  # replanned after the timed steps when not fixed
+        self.planned = phase.steps is not None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def replan(self, step: int, since: float) -> None:
+        """After `step` steps (the first few, compile included, excluded from `since`): fit the rest."""
+        if self.planned:
+            return
+        per_step = (time.monotonic() - since) / max(step, 1)
+        left = self.phase.seconds - self.elapsed()
+        self.total = max(step + 1, min(self.total, step + int(left / per_step)))
+        self.planned = True
+
+    def over(self) -> bool:
+        return self.elapsed() > self.phase.seconds
+
+    def lr(self, step: int) -> float:
+        warm = max(1, int(self.phase.warmup * self.total))
+        if step < warm:
+            return self.phase.lr * (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, self.total - warm))
+        return self.phase.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def run_phase(model, rows, flags, phase: Phase, *, device, seed: int, log) -> dict:
+    """Train on `rows` (loss where `flags` is 1) until the plan or the budget ends; returns the record."""
+    import torch
+
+    step_fn = model
+    gen = random.Random(seed)
+    order: list[int] = []
+    clock = Clock(phase, len(rows))
+    opt = torch.optim.AdamW(model.parameters(), lr=phase.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    losses, step, timed_from, tokens = [], 0, None, 0
+    model.train()
+    while step < clock.total and not clock.over():
+        batch = []
+        for _ in range(phase.rows):
+            if not order:
+                order = list(range(len(rows)))
+                gen.shuffle(order)
+            batch.append(order.pop())
+        ids = torch.tensor([rows[i] for i in batch], device=device)
+        labels = ids.clone()
+        mask = torch.tensor([flags[i] for i in batch], device=device)
+        labels[mask == 0] = -100
+        for g in opt.param_groups:
+            g["lr"] = clock.lr(step)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = step_fn(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += ids.numel()
+        if step == 3:  # compilation and the allocator's warm-up are behind: time from here
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            timed_from, tokens_from = time.monotonic(), tokens
+        if step == 13 or (step == 4 and clock.total <= 13):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            clock.replan(step - 3, timed_from)
+        if step % 25 == 0 or step == clock.total:
+            losses.append((step, float(loss)))
+            log(f"step {step}/{clock.total} loss {float(loss):.4f} lr {clock.lr(step - 1):.2e} "
+                f"{clock.elapsed():.0f} s")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = clock.elapsed()
+    rate = (tokens - tokens_from) / (time.monotonic() - timed_from) if timed_from and step > 3 else None
+    model.eval()
+    return {"steps": step, "planned_steps": clock.total, "stopped_by_clock": step < clock.total,
+            "rows_per_step": phase.rows, "tokens": tokens, "tokens_per_s": rate, "wall_s": wall,
+            "final_loss": float(loss) if step else None, "losses": losses,
+            "budget_s": phase.seconds, "lr": phase.lr}
+
+
+def eval_loss(model, rows, flags, *, device, batch: int = 8, limit: int = 64) -> float | None:
+    """Mean loss over up to `limit` rows (held-out documents: the target's fit to unseen projects)."""
+    import torch
+
+    rows, flags = rows[:limit], flags[:limit]
+    if not rows:
+        return None
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch):
+            ids = torch.tensor(rows[i:i + batch], device=device)
+            labels = ids.clone()
+            labels[torch.tensor(flags[i:i + batch], device=device) == 0] = -100
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                total += float(model(input_ids=ids, labels=labels).loss) * len(ids)
+            count += len(ids)
+    return total / count
+
+
+def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], out: Path, *, log) -> dict:
+    """Pretrain, fine-tune, save to `out`; returns the record (also written to out/lab_target.json)."""
+    import torch
+
+    random.seed(plan.seed)
+    torch.manual_seed(plan.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.monotonic()
+    train_docs = [d for d in docs if d["split"] == "train"]
+    rows, corpus_tokens = document_rows(tokenizer, train_docs, plan.seq_len)
+    held_rows, held_tokens = document_rows(tokenizer, [d for d in docs if d["split"] == "heldout"], plan.seq_len)
+    sft_rows, sft_flags = conversation_rows(tokenizer, convs, plan.seq_len)
+    if not rows or not sft_rows:
+        raise ValueError(f"lab target: too little text for {plan.seq_len}-token rows ({len(rows)} document rows, "
+                         f"{len(sft_rows)} conversation rows)")
+    log(f"data: {corpus_tokens:,} training tokens ({len(rows):,} rows of {plan.seq_len}), {held_tokens:,} held-out "
+        f"tokens, {len(sft_rows):,} conversation rows; {time.monotonic() - t0:.0f} s")
+    model = build_model(SHAPES[plan.shape], tokenizer, plan.seq_len).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"model: {params / 1e6:.1f}M parameters ({SHAPES[plan.shape]}) on {device}")
+    compiled = torch.compile(model) if plan.compile and device.type == "cuda" else model
+    ones = [[1] * plan.seq_len] * len(rows)
+    record = {"plan": asdict(plan), "parameters": params, "device": str(device),
+              "corpus_train_tokens": corpus_tokens, "corpus_heldout_tokens": held_tokens,
+              "document_rows": len(rows), "conversation_rows": len(sft_rows)}
+    record["pretrain"] = run_phase(compiled, rows, ones, plan.pretrain, device=device, seed=plan.seed, log=log)
+    record["pretrain"]["epochs"] = record["pretrain"]["tokens"] / max(1, len(rows) * plan.seq_len)
+    record["sft"] = run_phase(compiled, sft_rows, sft_flags, plan.sft, device=device, seed=plan.seed + 1, log=log)
+    record["heldout_document_loss"] = eval_loss(model, held_rows, [[1] * plan.seq_len] * len(held_rows),
+                                                device=device)
+    save_target(model, tokenizer, out)
+    record["wall_s"] = time.monotonic() - t0
+    (out / "lab_target.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def save_target(model, tokenizer, out: Path) -> None:
+    """config.json (bfloat16) + model.safetensors + tokenizer + generation config, written whole or not at all."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    im_end, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
+    GenerationConfig(eos_token_id=[im_end, pad], pad_token_id=pad, do_sample=False,
+                     max_new_tokens=512).save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
