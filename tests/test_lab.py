@@ -157,11 +157,15 @@ def _docs(split: str, project: str) -> list[dict]:
 
 def test_frame_writes_sets_the_evaluator_reads_from_held_out_projects_only(tmp_path):
     docs = _docs("train", "alpha") + _docs("heldout", "gamma")
-    counts = framing.frame(docs, tmp_path, train_count=40, bench_count=5, seed=0)
+    counts = framing.frame(docs, tmp_path, train_count=12, bench_count=5, seed=0)
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
-    assert counts["train"] == len(train) == 40
+    assert counts["train"] == len(train) == 12
     assert {c["project"] for c in train} == {"alpha"}
-    assert sum(counts["train_kinds"].values()) == 40 and counts["train_kinds"]["instruct"] > 0
+    assert sum(counts["train_kinds"].values()) == 12 and counts["train_kinds"]["instruct"] > 0
+    # a small corpus gives fewer conversations, never repeats
+    many = framing.conversations([d for d in docs if d["split"] == "train"], 1000, seed=0)
+    assert 12 < len(many) < 1000 and len({json.dumps(c["messages"]) for c in many}) == len(many)
+    assert {c["kind"] for c in many} == {"instruct", "complete", "docqa", "continue", "multiturn"}
     for c in train:
         roles = [m["role"] for m in c["messages"]]
         assert roles == ["user", "assistant"] * (len(roles) // 2) and len(roles) in (2, 4)

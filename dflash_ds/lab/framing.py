@@ -31,7 +31,9 @@ from dflash_ds.eval.benchmarks import BENCHMARKS
 ANSWER_CHARS = 1600  # ~450 tokens of code: answers fit the lab's 1,024-token conversations
 MIN_BODY_LINES = 2
 KINDS = ("instruct", "complete", "docqa", "continue")
-TRAIN_MIX = {"instruct": 3, "complete": 3, "docqa": 2, "continue": 2}  # weights of single exchanges
+# Weights of the kinds a document of each kind can give; a kind the document cannot give (no function
+# with a docstring, no titled section) falls through to the next drawn one, so every document counts.
+MIX = {"code": {"instruct": 3, "complete": 3, "continue": 2}, "doc": {"docqa": 4, "continue": 1}}
 MULTITURN_SHARE = 0.15
 PASSES = 4  # a small corpus gives fewer conversations rather than many repeats
 _TITLE = re.compile(r"^(?P<title>\S[^\n]{2,80})\n(?P<rule>[=\-~^\"'`#*+]{3,})$", re.M)
@@ -140,12 +142,11 @@ def docqa_prompt(title: str, project: str, rng: random.Random) -> str:
 
 
 def conversations(docs: list[dict], count: int, seed: int) -> list[dict]:
-    """`count` conversations (or as many as the documents give) in OpenAI `messages` form, each tagged
-    with its kind and project; single exchanges drawn by TRAIN_MIX, MULTITURN_SHARE of them two-turn."""
+    """`count` conversations (or as many as PASSES over the documents give) in OpenAI `messages` form,
+    each tagged with its kind and project; kinds drawn by MIX, MULTITURN_SHARE of them two-turn."""
     rng = random.Random(seed)
     order = list(range(len(docs)))
     rng.shuffle(order)
-    kinds, weights = list(TRAIN_MIX), list(TRAIN_MIX.values())
     out, seen = [], set()
     for i in range(PASSES * len(order)):
         if len(out) == count:
@@ -154,7 +155,7 @@ def conversations(docs: list[dict], count: int, seed: int) -> list[dict]:
         turns = 2 if rng.random() < MULTITURN_SHARE else 1
         messages = []
         for _ in range(turns):
-            ex = exchange(rng.choices(kinds, weights)[0], doc, rng)
+            ex = drawn_exchange(doc, rng)
             if ex is None:
                 break
             messages += [{"role": "user", "content": ex[0]}, {"role": "assistant", "content": ex[1]}]
@@ -165,6 +166,18 @@ def conversations(docs: list[dict], count: int, seed: int) -> list[dict]:
         out.append({"messages": messages, "kind": "multiturn" if turns == 2 else kind_of_prompt(messages[0]),
                     "project": doc["project"]})
     return out
+
+
+def drawn_exchange(doc: dict, rng: random.Random) -> tuple[str, str] | None:
+    """An exchange of a kind drawn by MIX (without replacement until one works), or None."""
+    weights = dict(MIX[doc["kind"]])
+    while weights:
+        kind = rng.choices(list(weights), list(weights.values()))[0]
+        ex = exchange(kind, doc, rng)
+        if ex is not None:
+            return ex
+        del weights[kind]
+    return None
 
 
 def kind_of_prompt(message: dict) -> str:

@@ -108,7 +108,7 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
             "final": last_training_record(run_dir / "metrics.jsonl"),
             "tau_evals": tau_records(run_dir / "metrics.jsonl"),
             "benchmarks": json.loads(bench.read_text()) if bench.is_file() else [],
-            "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "position_acceptance")}
+            "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "num_responses", "position_acceptance")}
             if eval_json else None,
             "llama_cpp": llama_cpp_summary(eval_json.get("llama_cpp")),
             "wall_s": wall_s}

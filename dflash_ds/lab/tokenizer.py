@@ -15,7 +15,7 @@ PAD, IM_START, IM_END, THINK, END_THINK, MASK = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>")
 MARKUP = (PAD, IM_START, IM_END, THINK, END_THINK, MASK)
 MASK_ID = MARKUP.index(MASK)
-MAX_LENGTH = 4096
+MAX_LENGTH = 131072  # as Qwen3's: no truncation warning on whole documents
 
 # Qwen3's layout: a system prompt first, reasoning kept only on assistant turns after the last user
 # turn (the last one always carries a <think> block, empty without reasoning), and
