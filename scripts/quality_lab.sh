@@ -93,8 +93,14 @@ case "$STEP" in
     [ -n "${LAB_STEPS:-}" ] && SETTINGS+=("optim.max_steps=$LAB_STEPS")
     SETTINGS+=("$@")
     T0=$(date +%s)
+    # Three parts, each skipped once done, so that a command cut by its time limit is rerun as is:
+    # training (resumes from its last checkpoint), the benchmark table, llama.cpp's count.
+    if [ ! -f "$RUN/.lab_trained" ]; then
+      bash launch.sh "$RECIPE" "${SETTINGS[@]}" "eval.benchmarks=[]" 2>&1 | tee -a "$OUT/$NAME.log"
+      touch "$RUN/.lab_trained"
+    fi
     if [ ! -f "$RUN/benchmarks.json" ]; then
-      bash launch.sh "$RECIPE" "${SETTINGS[@]}" 2>&1 | tee "$OUT/$NAME.log"
+      "$PY" -m dflash_ds.eval.benchmark_table "$RECIPE" "${SETTINGS[@]}" 2>&1 | tee -a "$OUT/$NAME.log"
     fi
     # llama.cpp's count on the held-out prose (greedy), as the evaluator prints it beside tau
     if [ ! -f "$RUN/lab_eval.json" ]; then

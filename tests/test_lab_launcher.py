@@ -88,7 +88,7 @@ def test_lab_pipeline_on_cpu(tmp_path):
     greedy = summary["heldout_greedy"]
     assert summary["llama_cpp"]["llama_server"]["responses"] == greedy["num_responses"] >= 1
     assert greedy["tau_mean"] >= 1.0
-    assert summary["wall_s"] > 0
+    assert summary["wall_s"] > 0 and summary["train_s"] > 0
 
     step(env, out, "table")
     md = (out / "quality_lab.md").read_text()

@@ -60,6 +60,18 @@ def last_training_record(metrics: Path) -> dict:
     return {k: v for k, v in last.items() if k not in ("time", "eta_s")}
 
 
+def training_seconds(metrics: Path) -> float | None:
+    """Wall time between the first and the last logged training step (compilation before the first
+    logged step excluded)."""
+    times = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "loss" in rec and "eval" not in rec and "time" in rec:
+                times.append(rec["time"])
+    return times[-1] - times[0] if len(times) > 1 else None
+
+
 def tau_records(metrics: Path) -> list[dict]:
     """The in-training tau evaluations of metrics.jsonl (label, step, tau, per-position acceptance)."""
     out = []
@@ -111,4 +123,4 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
             "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "num_responses", "position_acceptance")}
             if eval_json else None,
             "llama_cpp": llama_cpp_summary(eval_json.get("llama_cpp")),
-            "wall_s": wall_s}
+            "train_s": training_seconds(run_dir / "metrics.jsonl"), "wall_s": wall_s}

@@ -169,7 +169,14 @@ def run_phase(model, rows, flags, phase: Phase, *, device, seed: int, log) -> di
         for g in opt.param_groups:
             g["lr"] = clock.lr(step)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = step_fn(input_ids=ids, labels=labels).loss
+            try:
+                loss = step_fn(input_ids=ids, labels=labels).loss
+            except Exception as e:  # noqa: BLE001 - a compiler failure costs speed, not the target
+                if step_fn is not model or not hasattr(model, "_orig_mod"):
+                    raise
+                log(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); training eager")
+                step_fn = model._orig_mod
+                loss = step_fn(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
