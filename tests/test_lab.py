@@ -267,3 +267,31 @@ def test_table_differences_and_files(tmp_path):
     assert "| dflash2 | 15 | 2.000 | 1.500 | 3.000 | 1.500 | 0.000 | 1.000 |" in text  # server: first 1, 2; later 3
     with pytest.raises(ValueError, match="no run summaries"):
         table.load_summaries(tmp_path / "out" / "none")
+
+
+@pytest.mark.parametrize("lab, shipped", [("v1", "qwen27b"), ("dflash2", "qwen27b-dflash2"), ("dspark", "qwen27b-dspark")])
+def test_lab_recipes_are_the_shipped_ones_scaled(lab, shipped):
+    from pathlib import Path
+
+    from dflash_ds.config import load_recipe
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    a, b = load_recipe(root / "lab" / f"{lab}.yaml"), load_recipe(root / f"{shipped}.yaml")
+    same = ("num_layers", "block_size", "architecture", "layer_types", "is_causal", "conv_kernel_size", "conv_group_size",
+            "selector_rank", "selector_top_k", "markov_rank", "markov_head_type", "enable_confidence_head",
+            "confidence_head_with_markov")
+    assert {k: getattr(a.drafter, k) for k in same} == {k: getattr(b.drafter, k) for k in same}
+    from dataclasses import replace
+
+    assert replace(a.objective, num_anchors=0) == replace(b.objective, num_anchors=0)  # loss terms, weights
+    assert a.objective.num_anchors / a.data.row_length == pytest.approx(512 / 3072, rel=1e-3)  # anchors per token
+    assert b.objective.num_anchors / b.data.row_length == pytest.approx(512 / 3072, rel=1e-3)
+    assert (a.optim.lr, a.optim.warmup_ratio, a.optim.schedule, a.optim.weight_decay) == \
+        (b.optim.lr, b.optim.warmup_ratio, b.optim.schedule, b.optim.weight_decay)
+    # four conversations per row as the flagship, the window scaled with the conversation length
+    assert a.data.row_length // a.data.max_length == b.data.row_length // b.data.max_length == 4
+    if b.drafter.sliding_window:
+        assert a.drafter.sliding_window == b.drafter.sliding_window * a.data.max_length // b.data.max_length
+    assert a.drafter.mask_token_id == tokenizer.MASK_ID
+    assert a.topology.colocated and a.data.regenerate.enabled and a.data.thinking == b.data.thinking
+    assert set(a.eval.benchmarks) == {"heldout", "humaneval", "mbpp", "mt_bench"}

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 LAB = Path("runs/lab")
+STARTED = time.monotonic()
 
 
 def _log(msg: str) -> None:
@@ -82,6 +83,7 @@ def _target(args) -> dict:
     tok = tokenizer.load(args.tokenizer)
     convs = [json.loads(line) for line in convs_path.read_text().splitlines() if line.strip()]
     plan = Plan(shape=args.shape, seq_len=args.seq_len, seed=args.seed, compile=not args.no_compile,
+                deadline=args.deadline - (time.monotonic() - STARTED),
                 pretrain=Phase(seconds=args.seconds, steps=args.steps, lr=args.lr, rows=args.rows),
                 sft=Phase(seconds=args.sft_seconds, steps=args.sft_steps, lr=args.lr / 3, rows=args.rows))
     return train_target(plan, tok, docs, convs, Path(args.out), log=_log)
@@ -143,6 +145,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sft-steps", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-compile", action="store_true")
+    g.add_argument("--deadline", type=float, default=510,
+                   help="seconds from this command's start by which the target is saved (pretraining yields)")
     r = sub.add_parser("regenerate")
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*")

@@ -15,7 +15,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dflash_ds.lab.tokenizer import IM_END, PAD
@@ -32,7 +32,7 @@ class Shape:
 
 
 SHAPES = {
-    # ~71M parameters at a 16,384 vocabulary (46M in the blocks, 25M in the untied embedding and head)
+    # 88M parameters at a 16,384 vocabulary (63M in the blocks, 25M in the untied embedding and head)
     "lab": Shape(hidden=768, layers=10, heads=12, kv_heads=4, head_dim=64, intermediate=2048),
     "tiny": Shape(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, intermediate=192),
 }
@@ -55,6 +55,7 @@ class Plan:
     sft: Phase
     seed: int = 0
     compile: bool = True
+    deadline: float = 1e9  # seconds from the start of train_target by which the target must be saved
 
 
 def build_model(shape: Shape, tokenizer, seq_len: int):
@@ -247,10 +248,16 @@ def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], out
     log(f"model: {params / 1e6:.1f}M parameters ({SHAPES[plan.shape]}) on {device}")
     compiled = torch.compile(model) if plan.compile and device.type == "cuda" else model
     ones = [[1] * plan.seq_len] * len(rows)
-    record = {"plan": asdict(plan), "parameters": params, "device": str(device),
+    record = {"plan": asdict(plan), "parameters": params, "device": str(device), "data_s": time.monotonic() - t0,
               "corpus_train_tokens": corpus_tokens, "corpus_heldout_tokens": held_tokens,
               "document_rows": len(rows), "conversation_rows": len(sft_rows)}
-    record["pretrain"] = run_phase(compiled, rows, ones, plan.pretrain, device=device, seed=plan.seed, log=log)
+    # The data took its share of the command: pretraining gets what is left before the deadline, less
+    # the fine-tuning and a margin for the held-out loss and the save.
+    left = plan.deadline - (time.monotonic() - t0) - plan.sft.seconds - 30
+    pretrain = plan.pretrain if left >= plan.pretrain.seconds else replace(plan.pretrain, seconds=max(left, 30.0))
+    if pretrain is not plan.pretrain:
+        log(f"pretraining budget cut to {pretrain.seconds:.0f} s to save the target by the deadline")
+    record["pretrain"] = run_phase(compiled, rows, ones, pretrain, device=device, seed=plan.seed, log=log)
     record["pretrain"]["epochs"] = record["pretrain"]["tokens"] / max(1, len(rows) * plan.seq_len)
     record["sft"] = run_phase(compiled, sft_rows, sft_flags, plan.sft, device=device, seed=plan.seed + 1, log=log)
     record["heldout_document_loss"] = eval_loss(model, held_rows, [[1] * plan.seq_len] * len(held_rows),
