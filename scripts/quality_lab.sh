@@ -13,19 +13,22 @@
 # "--seconds 300" or "--steps 1234" to repeat a recorded run); LAB_FRAME_ARGS (the same for `frame`);
 # LAB_REGEN_SECONDS (the regeneration's time box; default: what is left of 540 s after the target, 480 s alone);
 # LAB_OVERRIDES (recipe key=value settings for the regeneration and every run, e.g. for a CPU check);
-# LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter.
+# LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter (scripts/setup_env.sh).
 set -euo pipefail
 if [ $# -lt 2 ]; then
   sed -n '2,16p' "$0" >&2
   exit 2
 fi
-OUT=$1
+mkdir -p "$1"
+OUT=$(cd "$1" && pwd)  # before the cd below: OUT is relative to where the script was started
 STEP=$2
 shift 2
 cd "$(dirname "$0")/.."
-PY=${DFLASH_PYTHON:-python}
+. ./scripts/setup_env.sh  # $PYTHON: DFLASH_PYTHON, the project's .venv or the active interpreter
+PY=$PYTHON
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} WANDB_MODE=${WANDB_MODE:-offline}
 LAB=${LAB_DIR:-runs/lab}
-mkdir -p "$OUT" "$LAB"
+mkdir -p "$LAB"
 read -r -a EXTRA <<< "${LAB_OVERRIDES:-}"
 # The lab directory's paths, given to every recipe so that LAB_DIR moves all of them together.
 PATHS=("target.path=$LAB/target" "data.path=$LAB/conversations/train.jsonl"
