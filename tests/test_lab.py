@@ -232,7 +232,9 @@ def test_chat_template_is_qwen3_style_and_masks_the_answers(tok, tmp_path):
 
 def test_pack_and_lr_schedule():
     rows, flags = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 4, masks=[[0, 1, 1], [1, 0], [1, 1, 1, 0]])
-    assert rows == [[1, 2, 3, 4], [5, 6, 7, 8]] and flags == [[0, 1, 1, 1], [0, 1, 1, 1]]
+    assert rows.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]] and flags.tolist() == [[0, 1, 1, 1], [0, 1, 1, 1]]
+    rows, flags = pack([[1, 2, 3], [4, 5]], 2)
+    assert rows.tolist() == [[1, 2], [3, 4]] and flags.tolist() == [[1, 1], [1, 1]]
     clock = Clock(Phase(seconds=60, steps=100, lr=1.0, rows=2, warmup=0.1), rows=50)
     assert clock.total == 100 and clock.lr(0) == pytest.approx(0.1) and clock.lr(9) == pytest.approx(1.0)
     assert clock.lr(10) == pytest.approx(1.0) and clock.lr(100) == pytest.approx(0.1)

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from dflash_ds.lab.tokenizer import IM_END, PAD
 
 
@@ -72,31 +74,29 @@ def build_model(shape: Shape, tokenizer, seq_len: int):
     return Qwen3ForCausalLM(config)
 
 
-def pack(seqs, seq_len: int, masks=None) -> tuple[list[list[int]], list[list[int]]]:
-    """Sequences end to end, cut into full rows of `seq_len` (the tail that does not fill a row is
-    dropped); with `masks`, each token's loss flag travels with it (else every token counts)."""
-    ids, flags, rows, row_flags = [], [], [], []
-    for k, s in enumerate(seqs):
-        ids += s
-        flags += masks[k] if masks is not None else [1] * len(s)
-        while len(ids) >= seq_len:
-            rows.append(ids[:seq_len])
-            row_flags.append(flags[:seq_len])
-            ids, flags = ids[seq_len:], flags[seq_len:]
-    return rows, row_flags
+def pack(seqs, seq_len: int, masks=None) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences end to end, cut into full rows of `seq_len` ([rows, seq_len] int32; the tail that does
+    not fill a row is dropped); with `masks`, each token's loss flag travels with it (else all 1)."""
+    ids = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
+    flags = (np.concatenate([np.asarray(m, dtype=np.int8) for m in masks]) if masks is not None
+             else np.ones(len(ids), dtype=np.int8))
+    n = len(ids) // seq_len
+    return ids[:n * seq_len].reshape(n, seq_len), flags[:n * seq_len].reshape(n, seq_len)
 
 
-def document_rows(tokenizer, docs: list[dict], seq_len: int) -> tuple[list[list[int]], int]:
-    """Training documents tokenised, each followed by the end-of-text id, packed; and the token count."""
+def document_rows(tokenizer, docs: list[dict], seq_len: int, chunk: int = 256) -> tuple[np.ndarray, np.ndarray, int]:
+    """Documents tokenised, each followed by the end-of-text id, packed; their flags; the token count.
+    Tokenised in chunks of documents, kept as int32 arrays: the training split is ~30M tokens."""
     sep = tokenizer.convert_tokens_to_ids(PAD)
-    texts = [d["text"] for d in docs]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    seqs = [e + [sep] for e in encoded]
-    rows, _ = pack(seqs, seq_len)
-    return rows, sum(len(s) for s in seqs)
+    seqs = []
+    for start in range(0, len(docs), chunk):
+        texts = [d["text"] for d in docs[start:start + chunk]]
+        seqs += [np.asarray(e + [sep], dtype=np.int32) for e in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    rows, flags = pack(seqs, seq_len)
+    return rows, flags, sum(len(s) for s in seqs)
 
 
-def conversation_rows(tokenizer, convs: list[dict], seq_len: int):
+def conversation_rows(tokenizer, convs: list[dict], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Conversations rendered as training renders them (data.thinking false), assistant tokens flagged."""
     from dflash_ds.data.chat import ChatEncoder, SampleError
 
@@ -163,10 +163,8 @@ def run_phase(model, rows, flags, phase: Phase, *, device, seed: int, log) -> di
                 order = list(range(len(rows)))
                 gen.shuffle(order)
             batch.append(order.pop())
-        ids = torch.tensor([rows[i] for i in batch], device=device)
-        labels = ids.clone()
-        mask = torch.tensor([flags[i] for i in batch], device=device)
-        labels[mask == 0] = -100
+        ids = torch.from_numpy(rows[batch]).to(device=device, dtype=torch.long)
+        labels = ids.masked_fill(torch.from_numpy(flags[batch]).to(device) == 0, -100)
         for g in opt.param_groups:
             g["lr"] = clock.lr(step)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -212,14 +210,13 @@ def eval_loss(model, rows, flags, *, device, batch: int = 8, limit: int = 64) ->
     import torch
 
     rows, flags = rows[:limit], flags[:limit]
-    if not rows:
+    if not len(rows):
         return None
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(rows), batch):
-            ids = torch.tensor(rows[i:i + batch], device=device)
-            labels = ids.clone()
-            labels[torch.tensor(flags[i:i + batch], device=device) == 0] = -100
+            ids = torch.from_numpy(rows[i:i + batch]).to(device=device, dtype=torch.long)
+            labels = ids.masked_fill(torch.from_numpy(flags[i:i + batch]).to(device) == 0, -100)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 total += float(model(input_ids=ids, labels=labels).loss) * len(ids)
             count += len(ids)
@@ -235,10 +232,11 @@ def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], out
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.monotonic()
     train_docs = [d for d in docs if d["split"] == "train"]
-    rows, corpus_tokens = document_rows(tokenizer, train_docs, plan.seq_len)
-    held_rows, held_tokens = document_rows(tokenizer, [d for d in docs if d["split"] == "heldout"], plan.seq_len)
+    rows, ones, corpus_tokens = document_rows(tokenizer, train_docs, plan.seq_len)
+    held_rows, held_ones, held_tokens = document_rows(tokenizer, [d for d in docs if d["split"] == "heldout"],
+                                                      plan.seq_len)
     sft_rows, sft_flags = conversation_rows(tokenizer, convs, plan.seq_len)
-    if not rows or not sft_rows:
+    if not len(rows) or not len(sft_rows):
         raise ValueError(f"lab target: too little text for {plan.seq_len}-token rows ({len(rows)} document rows, "
                          f"{len(sft_rows)} conversation rows)")
     log(f"data: {corpus_tokens:,} training tokens ({len(rows):,} rows of {plan.seq_len}), {held_tokens:,} held-out "
@@ -247,7 +245,6 @@ def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], out
     params = sum(p.numel() for p in model.parameters())
     log(f"model: {params / 1e6:.1f}M parameters ({SHAPES[plan.shape]}) on {device}")
     compiled = torch.compile(model) if plan.compile and device.type == "cuda" else model
-    ones = [[1] * plan.seq_len] * len(rows)
     record = {"plan": asdict(plan), "parameters": params, "device": str(device), "data_s": time.monotonic() - t0,
               "corpus_train_tokens": corpus_tokens, "corpus_heldout_tokens": held_tokens,
               "document_rows": len(rows), "conversation_rows": len(sft_rows)}
@@ -260,8 +257,7 @@ def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], out
     record["pretrain"] = run_phase(compiled, rows, ones, pretrain, device=device, seed=plan.seed, log=log)
     record["pretrain"]["epochs"] = record["pretrain"]["tokens"] / max(1, len(rows) * plan.seq_len)
     record["sft"] = run_phase(compiled, sft_rows, sft_flags, plan.sft, device=device, seed=plan.seed + 1, log=log)
-    record["heldout_document_loss"] = eval_loss(model, held_rows, [[1] * plan.seq_len] * len(held_rows),
-                                                device=device)
+    record["heldout_document_loss"] = eval_loss(model, held_rows, held_ones, device=device)
     save_target(model, tokenizer, out)
     record["wall_s"] = time.monotonic() - t0
     (out / "lab_target.json").write_text(json.dumps(record, indent=1) + "\n")
