@@ -194,7 +194,7 @@ LAYERS = [
     ("dflash_ds.runtime",),
     ("dflash_ds.guard",),
     ("dflash_ds.train", "dflash_ds.regenerate"),
-    ("dflash_ds.bench",),
+    ("dflash_ds.bench", "dflash_ds.lab"),
 ]
 
 

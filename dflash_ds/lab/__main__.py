@@ -1,0 +1,186 @@
+"""python -m dflash_ds.lab STEP: the quality lab's steps (docs/quality.md).
+
+    corpus      download the pinned sdists (PyPI), build runs/lab/corpus.jsonl.xz           CPU, needs PyPI
+    tokenizer   train the BPE tokenizer on the training split -> runs/lab/tokenizer         CPU
+    frame       conversations and held-out benchmark sets -> runs/lab/conversations        CPU
+    target      pretrain + fine-tune the lab target -> runs/lab/target                      GPU, <= ~8 min
+    regenerate  the target's own answers to the training conversations (time-boxed)         GPU
+    summarize   one run's summary JSON (benchmarks, losses, llama.cpp counts, wall time)
+    table       the table of every summary in a folder -> quality_lab.md + quality_lab_table.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+LAB = Path("runs/lab")
+STARTED = time.monotonic()
+
+
+def _log(msg: str) -> None:
+    print(f"[lab] {msg}", flush=True)
+
+
+def _corpus(args) -> dict:
+    from dflash_ds.lab import corpus
+
+    t0 = time.monotonic()
+    counts = corpus.build(Path(args.out), cache_dir=Path(args.cache).expanduser())
+    size = Path(args.out).stat().st_size
+    _log(f"wrote {args.out}: {size / 2**20:.1f} MiB, {time.monotonic() - t0:.0f} s")
+    return {"file": args.out, "bytes": size, "counts": counts}
+
+
+def _tokenizer(args) -> dict:
+    from dflash_ds.lab import corpus, tokenizer
+
+    docs = corpus.read_corpus(Path(args.corpus))
+    t0 = time.monotonic()
+    tok = tokenizer.train_tokenizer(tokenizer.tokenizer_texts(docs, int(args.max_chars)), args.vocab)
+    tokenizer.save(tok, args.out)
+    _log(f"trained a {len(tok)}-token BPE in {time.monotonic() - t0:.0f} s -> {args.out}")
+    return {"tokenizer": args.out, "vocab": len(tok), "mask_token_id": tok.convert_tokens_to_ids(tokenizer.MASK),
+            "eos_token_id": tok.eos_token_id, "tokens": token_counts(tok, docs)}
+
+
+def token_counts(tok, docs: list[dict]) -> dict:
+    """Tokens per split and kind, and characters per token."""
+    out: dict = {}
+    for start in range(0, len(docs), 512):
+        chunk = docs[start:start + 512]
+        for d, ids in zip(chunk, tok([d["text"] for d in chunk], add_special_tokens=False)["input_ids"]):
+            row = out.setdefault(f"{d['split']}/{d['kind']}", {"documents": 0, "tokens": 0, "chars": 0})
+            row["documents"] += 1
+            row["tokens"] += len(ids)
+            row["chars"] += len(d["text"])
+    for row in out.values():
+        row["chars_per_token"] = round(row["chars"] / max(1, row["tokens"]), 3)
+    return out
+
+
+def _frame(args) -> dict:
+    from dflash_ds.lab import corpus, framing
+
+    docs = corpus.read_corpus(Path(args.corpus))
+    return framing.frame(docs, Path(args.out), train_count=args.train_count, bench_count=args.bench_count,
+                         seed=args.seed)
+
+
+def _target(args) -> dict:
+    from dflash_ds.lab import corpus, tokenizer
+    from dflash_ds.lab.target import SHAPES, Phase, Plan, train_target
+
+    if args.shape not in SHAPES:
+        raise ValueError(f"--shape {args.shape!r}: one of {sorted(SHAPES)}")
+    convs_path = Path(args.conversations) / "train.jsonl"
+    if not convs_path.is_file():
+        raise ValueError(f"lab target: {convs_path} is missing; run `python -m dflash_ds.lab frame` first")
+    docs = corpus.read_corpus(Path(args.corpus))
+    tok = tokenizer.load(args.tokenizer)
+    convs = [json.loads(line) for line in convs_path.read_text().splitlines() if line.strip()]
+    plan = Plan(shape=args.shape, seq_len=args.seq_len, seed=args.seed, compile=not args.no_compile,
+                deadline=args.deadline - (time.monotonic() - STARTED),
+                pretrain=Phase(seconds=args.seconds, steps=args.steps, lr=args.lr, rows=args.rows),
+                sft=Phase(seconds=args.sft_seconds, steps=args.sft_steps, lr=args.lr / 3, rows=args.rows))
+    return train_target(plan, tok, docs, convs, Path(args.out), log=_log)
+
+
+def _regenerate(args) -> dict:
+    from dflash_ds.lab.runs import regenerate
+
+    return regenerate(args.recipe, args.overrides, batch_size=args.batch_size, seconds=args.seconds, log=_log)
+
+
+def _summarize(args) -> dict:
+    from dflash_ds.lab.runs import summarize
+
+    summary = summarize(Path(args.run_dir), args.name, wall_s=args.wall_s)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    return {"summary": args.out}
+
+
+def _table(args) -> dict:
+    from dflash_ds.lab.table import write
+
+    md, js = write(Path(args.folder), Path(args.out or args.folder))
+    print(md.read_text())
+    return {"markdown": str(md), "json": str(js)}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dflash_ds.lab", description=__doc__.splitlines()[0])
+    p.add_argument("--record", default=None, help="also write the step's result as JSON here")
+    sub = p.add_subparsers(dest="step", required=True)
+    c = sub.add_parser("corpus")
+    c.add_argument("--out", default=str(LAB / "corpus.jsonl.xz"))
+    c.add_argument("--cache", default="~/.cache/dflash-ds/lab/sdists")
+    t = sub.add_parser("tokenizer")
+    t.add_argument("--corpus", default=str(LAB / "corpus.jsonl.xz"))
+    t.add_argument("--out", default=str(LAB / "tokenizer"))
+    t.add_argument("--vocab", type=int, default=16384)
+    t.add_argument("--max-chars", type=float, default=40e6, help="training text read by the BPE trainer")
+    f = sub.add_parser("frame")
+    f.add_argument("--corpus", default=str(LAB / "corpus.jsonl.xz"))
+    f.add_argument("--out", default=str(LAB / "conversations"))
+    f.add_argument("--train-count", type=int, default=16000)
+    f.add_argument("--bench-count", type=int, default=64)
+    f.add_argument("--seed", type=int, default=0)
+    g = sub.add_parser("target")
+    g.add_argument("--corpus", default=str(LAB / "corpus.jsonl.xz"))
+    g.add_argument("--tokenizer", default=str(LAB / "tokenizer"))
+    g.add_argument("--conversations", default=str(LAB / "conversations"))
+    g.add_argument("--out", default=str(LAB / "target"))
+    g.add_argument("--shape", default="lab")
+    g.add_argument("--seq-len", type=int, default=1024)
+    g.add_argument("--rows", type=int, default=64, help="rows per step")
+    g.add_argument("--lr", type=float, default=1.5e-3)
+    g.add_argument("--seconds", type=float, default=360, help="pretraining's wall-clock budget")
+    g.add_argument("--steps", type=int, default=None, help="fixed pretraining steps (repeat a recorded run)")
+    g.add_argument("--sft-seconds", type=float, default=45)
+    g.add_argument("--sft-steps", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-compile", action="store_true")
+    g.add_argument("--deadline", type=float, default=510,
+                   help="seconds from this command's start by which the target is saved (pretraining yields)")
+    r = sub.add_parser("regenerate")
+    r.add_argument("recipe")
+    r.add_argument("overrides", nargs="*")
+    r.add_argument("--batch-size", type=int, default=256)
+    r.add_argument("--seconds", type=float, default=150)
+    s = sub.add_parser("summarize")
+    s.add_argument("run_dir")
+    s.add_argument("name")
+    s.add_argument("out")
+    s.add_argument("--wall-s", type=float, default=None)
+    b = sub.add_parser("table")
+    b.add_argument("folder")
+    b.add_argument("out", nargs="?", default=None)
+    return p
+
+
+STEPS = {"corpus": _corpus, "tokenizer": _tokenizer, "frame": _frame, "target": _target, "regenerate": _regenerate,
+         "summarize": _summarize, "table": _table}
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        result = STEPS[args.step](args)
+    except ValueError as e:
+        print(f"[lab] error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.record:
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.record).write_text(json.dumps(result, indent=1) + "\n")
+    if args.step not in ("table",):
+        print(json.dumps(result, indent=1, default=str)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The lab's GPU-side steps around the project's own tools: the target's regeneration of the training
+conversations (the project's regeneration with a larger generate batch and a time box), and one
+summary file per drafter run (what comes back from the GPU machine: the run's benchmark table, final
+losses, llama.cpp's counts, wall time).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, seconds: float, log) -> dict:
+    """`python -m dflash_ds.regenerate RECIPE` one shard at a time with an HF generate batch of
+    `batch_size`, stopping after the shard that passes `seconds` (a rerun resumes at the next shard).
+    Returns the summary, with `complete` saying whether every shard is written."""
+    from dflash_ds.config import load_recipe
+    from dflash_ds.data.regenerate import HFGenerator, Shards
+    from dflash_ds.data.regenerate import regenerate as run_shards
+    from dflash_ds.data.sources import check_complete, load_tokenizer, output_dir
+
+    recipe = load_recipe(recipe_path, overrides)
+    cfg = recipe.data
+    if not cfg.regenerate.enabled:
+        raise ValueError(f"{recipe_path}: data.regenerate.enabled is false; the lab trains on the target's own answers")
+    tokenizer = load_tokenizer(recipe.target.path)
+    generator = HFGenerator(recipe.target.path, tokenizer, cfg.regenerate, batch_size=batch_size)
+    t0, total = time.monotonic(), {"shards_written": 0, "samples_out": 0, "unfinished_turns": 0}
+    while True:
+        done = run_shards(cfg, recipe.target.path, shards=Shards(max_shards=1), generator=generator,
+                          tokenizer=tokenizer, verbose=True)
+        for k in total:
+            total[k] += done.get(k, 0)
+        if done["shards_written"] == 0 or time.monotonic() - t0 > seconds:
+            break
+    total["wall_s"] = time.monotonic() - t0
+    total["complete"] = _complete(check_complete, output_dir(cfg))
+    log(f"regenerate: {total}")
+    return total
+
+
+def _complete(check, out: Path) -> bool:
+    try:
+        check(out)
+    except ValueError:
+        return False
+    return True
+
+
+def last_training_record(metrics: Path) -> dict:
+    """The last logged training step of metrics.jsonl (losses, rate), without its timing fields."""
+    last = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if "loss" in rec and "eval" not in rec:
+                    last = rec
+    return {k: v for k, v in last.items() if k not in ("time", "eta_s")}
+
+
+def training_seconds(metrics: Path) -> float | None:
+    """Wall time between the first and the last logged training step (compilation before the first
+    logged step excluded)."""
+    times = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "loss" in rec and "eval" not in rec and "time" in rec:
+                times.append(rec["time"])
+    return times[-1] - times[0] if len(times) > 1 else None
+
+
+def tau_records(metrics: Path) -> list[dict]:
+    """The in-training tau evaluations of metrics.jsonl (label, step, tau, per-position acceptance)."""
+    out = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "eval" in rec:
+                out.append({k: rec.get(k) for k in ("eval", "step", "tau", "tau_pooled", "tau_position_acceptance")})
+    return out
+
+
+def llama_cpp_summary(counts: dict | None) -> dict | None:
+    """llama.cpp's mean acceptance length per program, and its first round apart from the later ones."""
+    if not counts:
+        return None
+    out = {"spec_draft_n_max": counts.get("spec_draft_n_max")}
+    for program in ("llama_server", "llama_speculative_simple"):
+        rounds = (counts.get(program) or {}).get("rounds") or []
+        first = [r[0] for r in rounds if r]
+        later = [a for r in rounds for a in r[1:]]
+        out[program] = {
+            "mean_accept_length": (counts.get(program) or {}).get("mean_accept_length"),
+            "first_round_accepted": sum(first) / len(first) if first else None,
+            "later_rounds_accepted": sum(later) / len(later) if later else None,
+            "rounds": sum(len(r) for r in rounds), "responses": len(rounds)}
+    return out
+
+
+def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
+    """One run's summary: recipe identity, final training record, benchmark rows, llama.cpp counts."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"lab summarize: {run_dir} has no metrics.jsonl; train it first "
+                         f"(bash scripts/quality_lab.sh OUT train {name})")
+    resolved = run_dir / "recipe.yaml"
+    recipe = yaml.safe_load(resolved.read_text()) if resolved.is_file() else {}
+    drafter, run = recipe.get("drafter", {}), recipe.get("run", {})
+    bench = run_dir / "benchmarks.json"
+    lab_eval = run_dir / "lab_eval.json"
+    eval_json = json.loads(lab_eval.read_text()) if lab_eval.is_file() else {}
+    return {"name": name, "architecture": drafter.get("architecture", "dflash"),
+            "block_size": drafter.get("block_size"), "seed": run.get("seed"),
+            "objective": recipe.get("objective", {}), "optim": recipe.get("optim", {}),
+            "final": last_training_record(run_dir / "metrics.jsonl"),
+            "tau_evals": tau_records(run_dir / "metrics.jsonl"),
+            "benchmarks": json.loads(bench.read_text()) if bench.is_file() else [],
+            "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "num_responses", "position_acceptance")}
+            if eval_json else None,
+            "llama_cpp": llama_cpp_summary(eval_json.get("llama_cpp")),
+            "train_s": training_seconds(run_dir / "metrics.jsonl"), "wall_s": wall_s}

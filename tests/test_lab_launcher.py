@@ -1,0 +1,97 @@
+"""The quality lab end to end at toy size on CPU, through scripts/quality_lab.sh and the real launcher:
+a corpus of three local sdists made of this project's own code and documentation (the download is
+replaced by archives already in the cache, checked against their pins' sha256), the tokenizer, the
+conversations and benchmark sets, a tiny target trained for seconds and its regeneration, one v1
+drafter trained for a few steps with its benchmark table and llama.cpp's count, and the lab's table."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import sys
+
+import pytest
+
+from dflash_ds.lab import corpus, tokenizer
+
+from .launch_util import ROOT, cpu_env, output, run
+
+pytestmark = pytest.mark.launcher
+
+CPU = ["run.device=cpu", "target.dtype=float32", "target.ds_config=ds_configs/target_replica_cpu.json",
+       "drafter.ds_config=ds_configs/drafter_zero2_cpu.json", "drafter.num_layers=2", "drafter.layer_types=null",
+       "drafter.sliding_window=null", "data.max_samples=16", "data.num_eval=2", "data.max_length=512",
+       "data.row_length=1024", "data.max_drop_fraction=0.5", "data.regenerate.max_new_tokens=24", "objective.num_anchors=32",
+       "objective.loss_chunks=2", "optim.max_steps=4", "eval.bench_limit=2", "eval.max_new_tokens=12",
+       "log.every_steps=1", "log.progress=false"]
+
+
+def rst(markdown: str) -> str:
+    """This project's markdown docs with their headings in reStructuredText form."""
+    return re.sub(r"^#+ (.+)$", lambda m: m.group(1) + "\n" + "-" * len(m.group(1)), markdown, flags=re.M)
+
+
+def sdists(cache):
+    groups = {"alpha": ("train", ["dflash_ds/data", "dflash_ds/eval"], "docs/architecture.md"),
+              "beta": ("train", ["dflash_ds/model", "dflash_ds/resolve"], "docs/performance.md"),
+              "gamma": ("heldout", ["dflash_ds/runtime", "dflash_ds/target_model"], "docs/algorithm.md")}
+    pins = []
+    for name, (split, folders, doc) in groups.items():
+        files = {str(p.relative_to(ROOT)): p.read_text() for f in folders for p in sorted((ROOT / f).glob("*.py"))}
+        files[f"docs/{name}.rst"] = rst((ROOT / doc).read_text())
+        data = corpus.sdist_bytes(files, f"{name}-0.1")
+        (cache / f"{name}-0.1.tar.gz").write_bytes(data)
+        pins.append(corpus.Pin(name, "0.1", f"{name}-0.1.tar.gz", hashlib.sha256(data).hexdigest(), "MIT", split))
+    return tuple(pins)
+
+
+def step(env, out, *args, timeout=300):
+    proc = run(["bash", "scripts/quality_lab.sh", str(out), *args], timeout, env)
+    assert proc.returncode == 0, output(proc)[-6000:]
+    return output(proc)
+
+
+def test_lab_pipeline_on_cpu(tmp_path):
+    lab, out, cache = tmp_path / "lab", tmp_path / "out", tmp_path / "cache"
+    cache.mkdir()
+    counts = corpus.build(lab / "corpus.jsonl.xz", sdists(cache), cache, download=False)
+    assert set(counts) == {"train", "heldout"} and set(counts["heldout"]) == {"gamma"}
+    docs = corpus.read_corpus(lab / "corpus.jsonl.xz")
+    tokenizer.save(tokenizer.train_tokenizer(tokenizer.tokenizer_texts(docs, 2e6), 1024), lab / "tokenizer")
+    env = cpu_env(LAB_DIR=lab, DFLASH_PYTHON=sys.executable, LAB_OVERRIDES=" ".join(CPU), LAB_REGEN_SECONDS=60,
+                  LAB_FRAME_ARGS="--train-count 200 --bench-count 6",
+                  LAB_TARGET_ARGS="--shape tiny --seq-len 256 --rows 8 --lr 3e-3 --seconds 8 --sft-seconds 4 --no-compile")
+
+    step(env, out, "target")
+    target = json.loads((out / "target.json").read_text())
+    assert target["pretrain"]["steps"] > 3 and target["sft"]["steps"] > 3
+    assert target["pretrain"]["final_loss"] < target["pretrain"]["losses"][0][1] or target["pretrain"]["steps"] < 50
+    assert math.isfinite(target["heldout_document_loss"])
+    assert (lab / "target" / "model.safetensors").is_file() and (lab / "target" / "tokenizer.json").is_file()
+    regen = json.loads((out / "regenerate.json").read_text())
+    assert regen["complete"] is True and regen["shards_written"] == 1
+    for name in ("humaneval", "mbpp", "mt_bench", "heldout"):
+        assert (lab / "conversations" / "bench" / f"{name}.jsonl").is_file()
+
+    # A tiny target trained for seconds rarely ends an answer within 24 tokens, so the drafter trains on
+    # the framed answers here; the GPU lab trains on the regenerated ones (the recipes' setting).
+    log = step(env, out, "train", "v1", "data.regenerate.enabled=false")
+    assert "tau after training" in log
+    summary = json.loads((out / "v1.json").read_text())
+    assert summary["architecture"] == "dflash" and summary["block_size"] == 16 and summary["seed"] == 0
+    assert summary["final"]["step"] == 4 and math.isfinite(summary["final"]["loss"])
+    rows = {(r["bench"], r["sampling"]) for r in summary["benchmarks"]}
+    assert {b for b, _ in rows} == {"heldout", "humaneval", "mbpp", "mt_bench"} and len(rows) == 8
+    assert summary["llama_cpp"]["spec_draft_n_max"] == 15
+    greedy = summary["heldout_greedy"]
+    assert summary["llama_cpp"]["llama_server"]["responses"] == greedy["num_responses"] >= 1
+    assert greedy["tau_mean"] >= 1.0
+    assert summary["wall_s"] > 0 and summary["train_s"] > 0
+
+    step(env, out, "table")
+    md = (out / "quality_lab.md").read_text()
+    assert "| v1 | dflash | 16 | 0 | 4 |" in md and "| code completion | greedy |" in md
+    table = json.loads((out / "quality_lab_table.json").read_text())
+    assert list(table["runs"]) == ["v1"] and table["differences"] == []
