@@ -191,8 +191,8 @@ def run_phase(model, rows, flags, phase: Phase, *, device, seed: int, log) -> di
                 torch.cuda.synchronize()
             clock.replan(step - 3, timed_from)
         if step % 25 == 0 or step == clock.total:
-            losses.append((step, float(loss)))
-            log(f"step {step}/{clock.total} loss {float(loss):.4f} lr {clock.lr(step - 1):.2e} "
+            losses.append((step, loss.item()))
+            log(f"step {step}/{clock.total} loss {loss.item():.4f} lr {clock.lr(step - 1):.2e} "
                 f"{clock.elapsed():.0f} s")
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -201,7 +201,7 @@ def run_phase(model, rows, flags, phase: Phase, *, device, seed: int, log) -> di
     model.eval()
     return {"steps": step, "planned_steps": clock.total, "stopped_by_clock": step < clock.total,
             "rows_per_step": phase.rows, "tokens": tokens, "tokens_per_s": rate, "wall_s": wall,
-            "final_loss": float(loss) if step else None, "losses": losses,
+            "final_loss": loss.item() if step else None, "losses": losses,
             "budget_s": phase.seconds, "lr": phase.lr}
 
 
