@@ -52,11 +52,11 @@ def test_every_field_of_the_drafters_shape_is_compared_even_one_added_later():
 
 
 @pytest.mark.parametrize("change, key", [
-    ("drafter.conv_kernel_size=3", "drafter.conv_kernel_size 2 -> 3"),
-    ("drafter.conv_group_size=8", "drafter.conv_group_size 16 -> 8"),
-    ("drafter.selector_rank=16", "drafter.selector_rank 32 -> 16"),
+    ("drafter.dflash2.conv_kernel_size=3", "drafter.dflash2.conv_kernel_size 2 -> 3"),
+    ("drafter.dflash2.conv_group_size=8", "drafter.dflash2.conv_group_size 16 -> 8"),
+    ("drafter.dflash2.selector_rank=16", "drafter.dflash2.selector_rank 32 -> 16"),
     # The export's dflash_config carries it: a selector trained with one top-k would be exported with another.
-    ("drafter.selector_top_k=8", "drafter.selector_top_k 10 -> 8"),
+    ("drafter.dflash2.selector_top_k=8", "drafter.dflash2.selector_top_k 10 -> 8"),
 ])
 def test_a_resume_that_changes_a_dflash2_field_is_refused(tmp_path, change, key):
     dflash2 = REPO / "recipes" / "tiny-dflash2.yaml"
