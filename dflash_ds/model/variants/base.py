@@ -103,9 +103,9 @@ class Serving(NamedTuple):
 
 
 class Proposal(NamedTuple):
-    """What llama.cpp proposes from n blocks at temperature 0 (`DrafterVariant.propose`)."""
+    """What the engines propose from n blocks at temperature 0 (`DFlash.propose`)."""
 
-    tokens: torch.Tensor  # [n, L] the greedy drafts (`DrafterVariant.draft`)
+    tokens: torch.Tensor  # [n, L] the greedy drafts (what `DraftModel.draft` returns)
     served: torch.Tensor  # [n] how many of them it verifies under its confidence cut (L without one)
     confidence: torch.Tensor | None = None  # [n, L] what the cut compares with the threshold; None: no cut
 
