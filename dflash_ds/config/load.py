@@ -139,7 +139,8 @@ def _build(cls, raw: dict, prefix: str = "", moves: list[Moved] | None = None):
             continue
         if key not in names or key in ("sections", "notes"):
             known = ", ".join(sorted(n for n in names if n not in ("source", "sections", "notes")))
-            extra = f"; architecture sections: {', '.join(sorted(registered()))}" if prefix in KINDS else ""
+            extra = "" if prefix not in KINDS else "; architecture sections: " + ", ".join(
+                sorted(name for name, s in registered().items() if getattr(s, prefix) is not None))
             raise RecipeError(f"unknown recipe key '{path}'; known keys here: {known}{extra}")
         kwargs[key] = _coerce(value, hints[key], path, moves)
     return cls(**kwargs)
