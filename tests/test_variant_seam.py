@@ -249,3 +249,23 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
         drafter = DFlashDrafter(drafter_shape(target_config(geometry), drafter_cfg))
     odd = [(n, p.numel()) for n, p in drafter.named_parameters() if p.numel() % 8]
     assert not odd
+
+
+def test_register_adds_the_architecture_and_its_sections_and_refuses_a_second_of_one_name(monkeypatch):
+    from dflash_ds.config.architectures import SECTIONS, section_type
+    from dflash_ds.model.variants import VARIANTS, DrafterVariant
+    from dflash_ds.model.variants.registry import register as decorate
+    from tests.toy_variant import ToyMarkov, ToyObjective
+
+    for registry in (VARIANTS, SECTIONS):  # the toy's entries are removed again after the test
+        monkeypatch.setitem(registry, "toy_markov", None)
+    assert decorate(ToyMarkov) is ToyMarkov
+    assert isinstance(VARIANTS["toy_markov"], ToyMarkov) and section_type("objective", "toy_markov") is ToyObjective
+    assert section_type("drafter", "dflash") is None and section_type("objective", "dflash") is None  # v1 adds none
+
+    class Impostor(DrafterVariant):
+        name = "dspark"
+
+    with pytest.raises(ValueError, match="'dspark' is registered twice"):
+        decorate(Impostor)
+    assert type(VARIANTS["dspark"]).__name__ == "DSpark"
