@@ -11,8 +11,10 @@
 - no code outside model/variants/ asks which drafter architecture it has: no comparison with an
   architecture's name or class name, no attribute named after an architecture or one of its modules
   (`drafter.candidate_selector`), no import of
-  one architecture's module (`isinstance(m, BlockConv)` needs one), and no read of its own values
-  (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name);
+  one architecture's module (`isinstance(m, BlockConv)` needs one), no read of its own values
+  (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
+  string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
+  architecture's `logs` view instead);
 - model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
   names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
 - one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
@@ -221,20 +223,25 @@ def _constants(node: ast.AST) -> list[str]:
     return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-def architecture_tests(root: Path, names: set[str], attributes: set[str], fields: set[str] = frozenset()) -> list[str]:
+def architecture_tests(root: Path, names: set[str], attributes: set[str], fields: set[str] = frozenset(),
+                       logs: set[str] = frozenset()) -> list[str]:
     """`module:line what` for every place outside `model/variants/` that tells architectures apart:
     `names` are the architectures' names and class names, `attributes` their names and module names,
     `fields` their own recipe and shape fields (read only through OWN_VALUES, which only the
-    architecture reads: a field's name elsewhere, the target's `conv_kernel_size`, is not one)."""
+    architecture reads: a field's name elsewhere, the target's `conv_kernel_size`, is not one), `logs`
+    the names of their metrics fields and sums (a string key naming one: `r["selector_loss"]`)."""
     found = []
     package = root.name
     for name, (path, tree) in sources(root).items():
         rel = path.relative_to(root).as_posix()
         if rel.startswith(VARIANTS_DIR + "/"):
             continue
+        docs = _documentation(tree)
         for node in ast.walk(tree):
             what = None
-            if isinstance(node, ast.Compare):
+            if isinstance(node, ast.Constant) and node.value in logs and id(node) not in docs:
+                what = f"names the log field {node.value!r}"
+            elif isinstance(node, ast.Compare):
                 hits = [c for operand in [node.left, *node.comparators] for c in _constants(operand) if c in names]
                 what = f"compares with {hits[0]!r}" if hits else None
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
@@ -257,16 +264,17 @@ def architecture_tests(root: Path, names: set[str], attributes: set[str], fields
     return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
 
 
-def architecture_vocabulary() -> tuple[set[str], set[str], set[str]]:
+def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     """The registered architectures' names and class names, the attribute names that belong to one of
-    them (its name and its modules, from its tensor inventory on a small shape) and its own fields
-    (both recipe sections)."""
+    them (its name and its modules, from its tensor inventory on a small shape), its own fields (both
+    recipe sections) and its log fields (the sums it names and the record fields its view shows)."""
     import dataclasses
+    import string
 
     from dflash_ds.model.shape import DrafterShape
     from dflash_ds.model.variants import VARIANTS
 
-    names, attributes, fields = set(), set(), set()
+    names, attributes, fields, logs = set(), set(), set(), set()
     for v in VARIANTS.values():
         names |= {v.name, v.class_name}
         attributes.add(v.name)
@@ -279,7 +287,10 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str]]:
         for tensor in v.tensors(shape):
             parts = tensor.split(".")
             attributes.add(parts[2] if parts[0] == "layers" else parts[0])
-    return names, attributes, fields
+        templates = [*v.logs.progress, *(t for _, t in v.logs.summary)]
+        logs |= {f for t in templates for _, f, _, _ in string.Formatter().parse(t) if f}
+        logs |= {key for _, key, _ in v.logs.series} | set(v.log_names(shape))
+    return names, attributes, fields, logs
 
 
 MECHANISM_FOLDERS = ("model", "target_model")
@@ -445,9 +456,11 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
                         "        return shape.arch_fields.rank > 0 or r.drafter.sections['two']\n"
                         "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None or getattr(m, 'rank')\n"),
         "pkg/clean.py": ("def f(shape, layer):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n"
-                         "\ndef g(layer):\n    return layer.rank  # another object's attribute of a field's name\n"),
+                         "\ndef g(layer):\n    return layer.rank  # another object's attribute of a field's name\n"
+                         "\ndef h(r):\n    \"\"\"Reads two_loss (documentation).\"\"\"\n    return r.get('two_loss')\n"),
     })
-    assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "head"}, {"rank"}) == [
+    assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "head"}, {"rank"}, {"two_loss"}) == [
+        "pkg.clean:9 names the log field 'two_loss'",
         "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
         "pkg.loss:6 reads .sections['two']", "pkg.loss:7 getattr(..., 'rank')", "pkg.loss:7 hasattr(..., 'head')",
         "pkg.loss:7 reads .head"]
@@ -491,10 +504,10 @@ def test_folders_have_no_cycle_and_no_arrow_up():
 
 
 def test_no_architecture_test_outside_the_variants():
-    names, attributes, fields = architecture_vocabulary()
+    names, attributes, fields, logs = architecture_vocabulary()
     assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv",
-            "l1_weight"} <= names | attributes | fields  # the vocabulary really holds the architectures
-    found = architecture_tests(ROOT, names, attributes, fields)
+            "l1_weight", "selector_loss", "tau_probabilistic", "confidence_mae"} <= names | attributes | fields | logs
+    found = architecture_tests(ROOT, names, attributes, fields, logs)
     assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
                        "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
 
