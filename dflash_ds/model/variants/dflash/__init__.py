@@ -28,8 +28,8 @@ from dflash_ds.model.variants.base import (Card, ExtraLoss, LogView, LossContext
                                            ReportFigure, Serving, Tensor, Wrappers, argmax_tokens, typed)
 from dflash_ds.model.variants.registry import register
 
-if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
-    from torch import nn
+if TYPE_CHECKING:  # the model and the shape read the architectures (model/variants/__init__.py); the rest
+    from torch import nn  # are here for the annotations only
 
     from dflash_ds.model.blocks import Blocks, MicroBatch
     from dflash_ds.model.chunk_term import ChunkTerm

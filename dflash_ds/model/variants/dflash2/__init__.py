@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.variants.base import Card, ExtraLoss, FieldError, LogView, LossContext, Tensor, Wrappers
+from dflash_ds.config import ObjectiveConfig
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.variants.base import Proposal
+from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.variants.base import Card, ExtraLoss, FieldError, LogView, LossContext, Proposal, Tensor, Wrappers
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.registry import register
 from dflash_ds.model.variants.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
                                                     greedy_path, selector_alpha, selector_loss)
+
+if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
+    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.model.shape import DrafterShape
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class DFlash2(DFlash):
     tap_presets = {(64, 5): (5, 19, 33, 47, 61)}
     logs = LogView(progress=("selector {selector_loss:.4f} (top-k recall {selector_recall:.2f})",))
 
-    def check(self, shape, serving: bool = False) -> None:
+    def check(self, shape: DrafterShape, serving: bool = False) -> None:
         f = shape.arch_fields
         for name, value in dataclasses.asdict(f).items():
             if value < 1:
@@ -115,23 +121,23 @@ class DFlash2(DFlash):
             raise FieldError("selector_top_k", f"= {k} needs a hidden size of at least k(k+1) = {k * (k + 1)} for "
                              f"llama.cpp to serve the export; the target's is {width}: set it to {largest} or less")
 
-    def config_entries(self, shape) -> dict:
+    def config_entries(self, shape: DrafterShape) -> dict:
         # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
         return {"block_size": shape.block_size, **super().config_entries(shape)}
 
     # ---------------------------------------------------------------------------------- modules
 
-    def wrappers(self, shape) -> Wrappers:
+    def wrappers(self, shape: DrafterShape) -> Wrappers:
         f = shape.arch_fields
         conv = (shape.hidden_size, f.conv_kernel_size, f.conv_group_size, shape.block_size)
         return Wrappers(("attention_conv", BlockConv(*conv)), ("mlp_conv", BlockConv(*conv)))
 
-    def heads(self, shape) -> dict:
+    def heads(self, shape: DrafterShape) -> dict:
         f = shape.arch_fields
         return {"candidate_selector": CandidateSelector(shape.hidden_size, shape.vocab_size, f.selector_rank,
                                                         f.selector_top_k)}
 
-    def tensors(self, shape) -> dict[str, Tensor]:
+    def tensors(self, shape: DrafterShape) -> dict[str, Tensor]:
         f, d, v = shape.arch_fields, shape.hidden_size, shape.vocab_size
         k, r = f.conv_kernel_size, f.selector_rank
         out = {}
@@ -144,14 +150,14 @@ class DFlash2(DFlash):
         out["candidate_selector.successor_codebook"] = Tensor((v, r), "table")
         return out
 
-    def extra_flops(self, shape, draft_tokens: int) -> int:
+    def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         # The unary scores from the gathered lm_head rows (forward + input gradient); the
         # elementwise convolutions and the rank-r pair scores are not matmuls.
         return 4 * shape.arch_fields.selector_top_k * shape.hidden_size * draft_tokens
 
     # --------------------------------------------------------------------------------- the walk
 
-    def propose(self, model, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
         if p_min > 0:
             raise ValueError("llama.cpp's --spec-draft-p-min cut of a DFlash2 draft is not modelled; predict its "
                              "rounds with p_min 0")
@@ -161,19 +167,20 @@ class DFlash2(DFlash):
 
     # --------------------------------------------------------------------------------- the loss
 
-    def loss_settings(self, objective) -> SelectorSchedule:
+    def loss_settings(self, objective: ObjectiveConfig) -> SelectorSchedule:
         o = section_of(objective, self.name, DFlash2Objective)
         return SelectorSchedule(o.selector_alpha, o.selector_inject_gold, o.selector_detach, o.selector_warmup_ratio,
                                 o.selector_ramp_ratio)
 
-    def step_term(self, settings: SelectorSchedule | None, step: int | None = None, total_steps: int = 0):
+    def step_term(self, settings: SelectorSchedule | None, step: int | None = None,
+                  total_steps: int = 0) -> SelectorTerm:
         """The selector term at optimizer step `step` of `total_steps` (warm-up, then ramp); step None:
         the full weight."""
         s = settings or SelectorSchedule()
         alpha = s.alpha if step is None else selector_alpha(step, total_steps, s.alpha, s.warmup_ratio, s.ramp_ratio)
         return SelectorTerm(alpha, s.inject_gold, s.detach)
 
-    def candidates(self, shape) -> int:
+    def candidates(self, shape: DrafterShape) -> int:
         return shape.arch_fields.selector_top_k
 
     def extra_loss(self, ctx: LossContext) -> ExtraLoss:
@@ -189,7 +196,7 @@ class DFlash2(DFlash):
         return ExtraLoss((term.alpha / ctx.normaliser) * stats.loss_sum,
                          (stats.loss_sum.detach(), stats.covered, stats.correct))
 
-    def log_names(self, shape) -> tuple[str, ...]:
+    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
         return ("selector_loss_sum", "selector_covered", "selector_correct")
 
     def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float]:
@@ -201,7 +208,7 @@ class DFlash2(DFlash):
 
     # --------------------------------------------------------------------------------- the card
 
-    def card(self, shape) -> Card:
+    def card(self, shape: DrafterShape) -> Card:
         f = shape.arch_fields
         rows = (f"| block convolution | {f.conv_kernel_size} taps, groups of {f.conv_group_size} channels |",
                 f"| candidate selector | top {f.selector_top_k} unary candidates, pair scores at rank "

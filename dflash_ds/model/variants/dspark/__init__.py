@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.blocks import default_gamma, slot_rows
-from dflash_ds.model.gather import take_rows
-from dflash_ds.model.chunk_term import ChunkTerm
+from dflash_ds.config import ObjectiveConfig
 from dflash_ds.config.architectures import section_of
+from dflash_ds.model.blocks import Blocks, MicroBatch, default_gamma, slot_rows
+from dflash_ds.model.chunk_term import ChunkTerm
+from dflash_ds.model.gather import take_rows
 from dflash_ds.model.variants.base import (Card, ExtraLoss, FieldError, LogView, LossContext, Proposal, ReportFigure,
                                            Serving, Tensor)
 from dflash_ds.model.variants.dflash import DFlash
@@ -29,6 +31,11 @@ from dflash_ds.model.variants.dspark.parts import (ConfidenceHead, DSparkTerms, 
                                                    greedy_walk, l1_to_target, shift_in)
 from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
 from dflash_ds.model.variants.dspark.report import draw_reliability, reliability
+
+if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
+    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.model.shape import DrafterShape
+
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
 # Reliability bins of the confidence head, pooled over the block's slots: 60 sums a step, where
@@ -102,7 +109,7 @@ class DSpark(DFlash):
         summary=(("final probabilistic tau", "{tau_probabilistic:.2f}"),
                  ("final confidence calibration", "MAE {confidence_mae:.3f}, bias {confidence_bias:+.3f}")))
 
-    def check(self, shape, serving: bool = False) -> None:
+    def check(self, shape: DrafterShape, serving: bool = False) -> None:
         f = shape.arch_fields
         if f.markov_rank < 1:
             raise FieldError("markov_rank", f"= {f.markov_rank} must be >= 1 (DeepSpec publishes 256)")
@@ -114,10 +121,10 @@ class DSpark(DFlash):
                              "whether DSpark's Markov bias is added before or after that: DSpark is trained for "
                              "targets without a logit transform only (Qwen3, Llama)")
 
-    def config_entries(self, shape) -> dict:
+    def config_entries(self, shape: DrafterShape) -> dict:
         return {"block_size": shape.block_size, **super().config_entries(shape), "sample_from_anchor": True}
 
-    def top_level_entries(self, shape) -> dict:
+    def top_level_entries(self, shape: DrafterShape) -> dict:
         # DeepSpec's config class, vLLM's and SGLang's readers and llama.cpp's converter read these
         # at the top level; the converter builds its dflash_config from the top-level ids.
         return {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(shape.target_layer_ids),
@@ -125,7 +132,7 @@ class DSpark(DFlash):
 
     # ---------------------------------------------------------------------------------- modules
 
-    def heads(self, shape) -> dict:
+    def heads(self, shape: DrafterShape) -> dict:
         f = shape.arch_fields
         out = {"markov_head": MarkovHead(shape.vocab_size, f.markov_rank)}
         if f.enable_confidence_head:
@@ -133,7 +140,7 @@ class DSpark(DFlash):
                                                     f.markov_rank if f.confidence_head_with_markov else 0)
         return out
 
-    def tensors(self, shape) -> dict[str, Tensor]:
+    def tensors(self, shape: DrafterShape) -> dict[str, Tensor]:
         f, d, v, r = shape.arch_fields, shape.hidden_size, shape.vocab_size, shape.arch_fields.markov_rank
         out = {"markov_head.markov_w1.weight": Tensor((v, r), "table"),
                "markov_head.markov_w2.weight": Tensor((v, r), "block")}
@@ -142,13 +149,13 @@ class DSpark(DFlash):
             out["confidence_head.proj.bias"] = Tensor((1,))
         return out
 
-    def extra_flops(self, shape, draft_tokens: int) -> int:
+    def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         # The target's logits of every slot through the frozen lm_head (forward only), for the L1 term.
         return 2 * shape.vocab_size * shape.hidden_size * draft_tokens
 
     # --------------------------------------------------------------------------------- the walk
 
-    def propose(self, model, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
         # llama.cpp's confidence of slot k is the head's sigmoid on the slot's state and the Markov
         # embedding of the chain's token before it, computed in the same graph as the chain; its
         # loop stops the draft at the first slot below the threshold (common/speculative.cpp).
@@ -169,22 +176,23 @@ class DSpark(DFlash):
 
     # --------------------------------------------------------------------------------- the loss
 
-    def default_gamma(self, shape) -> float:
+    def default_gamma(self, shape: DrafterShape) -> float:
         # DeepSpec's exp(-k / gamma) over the B drafting slots is DFlash's decay of a block one
         # longer (4.0 at B = 7, as DeepSpec sets it).
         return default_gamma(shape.block_size + 1)
 
-    def block_targets(self, mb, anchors, valid, block_size, gamma):
+    def block_targets(self, mb: MicroBatch, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                      gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
         return anchor_first_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
 
-    def loss_settings(self, objective) -> DSparkTerms:
+    def loss_settings(self, objective: ObjectiveConfig) -> DSparkTerms:
         o = section_of(objective, self.name, DSparkObjective)
         return DSparkTerms(o.ce_weight, o.l1_weight, o.confidence_weight)
 
     def ce_weight(self, term: DSparkTerms | None) -> float:
         return (term or DSparkTerms()).ce
 
-    def chunk_term(self, model, blocks, term: DSparkTerms | None, hidden) -> ChunkTerm:
+    def chunk_term(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor) -> ChunkTerm:
         """The Markov bias of every slot's logits (teacher-forced predecessor) and l1 * ||q - p||_1
         on the biased logits and the target's, inside the fused loss's pass over the vocabulary."""
         t = term or DSparkTerms()
@@ -225,7 +233,7 @@ class DSpark(DFlash):
                     *per_slot.unbind(), *bins.to(accept.dtype).unbind())
         return ExtraLoss(loss, tuple(s.detach() for s in sums))
 
-    def log_names(self, shape) -> tuple[str, ...]:
+    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
         return _sum_names(shape.block_size, shape.arch_fields.enable_confidence_head)
 
     def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float | list[float]]:
@@ -263,7 +271,7 @@ class DSpark(DFlash):
 
     # --------------------------------------------------------------------------------- the card
 
-    def card(self, shape) -> Card:
+    def card(self, shape: DrafterShape) -> Card:
         f = shape.arch_fields
         conf = ("with the Markov embedding" if f.confidence_head_with_markov else "without the Markov embedding") \
             if f.enable_confidence_head else "none"
