@@ -66,6 +66,21 @@ def test_a_resume_that_changes_a_dflash2_field_is_refused(tmp_path, change, key)
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_record_with_an_older_versions_flat_keys_resumes_at_their_sections(tmp_path):
+    """A run recorded before the architectures' sections (drafter.selector_rank, objective.selector_alpha flat)
+    resumes under the same recipe written in sections, and a changed section key is still refused."""
+    dflash2 = REPO / "recipes" / "tiny-dflash2.yaml"
+    recipe = load_recipe(dflash2, [f"run.output_dir={tmp_path}"])
+    raw = yaml.safe_load(dump_yaml(recipe))
+    for kind in ("drafter", "objective"):
+        raw[kind].update(raw[kind].pop("dflash2"))
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert contract.recorded(tmp_path).drafter == recipe.drafter
+    assert contract.check_resume(recipe, 4) is None
+    with pytest.raises(RecipeError, match=r"drafter\.dflash2\.selector_rank 32 -> 16"):
+        contract.check_resume(load_recipe(dflash2, [f"run.output_dir={tmp_path}", "drafter.dflash2.selector_rank=16"]), 4)
+
+
 @pytest.mark.parametrize("changes, keys", [
     (["drafter.block_size=4"], ["drafter.block_size 8 -> 4"]),
     (["drafter.num_layers=3", "data.row_length=512"], ["drafter.num_layers 2 -> 3", "data.row_length 1024 -> 512"]),
