@@ -143,7 +143,7 @@ def test_no_llama_cpp_cut_is_predicted_for_a_drafter_llama_cpp_does_not_load():
     from dflash_ds.eval.cli import llama_cpp_counts
 
     plain = DraftModel(make_drafter(confidence_head_with_markov=False), torch.zeros(VOCAB, D), torch.randn(VOCAB, D))
-    assert llama_cpp_counts(None, plain, [[1, 2]], [torch.arange(6)], 4) is None
+    assert llama_cpp_counts(None, plain, [[1, 2]], [torch.arange(6)], budget=4) is None
     hidden, anchors = torch.randn(3, B, D), torch.tensor([1, 2, 3])
     assert plain.propose(hidden, anchors).served.tolist() == [B] * 3  # drafting itself is unchanged
     with pytest.raises(ValueError, match="llama.cpp does not load"):

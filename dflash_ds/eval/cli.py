@@ -161,7 +161,7 @@ def _run(args) -> int:
     return Exit.OK
 
 
-def llama_cpp_counts(target, model, prompts, sequences, budget: int) -> LlamaCppCounts | None:
+def llama_cpp_counts(target, model, prompts, sequences, *, budget: int) -> LlamaCppCounts | None:
     """llama.cpp's rounds over the responses, or None when llama.cpp does not load the drafter (its
     architecture's serving says so: no count to predict)."""
     if model.config.variant.card(model.config).serving.llama_cpp_type is None:
@@ -178,7 +178,7 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    llama_cpp = llama_cpp_counts(target, model, prompts, sequences, args.max_new_tokens)
+    llama_cpp = llama_cpp_counts(target, model, prompts, sequences, budget=args.max_new_tokens)
     result.update(report.as_dict())
     result["llama_cpp"] = llama_cpp.as_dict() if llama_cpp is not None else None
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
