@@ -5,9 +5,10 @@ An export is a directory with `config.json` and `model.safetensors` that SGLang
 carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter borrows both from
 the target at serving time.
 
-It also holds `modeling_dflash.py` (self-contained, copied from dflash_ds/export_modeling) with an
-`auto_map` in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it,
-and a README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
+It also holds the architecture's transformers remote code (its `remote()`: for DFlash, DFlash2 and
+DSpark `modeling_dflash.py`, self-contained, from dflash_ds/model/variants/dflash/) with an `auto_map`
+in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it, and a
+README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
 transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the
 directory 0755 whatever the umask or the staging directory's mode: exports are shared.
 """
@@ -31,9 +32,7 @@ from dflash_ds.model_card import model_card
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-MODELING_NAME = "modeling_dflash.py"
 CARD_NAME = "README.md"
-MODELING_SOURCE = Path(__file__).parent / "export_modeling" / MODELING_NAME
 FILE_MODE, DIR_MODE = 0o644, 0o755
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -111,8 +110,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     if num_anchors is not None:
         config["num_anchors"] = int(num_anchors)
-    if cfg.variant.auto_map is not None:
-        config["auto_map"] = dict(cfg.variant.auto_map)
+    remote = cfg.variant.remote()
+    if remote is not None:
+        config["auto_map"] = dict(remote.auto_map)
 
     # Staged next to out_dir and moved into place only when complete: a crash mid-save never
     # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
@@ -121,9 +121,12 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
         # each one own its bytes.
         save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        shutil.copyfile(MODELING_SOURCE, tmp / MODELING_NAME)
+        written = [WEIGHTS_NAME, CONFIG_NAME, CARD_NAME]
+        if remote is not None:
+            shutil.copyfile(remote.source, tmp / remote.name)
+            written.append(remote.name)
         (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
-        for name in (WEIGHTS_NAME, CONFIG_NAME, MODELING_NAME, CARD_NAME):
+        for name in written:
             os.chmod(tmp / name, FILE_MODE)
         os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700
     return out_dir

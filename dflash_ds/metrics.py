@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_ds.io import write_json_atomic
@@ -88,13 +89,24 @@ def fmt_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def progress_line(r: dict, total_steps: int) -> str:
+def shown(templates: Sequence[str], r: dict) -> list[str]:
+    """The format strings over record `r` whose fields `r` all has, formatted (a field the step did not
+    log hides its entry)."""
+    out = []
+    for t in templates:
+        try:
+            out.append(t.format_map(r))
+        except KeyError:
+            pass
+    return out
+
+
+def progress_line(r: dict, total_steps: int, own: Sequence[str] = ()) -> str:
+    """The progress line of step record `r`; `own`: the drafter architecture's entries (its
+    `logs.progress`, format strings over the record), shown after the acceptance proxy."""
     parts = [f"step {r['step']}/{total_steps}", f"{r.get('tok_per_s', 0):,.0f} tok/s", f"ETA {fmt_eta(r.get('eta_s', 0))}",
              f"loss {r.get('loss', float('nan')):.4f}", f"accept {r.get('accept_proxy', float('nan')):.2f}"]
-    if "selector_loss" in r:
-        parts.append(f"selector {r['selector_loss']:.4f} (top-k recall {r['selector_recall']:.2f})")
-    if "tau_probabilistic" in r:
-        parts.append(f"l1 {r['l1']:.4f} | tau_p {r['tau_probabilistic']:.2f} | confidence MAE {r['confidence_mae']:.3f}")
+    parts += shown(own, r)
     if "target_tok_per_s" in r:
         parts.append(f"target {r['target_tok_per_s']:,.0f} tok/s")
     parts.append(f"drafter {r.get('drafter_tok_per_s', 0):,.0f} tok/s")
@@ -108,8 +120,8 @@ def progress_line(r: dict, total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def print_progress(r: dict, total_steps: int) -> None:
-    line = progress_line(r, total_steps)
+def print_progress(r: dict, total_steps: int, own: Sequence[str] = ()) -> None:
+    line = progress_line(r, total_steps, own)
     if sys.stderr.isatty():
         sys.stderr.write("\r" + line[: os.get_terminal_size().columns - 1])
     else:

@@ -2,7 +2,7 @@
 
 Draft-token counts differ between engines: SGLang's `--speculative-num-draft-tokens` counts the
 whole block (anchor included), vLLM's `num_speculative_tokens` and llama.cpp's `--spec-draft-n-max`
-count the drafted tokens only (`DrafterVariant.serving`).
+count the drafted tokens only (the architecture's `card(shape).serving`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dflash_ds.model.shape import DrafterShape
+from dflash_ds.model.variants.base import Serving
 
 THINKING_ROW = re.compile(r"^\| chat template \| `enable_thinking: (true|false)`", re.M)
 BENCH_HEADING = "## Acceptance by benchmark"
@@ -40,7 +41,8 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         tau_line = "not measured for this export"
     else:
         tau_line = f"{tau.value:.3f} (exact offline greedy acceptance length on {known(tau_prompts)})"
-    serve = cfg.variant.serving(cfg)
+    card = cfg.variant.card(cfg)
+    serve = card.serving
     vllm_cfg = json.dumps({"method": serve.vllm_method, "model": "DRAFTER_DIR",
                            "num_speculative_tokens": serve.vllm_tokens})
     think = "unknown" if thinking is None else str(bool(thinking)).lower()
@@ -69,7 +71,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     ]
     if thinking is not None:
         lines.append(f"| chat template | `enable_thinking: {think}` (training data; evaluate and serve the same way) |")
-    lines += cfg.variant.card_rows(cfg)
+    lines += card.rows
     if position_acceptance:
         rates = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(position_acceptance, 1))
         lines.append(f"| acceptance by draft position | {rates} |")
@@ -82,7 +84,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "## Serving",
         "",
     ]
-    lines += cfg.variant.serving_note()
+    lines += card.note
     lines += [
         f"SGLang (`--speculative-num-draft-tokens` = {serve.sglang_draft_tokens}):",
         "",
@@ -99,6 +101,26 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "```",
         "",
         *sglang_note,
+    ]
+    if serve.llama_cpp_type is not None:  # None: llama.cpp does not load it (the note says why)
+        lines += llama_cpp_lines(serve, llama_tail)
+    lines += [
+        "## Loading with transformers",
+        "",
+        "```python",
+        "from transformers import AutoModel",
+        "drafter = AutoModel.from_pretrained(DRAFTER_DIR, trust_remote_code=True)",
+        "hidden = drafter(noise_embedding, target_hidden, position_ids)  # see modeling_dflash.py",
+        "logits = hidden @ target.get_output_embeddings().weight.T",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def llama_cpp_lines(serve: Serving, llama_tail: list[str]) -> list[str]:
+    """The card's llama.cpp commands (`llama_tail`: the chat template arguments, when known)."""
+    return [
         f"llama.cpp (`--spec-draft-n-max` = {serve.llama_cpp_draft_max}, the drafts of one block; the drafter "
         "converted with",
         "the target's directory, which gives it the tokenizer and the target's shape, and the target",
@@ -115,17 +137,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         f"llama.cpp reads the speculative type from the drafter's metadata (`--spec-type {serve.llama_cpp_type}`",
         "says it outright); its default draft length is 3.",
         "",
-        "## Loading with transformers",
-        "",
-        "```python",
-        "from transformers import AutoModel",
-        "drafter = AutoModel.from_pretrained(DRAFTER_DIR, trust_remote_code=True)",
-        "hidden = drafter(noise_embedding, target_hidden, position_ids)  # see modeling_dflash.py",
-        "logits = hidden @ target.get_output_embeddings().weight.T",
-        "```",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def card_info(recipe, steps: int, tau_report=None) -> dict:

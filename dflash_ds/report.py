@@ -3,8 +3,9 @@
     python -m dflash_ds.report RUN_DIR [--out DIR]
 
 Written to RUN_DIR/report/ (index.html, overview.png and one PNG per panel), and automatically at
-the end of a run on the lead drafter rank. The run's drafter architecture (its recipe record) may add
-panels of its own fields (`DrafterVariant.report_figures`). matplotlib (Agg backend: no display needed) draws the
+the end of a run on the lead drafter rank. The run's drafter architecture (its recipe record) adds
+its own fields to the panels and the summary and may add panels (its `logs` and `report_figures`):
+the report names no architecture's field. matplotlib (Agg backend: no display needed) draws the
 plots; it is a project dependency because hand-drawn PNGs would need their own text rendering.
 """
 
@@ -20,17 +21,18 @@ from typing import NamedTuple
 
 import yaml
 
-from dflash_ds.metrics import read_metrics
-from dflash_ds.model.variants import DEFAULT, VARIANTS
-from dflash_ds.model.variants.base import DrafterVariant
+from dflash_ds.metrics import read_metrics, shown
+from dflash_ds.model.variants import DEFAULT, VARIANTS, DrafterVariant
+from dflash_ds.model.variants.base import LogView
 from dflash_ds.safety import Exit, say
 
-# (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records.
+# (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records,
+# with the architecture's own fields in the panels its `logs.series` names.
 STEP_PANELS = [
     ("loss", "training loss (weighted CE)", "loss",
-     [("loss", "loss"), ("kl", "KL term"), ("l1", "L1 term"), ("confidence_loss", "confidence BCE")], "log"),
+     [("loss", "loss"), ("kl", "KL term")], "log"),
     ("accept_proxy", "acceptance proxy (anchor-averaged, training batches)", "tokens per block",
-     [("accept_proxy", "accept proxy"), ("tau_probabilistic", "probabilistic tau")], "linear"),
+     [("accept_proxy", "accept proxy")], "linear"),
     ("throughput", "throughput (context tokens/s)", "tokens/s",
      [("tok_per_s", "run"), ("drafter_tok_per_s", "per drafter rank"), ("target_tok_per_s", "per target rank")],
      "linear"),
@@ -155,18 +157,20 @@ def _draw_histogram(ax, taus: list[dict]) -> None:
         ax.text(0.5, 0.5, "no eval logged", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def _panels(steps, taus):
+def _panels(steps, taus, view: LogView = LogView()):
     """(stem, draw function) for every panel, in page order."""
+    panels = [(stem, title, ylabel, series + [(key, label) for on, key, label in view.series if on == stem], scale)
+              for stem, title, ylabel, series, scale in STEP_PANELS]
     out = [(stem, lambda ax, s=series, t=title, y=ylabel, sc=scale: _draw_series(ax, steps, s, t, y, sc))
-           for stem, title, ylabel, series, scale in STEP_PANELS[:2]]
+           for stem, title, ylabel, series, scale in panels[:2]]
     out += [("tau", lambda ax: _draw_tau(ax, taus)), ("position_acceptance", lambda ax: _draw_positions(ax, taus))]
     out += [(stem, lambda ax, s=series, t=title, y=ylabel, sc=scale: _draw_series(ax, steps, s, t, y, sc))
-            for stem, title, ylabel, series, scale in STEP_PANELS[2:]]
+            for stem, title, ylabel, series, scale in panels[2:]]
     out.append(("accepted_histogram", lambda ax: _draw_histogram(ax, taus)))
     return out
 
 
-def _summary(steps: list[dict], taus: list[dict]) -> list[tuple[str, str]]:
+def _summary(steps: list[dict], taus: list[dict], view: LogView = LogView()) -> list[tuple[str, str]]:
     rows = []
     if steps:
         last = steps[-1]
@@ -174,11 +178,8 @@ def _summary(steps: list[dict], taus: list[dict]) -> list[tuple[str, str]]:
         rows.append(("final loss", f"{last['loss']:.4f}"))
         if _num(last.get("accept_proxy")):
             rows.append(("final acceptance proxy", f"{last['accept_proxy']:.2f}"))
-        if _num(last.get("tau_probabilistic")):
-            rows.append(("final probabilistic tau", f"{last['tau_probabilistic']:.2f}"))
-        if _num(last.get("confidence_mae")):
-            rows.append(("final confidence calibration", f"MAE {last['confidence_mae']:.3f}, "
-                                                         f"bias {last['confidence_bias']:+.3f}"))
+        for label, template in view.summary:  # the architecture's own, where the last record has their fields
+            rows += [(label, text) for text in shown([template], last)]
         rates = [r["tok_per_s"] for r in steps if _num(r.get("tok_per_s"))]
         if rates:
             rows.append(("median tokens/s", f"{sorted(rates)[len(rates) // 2]:,.0f}"))
@@ -242,9 +243,10 @@ def report_contents(run_dir: str | Path) -> Contents:
     if not records:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is missing or empty; pass a run directory (run.output_dir)")
     steps, taus = split_records(records)
-    figures = run_variant(run_dir).report_figures(steps)
-    return Contents(steps, taus, _panels(steps, taus) + [(f.stem, f.draw) for f in figures],
-                    _summary(steps, taus) + [row for f in figures for row in f.rows])
+    arch = run_variant(run_dir)
+    figures = arch.report_figures(steps)
+    return Contents(steps, taus, _panels(steps, taus, arch.logs) + [(f.stem, f.draw) for f in figures],
+                    _summary(steps, taus, arch.logs) + [row for f in figures for row in f.rows])
 
 
 def page_html(run_dir: Path, contents: Contents) -> str:

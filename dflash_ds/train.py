@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
         say(f"error: {exc}")
         return Exit.USER
-    if args.dry_run:
+    if args.dry_run:  # launch.sh runs it in place of the pre-launch step, which says the recipe's notes
+        for note in recipe.notes:
+            say(f"warning: {note}")
         print(describe(spec.plan, spec.memory))
         for note in spec.notes:
             print("note:", note)

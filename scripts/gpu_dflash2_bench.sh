@@ -25,7 +25,7 @@ else
   # Toy width on the CPU: the tiny geometry (2 drafter layers of width 64), short rows, a small window.
   ARGS=(--role drafter --recipe "$R" --device cpu --geometry tiny --block-size 8 --anchors 16 --seq-len 128
         --warmup 1 --steps 2 --set "drafter.layer_types=[sliding_attention,sliding_attention]"
-        --set drafter.sliding_window=64 --set drafter.selector_rank=16)
+        --set drafter.sliding_window=64 --set drafter.dflash2.selector_rank=16)
   LIMIT=300
 fi
 status=0

@@ -100,6 +100,7 @@ def test_visible_pairs_equals_dense_mask_count():
 
 def test_drafter_flops_by_hand():
     from dflash_ds.config import DrafterConfig
+    from dflash_ds.model.variants.dflash2 import DFlash2Fields
     from dflash_ds.model.shape import DrafterShape
 
     dcfg = drafter_shape(target_config("tiny"),
@@ -110,7 +111,8 @@ def test_drafter_flops_by_hand():
     # DFlash2: the kernel projections (2 per layer of 2 layers, 64 x 2*2*64/16), the selector's projection
     # (32 x 64) and the unary scores from 16 gathered lm_head rows, per block token.
     v2 = drafter_shape(target_config("tiny"), DrafterConfig(
-        num_layers=2, block_size=BLOCK, mask_token_id=5, architecture="dflash2", selector_rank=32))
+        num_layers=2, block_size=BLOCK, mask_token_id=5, architecture="dflash2",
+        sections={"dflash2": DFlash2Fields(selector_rank=32)}))
     f2 = bench.drafter_step_flops(v2, ROWS * SEQ, ROWS * ANCHORS * BLOCK, 1234)
     per_token = 6 * (2 * 2 * 64 * 16 + 32 * 64)
     assert f2["dflash2"] == per_token * ROWS * ANCHORS * BLOCK + 4 * 16 * 64 * ROWS * ANCHORS * (BLOCK - 1)

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from dflash_ds.config import RecipeError, dump_yaml, load_recipe
+from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, target_ds_config
 from dflash_ds.resolve.plan import lr_factor, resolve
 from dflash_ds.resolve.run import resolve_run
@@ -17,11 +17,21 @@ def write(tmp_path, text, name="r.yaml"):
     return p
 
 
-def test_recipes_load_and_dump_round_trip(tmp_path):
-    for name in ("tiny", "qwen27b", "qwen3-8b", "qwen27b-2node"):
-        r = load_recipe(f"recipes/{name}.yaml")
-        again = load_recipe(write(tmp_path, dump_yaml(r), f"{name}.yaml"))
-        assert again.drafter == r.drafter and again.optim == r.optim and again.topology == r.topology
+@pytest.mark.parametrize("override, words", [
+    ("drafter.dsprak.markov_rank=4", "unknown recipe key 'drafter.dsprak'; known keys here: "),
+    ("drafter.dspark.markov_rank=abc", "drafter.dspark.markov_rank: expected an integer, got 'abc'"),
+    ("drafter.dspark.rank=4", "unknown recipe key 'drafter.dspark.rank'; known keys here: confidence_head_with_markov, "),
+    ("drafter.dspark=3", "drafter.dspark: expected a mapping of dspark settings, got 3"),
+    ("objective.dflash2.selector_warmup_ratio=2", "objective.dflash2.selector_warmup_ratio must be in [0, 1], got 2.0"),
+])
+def test_an_architectures_section_is_read_and_checked_like_the_rest(override, words):
+    """Overrides of an architecture's section (config/architectures.py) go through the same typed reading,
+    each error one line naming the dotted key."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe("recipes/tiny-dspark.yaml", [override])
+    assert words in str(e.value) and "\n" not in str(e.value)
+    if "dsprak" in override:
+        assert str(e.value).endswith("; architecture sections: dflash2, dspark")
 
 
 def test_unknown_key_names_dotted_path(tmp_path):

@@ -52,11 +52,11 @@ def test_every_field_of_the_drafters_shape_is_compared_even_one_added_later():
 
 
 @pytest.mark.parametrize("change, key", [
-    ("drafter.conv_kernel_size=3", "drafter.conv_kernel_size 2 -> 3"),
-    ("drafter.conv_group_size=8", "drafter.conv_group_size 16 -> 8"),
-    ("drafter.selector_rank=16", "drafter.selector_rank 32 -> 16"),
+    ("drafter.dflash2.conv_kernel_size=3", "drafter.dflash2.conv_kernel_size 2 -> 3"),
+    ("drafter.dflash2.conv_group_size=8", "drafter.dflash2.conv_group_size 16 -> 8"),
+    ("drafter.dflash2.selector_rank=16", "drafter.dflash2.selector_rank 32 -> 16"),
     # The export's dflash_config carries it: a selector trained with one top-k would be exported with another.
-    ("drafter.selector_top_k=8", "drafter.selector_top_k 10 -> 8"),
+    ("drafter.dflash2.selector_top_k=8", "drafter.dflash2.selector_top_k 10 -> 8"),
 ])
 def test_a_resume_that_changes_a_dflash2_field_is_refused(tmp_path, change, key):
     dflash2 = REPO / "recipes" / "tiny-dflash2.yaml"
@@ -64,6 +64,21 @@ def test_a_resume_that_changes_a_dflash2_field_is_refused(tmp_path, change, key)
     with pytest.raises(RecipeError) as e:
         contract.check_resume(load_recipe(dflash2, [f"run.output_dir={tmp_path}", change]), 100)
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_record_with_an_older_versions_flat_keys_resumes_at_their_sections(tmp_path):
+    """A run recorded before the architectures' sections (drafter.selector_rank, objective.selector_alpha flat)
+    resumes under the same recipe written in sections, and a changed section key is still refused."""
+    dflash2 = REPO / "recipes" / "tiny-dflash2.yaml"
+    recipe = load_recipe(dflash2, [f"run.output_dir={tmp_path}"])
+    raw = yaml.safe_load(dump_yaml(recipe))
+    for kind in ("drafter", "objective"):
+        raw[kind].update(raw[kind].pop("dflash2"))
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert contract.recorded(tmp_path).drafter == recipe.drafter
+    assert contract.check_resume(recipe, 4) is None
+    with pytest.raises(RecipeError, match=r"drafter\.dflash2\.selector_rank 32 -> 16"):
+        contract.check_resume(load_recipe(dflash2, [f"run.output_dir={tmp_path}", "drafter.dflash2.selector_rank=16"]), 4)
 
 
 @pytest.mark.parametrize("changes, keys", [

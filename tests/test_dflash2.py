@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.model.attention import build_mask
-from dflash_ds.model.variants.dflash2_parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
+from dflash_ds.model.variants.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
@@ -21,6 +21,7 @@ from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.logit_transform import IDENTITY
 from dflash_ds.model.blocks import Blocks, MicroBatch, block_inputs, block_targets
 from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.model.variants.dflash2 import DFlash2Fields
 
 D, VOCAB, B = 64, 300, 4
 
@@ -33,8 +34,9 @@ def target_config():
 
 def drafter(architecture="dflash2", seed=0, dtype=torch.float64, **kw):
     shape = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4, 6],
-                         architecture=architecture, conv_group_size=kw.pop("conv_group_size", 8),
-                         selector_rank=kw.pop("selector_rank", 12), selector_top_k=kw.pop("selector_top_k", 5), **kw)
+                         architecture=architecture, sections={"dflash2": DFlash2Fields(
+                             conv_group_size=kw.pop("conv_group_size", 8), selector_rank=kw.pop("selector_rank", 12),
+                             selector_top_k=kw.pop("selector_top_k", 5), **kw)})
     torch.manual_seed(seed)
     return DFlashDrafter(drafter_shape(target_config(), shape)).to(dtype)
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.launcher
 
 RECIPE = "recipes/tiny-dflash2.yaml"
 FAST = ["optim.max_steps=4", "log.every_steps=1", "eval.at_start=false", "log.progress=false",
-        "data.num_eval=4", "eval.max_new_tokens=16", "objective.selector_warmup_ratio=0.25",
-        "objective.selector_ramp_ratio=0.5"]
+        "data.num_eval=4", "eval.max_new_tokens=16", "objective.dflash2.selector_warmup_ratio=0.25",
+        "objective.dflash2.selector_ramp_ratio=0.5"]
 
 
 def reference(tmp_path, overrides):
@@ -47,7 +47,7 @@ def test_tiny_dflash2_trains_exports_and_evaluates(tmp_path):
     ref = reference(tmp_path / "ref", [])
     assert [r["loss"] for r in recs] == pytest.approx(ref, rel=2e-4)
     # The selector term changes training once its weight is on (warm-up: step 1 only).
-    no_selector = reference(tmp_path / "ref0", ["objective.selector_alpha=0"])
+    no_selector = reference(tmp_path / "ref0", ["objective.dflash2.selector_alpha=0"])
     assert ref[:2] == pytest.approx(no_selector[:2], rel=1e-6) and abs(ref[-1] - no_selector[-1]) > 1e-5
     assert all(r["selector_loss"] >= 0 and 0 <= r["selector_recall"] <= 1 for r in recs)
     assert recs[-1]["selector_loss"] > 0

@@ -54,10 +54,10 @@ def test_dflash2_tap_preset_for_the_64_layer_geometry():
 
 @pytest.mark.parametrize("override, words", [
     ("drafter.architecture=dflash3", "drafter.architecture"),
-    ("drafter.conv_kernel_size=9", "drafter.conv_kernel_size"),
-    ("drafter.selector_top_k=0", "drafter.selector_top_k"),
-    ("objective.selector_alpha=-1", "objective.selector_alpha"),
-    ("objective.selector_ramp_ratio=2", "objective.selector_ramp_ratio"),
+    ("drafter.dflash2.conv_kernel_size=9", "drafter.dflash2.conv_kernel_size"),
+    ("drafter.dflash2.selector_top_k=0", "drafter.dflash2.selector_top_k"),
+    ("objective.dflash2.selector_alpha=-1", "objective.dflash2.selector_alpha"),
+    ("objective.dflash2.selector_ramp_ratio=2", "objective.dflash2.selector_ramp_ratio"),
 ])
 def test_bad_dflash2_settings_stop_with_one_line(override, words):
     with pytest.raises(RecipeError) as e:
@@ -67,18 +67,18 @@ def test_bad_dflash2_settings_stop_with_one_line(override, words):
 
 def test_a_group_size_that_does_not_divide_the_width_is_refused_before_launch():
     with pytest.raises(RecipeError) as e:
-        resolve_run(load_recipe(TINY2, SMALL + ["drafter.conv_group_size=48"]), world_size=2)
-    assert "drafter.conv_group_size" in str(e.value)
+        resolve_run(load_recipe(TINY2, SMALL + ["drafter.dflash2.conv_group_size=48"]), world_size=2)
+    assert "drafter.dflash2.conv_group_size" in str(e.value)
 
 
 def test_a_selector_too_wide_for_llama_cpp_is_refused_before_launch():
     # llama.cpp packs k candidates and k x k scores into one hidden-width row: 10 * 11 <= 128 < 11 * 12.
     assert resolve_run(load_recipe(TINY2, SMALL), world_size=2).drafter.arch_fields.selector_top_k == 10
     with pytest.raises(RecipeError) as e:
-        resolve_run(load_recipe(TINY2, SMALL + ["drafter.selector_top_k=11"]), world_size=2)
+        resolve_run(load_recipe(TINY2, SMALL + ["drafter.dflash2.selector_top_k=11"]), world_size=2)
     msg = str(e.value)
-    assert "drafter.selector_top_k" in msg and "132" in msg and "10 or less" in msg and "\n" not in msg
-    v1 = resolve_run(load_recipe(TINY2, SMALL + ["drafter.architecture=dflash", "drafter.selector_top_k=11"]), 2)
+    assert "drafter.dflash2.selector_top_k" in msg and "132" in msg and "10 or less" in msg and "\n" not in msg
+    v1 = resolve_run(load_recipe(TINY2, SMALL + ["drafter.architecture=dflash", "drafter.dflash2.selector_top_k=11"]), 2)
     assert v1.drafter.architecture == "dflash"  # a v1 drafter has no selector to refuse
 
 

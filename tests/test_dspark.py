@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, MarkovHead, anchor_first_targets, calibration,
+from dflash_ds.model.variants.dspark.parts import (ConfidenceHead, MarkovHead, anchor_first_targets, calibration,
                                                    confident_prefix, expected_tau, greedy_walk, l1_to_target,
                                                    shift_in)
 

@@ -16,19 +16,21 @@ from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.objective import StepSettings, acceptance_proxy, drafter_loss
 from dflash_ds.model.variants.dspark import BINS
-from dflash_ds.model.variants.dspark_parts import DSparkTerms
+from dflash_ds.model.variants.dspark.parts import DSparkTerms
 from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.model.variants.dspark import DSparkFields
 
 D, VOCAB, B, S, RANK = 32, 96, 4, 40, 3
 TERMS = DSparkTerms(ce=0.1, l1=0.9, confidence=1.0)
 
 
-def world(kl_weight: float):
+def world(kl_weight: float, **fields):
     cfg = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
                       rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
     shape = drafter_shape(cfg, DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
-                                             target_layer_ids=[1, 4], architecture="dspark", markov_rank=RANK))
+                                             target_layer_ids=[1, 4], architecture="dspark",
+                                             sections={"dspark": DSparkFields(markov_rank=RANK, **fields)}))
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).double()
     with torch.no_grad():  # heads large enough that the bias and the confidence matter
@@ -48,6 +50,31 @@ def world(kl_weight: float):
     settings = StepSettings(shape=shape, num_anchors=7, gamma=shape.variant.default_gamma(shape), loss_chunks=3,
                             mask_kind="dense", seed=0, kl_weight=kl_weight, kl_temperature=1.5, arch_loss=TERMS)
     return DraftModel(drafter, embed, head), mb, settings
+
+
+def named(model, extra) -> dict[str, float]:
+    """The step's sums by the architecture's names (what the trainer hands `log_record`)."""
+    return dict(zip(model.config.variant.log_names(model.config), map(float, extra)))
+
+
+def test_a_drafter_without_a_confidence_head_logs_no_confidence_field():
+    """Its sums have no confidence entries and its record no confidence field (it logged "confidence MAE
+    0.000", a head it does not have); the rest of DSpark's fields are those of a drafter with the head."""
+    from dflash_ds.metrics import progress_line
+
+    with_head, bare = world(0.0), world(0.0, enable_confidence_head=False)
+    records = []
+    for model, mb, settings in (with_head, bare):
+        blocks = make_blocks(mb, settings, 0)
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings)
+        assert len(out.extra) == len(model.config.variant.log_names(model.config))
+        records.append(model.config.variant.log_record(named(model, out.extra), float(blocks.weights.sum())))
+    assert {k for k in records[0] if k.startswith("confidence")} >= {"confidence_loss", "confidence_mae", "confidence_bias"}
+    assert not [k for k in records[1] if k.startswith("confidence")]
+    assert set(records[1]) == {k for k in records[0] if not k.startswith("confidence")}
+    line = progress_line({"step": 1, "loss": 1.0, "accept_proxy": 1.0, **records[1]}, 2,
+                         bare[0].config.variant.logs.progress)
+    assert "tau_p" in line and "confidence" not in line
 
 
 def reference(model, mb, blocks, hidden, normaliser, kl):
@@ -125,7 +152,7 @@ def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
     for k in range(B):
         assert slots[2 * k] == pytest.approx(float((accept[..., k] * on[..., k]).sum()), rel=1e-10)
         assert slots[2 * k + 1] == int(on[..., k].sum())
-    record = model.config.variant.log_record(list(map(float, out.extra)), float(blocks.weights.sum()))
+    record = model.config.variant.log_record(named(model, out.extra), float(blocks.weights.sum()))
     assert 1.0 <= record["tau_probabilistic"] <= B + 1 and "accept_rate_pos_4" in record
     # The greedy hits count from slot 0 (anchor-first), on the biased logits.
     assert torch.equal(out.correct, hits)
@@ -165,7 +192,7 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
     got = torch.tensor([float(x) for x in out.extra[-3 * BINS:]], dtype=torch.float64).view(3, BINS)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     variant, total = model.config.variant, float(norm)
-    record = variant.log_record(list(map(float, out.extra)), float(norm))
+    record = variant.log_record(named(model, out.extra), float(norm))
     for row, name in zip(want, ("weight", "pred", "target")):
         assert record[f"confidence_bin_{name}"] == pytest.approx((row / total).tolist(), rel=1e-10, abs=1e-14)
     ece = float((want[1] - want[2]).abs().sum() / want[0].sum())
@@ -174,5 +201,5 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
     assert record["confidence_bias"] == pytest.approx(float((want[1] - want[2]).sum()) / total, rel=1e-9)
     assert abs(record["confidence_bias"]) <= record["confidence_ece"] <= record["confidence_mae"] + 1e-12
     # Empty bins (no confidence head) log no reliability fields.
-    bare = variant.log_record([float(x) for x in out.extra[:-3 * BINS]] + [0.0] * (3 * BINS), float(norm))
+    bare = variant.log_record(named(model, [float(x) for x in out.extra[:-3 * BINS]] + [0.0] * (3 * BINS)), float(norm))
     assert "accept_rate_pos_1" in bare and not any(k.startswith(("confidence_bin", "confidence_ece")) for k in bare)

@@ -39,7 +39,8 @@ def test_qwen27b_dspark_recipe_is_deepspecs_drafter_at_the_flagship_block():
     assert (recipe.drafter.block_size, recipe.objective.num_anchors, recipe.data.row_length) == \
         (v1.drafter.block_size, v1.objective.num_anchors, v1.data.row_length)
     assert math.isclose(shape.variant.default_gamma(shape), 22 / 3) and recipe.objective.gamma is None
-    assert shape.variant.loss_settings(recipe.objective)[:3] == (0.1, 0.9, 1.0)
+    terms = shape.variant.loss_settings(recipe.objective)
+    assert (terms.ce, terms.l1, terms.confidence) == (0.1, 0.9, 1.0)
     assert wants_target_logits(recipe, shape)  # the target ranks send their final-norm states
 
 
@@ -51,10 +52,10 @@ def test_qwen27b_dspark_recipe_at_deepspecs_block_is_one_override():
 
 
 @pytest.mark.parametrize("override, words", [
-    ("drafter.markov_head_type=gated", "drafter.markov_head_type"),
-    ("drafter.markov_rank=0", "drafter.markov_rank"),
-    ("objective.l1_weight=-1", "objective.l1_weight"),
-    ("objective.confidence_weight=-0.5", "objective.confidence_weight"),
+    ("drafter.dspark.markov_head_type=gated", "drafter.dspark.markov_head_type"),
+    ("drafter.dspark.markov_rank=0", "drafter.dspark.markov_rank"),
+    ("objective.dspark.l1_weight=-1", "objective.dspark.l1_weight"),
+    ("objective.dspark.confidence_weight=-0.5", "objective.dspark.confidence_weight"),
 ])
 def test_bad_dspark_settings_stop_with_one_line(override, words):
     with pytest.raises(RecipeError) as e:
@@ -62,19 +63,61 @@ def test_bad_dspark_settings_stop_with_one_line(override, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("recipe, key, value, default", [
-    ("recipes/tiny.yaml", "drafter.markov_rank", 64, 256),
-    ("recipes/tiny-dflash2.yaml", "drafter.markov_rank", 64, 256),
+@pytest.mark.parametrize("recipe, keys, named", [
+    ("recipes/tiny.yaml", ["drafter.dspark.markov_rank=64"], ["drafter.dspark.markov_rank"]),
+    # The objective's keys of another architecture were ignored without a word.
+    ("recipes/tiny.yaml", ["objective.dspark.l1_weight=0.5", "objective.dflash2.selector_alpha=0.5"],
+     ["objective.dspark.l1_weight", "objective.dflash2.selector_alpha"]),
+    ("recipes/tiny-dflash2.yaml", ["drafter.dspark.markov_rank=64", "objective.dspark.ce_weight=1"],
+     ["drafter.dspark.markov_rank, objective.dspark.ce_weight"]),
     # DFlash2's convolution is no part of a DSpark drafter (llama.cpp builds it only for DFlash2).
-    (TINY, "drafter.conv_kernel_size", 3, 2),
+    (TINY, ["drafter.dflash2.conv_kernel_size=3"], ["drafter.dflash2.conv_kernel_size"]),
 ])
-def test_another_architectures_setting_is_named_as_unread(recipe, key, value, default, capsys):
-    spec = resolve_run(load_recipe(recipe, SMALL + [f"{key}={value}"]), world_size=2)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if key in ln]
-    assert len(lines) == 1 and "warning" in lines[0] and f"drafter.architecture: {spec.drafter.architecture}" in lines[0]
-    # At the default the key is only the section's value: no line.
-    resolve_run(load_recipe(recipe, SMALL + [f"{key}={default}"]), world_size=2)
-    assert key not in capsys.readouterr().err
+def test_another_architectures_settings_are_named_once(recipe, keys, named, capsys):
+    """One line per other architecture whose sections the recipe sets, naming its keys and the fix, said by
+    the launch once (it was said by every rank's resolve step: three times on the tiny recipes)."""
+    loaded = load_recipe(recipe, SMALL + keys)
+    arch = loaded.drafter.architecture
+    assert len(loaded.notes) == len(named)
+    for line, words in zip(loaded.notes, named):
+        assert line.startswith(words + ":") and f"drafter.architecture: {arch}" in line and "remove the" in line
+    resolve_run(loaded, world_size=2)
+    assert "markov_rank" not in capsys.readouterr().err  # the resolve step (every rank's) says nothing
+    # A section at its defaults is still named (the recipe wrote it), by its name.
+    section = keys[0].split("=")[0].rsplit(".", 1)[0]
+    assert load_recipe(recipe, SMALL + [section + "={}"]).notes[0].startswith(section + ":")
+
+
+def test_the_launch_says_the_notes_once(tmp_path, capsys, monkeypatch):
+    """guard.launch.main, the pre-launch step, is the one place that says them (train.main's ranks do not)."""
+    from dflash_ds.guard import launch
+
+    monkeypatch.setattr(launch, "prelaunch", lambda recipe: {})
+    monkeypatch.setattr(launch, "free_port", lambda: 1234)
+    assert launch.main(["recipes/tiny.yaml", "drafter.dspark.markov_rank=64", f"run.output_dir={tmp_path}"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("drafter.dspark.markov_rank") == 1 and "warning:" in err
+
+
+def test_an_older_recipes_flat_keys_load_at_their_sections(tmp_path):
+    """A recipe written before the sections: each flat key is read at its new place, one line naming both."""
+    old = tmp_path / "old.yaml"
+    text = open(TINY).read()
+    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "ce_weight", "l1_weight", "confidence_weight"):
+        text = text.replace(f"    {key}:", f"  {key}:")
+    old.write_text(text.replace("  dspark:\n", "", 2))
+    recipe, new = load_recipe(old, SMALL), load_recipe(TINY, SMALL)
+    assert recipe.drafter == new.drafter and recipe.objective == new.objective
+    assert recipe.notes[0] == ("recipe key 'drafter.markov_rank' moved to 'drafter.dspark.markov_rank'; read there "
+                               "for now: move it in the recipe") and len(recipe.notes) == 7
+    # One of another architecture's: one line, saying both.
+    v1 = load_recipe("recipes/tiny.yaml", SMALL + ["drafter.selector_top_k=8"])
+    assert v1.notes == ("recipe key 'drafter.selector_top_k' moved to 'drafter.dflash2.selector_top_k', a dflash2 "
+                        "setting: this drafter is drafter.architecture: dflash and trains without it (remove it, or "
+                        "set drafter.architecture: dflash2); read there for now: move it in the recipe",)
+    with pytest.raises(RecipeError, match="drafter.markov_rank and drafter.dspark.markov_rank are both set"):
+        load_recipe(TINY, SMALL + ["drafter.markov_rank=8"])
 
 
 def test_init_from_a_dspark_export(tmp_path):
@@ -134,10 +177,16 @@ def test_bench_counts_dsparks_matmuls():
 
 def test_progress_line_and_report_show_dsparks_fields():
     from dflash_ds.metrics import progress_line
+    from dflash_ds.model.variants import VARIANTS
     from dflash_ds.report import _summary
 
+    logs = VARIANTS["dspark"].logs
     rec = {"step": 5, "loss": 1.0, "accept_proxy": 2.0, "l1": 0.5, "tau_probabilistic": 2.25,
            "confidence_mae": 0.125, "confidence_bias": -0.0625}
-    assert "l1 0.5000 | tau_p 2.25 | confidence MAE 0.125" in progress_line(rec, 10)
-    rows = dict(_summary([rec], []))
+    assert "accept 2.00 | l1 0.5000 | tau_p 2.25 | confidence MAE 0.125 | drafter" in progress_line(rec, 10, logs.progress)
+    rows = dict(_summary([rec], [], logs))
     assert rows["final probabilistic tau"] == "2.25" and rows["final confidence calibration"] == "MAE 0.125, bias -0.062"
+    # A drafter without a confidence head logs none of its fields, and nothing shows them (it showed "MAE 0.000").
+    bare = {k: v for k, v in rec.items() if not k.startswith("confidence")}
+    assert "confidence" not in progress_line(bare, 10, logs.progress) and "tau_p 2.25" in progress_line(bare, 10, logs.progress)
+    assert "final confidence calibration" not in dict(_summary([bare], [], logs))

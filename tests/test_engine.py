@@ -120,7 +120,7 @@ def speculative(llama, tiny, served, text: str, options: list[str]) -> tuple[str
     """(generated text, every round's accepted and verified drafts as logged, llama.cpp's mean acc
     len) of one llama.cpp run, served as the model card says (speculative type, --spec-draft-n-max)."""
     model = served["model"]
-    serve = model.config.variant.serving(model.config)
+    serve = model.config.variant.card(model.config).serving
     r = llama.run([llama.program("llama-speculative-simple"), "-m", str(tiny["gguf"]), "-md", str(served["gguf"]),
                    "-p", text, "-n", str(BUDGET), "--spec-draft-n-max", str(serve.llama_cpp_draft_max), "-c", "1024",
                    "-lv", "5", *FLOAT32, *FLOAT32_DRAFT, *options], complete="#mean acc len")

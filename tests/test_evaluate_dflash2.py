@@ -13,6 +13,7 @@ from dflash_ds.eval.specdec import draft_block
 from dflash_ds.eval.tau import accept_lengths
 from dflash_ds.model.variants.base import argmax_tokens
 from dflash_ds.model.variants.dflash2 import SelectorSchedule
+from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.eval_world import (LAYER_IDS, MASK, NEW, PROMPT_LEN, online_equals_offline, sampled_cycles_agree,
                               trained_world)
 
@@ -23,7 +24,8 @@ B = 8
 @pytest.fixture(scope="module")
 def world():
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
-                             architecture="dflash2", conv_group_size=16, selector_rank=16, selector_top_k=8)
+                             architecture="dflash2",
+                             sections={"dflash2": DFlash2Fields(conv_group_size=16, selector_rank=16, selector_top_k=8)})
     return trained_world(section, SelectorSchedule(alpha=1.0, inject_gold=True), gamma=4.0)
 
 

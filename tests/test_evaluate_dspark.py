@@ -13,7 +13,8 @@ from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.eval.tau import accept_lengths, anchor_proposals
 from dflash_ds.model.attention import DFlashMask
 from dflash_ds.model.variants.base import argmax_tokens
-from dflash_ds.model.variants.dspark_parts import DSparkTerms
+from dflash_ds.model.variants.dspark.parts import DSparkTerms
+from dflash_ds.model.variants.dspark import DSparkFields
 from tests.eval_world import (LAYER_IDS, MASK, NEW, PROMPT_LEN, online_equals_offline, sampled_cycles_agree,
                               trained_world)
 
@@ -23,7 +24,7 @@ B = 7
 @pytest.fixture(scope="module")
 def world():
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
-                            architecture="dspark", markov_rank=16)
+                            architecture="dspark", sections={"dspark": DSparkFields(markov_rank=16)})
     return trained_world(section, DSparkTerms(), gamma=4.0)  # default_gamma(B + 1), DeepSpec's at B = 7
 
 
@@ -80,7 +81,7 @@ def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
     """The trained drafter's proposals at anchors of the two prompts it never saw equal llama.cpp's
     in-graph chain (`build_dspark_markov_head`, sample_from_anchor) and serving loop re-implemented
     in tests/test_dspark.py, with and without a confidence threshold."""
-    from dflash_ds.model.variants.dspark_parts import confident_prefix
+    from dflash_ds.model.variants.dspark.parts import confident_prefix
 
     from .test_dspark import llama_cpp_drafts, llama_cpp_dspark
 

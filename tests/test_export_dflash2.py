@@ -34,7 +34,8 @@ def tiny_target_config():
 
 def make_drafter(seed=0, num_layers=2):
     section = DrafterConfig(num_layers=num_layers, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
-                             architecture="dflash2", conv_group_size=16, selector_rank=12, selector_top_k=6)
+                             architecture="dflash2",
+                             sections={"dflash2": DFlash2Fields(conv_group_size=16, selector_rank=12, selector_top_k=6)})
     torch.manual_seed(seed)
     drafter = DFlashDrafter(drafter_shape(tiny_target_config(), section))
     with torch.no_grad():  # every tensor distinct (the convolutions and selector included)
@@ -99,7 +100,7 @@ def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
     present = [k for k in rules["top_level_keys"] if k in config]
     assert {"num_target_layers", "layer_types", "use_sliding_window", "sliding_window",
             "max_window_layers"} <= set(present)
-    assert config["auto_map"] == VARIANTS["dflash2"].auto_map
+    assert config["auto_map"] == VARIANTS["dflash2"].remote().auto_map
     card = (out / "README.md").read_text()
     assert "# DFlash2 drafter" in card and '"num_speculative_tokens": 7' in card
     assert "--speculative-num-draft-tokens 8" in card and "DFlash2DraftModel" in card
@@ -189,7 +190,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
 
     W, S = 10, 24  # a window of 10 over blocks of 8: the context is cut at every anchor
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
-                             architecture="dflash2", selector_rank=12, selector_top_k=6,
+                             architecture="dflash2", sections={"dflash2": DFlash2Fields(selector_rank=12, selector_top_k=6)},
                              layer_types=("sliding_attention", "sliding_attention"), sliding_window=W,
                              is_causal=is_causal)
     torch.manual_seed(4)

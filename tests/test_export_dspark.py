@@ -19,6 +19,7 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.variants import VARIANTS
 from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.model.variants.dspark import DSparkFields
 from tests.remote_case import block_case, serving_call, training_call
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "dspark_reader_rules.json").read_text())
@@ -33,7 +34,7 @@ def tiny_target_config(**kw):
 
 def section(**kw):
     return DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],
-                         architecture="dspark", **{"markov_rank": RANK, **kw})
+                         architecture="dspark", sections={"dspark": DSparkFields(**{"markov_rank": RANK, **kw})})
 
 
 def make_drafter(seed=0, **kw):
@@ -82,7 +83,7 @@ def test_export_config_and_tensors_follow_the_readers_rules(tmp_path):
     assert (config["markov_rank"], config["block_size"], config["num_anchors"]) == (RANK, B, 24)
     assert config["target_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [1, 3, 5]
     assert config["mask_token_id"] == config["dflash_config"]["mask_token_id"] == VOCAB - 1
-    assert config["auto_map"] == VARIANTS["dspark"].auto_map
+    assert config["auto_map"] == VARIANTS["dspark"].remote().auto_map
     card = (out / "README.md").read_text()
     assert "# DSpark drafter" in card and '"method": "dspark"' in card and f'"num_speculative_tokens": {B}' in card
     assert f"--speculative-algorithm DSPARK" in card and f"--speculative-num-draft-tokens {B + 1}" in card
@@ -121,6 +122,34 @@ def test_a_head_free_of_the_markov_feature_and_no_confidence_head_export_their_s
     assert load_drafter(out).config.arch_fields.enable_confidence_head is False
 
 
+def test_the_card_serves_only_what_the_engines_load(tmp_path):
+    """Without a confidence head the card says nothing of --spec-draft-p-min (no confidence to cut at);
+    a confidence head without the Markov embedding is a form llama.cpp does not build, so the card gives
+    no llama.cpp commands and the engines' count for it is not predicted."""
+    cards = {}
+    for name, kw in (("full", {}), ("none", {"enable_confidence_head": False}),
+                     ("plain", {"confidence_head_with_markov": False})):
+        out = save_drafter(make_drafter(**kw), tmp_path / name, dtype=torch.float32)
+        cards[name] = (out / "README.md").read_text()
+    assert "--spec-draft-p-min P" in cards["full"] and "llama-server -m target.gguf" in cards["full"]
+    assert "spec-draft-p-min" not in cards["none"] and "llama-server -m target.gguf" in cards["none"]
+    assert "llama-server" not in cards["plain"] and "llama.cpp does not load this drafter" in cards["plain"]
+    assert "vllm serve" in cards["plain"] and "sglang.launch_server" in cards["plain"]
+    shape = make_drafter(confidence_head_with_markov=False).config
+    assert shape.variant.card(shape).serving.llama_cpp_type is None
+
+
+def test_no_llama_cpp_cut_is_predicted_for_a_drafter_llama_cpp_does_not_load():
+    from dflash_ds.eval.cli import llama_cpp_counts
+
+    plain = DraftModel(make_drafter(confidence_head_with_markov=False), torch.zeros(VOCAB, D), torch.randn(VOCAB, D))
+    assert llama_cpp_counts(None, plain, [[1, 2]], [torch.arange(6)], budget=4) is None
+    hidden, anchors = torch.randn(3, B, D), torch.tensor([1, 2, 3])
+    assert plain.propose(hidden, anchors).served.tolist() == [B] * 3  # drafting itself is unchanged
+    with pytest.raises(ValueError, match="llama.cpp does not load"):
+        plain.propose(hidden, anchors, 0.5)
+
+
 def test_automodel_loads_dspark_and_equals_the_drafter(tmp_path):
     from transformers import AutoModel
 
@@ -153,9 +182,9 @@ def test_automodel_loads_dspark_and_equals_the_drafter(tmp_path):
 
 
 def test_recipe_refusals_name_the_setting():
-    with pytest.raises(ValueError, match=r"^drafter\.markov_head_type = 'gated' is not served.*set vanilla$"):
+    with pytest.raises(ValueError, match=r"^drafter\.dspark\.markov_head_type = 'gated' is not served.*set vanilla$"):
         drafter_shape(tiny_target_config(), section(markov_head_type="gated"))
-    with pytest.raises(ValueError, match=r"^drafter\.markov_rank = 0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"^drafter\.dspark\.markov_rank = 0 must be >= 1"):
         drafter_shape(tiny_target_config(), section(markov_rank=0))
     with pytest.raises(ValueError, match=r"^target\.path scales or caps the target's logits"):
         drafter_shape(tiny_target_config(final_logit_softcapping=30.0), section())

@@ -327,7 +327,7 @@ def test_dflash2_selector_kernels_at_27b_sizes(record):
     248,320, top 16, rank 256): the two-stage top-k gives torch.topk's values; `take_rows`'s gradient is the
     float64 segmented sum and the same bits twice; the selector loss fed the base loss's logits matches the
     one that recomputes them. Timings of the old and new kernels are recorded."""
-    from dflash_ds.model.variants.dflash2_parts import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
+    from dflash_ds.model.variants.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
     from dflash_ds.model.gather import take_rows
     from dflash_ds.model.top_k import block_top_k
 
@@ -434,14 +434,14 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
 
 
 def test_dspark_pass_kernel_matches_the_compiled_pass(record):
-    """DSpark's hand-written pass over a chunk's vocabulary (variants/dspark_pass.l1_pass: three
+    """DSpark's hand-written pass over a chunk's vocabulary (variants/dspark/vocab_pass.l1_pass: three
     sweeps a row, the gradient written over the logits) against the generic compiled pass
     (vocab_pass.chunk_math with l1_to_target) on one chunk at the flagship's sizes (896 rows, the
     vocabulary 248,320; the target's logits a table of 540 distinct rows read by index), with and
     without the gradient, and on a vocabulary that is no multiple of the kernel's block."""
     from dflash_ds.model.logit_transform import IDENTITY
-    from dflash_ds.model.variants.dspark_parts import l1_to_target
-    from dflash_ds.model.variants.dspark_pass import l1_pass
+    from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
     from dflash_ds.model.vocab_pass import Pass, Scales, TargetLogits, chunk_pass
 
     found = {}
@@ -495,8 +495,8 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
     from dflash_ds.model.chunk_term import ChunkTerm
     from dflash_ds.model.gather import take_rows
     from dflash_ds.model.loss import KLTerm
-    from dflash_ds.model.variants.dspark_parts import l1_to_target
-    from dflash_ds.model.variants.dspark_pass import l1_pass
+    from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, d, v, r, l1 = 512 * 7, 5120, 248320, 256, 0.9

@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, Qwen3Config
 
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.variants.dflash2_parts import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
+from dflash_ds.model.variants.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
 from dflash_ds.resolve.drafter import drafter_shape
+from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.reference import dense_loss
 from tests.test_dflash2 import reference_selector_loss
 from tests.test_selector_kernels import selector_case
@@ -119,7 +120,7 @@ def test_greedy_walk_uses_transformed_unary_scores():
 def gemma_like_drafter(architecture):
     target = small(Gemma2Config, final_logit_softcapping=3.0)
     section = DrafterConfig(num_layers=2, block_size=4, mask_token_id=127, target_layer_ids=[1, 3, 5],
-                             architecture=architecture, selector_rank=6, selector_top_k=8)
+                             architecture=architecture, sections={"dflash2": DFlash2Fields(selector_rank=6, selector_top_k=8)})
     torch.manual_seed(0)
     return DFlashDrafter(drafter_shape(target, section))
 

@@ -112,7 +112,7 @@ def test_target_states_by_index_equal_the_gathered_rows(weight_kl):
     # returns equals the run on the gathered rows, for every chunking (uneven, one row, more chunks
     # than rows), with the KL term on and, weight 0, with only a chunk term reading the logits.
     from dflash_ds.model.chunk_term import ChunkTerm
-    from dflash_ds.model.variants.dspark_parts import l1_to_target
+    from dflash_ds.model.variants.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float64)
     table = target_states(torch.float64, n=9)
@@ -352,7 +352,7 @@ def test_elementwise_traces_as_one_graph():
     # On CUDA the chunk's elementwise pass is compiled with fullgraph=True: every combination of its
     # parts (gradient or not, the KL term, an architecture's vocab term) must trace without
     # graph breaks and give the eager results.
-    from dflash_ds.model.variants.dspark_parts import l1_to_target
+    from dflash_ds.model.variants.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float32)
     logits = hidden @ weight.T
@@ -431,7 +431,7 @@ def test_a_head_of_its_own_gives_the_folded_losses(by_index):
     # With LossOptions.head (FP8 on the GPU) the drafter's logits, the term's bias and the target's
     # logits are matmuls of their own instead of one stacked matmul: every output and gradient equal.
     from dflash_ds.model.chunk_term import ChunkTerm
-    from dflash_ds.model.variants.dspark_parts import l1_to_target
+    from dflash_ds.model.variants.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float64)
     g = torch.Generator().manual_seed(11)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from dflash_ds.model.variants.dflash2_parts import CandidateSelector, SelectorRows, SelectorTerm, candidate_logits, selector_loss
+from dflash_ds.model.variants.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, candidate_logits, selector_loss
 from dflash_ds.model.gather import segment_sum_rows, take_rows
 from dflash_ds.model.top_k import block_top_k
 

@@ -3,15 +3,18 @@
 - no function or method takes more than 7 parameters (self, *args, **kwargs and keyword-only ones
   count), except command-line entry points: `main` functions and the CLI modules (`cli.py`,
   `__main__.py`); related settings travel as one small dataclass / NamedTuple instead;
-- no import cycle among dflash_ds modules, counting module-level and function-level imports;
+- no import cycle among dflash_ds modules, counting module-level and function-level imports (not the
+  type-only ones under `if TYPE_CHECKING:`, which never run);
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
   import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
 - no code outside model/variants/ asks which drafter architecture it has: no comparison with an
-  architecture's name or class name, no attribute named after an architecture, one of its own shape
-  fields or one of its modules (`shape.selector_rank > 0`, `drafter.candidate_selector`), no import of
-  one architecture's module (`isinstance(m, BlockConv)` needs one). The export's standalone modeling
-  file (export_modeling/, copied into every export for transformers' remote code) is outside the rule;
+  architecture's name or class name, no attribute named after an architecture or one of its modules
+  (`drafter.candidate_selector`), no import of
+  one architecture's module (`isinstance(m, BlockConv)` needs one), no read of its own values
+  (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
+  string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
+  architecture's `logs` view instead);
 - model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
   names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
 - one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
@@ -96,13 +99,22 @@ def _imported(name: str, node: ast.Import | ast.ImportFrom, modules: dict) -> se
     return out
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the imports under `if TYPE_CHECKING:`: names for annotations, never run (an architecture's
+    hooks name the shape and the model that hold the architectures)."""
+    return {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+            and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for stmt in block.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
     modules = sources(root)
     graph = {}
     for name, (_, tree) in modules.items():
         graph[name] = set()
-        for node in ast.walk(tree):  # function-level imports included
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+        annotations_only = _type_only(tree)
+        for node in ast.walk(tree):  # function-level imports included, type-only ones not
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in annotations_only:
                 graph[name] |= _imported(name, node, modules)
     return graph
 
@@ -184,7 +196,7 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 # (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> how it
 # starts and stops -> entry points).
 LAYERS = [
-    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.export_modeling"),
+    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety"),
     ("dflash_ds.data", "dflash_ds.metrics"),
     ("dflash_ds.model",),
     ("dflash_ds.model_card", "dflash_ds.target_model"),
@@ -199,9 +211,10 @@ LAYERS = [
 
 
 VARIANTS_DIR = "model/variants"
-OUTSIDE_THE_RULE = ("export_modeling",)
-# Attributes that share a name with an architecture's field but belong to something else.
-SAME_NAME_ELSEWHERE = {("dflash_ds.target_model.packed", "conv_kernel_size")}  # the target's Gated DeltaNet layer
+# Where a shape and a recipe section hold an architecture's own values (`shape.arch_fields.markov_rank`,
+# `recipe.drafter.sections["dspark"]`): read by name only by the architecture itself (config/ reads every
+# section alike, by its `check()` and dataclass fields).
+OWN_VALUES = ("arch_fields", "sections")
 
 
 def _constants(node: ast.AST) -> list[str]:
@@ -210,25 +223,37 @@ def _constants(node: ast.AST) -> list[str]:
     return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-def architecture_tests(root: Path, names: set[str], attributes: set[str]) -> list[str]:
-    """`module:line what` for every place outside `model/variants/` (and OUTSIDE_THE_RULE) that tells
-    architectures apart: `names` are the architectures' names and class names, `attributes` their names,
-    own shape fields and module names."""
+def architecture_tests(root: Path, names: set[str], attributes: set[str], fields: set[str] = frozenset(),
+                       logs: set[str] = frozenset()) -> list[str]:
+    """`module:line what` for every place outside `model/variants/` that tells architectures apart:
+    `names` are the architectures' names and class names, `attributes` their names and module names,
+    `fields` their own recipe and shape fields (read only through OWN_VALUES, which only the
+    architecture reads: a field's name elsewhere, the target's `conv_kernel_size`, is not one), `logs`
+    the names of their metrics fields and sums (a string key naming one: `r["selector_loss"]`)."""
     found = []
     package = root.name
     for name, (path, tree) in sources(root).items():
         rel = path.relative_to(root).as_posix()
-        if rel.startswith(VARIANTS_DIR + "/") or rel.split("/")[0] in OUTSIDE_THE_RULE:
+        if rel.startswith(VARIANTS_DIR + "/"):
             continue
+        docs = _documentation(tree)
         for node in ast.walk(tree):
             what = None
-            if isinstance(node, ast.Compare):
+            if isinstance(node, ast.Constant) and node.value in logs and id(node) not in docs:
+                what = f"names the log field {node.value!r}"
+            elif isinstance(node, ast.Compare):
                 hits = [c for operand in [node.left, *node.comparators] for c in _constants(operand) if c in names]
                 what = f"compares with {hits[0]!r}" if hits else None
-            elif isinstance(node, ast.Attribute) and node.attr in attributes and (name, node.attr) not in SAME_NAME_ELSEWHERE:
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                    node.value.attr in OWN_VALUES and node.attr in fields:
+                what = f"reads .{node.value.attr}.{node.attr}"
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and \
+                    node.value.attr in OWN_VALUES and any(c in names for c in _constants(node.slice)):
+                what = f"reads .{node.value.attr}[{_constants(node.slice)[0]!r}]"
+            elif isinstance(node, ast.Attribute) and node.attr in attributes:
                 what = f"reads .{node.attr}"
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
-                hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes]
+                hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes | fields]
                 what = f"{node.func.id}(..., {hits[0]!r})" if hits else None
             elif isinstance(node, ast.ImportFrom) and node.module:
                 prefix = f"{package}.{VARIANTS_DIR.replace('/', '.')}"
@@ -239,18 +264,22 @@ def architecture_tests(root: Path, names: set[str], attributes: set[str]) -> lis
     return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
 
 
-def architecture_vocabulary() -> tuple[set[str], set[str]]:
-    """The registered architectures' names and class names, and the attribute names that belong to one
-    of them: its name, its shape fields, and its modules (from its tensor inventory on a small shape)."""
+def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
+    """The registered architectures' names and class names, the attribute names that belong to one of
+    them (its name and its modules, from its tensor inventory on a small shape), its own fields (both
+    recipe sections) and its log fields (the sums it names and the record fields its view shows)."""
     import dataclasses
+    import string
 
     from dflash_ds.model.shape import DrafterShape
     from dflash_ds.model.variants import VARIANTS
 
-    names, attributes = set(), set()
+    names, attributes, fields, logs = set(), set(), set(), set()
     for v in VARIANTS.values():
         names |= {v.name, v.class_name}
-        attributes |= {v.name} | {f.name for f in dataclasses.fields(v.fields)}
+        attributes.add(v.name)
+        for section in (v.fields, v.objective_keys):
+            fields |= {f.name for f in dataclasses.fields(section)} if section is not None else set()
         shape = DrafterShape(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
                              max_position_embeddings=64, vocab_size=64, num_target_layers=2, target_layer_ids=(0,),
@@ -258,17 +287,22 @@ def architecture_vocabulary() -> tuple[set[str], set[str]]:
         for tensor in v.tensors(shape):
             parts = tensor.split(".")
             attributes.add(parts[2] if parts[0] == "layers" else parts[0])
-    return names, attributes
+        templates = [*v.logs.progress, *(t for _, t in v.logs.summary)]
+        logs |= {f for t in templates for _, f, _, _ in string.Formatter().parse(t) if f}
+        logs |= {key for _, key, _ in v.logs.series} | set(v.log_names(shape))
+    return names, attributes, fields, logs
 
 
 MECHANISM_FOLDERS = ("model", "target_model")
 
 
 def recipe_keys() -> set[str]:
-    """Every dotted key of the recipe (drafter.block_size, data.regenerate.urls, ...)."""
+    """Every dotted key of the recipe (drafter.block_size, data.regenerate.urls, ...), the architectures'
+    sections' included (drafter.dspark.markov_rank)."""
     import dataclasses
     import typing
 
+    from dflash_ds.config.architectures import registered
     from dflash_ds.config.recipe import Recipe
 
     keys = set()
@@ -279,9 +313,13 @@ def recipe_keys() -> set[str]:
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
-            elif prefix:
+            elif prefix and f.name != "sections":
                 keys.add(f"{prefix}{f.name}")
     walk(Recipe, "")
+    for name, sections in registered().items():
+        for kind, cls in sections._asdict().items():
+            if cls is not None:
+                walk(cls, f"{kind}.{name}.")
     return keys
 
 
@@ -358,6 +396,8 @@ def test_checkers_find_what_they_look_for(tmp_path):
         "pkg/a.py": "from pkg.b import g\n\ndef f(a, b, c, d, e, f, *, g=1, **kw):\n    pass\n",
         "pkg/b.py": "def g(self, a, b, c, d, e, f):\n    from . import c\n",
         "pkg/c.py": "import pkg.a\n\nclass K:\n    def m(self, a, b, c, d, e, f, *rest):\n        pass\n",
+        "pkg/t.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg.u import U\n",
+        "pkg/u.py": "from pkg.t import T\n",
         "pkg/sub/__init__.py": "from .d import x\n",
         "pkg/sub/d.py": "from pkg.sub import e\nx = 1\n",
         "pkg/sub/e.py": "import os\nimport pkg.sub.d.x\n",  # an attribute path: the module is pkg.sub.d
@@ -367,6 +407,7 @@ def test_checkers_find_what_they_look_for(tmp_path):
     assert long_signatures(root) == ["pkg.a:3 f (8 parameters)", "pkg.c:4 m (8 parameters)"]
     graph = import_graph(root)
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub"] == {"pkg.sub.d"} and graph["pkg.sub.e"] == {"pkg.sub.d"}
+    assert graph["pkg.t"] == set() and graph["pkg.u"] == {"pkg.t"}  # a type-only import is no edge
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
 
 
@@ -410,15 +451,19 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
         "pkg/model/variants/__init__.py": "from pkg.model.variants import two\n",
         "pkg/model/variants/base.py": "",
         "pkg/model/variants/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
-        "pkg/export_modeling/m.py": "def f(cfg):\n    return cfg.rank > 0\n",
         "pkg/loss.py": ("from pkg.model.variants.base import X\nfrom pkg.model.variants.two import Head\n\n"
-                        "def f(shape, m):\n    if shape.architecture in ('one', 'two'):\n        return shape.rank > 0\n"
-                        "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None\n"),
-        "pkg/clean.py": "def f(shape):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n",
+                        "def f(shape, m, r):\n    if shape.architecture in ('one', 'two'):\n"
+                        "        return shape.arch_fields.rank > 0 or r.drafter.sections['two']\n"
+                        "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None or getattr(m, 'rank')\n"),
+        "pkg/clean.py": ("def f(shape, layer):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n"
+                         "\ndef g(layer):\n    return layer.rank  # another object's attribute of a field's name\n"
+                         "\ndef h(r):\n    \"\"\"Reads two_loss (documentation).\"\"\"\n    return r.get('two_loss')\n"),
     })
-    assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "rank", "head"}) == [
-        "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .rank",
-        "pkg.loss:7 hasattr(..., 'head')", "pkg.loss:7 reads .head"]
+    assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "head"}, {"rank"}, {"two_loss"}) == [
+        "pkg.clean:9 names the log field 'two_loss'",
+        "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
+        "pkg.loss:6 reads .sections['two']", "pkg.loss:7 getattr(..., 'rank')", "pkg.loss:7 hasattr(..., 'head')",
+        "pkg.loss:7 reads .head"]
 
 
 def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
@@ -459,17 +504,18 @@ def test_folders_have_no_cycle_and_no_arrow_up():
 
 
 def test_no_architecture_test_outside_the_variants():
-    names, attributes = architecture_vocabulary()
-    assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv"} <= \
-        names | attributes  # the vocabulary really holds the architectures
-    found = architecture_tests(ROOT, names, attributes)
+    names, attributes, fields, logs = architecture_vocabulary()
+    assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv",
+            "l1_weight", "selector_loss", "tau_probabilistic", "confidence_mae"} <= names | attributes | fields | logs
+    found = architecture_tests(ROOT, names, attributes, fields, logs)
     assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
                        "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
 
 
 def test_model_code_names_no_recipe_key():
     keys = recipe_keys()
-    assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls"} <= keys
+    assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls",
+            "drafter.dspark.markov_rank", "objective.dflash2.selector_alpha"} <= keys
     found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
     assert not found, ("messages in dflash_ds/model/ or dflash_ds/target_model/ that name a recipe key (raise a "
                        "neutral error there and name the setting at the boundary, config/checks.py or "

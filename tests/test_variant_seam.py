@@ -1,14 +1,16 @@
-"""The seam per drafter architecture (model/variants/): a new one is its module plus one registry line.
+"""The seam per drafter architecture (model/variants/): a new one is its package plus one name in the list.
 
 tests/toy_variant.py defines one outside the package (a Markov logit bias from the previous token, a
-total-variation term against the target inside the fused loss, the Markov walk, its own export
-field and tensors). Here it trains a step, exports, loads back and drafts with no edit to the
+total-variation term against the target inside the fused loss, the Markov walk, its own recipe
+sections, export field, tensors, logged and plotted field and remote code). Here it is read from a
+recipe, trains a step, logs, exports, loads back (its remote code too) and drafts with no edit to the
 package, and its in-loop term matches a float64 dense reference (values and gradients, with and
 without the KL term, under a logit transform)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -69,7 +71,7 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     weight = blocks.weights.sum()
     out = drafter_loss(model, mb, blocks, weight, settings, settings.step_term(0, 1))
     assert len(out.extra) == 1 and float(out.extra[0]) > 0
-    record = toy.log_record([float(out.extra[0])], float(weight))
+    record = toy.log_record(dict(zip(toy.log_names(shape), [float(out.extra[0])])), float(weight))
     assert 0 < record["tv"] < 1
     # One optimizer step moves the head and the backbone.
     opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
@@ -79,11 +81,13 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     opt.step()
     moved = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
     assert {"markov_head.embedding", "markov_head.projection", "fc.weight"} <= moved
-    # Export: its class name, its field in dflash_config, its tensors; no remote code of its own.
+    # Export: its class name, its field in dflash_config, its tensors, its own remote code (not DFlash's).
     path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["ToyMarkovDraftModel"] and config["dflash_config"]["toy_rank"] == 3
-    assert "auto_map" not in config and "| Markov head | rank 3 |" in (path / "README.md").read_text()
+    assert config["auto_map"] == {"AutoModel": "toy_modeling.ToyMarkovWalk"} and "| Markov head | rank 3 |" in \
+        (path / "README.md").read_text()
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "config.json", "model.safetensors", "toy_modeling.py"]
     back = load_drafter(path, dtype=torch.float64)
     assert back.config == shape
     for n, t in drafter.state_dict().items():
@@ -101,6 +105,12 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
         prev = expect
     assert not torch.equal(drafts, (hidden @ head.T).argmax(-1))  # the bias changes the walk
     assert "Toy Markov drafter" in model_card(back.config)
+    # The export's remote code, loaded from the export alone, drafts the same tokens.
+    spec = importlib.util.spec_from_file_location("toy_modeling_export", path / "toy_modeling.py")
+    remote = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(remote)
+    walk = remote.ToyMarkovWalk.from_pretrained(path, dtype=torch.float64)
+    assert torch.equal(walk.propose(hidden, anchors, head), drafts)
 
 
 def test_an_unknown_architecture_names_the_setting_and_the_known_ones():
@@ -114,8 +124,64 @@ def test_a_variant_field_error_names_its_recipe_key(monkeypatch):
     section = SimpleNamespace(**dataclasses.asdict(DrafterConfig(
         num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 4], architecture="toy_markov")),
         toy_rank=0)
-    with pytest.raises(ValueError, match=r"^drafter\.toy_rank = 0 must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^drafter\.toy_markov\.toy_rank = 0 must be >= 1$"):
         drafter_shape(target_config(), section)
+
+
+TINY = ["data.num_proc=1", "optim.max_steps=2", "log.progress=false"]
+
+
+def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(monkeypatch, tmp_path):
+    """Its sections read from a recipe (overrides included) and checked with dotted names, its field in the
+    progress line, the report's loss panel and summary: all declared in tests/toy_variant.py."""
+    from dflash_ds.config import RecipeError, dump_yaml, load_recipe
+    from dflash_ds.metrics import progress_line
+    from dflash_ds.report import _panels, _summary
+    from dflash_ds.resolve.run import resolve_run
+
+    toy = register(monkeypatch)
+    keys = ["drafter.architecture=toy_markov", "drafter.toy_markov.toy_rank=5", "objective.toy_markov.tv_weight=0.25"]
+    recipe = load_recipe("recipes/tiny.yaml", TINY + keys)
+    assert recipe.notes == ()
+    spec = resolve_run(recipe, world_size=2)
+    assert spec.drafter.arch_fields.toy_rank == 5 and spec.settings.arch_loss == 0.25
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_yaml(recipe))
+    assert dataclasses.replace(load_recipe(again), source=recipe.source) == recipe
+    assert "toy_markov:\n    tv_weight: 0.25" in again.read_text()
+    for bad, words in (("objective.toy_markov.tv_weight=-1", "objective.toy_markov.tv_weight must be >= 0"),
+                       ("drafter.toy_markov.toy_rank=x", "drafter.toy_markov.toy_rank: expected an integer"),
+                       ("drafter.toy_markov.rank=2", "unknown recipe key 'drafter.toy_markov.rank'")):
+        with pytest.raises(RecipeError) as e:
+            load_recipe("recipes/tiny.yaml", TINY + keys + [bad])
+        assert words in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(RecipeError, match="drafter.toy_markov.toy_rank = 0 must be >= 1"):
+        resolve_run(load_recipe("recipes/tiny.yaml", TINY + keys + ["drafter.toy_markov.toy_rank=0"]), world_size=2)
+    rec = {"step": 2, "loss": 1.0, "accept_proxy": 2.0, "tv": 0.125}
+    assert "accept 2.00 | tv 0.1250" in progress_line(rec, 4, toy.logs.progress)
+    assert "tv" not in progress_line(rec, 4)  # only the architecture's own view names it
+    loss_panel = dict(_panels([rec], [], toy.logs))["loss"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    loss_panel(ax)
+    assert [line.get_label() for line in ax.get_lines()] == ["loss", "TV term"]
+    plt.close(fig)
+    assert ("final TV", "0.125") in _summary([rec], [], toy.logs)
+
+
+def test_the_package_holds_nothing_of_the_toy():
+    """The toy architecture needs no edit outside tests/: no file of the package names it."""
+    from pathlib import Path
+
+    import dflash_ds
+
+    root = Path(dflash_ds.__file__).parent
+    named = [p for p in root.rglob("*.py") if "toy_markov" in p.read_text() or "ToyMarkov" in p.read_text()]
+    assert not named and len(list(root.rglob("*.py"))) > 100
 
 
 def dense_loss(hidden, weight, labels, w, norm, term_inputs, kl, transform):
@@ -173,7 +239,7 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
     elements shifts every later bf16 gradient off 16 bytes (DSpark's one-element confidence bias did: the
     gradient copies ran 3.5x slower, docs/performance.md "What DSpark costs"). Every architecture, at every
     real target geometry, keeps its parameters to multiples of 8 (an odd-sized one is stored padded, as
-    variants/dspark_parts.py `Projection`)."""
+    variants/dspark/parts.py `Projection`)."""
     from dflash_ds.config import load_recipe
     from dflash_ds.target_model.presets import get_geometry, target_config
 
@@ -183,3 +249,23 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
         drafter = DFlashDrafter(drafter_shape(target_config(geometry), drafter_cfg))
     odd = [(n, p.numel()) for n, p in drafter.named_parameters() if p.numel() % 8]
     assert not odd
+
+
+def test_register_adds_the_architecture_and_its_sections_and_refuses_a_second_of_one_name(monkeypatch):
+    from dflash_ds.config.architectures import SECTIONS, section_type
+    from dflash_ds.model.variants import VARIANTS, DrafterVariant
+    from dflash_ds.model.variants.registry import register as decorate
+    from tests.toy_variant import ToyMarkov, ToyObjective
+
+    for registry in (VARIANTS, SECTIONS):  # the toy's entries are removed again after the test
+        monkeypatch.setitem(registry, "toy_markov", None)
+    assert decorate(ToyMarkov) is ToyMarkov
+    assert isinstance(VARIANTS["toy_markov"], ToyMarkov) and section_type("objective", "toy_markov") is ToyObjective
+    assert section_type("drafter", "dflash") is None and section_type("objective", "dflash") is None  # v1 adds none
+
+    class Impostor(DrafterVariant):
+        name = "dspark"
+
+    with pytest.raises(ValueError, match="'dspark' is registered twice"):
+        decorate(Impostor)
+    assert type(VARIANTS["dspark"]).__name__ == "DSpark"

@@ -4,26 +4,47 @@
 E `[V, r]`, P `[V, r]`), trains it inside the fused loss (the biased logits' CE, plus a total-variation
 term between the drafter's and the target's distributions, which needs the target's logits chunk by
 chunk), drafts with the Markov chain (slot k's bias comes from the token chosen at slot k - 1) and
-exports its field and tensors. Registered by the tests alone (`register`): the package is not edited.
+exports its field and tensors. Its recipe sections are `drafter.toy_markov:` (toy_rank) and
+`objective.toy_markov:` (tv_weight); it logs `tv`, shown in the progress line, the report's loss
+panel and summary; its exports carry its own remote code (tests/toy_modeling.py). Registered by the
+tests alone (`register`): the package is not edited.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model import variants
+from dflash_ds.config.architectures import section_of
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.chunk_term import ChunkTerm
-from dflash_ds.model.variants.base import DrafterVariant, FieldError, Tensor
+from dflash_ds.model.variants import DrafterVariant
+from dflash_ds.model.variants.base import Card, FieldError, LogView, RemoteCode, Tensor
+from dflash_ds.model.variants.registry import entries
 
 
 @dataclass(frozen=True)
 class ToyFields:
+    """`drafter.toy_markov:`, and the shape's fields."""
+
     toy_rank: int = 3
+    """Rank of the Markov head's two tables."""
+
+
+@dataclass(frozen=True)
+class ToyObjective:
+    """`objective.toy_markov:`."""
+
+    tv_weight: float = 0.5
+    """Weight of the total-variation term."""
+
+    def check(self) -> None:
+        if not self.tv_weight >= 0:
+            raise ValueError(f"tv_weight must be >= 0, got {self.tv_weight}")
 
 
 class MarkovHead(nn.Module):
@@ -71,11 +92,14 @@ class ToyMarkov(DrafterVariant):
     name = "toy_markov"
     class_name = "ToyMarkovDraftModel"
     title = "Toy Markov"
+    remote_code = RemoteCode(Path(__file__).with_name("toy_modeling.py"), "toy_modeling.py",
+                             {"AutoModel": "toy_modeling.ToyMarkovWalk"})
     fields = ToyFields
+    objective_keys = ToyObjective
     needs_target_logits = True
-    log_sums = ("tv_sum",)
+    logs = LogView(progress=("tv {tv:.4f}",), series=(("loss", "tv", "TV term"),), summary=(("final TV", "{tv:.3f}"),))
 
-    def check(self, shape) -> None:
+    def check(self, shape, serving: bool = False) -> None:
         if shape.arch_fields.toy_rank < 1:
             raise FieldError("toy_rank", f"= {shape.arch_fields.toy_rank} must be >= 1")
 
@@ -86,33 +110,37 @@ class ToyMarkov(DrafterVariant):
         v, r = shape.vocab_size, shape.arch_fields.toy_rank
         return {"markov_head.embedding": Tensor((v, r), "table"), "markov_head.projection": Tensor((v, r), "block")}
 
-    def draft(self, model, hidden, anchors):
+    def propose(self, model, hidden, anchors, p_min: float = 0.0):
         head = model.drafter.markov_head
         prev, path = anchors.to(hidden.device).long(), []
         for slot in range(hidden.shape[1]):
             logits = hidden[:, slot] @ model.lm_head.T.to(hidden.dtype)
             prev = (logits + markov_bias(prev, head.embedding, head.projection).to(logits.dtype)).argmax(-1)
             path.append(prev)
-        return torch.stack(path, dim=1)
+        tokens = torch.stack(path, dim=1)
+        return super().propose(model, hidden, anchors, p_min)._replace(tokens=tokens)
 
     def loss_settings(self, objective) -> float:
-        return 0.5  # the TV term's weight (a real architecture reads its recipe keys here)
+        return section_of(objective, self.name, ToyObjective).tv_weight
 
     def chunk_term(self, model, blocks, term, hidden) -> ChunkTerm:
         head, b = model.drafter.markov_head, model.config.block_size
         return markov_term(slot_rows(predecessors(blocks.labels, b), b), head.embedding, head.projection, term)
 
+    def log_names(self, shape) -> tuple[str, ...]:
+        return ("tv_sum",)
+
     def log_record(self, sums, weight):
-        return {"tv": sums[0] / weight}
+        return {"tv": sums["tv_sum"] / weight}
 
-    def card_rows(self, shape) -> list[str]:
-        return [f"| Markov head | rank {shape.arch_fields.toy_rank} |"]
-
-
-TOY = ToyMarkov()
+    def card(self, shape) -> Card:
+        return super().card(shape)._replace(rows=(f"| Markov head | rank {shape.arch_fields.toy_rank} |",))
 
 
 def register(monkeypatch) -> ToyMarkov:
-    """The one registry line, made by a test: the architecture is known for the test's duration."""
-    monkeypatch.setitem(variants.VARIANTS, TOY.name, TOY)
-    return TOY
+    """What `@register` does, undone after the test: the architecture and its recipe sections are known
+    for the test's duration."""
+    added = entries(ToyMarkov)
+    for registry, key, value in added:
+        monkeypatch.setitem(registry, key, value)
+    return next(value for _, _, value in added if isinstance(value, ToyMarkov))

@@ -3,9 +3,11 @@
 Unknown keys are errors naming their dotted path; `key.sub=value` overrides go through the same
 validation; nothing mutates a recipe afterwards (resolve.run.resolve_run resolves it into a RunSpec).
 
-One concern per module, importing nothing else from dflash_ds:
+One concern per module, importing nothing else from dflash_ds (architectures.py finds the architectures'
+sections by importing the module that lists them, by name, the first time a recipe needs one):
   errors.py    RecipeError, the one error a user's recipe raises before launch
   sections.py  one dataclass per YAML section, every key documented where it is declared
+  architectures.py  the architectures' own sections (drafter.<name>:, objective.<name>:), registered by them
   recipe.py    Recipe (the sections together; cross-section defaults) and ranks_per_node
   load.py      YAML and overrides -> Recipe (types, unknown keys, syntax errors) and dump_yaml back
   checks.py    validate: the value checks, one function per section

@@ -3,12 +3,14 @@
 Only checks that need no files or GPUs live here; the checks that read files (the target config, the
 DeepSpeed JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and guard/launch.py's.
 A check that relates two sections sits with the section whose setting the message tells the user to
-change. Every failure is one RecipeError line naming the setting and the fix."""
+change. An architecture's own sections check themselves (`check_sections`). Every failure is one
+RecipeError line naming the setting and the fix."""
 
 from __future__ import annotations
 
 from urllib.parse import urlparse
 
+from dflash_ds.config.architectures import KINDS
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.recipe import Recipe
 from dflash_ds.config.sections import BENCHMARK_SETS, FP8_LAYER_RECIPES, RegenerateConfig
@@ -30,6 +32,7 @@ def validate(r: Recipe) -> None:
     check_drafter_fp8(r)
     check_data(r)
     check_objective(r)
+    check_sections(r)
     check_optim(r)
     check_topology(r)
     check_checkpoint(r)
@@ -105,11 +108,17 @@ def check_objective(r: Recipe) -> None:
     need(o.loss_chunks >= 1, "objective.loss_chunks must be >= 1")
     need(o.kl_weight >= 0, f"objective.kl_weight must be >= 0, got {o.kl_weight}")
     need(o.kl_temperature > 0, f"objective.kl_temperature must be > 0, got {o.kl_temperature}")
-    need(o.selector_alpha >= 0, f"objective.selector_alpha must be >= 0, got {o.selector_alpha}")
-    need(0 <= o.selector_warmup_ratio <= 1, f"objective.selector_warmup_ratio must be in [0, 1], got {o.selector_warmup_ratio}")
-    need(0 <= o.selector_ramp_ratio <= 1, f"objective.selector_ramp_ratio must be in [0, 1], got {o.selector_ramp_ratio}")
-    for key in ("ce_weight", "l1_weight", "confidence_weight"):
-        need(getattr(o, key) >= 0, f"objective.{key} must be >= 0, got {getattr(o, key)}")
+
+
+def check_sections(r: Recipe) -> None:
+    """The architectures' own sections, each by its `check()` (the values that need nothing else; the
+    drafter's that need the target are its shape's, resolve/drafter.py), named by their dotted key."""
+    for kind in KINDS:
+        for name, section in getattr(r, kind).sections.items():
+            try:
+                getattr(section, "check", lambda: None)()
+            except ValueError as exc:
+                raise RecipeError(f"{kind}.{name}.{exc}") from None
 
 
 def check_optim(r: Recipe) -> None:

@@ -12,16 +12,18 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
+
+from dflash_ds.config.architectures import KINDS, other_sections, owners, registered, section_type
 
 from dflash_ds.config.checks import validate
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.recipe import Recipe
 
 
-def _coerce(value, tp, path: str):
+def _coerce(value, tp, path: str, moves: list | None = None):
     """`value` read from YAML (or an override) as type `tp`; `path` is its dotted key for the error line.
     Strings are accepted for booleans and numbers because overrides may arrive as text."""
     origin = typing.get_origin(tp)
@@ -31,7 +33,7 @@ def _coerce(value, tp, path: str):
             return tp()
         if not isinstance(value, dict):
             raise RecipeError(f"{path}: expected a mapping of settings, got {value!r}")
-        return _build(tp, value, path)
+        return _build(tp, value, path, moves)
     if origin in (typing.Union, getattr(types, "UnionType", None)):
         if value is None and type(None) in args:
             return None
@@ -79,25 +81,74 @@ REMOVED = {
 }
 
 
-def _build(cls, raw: dict, prefix: str = ""):
+class Moved(NamedTuple):
+    """A flat key of an older recipe read at its architecture's section (`old` -> `new`)."""
+
+    old: str
+    new: str
+    architecture: str
+
+
+def _sections(kind: str, cls, raw: dict, moves: list[Moved]) -> dict:
+    """`raw` (the drafter or objective section) with the architectures' sections typed into
+    `sections`: `<kind>.<name>:` for a registered architecture `name`, and a flat key of an older
+    recipe that one architecture's section now holds moved there (recorded in `moves`)."""
+    names = {f.name for f in dataclasses.fields(cls)} - {"sections"}
+    out, given, moved = {}, {}, {}
+    for key, value in raw.items():
+        if key in names or not isinstance(key, str):
+            out[key] = value
+        elif section_type(kind, key) is not None:
+            if value is not None and not isinstance(value, dict):
+                raise RecipeError(f"{kind}.{key}: expected a mapping of {key} settings, got {value!r}")
+            given[key] = dict(value or {})
+        elif len(owner := owners(kind, key)) == 1:
+            moved.setdefault(owner[0], {})[key] = value
+            moves.append(Moved(f"{kind}.{key}", f"{kind}.{owner[0]}.{key}", owner[0]))
+        else:
+            out[key] = value  # unknown: _build names it with the known keys
+    for name, values in moved.items():
+        both = sorted(set(values) & set(given.get(name, {})))
+        if both:
+            raise RecipeError(f"{kind}.{both[0]} and {kind}.{name}.{both[0]} are both set; keep {kind}.{name}.{both[0]} "
+                              "only (the flat key is an older recipe's)")
+        given[name] = {**given.get(name, {}), **values}
+    sections = {name: _build(section_type(kind, name), values, f"{kind}.{name}", moves)
+                for name, values in given.items()}
+    return {**out, "sections": sections} if sections else out
+
+
+def _build(cls, raw: dict, prefix: str = "", moves: list[Moved] | None = None):
     """An instance of the dataclass `cls` from a mapping; a key it has no field for is refused, naming
-    the keys it does have (the fields left out keep their defaults)."""
+    the keys it does have (the fields left out keep their defaults). The drafter and objective
+    sections also take the architectures' own sections (config/architectures.py); a flat key an
+    older recipe set there is read at its new place and recorded in `moves`."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    moves = [] if moves is None else moves
+    if prefix in KINDS and any(k not in names or k == "sections" for k in raw):
+        raw = _sections(prefix, cls, raw, moves)
     kwargs = {}
     for key, value in raw.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if path in REMOVED:
             raise RecipeError(f"recipe key '{path}' is gone: {REMOVED[path]}")
-        if key not in names:
-            known = ", ".join(sorted(n for n in names if n != "source"))
-            raise RecipeError(f"unknown recipe key '{path}'; known keys here: {known}")
-        kwargs[key] = _coerce(value, hints[key], path)
+        if key == "sections" and prefix in KINDS and isinstance(value, dict) and \
+                all(dataclasses.is_dataclass(v) for v in value.values()):
+            kwargs[key] = value
+            continue
+        if key not in names or key in ("sections", "notes"):
+            known = ", ".join(sorted(n for n in names if n not in ("source", "sections", "notes")))
+            extra = "" if prefix not in KINDS else "; architecture sections: " + ", ".join(
+                sorted(name for name, s in registered().items() if getattr(s, prefix) is not None))
+            raise RecipeError(f"unknown recipe key '{path}'; known keys here: {known}{extra}")
+        kwargs[key] = _coerce(value, hints[key], path, moves)
     return cls(**kwargs)
 
 
 def build_recipe(raw: dict) -> Recipe:
-    """A Recipe from a mapping of sections (types checked, unknown keys refused; not validated)."""
+    """A Recipe from a mapping of sections (types checked, unknown keys refused, an older recipe's flat
+    architecture keys read at their sections; not validated)."""
     return _build(Recipe, raw)
 
 
@@ -154,8 +205,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         raise RecipeError(f"{path}: the recipe must be a mapping of sections (run, target, drafter, ...)")
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(raw, key, value)
-    recipe = _build(Recipe, raw)
-    recipe = dataclasses.replace(recipe, source=str(p))
+    moves: list[Moved] = []
+    recipe = _build(Recipe, raw, "", moves)
+    recipe = dataclasses.replace(recipe, source=str(p), notes=tuple(_notes(recipe, moves)))
     # Recipes written when resume was a boolean keep working.
     legacy = {"true": "auto", "false": "restart"}.get(recipe.checkpoint.resume.lower())
     if legacy:
@@ -164,9 +216,31 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     return recipe
 
 
+def _notes(recipe: Recipe, moves: list[Moved]) -> list[str]:
+    """One line per flat key an older recipe set (where it is read now) and per other architecture whose
+    sections the recipe sets (this drafter trains without them); the launch prints them once."""
+    arch = recipe.drafter.architecture
+    lines = []
+    for m in moves:
+        unread = "" if m.architecture == arch else (
+            f", a {m.architecture} setting: this drafter is drafter.architecture: {arch} and trains without it "
+            f"(remove it, or set drafter.architecture: {m.architecture})")
+        lines.append(f"recipe key '{m.old}' moved to '{m.new}'{unread}; read there for now: move it in the recipe")
+    moved = {m.architecture for m in moves}
+    drafter = dataclasses.replace(recipe.drafter, sections={k: v for k, v in recipe.drafter.sections.items()
+                                                            if k not in moved})
+    objective = dataclasses.replace(recipe.objective, sections={k: v for k, v in recipe.objective.sections.items()
+                                                                if k not in moved})
+    return lines + other_sections(arch, drafter, objective)
+
+
 def dump_yaml(r: Recipe) -> str:
-    """The recipe as YAML, sections and keys in declaration order; load_recipe reads it back unchanged."""
+    """The recipe as YAML, sections and keys in declaration order (an architecture's own sections after
+    the shared keys of theirs); load_recipe reads it back unchanged."""
     d = dataclasses.asdict(r)
     d.pop("source", None)
+    d.pop("notes", None)
+    for kind in KINDS:
+        d[kind].update(d[kind].pop("sections", {}))
     # Tuples are written as lists so the dump loads back through load_recipe.
     return yaml.safe_dump(json.loads(json.dumps(d)), sort_keys=False)

@@ -28,6 +28,9 @@ class Recipe:
     source: str = ""
     """Path of the YAML this recipe came from (set by load_recipe; relative paths resolve against
     the working directory, not this file)."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """Warnings about how the YAML was read (a moved key, another architecture's section), one line
+    each; the launch prints them once (load_recipe sets them; no part of the recipe)."""
 
     def __post_init__(self):
         if self.objective.num_anchors is None:  # follows the row length at the paper's density

@@ -7,6 +7,7 @@ classes is config/load.py, and the checks on their values are config/checks.py."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -104,28 +105,9 @@ class DrafterConfig:
     architecture: str = "dflash"
     """dflash (v1); dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
     convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8);
-    dspark: anchor-first blocks, a Markov head and a confidence head (section 9). The fields marked
-    dflash2 or dspark apply to that architecture only; their defaults are its published shape."""
-    conv_kernel_size: int = 2
-    """dflash2: taps of the block convolution (slot k reads slots k .. k-taps+1 of its own block)."""
-    conv_group_size: int = 16
-    """dflash2: channels sharing one dynamic coefficient; must divide the hidden size."""
-    selector_rank: int = 256
-    """dflash2: rank of the selector's pair scores (two [vocab, rank] codebooks: 127M parameters at a
-    248K vocabulary)."""
-    selector_top_k: int = 16
-    """dflash2: unary candidates the selector rescores per slot."""
-    markov_rank: int = 256
-    """dspark: rank r of the Markov head, two [vocab, r] tables (DeepSpec: 256; 127M parameters at a
-    248K vocabulary)."""
-    markov_head_type: str = "vanilla"
-    """dspark: the Markov head's form; vanilla only (DeepSpec's default and the only one llama.cpp and
-    vLLM load; its gated and rnn heads are refused)."""
-    enable_confidence_head: bool = True
-    """dspark: train a confidence head (DeepSpec: on, confidence_head_alpha 1.0 > 0)."""
-    confidence_head_with_markov: bool = True
-    """dspark: the confidence head also reads the Markov embedding of the slot's predecessor
-    (DeepSpec: true; llama.cpp loads only this form)."""
+    dspark: anchor-first blocks, a Markov head and a confidence head (section 9). An architecture's
+    own keys sit in its own section, `drafter.<architecture>:` (e.g. drafter.dspark.markov_rank), declared
+    by its package (dflash_ds/model/variants/<architecture>/); their defaults are its published shape."""
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
@@ -136,6 +118,9 @@ class DrafterConfig:
     """torch.compile the drafter layers on GPU (flex_attention is always compiled on GPU)."""
     fp8: DrafterFp8Config = field(default_factory=DrafterFp8Config)
     """drafter.fp8.layers / drafter.fp8.lm_head (above); off by default."""
+    sections: dict[str, Any] = field(default_factory=dict)
+    """The architectures' own sections as the recipe sets them, by architecture name (`drafter.dspark:`
+    is sections["dspark"], the dataclass its package declares). Not a key: the YAML names each section."""
 
 
 @dataclass(frozen=True)
@@ -244,32 +229,9 @@ class ObjectiveConfig:
     and run all their layers; drafter ranks compute the target's logits chunk by chunk."""
     kl_temperature: float = 1.0
     """Softens both distributions in the KL term (the term is scaled by T^2)."""
-    selector_alpha: float = 1.0
-    """dflash2: weight of the selector loss (a k-way cross-entropy over the unary top-k, teacher-forced
-    predecessor, the same slot weights) added to the base loss. Peers: 1.0 in SpecForge, speculators
-    and NeMo Automodel. 0 leaves the selector untrained (its successor codebook stays zero)."""
-    selector_inject_gold: bool = False
-    """dflash2: a gold token outside the unary top-k replaces the weakest candidate (speculators'
-    default: true); false = such slots add no selector loss, strict top-k (SpecForge's default,
-    which it reports gives the best serving acceptance)."""
-    selector_warmup_ratio: float = 0.0005
-    """dflash2: fraction of the optimizer steps with selector weight 0 (SpecForge: 0.0005; speculators
-    and Automodel: 0)."""
-    selector_ramp_ratio: float = 0.0005
-    """dflash2: fraction of the steps after the warm-up over which the weight rises linearly to
-    selector_alpha (SpecForge: 0.0005; speculators and Automodel: 0)."""
-    selector_detach: bool = False
-    """dflash2: the selector loss trains the selector's own parameters only, not the drafter's states
-    (SpecForge's dflash2_selector_stop_gradient, default false; speculators and Automodel: false)."""
-    ce_weight: float = 0.1
-    """dspark: weight of the cross-entropy term (DeepSpec's ce_loss_alpha: 0.1). "loss" in the logs
-    stays the unweighted sum(w * CE) / sum(w)."""
-    l1_weight: float = 0.9
-    """dspark: weight of ||q - p||_1 (twice the total variation between the drafter's and the target's
-    distributions at the slot; DeepSpec's l1_loss_alpha: 0.9). Target ranks send their final-norm
-    states, as for kl_weight > 0."""
-    confidence_weight: float = 1.0
-    """dspark: weight of the confidence head's BCE toward 1 - TV (DeepSpec's confidence_head_alpha: 1.0)."""
+    sections: dict[str, Any] = field(default_factory=dict)
+    """The architectures' own loss settings as the recipe sets them, by architecture name
+    (`objective.dspark:` is sections["dspark"]). Not a key: the YAML names each section."""
 
 
 @dataclass(frozen=True)

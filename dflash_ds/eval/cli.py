@@ -161,21 +161,30 @@ def _run(args) -> int:
     return Exit.OK
 
 
+def llama_cpp_counts(target, model, prompts, sequences, *, budget: int) -> LlamaCppCounts | None:
+    """llama.cpp's rounds over the responses, or None when llama.cpp does not load the drafter (its
+    architecture's serving says so: no count to predict)."""
+    if model.config.variant.card(model.config).serving.llama_cpp_type is None:
+        return None
+    counts = LlamaCppCounts()
+    for prompt, x in zip(prompts, sequences):
+        counts.add(model, target_taps(target, x, model.layer_ids), x, len(prompt), budget, eos_ids(target))
+    return counts
+
+
 def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauReport:
     """The exact greedy tau of --prompts, printed as before (and checked online with --online)."""
     prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    llama_cpp = LlamaCppCounts()
-    for prompt, x in zip(prompts, sequences):
-        llama_cpp.add(model, target_taps(target, x, model.layer_ids), x, len(prompt), args.max_new_tokens,
-                      eos_ids(target))
+    llama_cpp = llama_cpp_counts(target, model, prompts, sequences, budget=args.max_new_tokens)
     result.update(report.as_dict())
-    result["llama_cpp"] = llama_cpp.as_dict()
+    result["llama_cpp"] = llama_cpp.as_dict() if llama_cpp is not None else None
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
-    print(llama_cpp.line() + " (docs/algorithm.md section 7.3)")
+    print(llama_cpp.line() + " (docs/algorithm.md section 7.3)" if llama_cpp is not None else
+          "llama.cpp does not load this drafter (its model card says why): no llama.cpp count")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
     if args.online:

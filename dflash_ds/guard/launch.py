@@ -274,6 +274,8 @@ def main(argv: list[str]) -> int:
     except RecipeError as exc:
         print(_fail(str(exc)))
         return Exit.OK
+    for note in recipe.notes:  # here once: the ranks read the recipe again and say nothing of it
+        say(f"warning: {note}")
     # Whatever the checks print (data preparation reports, library warnings) must not reach the
     # shell's eval: fd 1 points at stderr until the variables are printed.
     saved = os.dup(1)

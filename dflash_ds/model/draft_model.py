@@ -72,9 +72,9 @@ class DraftModel:
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The tokens the engines propose at temperature 0 from the final states `[n, num_drafts, D]`
         of the drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the
-        architecture's walk (`DrafterVariant.draft`: each slot's argmax for v1, the selector's greedy
+        architecture's walk (`DrafterVariant.propose`: each slot's argmax for v1, the selector's greedy
         path for DFlash2, the Markov chain for DSpark)."""
-        return self.config.variant.draft(self, hidden, anchors)
+        return self.config.variant.propose(self, hidden, anchors).tokens
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0):

@@ -3,7 +3,7 @@
 docs/algorithm.md sections 1-3. The drafter owns no embedding and no lm_head: the caller embeds the block tokens
 with the target's frozen `embed_tokens` and applies the target's frozen `lm_head` to the output.
 State-dict names equal the export names (docs/algorithm.md section 6), so `state_dict()` is the checkpoint
-(DSpark's confidence bias is the one parameter stored padded; variants/dspark_parts.py `Projection`).
+(DSpark's confidence bias is the one parameter stored padded; variants/dspark/parts.py `Projection`).
 
 Model code: no torch.distributed, no deepspeed. Parallelism and activation checkpointing are
 applied from outside (`checkpoint_fn`).

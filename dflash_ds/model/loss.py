@@ -302,7 +302,7 @@ class LossOutput(NamedTuple):
     # (before the target's transform; the lm_head's dtype, detached); None otherwise.
     candidates: torch.Tensor | None = None
     candidate_logits: torch.Tensor | None = None
-    # The architecture's detached sums, in its `log_sums` order (the chunk term's, then its extra loss's).
+    # The architecture's detached sums, in its `log_names` order (the chunk term's, then its extra loss's).
     extra: tuple = ()
     # The chunk term's values per row [rows, 1] in `slot_rows` order (None without its vocab term).
     term_rows: torch.Tensor | None = None

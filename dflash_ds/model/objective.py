@@ -71,7 +71,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     """sum(w * (CE [+ KL])) / normaliser for one micro-batch (the caller supplies the whole step's weight),
     plus the architecture's terms: its chunk term inside the fused loss and its extra loss after it
     (`term`: StepSettings.step_term of this step; None = the architecture's full weights, no warm-up).
-    Their detached sums are in the output's `extra` field, in the variant's `log_sums` order."""
+    Their detached sums are in the output's `extra` field, in the variant's `log_names` order."""
     variant = model.config.variant
     if term is None:
         term = variant.step_term(settings.arch_loss)

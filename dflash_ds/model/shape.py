@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 from dflash_ds.model.attention import LayerAttention
 from dflash_ds.model.logit_transform import LogitTransform
-from dflash_ds.model.variants import DEFAULT, VARIANTS, variant, variant_of_classes
-from dflash_ds.model.variants.base import DrafterVariant, FieldError, Tensor
+from dflash_ds.model.variants import DEFAULT, VARIANTS, DrafterVariant, variant, variant_of_classes
+from dflash_ds.model.variants.base import FieldError, Tensor
 
 # dflash_config names of the target's scaling (model/logit_transform.py) and their identity values.
 SCALE_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
@@ -168,7 +168,7 @@ class DrafterShape:
         if type(self.arch_fields) is not arch.fields:
             raise ValueError(f"arch_fields of a {self.architecture} drafter must be {arch.fields.__name__}, "
                              f"got {type(self.arch_fields).__name__}")
-        arch.check(self)
+        arch.check(self)  # the engines' own rules: resolve.drafter.check_servable, before a run
 
     @property
     def variant(self) -> DrafterVariant:

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import yaml
 
-from dflash_ds.config import Recipe, RecipeError, build_recipe, dump_yaml
+from dflash_ds.config import DrafterConfig, ObjectiveConfig, Recipe, RecipeError, build_recipe, dump_yaml
+from dflash_ds.config.architectures import owners
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape as resolve_shape
+from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape as resolve_shape, is_architecture_field, setting_of
 
 RECORD = "recipe.yaml"
 
@@ -53,19 +54,28 @@ def flat(recipe: Recipe) -> dict[str, object]:
             key = f"{prefix}{f.name}"
             if dataclasses.is_dataclass(value):
                 walk(value, key + ".")
-            elif key != "source":
+            elif f.name == "sections":  # an architecture's own section: drafter.<name>.<key>
+                for name, section in value.items():
+                    walk(section, f"{prefix}{name}.")
+            elif key not in ("source", "notes"):
                 out[key] = list(value) if isinstance(value, tuple) else value
     walk(recipe, "")
     return out
 
 
 def _known(raw, cls) -> dict:
-    """`raw` without the keys `cls` does not have (a record written by an older version)."""
+    """`raw` without the keys `cls` does not have (a record written by an older version); the drafter
+    and objective sections keep every key, read by build_recipe (an architecture's section, or an
+    older record's flat architecture key at its section)."""
     if not isinstance(raw, dict):
         return {}
     hints = typing.get_type_hints(cls)
-    return {k: _known(v, hints[k]) if dataclasses.is_dataclass(hints[k]) else v
-            for k, v in raw.items() if k in hints and k != "source"}
+    kept = {k: _known(v, hints[k]) if dataclasses.is_dataclass(hints[k]) else v
+            for k, v in raw.items() if k in hints and k not in ("source", "notes")}
+    if "sections" in hints:
+        kind = {DrafterConfig: "drafter", ObjectiveConfig: "objective"}[cls]
+        kept.update({k: v for k, v in raw.items() if k not in hints and (isinstance(v, dict) or owners(kind, k))})
+    return kept
 
 
 def recorded(run_dir: str | Path) -> Recipe | None:
@@ -115,6 +125,8 @@ def _setting_of(field: str, recipe: Recipe) -> str:
     if field in {f.name for f in dataclasses.fields(recipe.drafter)}:
         return f"drafter.{field}"
     hint = RECIPE_KEYS.get(field)
+    if hint is None and is_architecture_field(field):  # a key of its architecture's section
+        return setting_of(field, recipe.drafter.architecture)
     if hint and " " not in hint:
         return hint
     return f"the drafter's {field} (from {hint or 'the drafter section and the target'})"

@@ -49,22 +49,39 @@ RECIPE_KEYS = {
     "output_multiplier": "target.path (the target's logit scaling)",
     "final_logit_softcapping": "target.path (the target's logit softcap)",
     "input_embedding_scale": "target.path (the target's embedding scaling)",
-    # Each architecture's own fields, set by the recipe key of the same name.
-    **{f.name: f"drafter.{f.name}" for v in VARIANTS.values() for f in dataclasses.fields(v.fields)},
 }
 
 
-def setting_of(field: str) -> str:
-    """The recipe key behind a shape field (an architecture's field not listed: `drafter.<field>`)."""
-    return RECIPE_KEYS.get(field, f"drafter.{field}").split()[0]
+def _owners(field: str) -> list[str]:
+    return [v.name for v in VARIANTS.values() if field in {f.name for f in dataclasses.fields(v.fields)}]
+
+
+def is_architecture_field(field: str) -> bool:
+    """Whether shape field `field` is one of an architecture's own (a key of its `drafter.<name>:` section)."""
+    return bool(_owners(field))
+
+
+def setting_of(field: str, architecture: str | None = None) -> str:
+    """The recipe key behind a shape field: an architecture's own field is a key of its section,
+    `drafter.<architecture>.<field>` (the drafter's architecture's, or the one that declares it)."""
+    if field in RECIPE_KEYS:
+        return RECIPE_KEYS[field].split()[0]
+    owners = _owners(field)
+    return f"drafter.{architecture if architecture in owners or not owners else owners[0]}.{field}"
+
+
+def recipe_keys(shape: DrafterShape) -> dict[str, str]:
+    """RECIPE_KEYS with the shape's architecture's own fields at their section (drafter.<name>.<field>)."""
+    own = {f.name: setting_of(f.name, shape.architecture) for f in dataclasses.fields(shape.variant.fields)}
+    return {**RECIPE_KEYS, **own}
 
 
 def check_servable(shape: DrafterShape) -> None:
     """ValueError naming the setting when an engine would refuse the shape's export."""
     try:
-        shape.variant.check_serving(shape)
+        shape.variant.check(shape, serving=True)
     except FieldError as exc:
-        raise ValueError(f"{setting_of(exc.field)} {exc.problem}") from None
+        raise ValueError(f"{setting_of(exc.field, shape.architecture)} {exc.problem}") from None
 
 
 def _rope_theta(text_config: Any) -> float:
@@ -156,17 +173,4 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
             **target_scales(text),
         )
     except FieldError as exc:
-        raise ValueError(f"{setting_of(exc.field)} {exc.problem}") from None
-
-
-def unread_fields(shape: DrafterShape, choices: Any) -> list[str]:
-    """One line per field of another architecture that the recipe's drafter section sets away from
-    its default: this drafter trains without it. Not an error: switching drafter.architecture on a
-    recipe of another architecture (its plain backbone, say) is a use; a mistaken one is not, and
-    the line names the key. At the default a field is only the section's value."""
-    own = {f.name for f in dataclasses.fields(shape.variant.fields)}
-    return [f"drafter.{f.name} = {getattr(choices, f.name)!r} is a {other.name} setting; this drafter is "
-            f"drafter.architecture: {shape.variant.name} and trains without it (remove the key, or set "
-            f"drafter.architecture: {other.name})"
-            for other in VARIANTS.values() for f in dataclasses.fields(other.fields)
-            if f.name not in own and getattr(choices, f.name, f.default) != f.default]
+        raise ValueError(f"{setting_of(exc.field, arch.name)} {exc.problem}") from None

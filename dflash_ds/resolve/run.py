@@ -20,7 +20,7 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.objective import StepSettings
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape, unread_fields
+from dflash_ds.resolve.drafter import check_servable, drafter_shape, recipe_keys
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.files import check_files
@@ -109,8 +109,6 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
         check_servable(dcfg)
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
-    for line in unread_fields(dcfg, recipe.drafter):
-        say(f"warning: {line}")
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
@@ -148,7 +146,8 @@ def wants_target_logits(recipe: Recipe, shape: DrafterShape) -> bool:
 
 def check_init_from(path: str, shape: DrafterShape) -> None:
     """`drafter.init_from` must be an export of the drafter this recipe describes: the same taps,
-    block size, mask id, layers, widths and attention types (resolve.drafter.RECIPE_KEYS). A mismatch
+    block size, mask id, layers, widths, attention types and the architecture's own fields
+    (resolve.drafter.recipe_keys). A mismatch
     would train silently and export a config that disagrees with how the drafter was trained."""
     from dflash_ds.export import read_export_config
 
@@ -156,12 +155,13 @@ def check_init_from(path: str, shape: DrafterShape) -> None:
         exported = DrafterShape.from_hf_config(read_export_config(path))
     except (KeyError, TypeError, ValueError) as exc:
         raise RecipeError(f"drafter.init_from: {exc}") from None
-    diff = exported.mismatches(shape, RECIPE_KEYS)
+    keys = recipe_keys(shape)
+    diff = exported.mismatches(shape, keys)
     if diff:
         name, theirs, ours = diff[0]
         more = f" (and {len(diff) - 1} more: {', '.join(d[0] for d in diff[1:])})" if len(diff) > 1 else ""
         raise RecipeError(f"drafter.init_from {path!r} has {name}={_plain(theirs)} but the recipe gives "
-                          f"{name}={_plain(ours)} (set by {RECIPE_KEYS[name]}){more}; make the recipe match the export "
+                          f"{name}={_plain(ours)} (set by {keys[name]}){more}; make the recipe match the export "
                           "or drop drafter.init_from")
 
 

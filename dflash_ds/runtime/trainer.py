@@ -44,7 +44,7 @@ class StepStats:
     accept: torch.Tensor
     anchors: torch.Tensor
     kl_sum: torch.Tensor | float = 0.0  # sum(w * KL) of the step (0 with the KL term off)
-    extra: tuple = ()  # the architecture's sums of the step (its variant's log_sums)
+    extra: tuple = ()  # the architecture's sums of the step (in its variant's log_names order)
 
 
 class LocalSource:
@@ -218,7 +218,8 @@ class DrafterTrainer:
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
-        rec.update(self.settings.shape.variant.log_record(extra, float(stats.weight)))
+        shape = self.settings.shape
+        rec.update(shape.variant.log_record(dict(zip(shape.variant.log_names(shape), extra)), float(stats.weight)))
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
@@ -228,7 +229,7 @@ class DrafterTrainer:
         rec.update(self.window.targets.update(read_status(self.spec.recipe.run.output_dir)))
         self.metrics.log(rec)
         if self.spec.recipe.log.progress:
-            print_progress(rec, plan.total_steps)
+            print_progress(rec, plan.total_steps, self.settings.shape.variant.logs.progress)
 
     def log_tau(self, step: int, eval_set: list[torch.Tensor], label: str) -> None:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)

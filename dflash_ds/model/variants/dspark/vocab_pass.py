@@ -30,7 +30,7 @@ def l1_pass(logits, target, labels, weights, scales, how):
     """chunk_math for DSpark's term (`how.vocab` = l1_to_target, no KL, identity transform) on CUDA:
     (sum(w * CE), argmax hit, None, ||q - p||_1 per row, sum(w * ||q - p||_1), the logits' gradient
     (written over `logits`) or None without `scales`)."""
-    from dflash_ds.model.variants.dspark_kernel import ce_l1_rows
+    from dflash_ds.model.variants.dspark.kernel import ce_l1_rows
 
     if target is None or how.temperature is not None:
         raise ValueError("l1_pass needs the target's logits and no KL term")

@@ -2,29 +2,40 @@
 biases every slot's logits by the token before the one it predicts, and a confidence head trained
 toward each slot's acceptance probability; the engines walk the Markov chain greedily.
 
-The modules and their math are in dspark_parts.py; this module says where they go, what they hold,
-how they are trained (inside the fused loss, on the target's logits the distillation path already
-computes) and logged, and how an export names them for llama.cpp, vLLM and SGLang.
+The modules and their math are in parts.py; this module holds its recipe sections (`drafter.dspark:`,
+`objective.dspark:`) and says where the modules go, what they hold, how they are trained (inside
+the fused loss, on the target's logits the distillation path already computes) and logged, and
+how an export names them for llama.cpp, vLLM and SGLang.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.blocks import default_gamma, slot_rows
-from dflash_ds.model.gather import take_rows
+from dflash_ds.config import ObjectiveConfig
+from dflash_ds.config.architectures import section_of
+from dflash_ds.model.blocks import Blocks, MicroBatch, default_gamma, slot_rows
 from dflash_ds.model.chunk_term import ChunkTerm
-from dflash_ds.model.variants.base import (DrafterVariant, ExtraLoss, FieldError, LossContext, Proposal,
-                                           ReportFigure, Serving, Tensor)
-from dflash_ds.model.variants.dspark_parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
+from dflash_ds.model.gather import take_rows
+from dflash_ds.model.variants.base import (Card, ExtraLoss, FieldError, LogView, LossContext, Proposal, ReportFigure,
+                                           Serving, Tensor)
+from dflash_ds.model.variants.dflash import DFlash
+from dflash_ds.model.variants.registry import register
+from dflash_ds.model.variants.dspark.parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
                                                    calibration, confidence_logits, confident_prefix, expected_tau,
                                                    greedy_walk, l1_to_target, shift_in)
-from dflash_ds.model.variants.dspark_pass import l1_pass
-from dflash_ds.model.variants.dspark_report import draw_reliability, reliability
+from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
+from dflash_ds.model.variants.dspark.report import draw_reliability, reliability
+
+if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
+    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.model.shape import DrafterShape
+
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
 # Reliability bins of the confidence head, pooled over the block's slots: 60 sums a step, where
@@ -34,37 +45,71 @@ BINS = 20
 
 @dataclass(frozen=True)
 class DSparkFields:
-    """DSpark's shape, in dflash_config order; the defaults are DeepSpec's published shape."""
+    """The recipe's `drafter.dspark:` section and DSpark's shape, in dflash_config order; the defaults are
+    DeepSpec's published shape."""
 
     markov_rank: int = 256
-    """Rank r of the Markov head (two [vocab, r] tables)."""
+    """Rank r of the Markov head, two [vocab, r] tables (DeepSpec: 256; 127M parameters at a 248K
+    vocabulary)."""
     markov_head_type: str = "vanilla"
-    """The Markov head's form: vanilla, bias = markov_w2 @ markov_w1[prev]."""
+    """The Markov head's form: vanilla, bias = markov_w2 @ markov_w1[prev] (DeepSpec's default and the
+    only one llama.cpp and vLLM load; its gated and rnn heads are refused)."""
     enable_confidence_head: bool = True
-    """A confidence head predicting each slot's acceptance probability (vLLM's adaptive verification
-    and llama.cpp's --spec-draft-p-min read it)."""
+    """A confidence head predicting each slot's acceptance probability (DeepSpec: on; vLLM's adaptive
+    verification and llama.cpp's --spec-draft-p-min read it)."""
     confidence_head_with_markov: bool = True
-    """The confidence head also reads the Markov embedding of the slot's predecessor (llama.cpp loads
-    only this form)."""
+    """The confidence head also reads the Markov embedding of the slot's predecessor (DeepSpec: true;
+    llama.cpp loads only this form)."""
 
 
-def _sum_names(block_size: int) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class DSparkObjective:
+    """The recipe's `objective.dspark:` section: the weights of DSpark's three terms."""
+
+    ce_weight: float = 0.1
+    """Weight of the cross-entropy term (DeepSpec's ce_loss_alpha: 0.1). "loss" in the logs stays the
+    unweighted sum(w * CE) / sum(w)."""
+    l1_weight: float = 0.9
+    """Weight of ||q - p||_1 (twice the total variation between the drafter's and the target's
+    distributions at the slot; DeepSpec's l1_loss_alpha: 0.9). Target ranks send their final-norm
+    states, as for objective.kl_weight > 0."""
+    confidence_weight: float = 1.0
+    """Weight of the confidence head's BCE toward 1 - TV (DeepSpec's confidence_head_alpha: 1.0)."""
+
+    def check(self) -> None:
+        for key, value in dataclasses.asdict(self).items():
+            if value < 0:
+                raise ValueError(f"{key} must be >= 0, got {value}")
+
+
+def _sum_names(block_size: int, confidence: bool) -> tuple[str, ...]:
     slots = [f"{what}_{k}" for k in range(block_size) for what in ("accept_sum", "accept_count")]
+    if not confidence:  # no head: nothing of it to log
+        return ("l1_sum", "tau_probabilistic_sum", "tau_probabilistic_blocks", *slots)
     bins = [f"confidence_bin_{what}_{i}" for what in ("weight", "pred", "target") for i in range(BINS)]
     return ("l1_sum", "confidence_sum", "tau_probabilistic_sum", "tau_probabilistic_blocks",
             "confidence_abs_error_sum", "confidence_bias_sum", *slots, *bins)
 
 
-class DSpark(DrafterVariant):
+@register
+class DSpark(DFlash):
     name = "dspark"
     class_name = "Qwen3DSparkModel"
     title = "DSpark"
-    auto_map = {"AutoConfig": "modeling_dflash.DSparkConfig", "AutoModel": "modeling_dflash.Qwen3DSparkModel"}
+    remote_code = DFlash.remote_code._replace(auto_map={"AutoConfig": "modeling_dflash.DSparkConfig",
+                                                        "AutoModel": "modeling_dflash.Qwen3DSparkModel"})
     fields = DSparkFields
+    objective_keys = DSparkObjective
     needs_target_logits = True
     label_offset = 1
+    logs = LogView(
+        progress=("l1 {l1:.4f}", "tau_p {tau_probabilistic:.2f}", "confidence MAE {confidence_mae:.3f}"),
+        series=(("loss", "l1", "L1 term"), ("loss", "confidence_loss", "confidence BCE"),
+                ("accept_proxy", "tau_probabilistic", "probabilistic tau")),
+        summary=(("final probabilistic tau", "{tau_probabilistic:.2f}"),
+                 ("final confidence calibration", "MAE {confidence_mae:.3f}, bias {confidence_bias:+.3f}")))
 
-    def check(self, shape) -> None:
+    def check(self, shape: DrafterShape, serving: bool = False) -> None:
         f = shape.arch_fields
         if f.markov_rank < 1:
             raise FieldError("markov_rank", f"= {f.markov_rank} must be >= 1 (DeepSpec publishes 256)")
@@ -76,10 +121,10 @@ class DSpark(DrafterVariant):
                              "whether DSpark's Markov bias is added before or after that: DSpark is trained for "
                              "targets without a logit transform only (Qwen3, Llama)")
 
-    def config_entries(self, shape) -> dict:
+    def config_entries(self, shape: DrafterShape) -> dict:
         return {"block_size": shape.block_size, **super().config_entries(shape), "sample_from_anchor": True}
 
-    def top_level_entries(self, shape) -> dict:
+    def top_level_entries(self, shape: DrafterShape) -> dict:
         # DeepSpec's config class, vLLM's and SGLang's readers and llama.cpp's converter read these
         # at the top level; the converter builds its dflash_config from the top-level ids.
         return {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(shape.target_layer_ids),
@@ -87,7 +132,7 @@ class DSpark(DrafterVariant):
 
     # ---------------------------------------------------------------------------------- modules
 
-    def heads(self, shape) -> dict:
+    def heads(self, shape: DrafterShape) -> dict:
         f = shape.arch_fields
         out = {"markov_head": MarkovHead(shape.vocab_size, f.markov_rank)}
         if f.enable_confidence_head:
@@ -95,7 +140,7 @@ class DSpark(DrafterVariant):
                                                     f.markov_rank if f.confidence_head_with_markov else 0)
         return out
 
-    def tensors(self, shape) -> dict[str, Tensor]:
+    def tensors(self, shape: DrafterShape) -> dict[str, Tensor]:
         f, d, v, r = shape.arch_fields, shape.hidden_size, shape.vocab_size, shape.arch_fields.markov_rank
         out = {"markov_head.markov_w1.weight": Tensor((v, r), "table"),
                "markov_head.markov_w2.weight": Tensor((v, r), "block")}
@@ -104,16 +149,13 @@ class DSpark(DrafterVariant):
             out["confidence_head.proj.bias"] = Tensor((1,))
         return out
 
-    def extra_flops(self, shape, draft_tokens: int) -> int:
+    def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         # The target's logits of every slot through the frozen lm_head (forward only), for the L1 term.
         return 2 * shape.vocab_size * shape.hidden_size * draft_tokens
 
     # --------------------------------------------------------------------------------- the walk
 
-    def draft(self, model, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        return _chain(model, hidden, anchors).tokens
-
-    def propose(self, model, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
         # llama.cpp's confidence of slot k is the head's sigmoid on the slot's state and the Markov
         # embedding of the chain's token before it, computed in the same graph as the chain; its
         # loop stops the draft at the first slot below the threshold (common/speculative.cpp).
@@ -125,27 +167,32 @@ class DSpark(DrafterVariant):
                 raise ValueError(f"p_min = {p_min}: this DSpark drafter has no confidence head, and llama.cpp "
                                  "refuses --spec-draft-p-min > 0 for it; use 0")
             return Proposal(walk.tokens, full)
+        if p_min > 0 and not head.with_markov:
+            raise ValueError(f"p_min = {p_min}: llama.cpp does not load a DSpark drafter whose confidence head "
+                             "does not read the Markov embedding, so it has no cut to predict; use 0")
         with torch.no_grad():
             c = head(hidden, model.drafter.markov_head.embed(walk.predecessors))
         return Proposal(walk.tokens, confident_prefix(c, p_min).long().cpu(), torch.sigmoid(c))
 
     # --------------------------------------------------------------------------------- the loss
 
-    def default_gamma(self, shape) -> float:
+    def default_gamma(self, shape: DrafterShape) -> float:
         # DeepSpec's exp(-k / gamma) over the B drafting slots is DFlash's decay of a block one
         # longer (4.0 at B = 7, as DeepSpec sets it).
         return default_gamma(shape.block_size + 1)
 
-    def block_targets(self, mb, anchors, valid, block_size, gamma):
+    def block_targets(self, mb: MicroBatch, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                      gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
         return anchor_first_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
 
-    def loss_settings(self, objective) -> DSparkTerms:
-        return DSparkTerms(objective.ce_weight, objective.l1_weight, objective.confidence_weight)
+    def loss_settings(self, objective: ObjectiveConfig) -> DSparkTerms:
+        o = section_of(objective, self.name, DSparkObjective)
+        return DSparkTerms(o.ce_weight, o.l1_weight, o.confidence_weight)
 
     def ce_weight(self, term: DSparkTerms | None) -> float:
         return (term or DSparkTerms()).ce
 
-    def chunk_term(self, model, blocks, term: DSparkTerms | None, hidden) -> ChunkTerm:
+    def chunk_term(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor) -> ChunkTerm:
         """The Markov bias of every slot's logits (teacher-forced predecessor) and l1 * ||q - p||_1
         on the biased logits and the target's, inside the fused loss's pass over the vocabulary."""
         t = term or DSparkTerms()
@@ -179,29 +226,38 @@ class DSpark(DrafterVariant):
         tau_sum, tau_blocks = expected_tau(accept, w)
         on = (w > 0).to(accept.dtype)
         per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
-        sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal), *per_slot.unbind(),
-                *bins.to(accept.dtype).unbind())
+        if head is None:  # in `log_names` order
+            sums = (tau_sum, tau_blocks.to(accept.dtype), *per_slot.unbind())
+        else:
+            sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal),
+                    *per_slot.unbind(), *bins.to(accept.dtype).unbind())
         return ExtraLoss(loss, tuple(s.detach() for s in sums))
 
-    def log_names(self, shape) -> tuple[str, ...]:
-        return _sum_names(shape.block_size)
+    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
+        return _sum_names(shape.block_size, shape.arch_fields.enable_confidence_head)
 
-    def log_record(self, sums: list[float], weight: float) -> dict[str, float | list[float]]:
+    def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float | list[float]]:
         # Weighted over the slots like "loss" (sum(w * term) / sum(w)); tau_probabilistic per block
         # (DeepSpec's 1 + sum_k prod_{j <= k} (1 - TV_j)); acceptance per drafting slot unweighted.
         # The reliability bins as shares of the step's weight, so that records add up (the report
-        # pools the last few).
-        l1, conf, tau, blocks, abs_error, bias, *rest = sums
-        slots, bins = rest[:-3 * BINS], rest[-3 * BINS:]
-        rec = {"l1": l1 / weight, "confidence_loss": conf / weight,
-               "tau_probabilistic": tau / max(blocks, 1e-9),
-               "confidence_mae": abs_error / weight, "confidence_bias": bias / weight}
-        for k in range(len(slots) // 2):
-            total, count = slots[2 * k], slots[2 * k + 1]
-            if count > 0:
-                rec[f"accept_rate_pos_{k + 1}"] = total / count
-        bin_weight, bin_pred, bin_target = (bins[i * BINS:(i + 1) * BINS] for i in range(3))
-        if sum(bin_weight) > 0:  # a confidence head, and a step with weight
+        # pools the last few). Without a confidence head no confidence field is written.
+        rec = {"l1": sums["l1_sum"] / weight}
+        if "confidence_sum" in sums:
+            rec["confidence_loss"] = sums["confidence_sum"] / weight
+        rec["tau_probabilistic"] = sums["tau_probabilistic_sum"] / max(sums["tau_probabilistic_blocks"], 1e-9)
+        if "confidence_sum" in sums:
+            rec["confidence_mae"] = sums["confidence_abs_error_sum"] / weight
+            rec["confidence_bias"] = sums["confidence_bias_sum"] / weight
+        k = 0
+        while f"accept_sum_{k}" in sums:
+            if sums[f"accept_count_{k}"] > 0:
+                rec[f"accept_rate_pos_{k + 1}"] = sums[f"accept_sum_{k}"] / sums[f"accept_count_{k}"]
+            k += 1
+        if "confidence_sum" not in sums:
+            return rec
+        bin_weight, bin_pred, bin_target = ([sums[f"confidence_bin_{what}_{i}"] for i in range(BINS)]
+                                            for what in ("weight", "pred", "target"))
+        if sum(bin_weight) > 0:  # a step with weight
             rec["confidence_ece"] = sum(abs(p - t) for p, t in zip(bin_pred, bin_target)) / sum(bin_weight)
             for name, values in (("weight", bin_weight), ("pred", bin_pred), ("target", bin_target)):
                 rec[f"confidence_bin_{name}"] = [v / weight for v in values]
@@ -215,32 +271,35 @@ class DSpark(DrafterVariant):
 
     # --------------------------------------------------------------------------------- the card
 
-    def card_rows(self, shape) -> list[str]:
+    def card(self, shape: DrafterShape) -> Card:
         f = shape.arch_fields
         conf = ("with the Markov embedding" if f.confidence_head_with_markov else "without the Markov embedding") \
             if f.enable_confidence_head else "none"
-        return [f"| Markov head | {f.markov_head_type}, rank {f.markov_rank} |",
+        rows = (f"| Markov head | {f.markov_head_type}, rank {f.markov_rank} |",
                 f"| confidence head | {conf} |",
-                "| block layout | anchor-first (`sample_from_anchor`): all block slots draft |"]
-
-    def serving(self, shape) -> Serving:
+                "| block layout | anchor-first (`sample_from_anchor`): all block slots draft |")
         # Every slot drafts: vLLM and llama.cpp verify B drafts a round, SGLang counts the anchor too.
-        return Serving("DSPARK", shape.block_size + 1, "dspark", shape.block_size, "draft-dspark", shape.block_size)
-
-    def serving_note(self) -> list[str]:
-        return [
-            "The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
-            "confidence fields at the top level of config.json. All B slots of the block draft, so vLLM's",
-            "`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
-            "against the target and runs it as `draft-dspark`; `--spec-draft-p-min P` (default 0: no cut)",
-            "verifies only the slots before the first whose confidence is below P, and a draft cut to",
-            "nothing is a plain decoding step:",
-            "",
-            "```",
-            "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR",
-            "```",
-            "",
-        ]
+        # llama.cpp builds the confidence head with the Markov embedding only: without it, it does not load.
+        llama_cpp = not f.enable_confidence_head or f.confidence_head_with_markov
+        b = shape.block_size
+        serving = Serving("DSPARK", b + 1, "dspark", b, "draft-dspark" if llama_cpp else None, b)
+        note = ["The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
+                "confidence fields at the top level of config.json. All B slots of the block draft, so vLLM's"]
+        convert = ["", "```", "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR", "```", ""]
+        if not llama_cpp:
+            note += ["`num_speculative_tokens` is B. llama.cpp does not load this drafter: its confidence head",
+                     "does not read the Markov embedding (`confidence_head_with_markov: false`), the only form",
+                     "llama.cpp builds.", ""]
+        elif f.enable_confidence_head:
+            note += ["`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
+                     "against the target and runs it as `draft-dspark`; `--spec-draft-p-min P` (default 0: no cut)",
+                     "verifies only the slots before the first whose confidence is below P, and a draft cut to",
+                     "nothing is a plain decoding step:", *convert]
+        else:  # no confidence head: llama.cpp has no confidence to cut a draft at
+            note += ["`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
+                     "against the target and runs it as `draft-dspark`, verifying every drafted slot (the drafter",
+                     "has no confidence head):", *convert]
+        return Card(rows, serving, tuple(note))
 
 
 def _predecessors(blocks, block_size: int) -> torch.Tensor:
@@ -258,4 +317,3 @@ def _chain(model, hidden: torch.Tensor, anchors: torch.Tensor):
     return greedy_walk(model.drafter.markov_head, base, anchors.to(hidden.device))
 
 
-VARIANT = DSpark()

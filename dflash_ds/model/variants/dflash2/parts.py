@@ -155,7 +155,7 @@ def greedy_path(selector: CandidateSelector, hidden: torch.Tensor, lm_head: torc
 
 
 class SelectorTerm(NamedTuple):
-    """The selector loss of one micro-batch (recipe keys objective.selector_*)."""
+    """The selector loss of one micro-batch (recipe keys objective.dflash2.selector_*)."""
 
     alpha: float
     """This step's weight of the term (after warm-up and ramp)."""
