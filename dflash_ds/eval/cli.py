@@ -18,6 +18,7 @@ from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, offline_tau, target_taps
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
+from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model_card import trained_thinking
@@ -167,15 +168,18 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    llama_cpp = LlamaCppCounts()
+    llama_cpp, vllm = LlamaCppCounts(), VllmCounts.of(target, model.num_drafts)
     for prompt, x in zip(prompts, sequences):
-        llama_cpp.add(model, target_taps(target, x, model.layer_ids), x, len(prompt), args.max_new_tokens,
-                      eos_ids(target))
+        taps = target_taps(target, x, model.layer_ids)
+        llama_cpp.add(model, taps, x, len(prompt), args.max_new_tokens, eos_ids(target))
+        vllm.add(model, taps, x, prompt_len=len(prompt), budget=args.max_new_tokens)
     result.update(report.as_dict())
     result["llama_cpp"] = llama_cpp.as_dict()
+    result["vllm"] = vllm.as_dict()
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
     print(llama_cpp.line() + " (docs/algorithm.md section 7.3)")
+    print(vllm.line() + " (docs/algorithm.md section 7.3)")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
     if args.online:
