@@ -127,17 +127,20 @@ class VllmCounts:
         `budget` tokens. Returns its rounds."""
         p, end = prompt_len, ids.numel()
         drafts = anchor_drafts(with_block(model, self.num_speculative_tokens), taps, ids, p, max(end - 1, p))
-        x = ids
+        rounds = self.walk(drafts, ids, prompt_len=p, budget=budget)
+        self.rounds.append([r.accepted for r in rounds])
+        return rounds
+
+    def walk(self, drafts: torch.Tensor, ids: torch.Tensor, *, prompt_len: int, budget: int) -> list[Round]:
+        """`vllm_rounds` of the drafts [n, K] at anchors prompt_len.., the response extended by the
+        target's greedy tokens as far as a round verifies."""
         while True:
             try:
-                rounds = vllm_rounds(drafts, x, p, p + budget, self.stop)
-                break
+                return vllm_rounds(drafts, ids, prompt_len, prompt_len + budget, self.stop)
             except NeedsMoreTokens as e:
                 if self.extend is None:
                     raise
-                x = self.extend(x, e.length)
-        self.rounds.append([r.accepted for r in rounds])
-        return rounds
+                ids = self.extend(ids, e.length)
 
     @property
     def num_drafts(self) -> int:
