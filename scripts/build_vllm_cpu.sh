@@ -46,6 +46,8 @@ fi
 mkdir -p "$CACHE_ROOT"
 WORK="$(mktemp -d "$CACHE_ROOT/.vllm-cpu-build.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
+# pip's own messages come first; this line names the step that failed and what to check.
+trap 'echo "build_vllm_cpu: \`$BASH_COMMAND\` failed (line $LINENO; pip output above): check the network to the package index and the free space under $CACHE_ROOT" >&2' ERR
 
 "$PYTHON" -m venv "$WORK/env" >&2
 VPY="$WORK/env/bin/python"
