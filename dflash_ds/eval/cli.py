@@ -179,7 +179,7 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
     print(llama_cpp.line() + " (docs/algorithm.md section 7.3)")
-    print(vllm.line() + " (docs/algorithm.md section 7.3)")
+    print(vllm.line() + " (docs/algorithm.md section 7.4)")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
     if args.online:
