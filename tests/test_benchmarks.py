@@ -119,6 +119,9 @@ def test_cli_prints_one_row_per_set_and_setting_and_warns_on_thinking(world, tmp
     # greedy: one response per prompt (mt_bench: per turn); sampled: --samples per prompt
     assert [r["responses"] for r in rows] == [2, 4, 4, 8]
     assert rows[0]["tau_expected"] is None and rows[1]["tau_expected"] is not None
+    # greedy rows: the engines' counts of the same responses (at least one token a round); sampled rows none
+    assert all(r["vllm"] >= 1 and r["llama_server"] >= 1 for r in rows if r["sampling"] == "greedy")
+    assert all(r["vllm"] is None and r["llama_server"] is None for r in rows if r["sampling"] != "greedy")
     assert all(1.0 <= r["tau_mean"] <= 8 for r in rows)
     printed = captured.out.splitlines()
     assert printed[-len(rows) - 1:] == table_lines(rows)
@@ -141,10 +144,10 @@ def test_cli_prints_one_row_per_set_and_setting_and_warns_on_thinking(world, tmp
     assert result["rows"][0]["tau_mean"] == pytest.approx(result["tau_mean"])
 
 
-def _row(bench, sampling, tau):
+def _row(bench, sampling, tau, engines=(None, None)):
     return {"bench": bench, "sampling": sampling, "tau_mean": tau, "tau_mean_se": 0.1, "tau_pooled": tau - 0.1,
             "tau_pooled_se": 0.05, "tau_expected": None, "tau_expected_se": None, "position_acceptance": [0.5, None],
-            "responses": 4, "cycles": 9}
+            "responses": 4, "cycles": 9, "llama_server": engines[0], "vllm": engines[1]}
 
 
 def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
@@ -165,11 +168,36 @@ def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
     export = save_drafter(DFlashDrafter(cfg), tmp_path / "export", card={"thinking": False})
     assert trained_thinking(export) is False
     add_benchmarks_to_card(export, [_row("gsm8k", "greedy", 3.2), _row("gsm8k", "T=1", 2.9)])
-    add_benchmarks_to_card(export, [_row("math500", "T=1", 2.5)])  # replaces the earlier table
+    assert "| gsm8k | greedy | 3.20 ± 0.10 | 3.10 ± 0.05 | - | - | 4 |" in (Path(export) / "README.md").read_text()
+    # replaces the earlier table; a greedy row has the engines' counts, a sampled row none
+    add_benchmarks_to_card(export, [_row("math500", "greedy", 2.7, (2.6, 2.8)), _row("math500", "T=1", 2.5)])
     text = (Path(export) / "README.md").read_text()
     assert text.count("## Acceptance by benchmark") == 1
-    assert "| math500 | T=1 | 2.50 ± 0.10 | 2.40 ± 0.05 | 4 | 1:0.50 2:- |" in text and "gsm8k" not in text
+    assert "| math500 | greedy | 2.70 ± 0.10 | 2.60 ± 0.05 | 2.60 | 2.80 | 4 | 1:0.50 2:- |" in text
+    assert "| math500 | T=1 | 2.50 ± 0.10 | 2.40 ± 0.05 | - | - | 4 | 1:0.50 2:- |" in text and "gsm8k" not in text
     assert text.index("## Acceptance by benchmark") < text.index("## Serving")
+    assert "| vLLM model runner | V1 or V2: vLLM's CPU build serves it too |" in text
+
+
+def test_the_card_names_the_vllm_runner_an_export_needs():
+    from dataclasses import replace
+
+    from dflash_ds.model_card import vllm_runner_rows
+    from tests.test_conformance import small_shape
+
+    def row(shape):
+        rows = vllm_runner_rows(shape, shape.variant.card(shape).serving)
+        assert len(rows) == 1
+        return rows[0]
+
+    assert row(small_shape("dflash")) == "| vLLM model runner | V1 or V2: vLLM's CPU build serves it too |"
+    mixed = replace(small_shape("dflash"), layer_types=("sliding_attention", "full_attention"), sliding_window=64)
+    for shape, why in [(small_shape("dflash2"), "the DFlash2 candidate head"), (small_shape("dspark"), "DSpark drafting"),
+                       (mixed, "drafter layers that mix sliding-window and full attention")]:
+        assert row(shape).startswith(f"| vLLM model runner | Model Runner V2 (GPU) for {why}; the V1 runner"), row(shape)
+    # all layers sliding: one KV group, which the V1 runner serves
+    slid = replace(small_shape("dflash"), layer_types=("sliding_attention",) * 2, sliding_window=64)
+    assert "V1 or V2" in row(slid)
 
 
 @pytest.mark.integration  # end to end in process, seconds (README, "Tests")

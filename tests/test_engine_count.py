@@ -1,5 +1,6 @@
 """llama.cpp's rounds from the drafts at every anchor (docs/algorithm.md section 7.3), hand-worked."""
 
+import pytest
 import torch
 
 from dflash_ds.eval.engine_count import EngineCount, Round, accepted, engine_rounds
@@ -53,3 +54,41 @@ def test_mean_accept_length_is_pooled():
     count = EngineCount(rounds=[[2, 1], [0, 0, 3]])
     assert count.mean_accept_length == 1 + 6 / 5
     assert EngineCount().as_dict()["mean_accept_length"] is None
+
+
+# vLLM's rounds (dflash_ds/eval/vllm_count.py): first round at the first generated token, all K drafts
+# verified, acceptance counted before the stop check and the budget.
+
+def test_vllm_counts_a_confirmed_end_token_and_the_target_past_it():
+    from dflash_ds.eval.vllm_count import NeedsMoreTokens, vllm_rounds
+
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, EOS])  # prompt of 3, response 20 .. EOS
+    # anchor 3 accepts 21, 22, EOS (llama.cpp would stop at EOS, not in the last slot); its fourth draft
+    # is compared with the target's token past the end, which the caller supplies
+    drafts = rows([21, 22, EOS, 40], [0] * 4, [0] * 4)
+    with pytest.raises(NeedsMoreTokens) as e:
+        vllm_rounds(drafts, ids, 3, 3 + 64, {EOS})
+    assert e.value.length == 8
+    past = torch.cat([ids, torch.tensor([40, 41])])
+    assert vllm_rounds(drafts, past, 3, 3 + 64, {EOS}) == [Round(4, 4)]
+    assert vllm_rounds(drafts, torch.cat([ids, torch.tensor([41, 41])]), 3, 3 + 64, {EOS}) == [Round(3, 4)]
+    # no match at anchor 3; anchor 4 accepts 22 and EOS, which ends the request (its third draft meets 40)
+    drafts = rows([9, 9, 9, 9], [22, EOS, 0, 0], [0] * 4)
+    assert vllm_rounds(drafts, past, 3, 3 + 64, {EOS}) == [Round(0, 4), Round(2, 4)]
+    # the first generated token is a stop: no draft at all
+    assert vllm_rounds(drafts, torch.tensor([10, 11, 12, EOS]), 3, 3 + 64, {EOS}) == []
+
+
+def test_vllm_verifies_all_k_drafts_at_the_budget():
+    from dflash_ds.eval.vllm_count import VllmCounts, vllm_rounds
+
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, 23, 24, 25])  # budget 4: the response is 20 .. 23
+    drafts = rows([21, 22, 23, 24], [0] * 4, [0] * 4)
+    # llama.cpp would draft 2 there; vLLM verifies and counts all 4 (tokens 24 and 25 are past the budget)
+    assert vllm_rounds(drafts, ids, 3, 7, {EOS}) == [Round(4, 4)]
+    # anchor 3 accepts 21; anchor 5 accepts 23 (the budget's last token) and 24 past it
+    drafts = rows([21, 9, 9, 9], [0] * 4, [23, 24, 9, 9], [0] * 4)
+    assert vllm_rounds(drafts, ids, 3, 7, {EOS}) == [Round(1, 4), Round(2, 4)]
+    count = VllmCounts(num_speculative_tokens=4, rounds=[[1, 3], [0, 4, 2]])
+    assert (count.num_drafts, count.num_accepted, count.per_position) == (5, 10, [4, 3, 2, 1])
+    assert count.mean_accept_length == 1 + 10 / 5

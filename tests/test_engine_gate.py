@@ -1,5 +1,5 @@
-"""The engine tier's gate (tests/llama_cpp.py): a build that cannot run skips the tier with the build's
-reason, except under CI=true, where a skip would pass silently, so it fails."""
+"""The engine tier's gate (tests/llama_cpp.py, tests/vllm_cpu.py): a build that cannot run skips the tier
+with the build's reason, except under CI=true, where a skip would pass silently, so it fails."""
 
 import pytest
 
@@ -16,3 +16,15 @@ def test_a_build_that_cannot_run_skips_locally_and_fails_in_ci(tmp_path, monkeyp
     monkeypatch.setenv("CI", ci)
     with pytest.raises(outcome, match="build_llama_cpp.sh failed \\(2\\).*'cmake' not found"):
         llama_cpp.build(tmp_path)
+
+
+@pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])
+def test_a_vllm_install_that_cannot_run_skips_locally_and_fails_in_ci(tmp_path, monkeypatch, ci, outcome):
+    from tests import vllm_cpu
+
+    script = tmp_path / "build_vllm_cpu.sh"
+    script.write_text("echo 'build_vllm_cpu: python3 is not a Python 3.10 to 3.13 with the venv module' >&2; exit 2\n")
+    monkeypatch.setattr(vllm_cpu, "BUILD", script)
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="build_vllm_cpu.sh failed \\(2\\).*venv module"):
+        vllm_cpu.build()

@@ -269,6 +269,14 @@ def test_cli_reports_tau_and_names_bad_flags(world, tmp_path, capsys):
     drafts = result["block_size"] - 1  # a cycle's most tokens, less the target's: llama.cpp's --spec-draft-n-max
     assert result["llama_cpp"]["spec_draft_n_max"] == drafts
     assert f"llama.cpp mean acc len (--spec-draft-n-max {drafts}): llama-server" in printed
+    # vLLM's drafts are tau's cycles less their bonus token, but the last one verifies all its drafts past
+    # the budget (docs/algorithm.md 7.4), so it accepts at least as many as the cycle kept.
+    vllm = result["vllm"]
+    for cycles, rounds in zip(expected.cycles, vllm["rounds"]):
+        assert len(rounds) == len(cycles) and rounds[:-1] == [c - 1 for c in cycles[:-1]]
+        assert rounds[-1] >= cycles[-1] - 1
+    assert vllm["num_drafts"] == expected.num_cycles and vllm["num_speculative_tokens"] == drafts
+    assert f"vLLM mean acceptance length (num_speculative_tokens {drafts}): {vllm['mean_accept_length']:.3f}" in printed
 
     # A target directory passed as the drafter, and an unreachable target.
     assert main(["--target", str(target_dir), "--drafter", str(target_dir), "--prompts", str(prompts)]) == 2

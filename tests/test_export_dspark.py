@@ -140,10 +140,10 @@ def test_the_card_serves_only_what_the_engines_load(tmp_path):
 
 
 def test_no_llama_cpp_cut_is_predicted_for_a_drafter_llama_cpp_does_not_load():
-    from dflash_ds.eval.cli import llama_cpp_counts
+    from dflash_ds.eval.cli import llama_cpp_loads
 
     plain = DraftModel(make_drafter(confidence_head_with_markov=False), torch.zeros(VOCAB, D), torch.randn(VOCAB, D))
-    assert llama_cpp_counts(None, plain, [[1, 2]], [torch.arange(6)], budget=4) is None
+    assert not llama_cpp_loads(plain) and llama_cpp_loads(DraftModel(make_drafter(), torch.zeros(VOCAB, D), torch.randn(VOCAB, D)))
     hidden, anchors = torch.randn(3, B, D), torch.tensor([1, 2, 3])
     assert plain.propose(hidden, anchors).served.tolist() == [B] * 3  # drafting itself is unchanged
     with pytest.raises(ValueError, match="llama.cpp does not load"):

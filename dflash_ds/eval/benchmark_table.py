@@ -18,10 +18,12 @@ from typing import Sequence
 import torch
 
 from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
-from dflash_ds.eval.generate import greedy_continuation, target_taps
+from dflash_ds.eval.engine_count import LlamaCppCounts
+from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sampled_continuation,
                                     tau_of_trajectory)
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
+from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.safety import Exit, say
 
@@ -43,6 +45,8 @@ class Responder:
         device = next(target.parameters()).device
         self.gen = torch.Generator(device=device).manual_seed(opts.seed)
         self.result = SampledTau(sampling, TauReport(block_size=model.max_emitted))
+        # The engines' counts of the greedy responses, served with the drafts of one block.
+        self.llama_cpp, self.vllm = LlamaCppCounts(), VllmCounts.of(target, model.num_drafts)
 
     @property
     def samples(self) -> int:
@@ -57,12 +61,20 @@ class Responder:
             taps = target_taps(self.target, x, self.model.layer_ids)
             cycles = tau_from_taps(self.model, taps, x, n, x.numel(), batch_anchors=o.batch_anchors)
             probs = []
+            self.count_engines(taps, x, n)
         else:
             x = sampled_continuation(self.target, prompt, self.sampling, self.gen, max_new_tokens=o.max_new_tokens)
             cycles, probs = tau_of_trajectory(self.target, self.model, x, n, self.sampling, o.batch_anchors)
         self.result.report.cycles.append(cycles)
         self.result.slot_probs.append(probs)
         return x[n:].tolist()
+
+    def count_engines(self, taps: torch.Tensor, x: torch.Tensor, prompt_len: int) -> None:
+        stop = eos_ids(self.target)
+        self.llama_cpp.add(self.model, taps, x, prompt_len, self.opts.max_new_tokens, stop)
+        self.vllm.add(self.model, taps, x, prompt_len=prompt_len, budget=self.opts.max_new_tokens)
+        self.result.engines = {"llama_server": self.llama_cpp.server.mean_accept_length,
+                               "vllm": self.vllm.mean_accept_length}
 
 
 @torch.no_grad()
@@ -101,7 +113,8 @@ def bench_row(name: str, result: SampledTau) -> dict:
             "tau_mean": num(tau_mean), "tau_mean_se": num(tau_mean_se), "tau_pooled": num(pooled),
             "tau_pooled_se": num(pooled_se), "tau_expected": num(expected[0]), "tau_expected_se": num(expected[1]),
             "position_acceptance": rep.position_acceptance, "responses": len(rep.cycles), "cycles": rep.num_cycles,
-            "block_size": rep.block_size}
+            "block_size": rep.block_size, "llama_server": num(result.engines.get("llama_server")),
+            "vllm": num(result.engines.get("vllm"))}
 
 
 def _pm(x, se) -> str:
@@ -110,16 +123,22 @@ def _pm(x, se) -> str:
     return f"{x:.3f}" + (f" ±{se:.3f}" if se is not None else "")
 
 
+def _engine(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def table_lines(rows: list[dict]) -> list[str]:
-    """The rows as aligned text: tau mean and pooled with standard errors, the expectation, counts, positions."""
-    head = (f"{'bench':<10} {'sampling':<22} {'tau_mean':>14} {'tau_pooled':>14} {'expected':>14} {'resp':>5} "
-            f"{'cycles':>6}  acceptance by position")
+    """The rows as aligned text: tau mean and pooled with standard errors, the expectation, the mean
+    acceptance length as llama-server and vLLM count it (greedy rows), counts, positions."""
+    head = (f"{'bench':<10} {'sampling':<22} {'tau_mean':>14} {'tau_pooled':>14} {'expected':>14} "
+            f"{'llama.cpp':>9} {'vLLM':>6} {'resp':>5} {'cycles':>6}  acceptance by position")
     lines = [head]
     for r in rows:
         pos = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(r["position_acceptance"], 1))
         lines.append(f"{r['bench']:<10} {r['sampling']:<22} {_pm(r['tau_mean'], r['tau_mean_se']):>14} "
                      f"{_pm(r['tau_pooled'], r['tau_pooled_se']):>14} "
                      f"{_pm(r['tau_expected'], r['tau_expected_se']):>14} "
+                     f"{_engine(r.get('llama_server')):>9} {_engine(r.get('vllm')):>6} "
                      f"{r['responses']:>5} {r['cycles']:>6}  {pos}")
     return lines
 

@@ -18,6 +18,7 @@ from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, offline_tau, target_taps
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
+from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model_card import trained_thinking
@@ -161,15 +162,22 @@ def _run(args) -> int:
     return Exit.OK
 
 
-def llama_cpp_counts(target, model, prompts, sequences, *, budget: int) -> LlamaCppCounts | None:
-    """llama.cpp's rounds over the responses, or None when llama.cpp does not load the drafter (its
-    architecture's serving says so: no count to predict)."""
-    if model.config.variant.card(model.config).serving.llama_cpp_type is None:
-        return None
-    counts = LlamaCppCounts()
+def llama_cpp_loads(model: DraftModel) -> bool:
+    """Whether llama.cpp loads this drafter (its architecture's serving says so): else no count to predict."""
+    return model.config.variant.card(model.config).serving.llama_cpp_type is not None
+
+
+def engine_counts(target, model, prompts, sequences, *, budget: int) -> tuple[LlamaCppCounts | None, VllmCounts]:
+    """llama.cpp's and vLLM's rounds over the responses (the target's taps computed once for both);
+    llama.cpp's is None when it does not load the drafter (its architecture's serving says so: no count
+    to predict)."""
+    llama_cpp, vllm = (LlamaCppCounts() if llama_cpp_loads(model) else None), VllmCounts.of(target, model.num_drafts)
     for prompt, x in zip(prompts, sequences):
-        counts.add(model, target_taps(target, x, model.layer_ids), x, len(prompt), budget, eos_ids(target))
-    return counts
+        taps = target_taps(target, x, model.layer_ids)
+        if llama_cpp is not None:
+            llama_cpp.add(model, taps, x, len(prompt), budget, eos_ids(target))
+        vllm.add(model, taps, x, prompt_len=len(prompt), budget=budget)
+    return llama_cpp, vllm
 
 
 def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauReport:
@@ -178,13 +186,15 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    llama_cpp = llama_cpp_counts(target, model, prompts, sequences, budget=args.max_new_tokens)
+    llama_cpp, vllm = engine_counts(target, model, prompts, sequences, budget=args.max_new_tokens)
     result.update(report.as_dict())
     result["llama_cpp"] = llama_cpp.as_dict() if llama_cpp is not None else None
+    result["vllm"] = vllm.as_dict()
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
           f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
     print(llama_cpp.line() + " (docs/algorithm.md section 7.3)" if llama_cpp is not None else
           "llama.cpp does not load this drafter (its model card says why): no llama.cpp count")
+    print(vllm.line() + " (docs/algorithm.md section 7.4)")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
     if args.online:

@@ -145,6 +145,9 @@ class SampledTau:
     sampling: Sampling
     report: TauReport
     slot_probs: list[list[list[float]]] = field(default_factory=list)
+    # Greedy rows: the mean acceptance length as llama-server and vLLM count it on the same responses
+    # (eval.engine_count, eval.vllm_count); empty for a sampled row.
+    engines: dict[str, float] = field(default_factory=dict)
 
     @property
     def tau_expected(self) -> float:

@@ -100,6 +100,9 @@ class Serving(NamedTuple):
     vllm_tokens: int
     llama_cpp_type: str | None  # None: llama.cpp does not load this drafter
     llama_cpp_draft_max: int
+    vllm_v2_only: str | None = None
+    """What vLLM's V1 model runner (its CPU build's only one) refuses in this drafter, in words; None: the
+    V1 runner serves it. Model Runner V2 (GPU) serves every architecture."""
 
 
 class Proposal(NamedTuple):

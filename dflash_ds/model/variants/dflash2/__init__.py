@@ -213,7 +213,8 @@ class DFlash2(DFlash):
         rows = (f"| block convolution | {f.conv_kernel_size} taps, groups of {f.conv_group_size} channels |",
                 f"| candidate selector | top {f.selector_top_k} unary candidates, pair scores at rank "
                 f"{f.selector_rank} |")
-        return super().card(shape)._replace(rows=rows, note=(
+        card = super().card(shape)
+        return card._replace(rows=rows, serving=card.serving._replace(vllm_v2_only="the DFlash2 candidate head"), note=(
             "Both engines serve it with their DFlash method and select DFlash2 (the convolutions and the",
             "candidate selector) from `architectures: [\"DFlash2DraftModel\"]` and the four DFlash2 fields of",
             "`dflash_config`: SGLang from PR #35371 on, vLLM from PR #52816 on. Older releases would",

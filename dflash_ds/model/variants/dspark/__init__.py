@@ -282,7 +282,8 @@ class DSpark(DFlash):
         # llama.cpp builds the confidence head with the Markov embedding only: without it, it does not load.
         llama_cpp = not f.enable_confidence_head or f.confidence_head_with_markov
         b = shape.block_size
-        serving = Serving("DSPARK", b + 1, "dspark", b, "draft-dspark" if llama_cpp else None, b)
+        serving = Serving("DSPARK", b + 1, "dspark", b, "draft-dspark" if llama_cpp else None, b,
+                          vllm_v2_only="DSpark drafting")
         note = ["The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
                 "confidence fields at the top level of config.json. All B slots of the block draft, so vLLM's"]
         convert = ["", "```", "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR", "```", ""]

@@ -1,0 +1,197 @@
+"""The exports served and loaded by vLLM, the CPU build of vllm-cpu 0.32.0 (scripts/build_vllm_cpu.sh).
+
+Served: the tiny v1 drafter (trained here against assets/tiny-target as tests/test_engine.py trains it)
+behind vLLM's OpenAI server, float32 (vLLM picks bf16 on CPU for `--dtype auto`, which flips one of the
+held-out responses), on the held-out prompts sent as chat messages, at a budget beyond every response and
+at one of a few tokens: the prompt ids vLLM renders are the project's; every response is the target's
+alone (vLLM without a drafter) and the project's greedy response, with `num_speculative_tokens` B - 1
+and 3 (a 4-token block); with B - 1, every draft's accepted tokens (vLLM's per-request metrics) and
+vLLM's counters (drafts, draft tokens, accepted tokens, accepted per position) are what the project
+predicts under vLLM's counting rules (dflash_ds/eval/vllm_count.py). One server start per configuration.
+
+Loaded: vLLM's own config and model classes take every tiny export, including those its CPU runner
+cannot run (DFlash2, DSpark: Model Runner V2, GPU only): the architecture resolves to the intended
+class, the speculative config validates up to the runner check, which refuses exactly what needs V2,
+and the class's `load_weights` writes every parameter from the export with no tensor left over.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_ds.config import load_recipe
+from dflash_ds.eval.cli import read_prompts
+from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
+from dflash_ds.eval.tau import anchor_drafts
+from dflash_ds.eval.vllm_count import VllmCounts
+from dflash_ds.export import save_drafter
+from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.resolve.drafter import drafter_shape
+from tests import vllm_cpu
+from tests.llama_cpp import ROOT
+from tests.test_engine import BUDGET, EXPORTS, TRAIN_PROMPTS, train
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(3600)]  # a cold install is part of the first test
+
+TARGET = ROOT / "assets" / "tiny-target"
+SHORT_BUDGET = 6  # tokens: every held-out response is longer, so its last draft reaches past the budget
+# The model classes each export's architecture must resolve to, and what vLLM's V1 runner (the CPU
+# build's only one) refuses for it: DFlash2's candidate head and DSpark run on Model Runner V2 only.
+CLASSES = {"dflash": ("DFlashQwen3ForCausalLM", []),
+           "dflash2": ("DFlash2Qwen3ForCausalLM", ["DFlash candidate-head drafts"]),
+           "dspark": ("Qwen3DSparkForCausalLM", ["dspark speculative decoding"])}
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    return vllm_cpu.build()
+
+
+def heldout_messages() -> list[list[dict]]:
+    """The held-out conversations as read_prompts renders them: the trailing assistant turn dropped."""
+    out = []
+    for line in (ROOT / "assets" / "tiny_eval.jsonl").read_text().splitlines():
+        if line.strip():
+            messages = json.loads(line)["messages"]
+            out.append(messages[:-1] if messages[-1]["role"] == "assistant" else messages)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(vllm_python, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval().requires_grad_(False)
+    train_ids = [torch.tensor(p) for p in read_prompts(str(ROOT / "assets" / "tiny_chat.jsonl"), tok,
+                                                       limit=TRAIN_PROMPTS)]
+    world = dict(tok=tok, target=target, stop=set(eos_ids(target)), messages=heldout_messages(),
+                 heldout=read_prompts(str(ROOT / "assets" / "tiny_eval.jsonl"), tok),
+                 sequences=[greedy_continuation(target, p, max_new_tokens=BUDGET) for p in train_ids],
+                 prompt_lens=[p.numel() for p in train_ids])
+    world["responses"] = [greedy_continuation(target, torch.tensor(p), max_new_tokens=BUDGET)
+                          for p in world["heldout"]]
+    model = train(world, EXPORTS["dflash"])
+    export = tmp_path_factory.mktemp("vllm") / "dflash"
+    save_drafter(model.drafter, export, dtype=torch.float32)
+    world.update(model=model, export=export)
+    return world
+
+
+def served(vllm_python, tiny, tmp_path_factory, k: int | None) -> dict:
+    """One server (k None: the target alone; else the v1 export with num_speculative_tokens k), every
+    held-out prompt at the full and the short budget, then its counters; stopped before returning."""
+    extra = []
+    if k is not None:  # with every draft's accepted tokens in each response (`metrics`)
+        spec = {"method": "dflash", "model": str(tiny["export"]), "num_speculative_tokens": k}
+        extra += ["--per-request-spec-decode-metrics", "detailed", "--speculative-config", json.dumps(spec)]
+    log = tmp_path_factory.mktemp("vllm_log") / f"server_{k}.log"
+    server = vllm_cpu.Server.start(vllm_python, TARGET, log, extra)
+    try:
+        answers = {budget: [server.chat(m, budget) for m in tiny["messages"]]
+                   for budget in (BUDGET, SHORT_BUDGET)}
+        counters = server.spec_counters()
+    finally:
+        server.stop()
+    return dict(k=k, answers=answers, counters=counters)
+
+
+@pytest.fixture(scope="module")
+def target_alone(vllm_python, tiny, tmp_path_factory):
+    return served(vllm_python, tiny, tmp_path_factory, None)
+
+
+@pytest.fixture(scope="module", params=[7, 3], ids=["k7", "k3"])
+def speculative(request, vllm_python, tiny, tmp_path_factory):
+    assert tiny["model"].num_drafts == 7  # k7 is the block's B - 1 drafts, k3 a shorter block
+    return served(vllm_python, tiny, tmp_path_factory, request.param)
+
+
+def test_served_prompt_ids_are_the_projects_rendering(tiny, speculative):
+    for budget, answers in speculative["answers"].items():
+        assert [a["prompt_token_ids"] for a in answers] == tiny["heldout"]
+
+
+def test_greedy_is_lossless(tiny, target_alone, speculative):
+    """Every response is vLLM's target alone and the project's greedy response (ending in its EOS)."""
+    for budget, answers in speculative["answers"].items():
+        alone = [a["choices"][0]["token_ids"] for a in target_alone["answers"][budget]]
+        project = [x[len(p):len(p) + budget].tolist() for p, x in zip(tiny["heldout"], tiny["responses"])]
+        assert [a["choices"][0]["token_ids"] for a in answers] == alone == project
+    assert all(len(x) - len(p) < BUDGET for p, x in zip(tiny["heldout"], tiny["responses"]))
+    assert all(len(x) - len(p) > SHORT_BUDGET for p, x in zip(tiny["heldout"], tiny["responses"]))
+
+
+# With K = B - 1 only: with K = 3, one of vLLM's 84 drafts differs from the project's 4-token block
+# (docs/algorithm.md section 7.4); until that is understood the K = 3 server is held to losslessness and
+# the rendering only.
+@pytest.mark.parametrize("speculative", [7], indirect=True, ids=["k7"])
+def test_every_draft_and_counter_is_predicted(tiny, speculative):
+    """vLLM's accepted tokens per draft, request by request, and its counters over all of them, equal
+    the project's drafter walked under vLLM's rules; the rules matter (llama.cpp's walk of the same
+    drafts predicts other rounds)."""
+    model, target, k = tiny["model"], tiny["target"], speculative["k"]
+    count = VllmCounts.of(target, k)
+    differs = 0
+    for budget, answers in speculative["answers"].items():
+        for ids, x, answer in zip(tiny["heldout"], tiny["responses"], answers):
+            p = len(ids)
+            x = x[:p + budget]
+            taps = target_taps(target, x, model.layer_ids)
+            rounds = count.add(model, taps, x, prompt_len=p, budget=budget)
+            metrics = answer["metrics"]["speculative_decoding"]
+            assert metrics["per_step_accepted"] == [r.accepted for r in rounds], (k, budget, p)
+            assert metrics["per_step_drafted"] == [k] * len(rounds)
+            differs += llama_cpp_walk(count, model, taps, x, p, budget) != [r.accepted for r in rounds]
+    assert speculative["counters"] == {key: count.as_dict()[key] for key in
+                                       ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                        "accepted_per_position")}
+    print(f"\n{count.line()}; responses whose rounds llama.cpp's rules walk otherwise: {differs}")
+    assert max(max(r, default=0) for r in count.rounds) >= 3  # drafts are accepted: the test can fail
+    assert differs > 0
+
+
+def llama_cpp_walk(count: VllmCounts, model, taps, x, p, budget) -> list[int]:
+    """The same drafts walked by llama.cpp's rules (the count stops at a confirmed end token that is
+    not in the last slot, the draft is cut to the room the budget leaves)."""
+    k, stop, end = count.num_speculative_tokens, count.stop, x.numel()
+    drafts = anchor_drafts(model, taps, x, p, end - 1)[:, :k]
+    rounds, t = [], p
+    while t < end - 1:
+        room = min(k, p + budget - t - 2)
+        if room <= 0:
+            break
+        d, a = drafts[t - p].tolist(), 0
+        while a < room and t + 1 + a < end and d[a] == int(x[t + 1 + a]):
+            if int(x[t + 1 + a]) in stop and a + 1 < room:
+                break
+            a += 1
+        rounds.append(a)
+        t += a + 1
+    return rounds
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS))
+def test_vllm_loads_every_export(vllm_python, tmp_path, name):
+    """vLLM's registry, speculative config and model class on each tiny export (every tensor distinct,
+    so each one's values identify where vLLM put it)."""
+    from transformers import AutoConfig
+
+    recipe = load_recipe(ROOT / EXPORTS[name])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_shape(AutoConfig.from_pretrained(TARGET), recipe.drafter))
+    with torch.no_grad():
+        for w in drafter.parameters():
+            w.add_(torch.randn_like(w) * 0.1)
+    save_drafter(drafter, tmp_path / name, dtype=torch.float32)
+    serve = drafter.config.variant.serving(drafter.config)
+    result = vllm_cpu.contract(vllm_python, TARGET, tmp_path / name, serve.vllm_method, serve.vllm_tokens)
+    cls, refused = CLASSES[name]
+    assert result["model_class"] == cls, result
+    assert result["runner_refuses"] == refused, result
+    assert result["missing"] == [] and result["unexpected"] == [], result
+    # The export has no embedding and no lm_head: vLLM takes the target's.
+    assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result

