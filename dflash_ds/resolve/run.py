@@ -25,6 +25,7 @@ from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype
 from dflash_ds.resolve.files import check_files
 from dflash_ds.resolve.moe import check_moe, target_params
+from dflash_ds.resolve.objective import check_objective
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
@@ -122,6 +123,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
         say("warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
             "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')")
+    check_objective(StepSettings.of(dcfg, recipe.objective, recipe.run.seed, device))
     payload = payload_layout(recipe, dcfg, dtype)
     rows = num_rows
     notes: tuple[str, ...] = ()
