@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
-        spec = resolve_run(recipe, world)
+        if args.dry_run:
+            from dflash_ds.guard.launch import check_hub
+
+            # A hub out of reach: the local cache only, at once, not 30 s of retries per file.
+            check_hub(recipe)
+        spec = resolve_run(recipe, world, planning=args.dry_run)
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
         say(f"error: {exc}")
         return Exit.USER

@@ -52,3 +52,74 @@ def test_an_objective_with_one_live_term_resolves(recipe, overrides):
     from dflash_ds.resolve.run import resolve_run
 
     assert resolve_run(load_recipe(recipe, overrides), 2).plan.total_steps > 0
+
+
+@pytest.mark.parametrize("recipe, override, named", [
+    ("recipes/tiny.yaml", "drafter.intermediate_size=100000000000", "drafter.intermediate_size 100,000,000,000"),
+    ("recipes/tiny-dspark.yaml", "drafter.markov_rank=1000000000", "drafter.markov_rank 1,000,000,000"),
+])
+def test_a_plan_beyond_the_host_memory_is_refused_naming_the_setting(recipe, override, named):
+    from dflash_ds.resolve.run import resolve_run
+
+    with pytest.raises(RecipeError) as err:
+        resolve_run(load_recipe(recipe, [override]), 2)
+    msg = str(err.value)
+    assert "memory plan" in msg and "this host's" in msg and named in msg and "\n" not in msg
+
+
+def test_each_gpu_rank_is_held_to_its_own_memory_and_a_zero3_target_is_left_out(monkeypatch):
+    import torch
+
+    from dflash_ds.resolve import fit
+    from dflash_ds.resolve.topology import Layout
+
+    gib = fit.GIB
+    monkeypatch.setattr(fit, "device_memory", lambda device: (100 * gib, "the GPU's 100.0 GiB (test)"))
+    layout, cuda = Layout(8, 4, 4), torch.device("cuda", 0)
+    parts = {"drafter": {"weights": 60 * gib, "logits": 30 * gib},
+             "target": {"weights": 90 * gib, "payload": 5 * gib, "activations": 10 * gib}}
+    with pytest.raises(RecipeError, match=r"105\.0 GiB for a target rank.*90\.0 GiB of it is the target weights"):
+        fit.check_fits(parts, layout, cuda, None)
+    fit.check_fits(parts, layout, cuda, None, zero3_target=True)  # the drafter rank's 90 GiB fit
+    # Colocated, one rank holds both roles.
+    with pytest.raises(RecipeError, match="for a colocated rank"):
+        fit.check_fits(parts, Layout(4, 4, 0, colocated=True), cuda, None)
+
+
+def test_a_gpu_plan_without_a_gpu_is_held_to_a_bound_no_gpu_has(monkeypatch):
+    import torch
+
+    from dflash_ds.resolve import fit
+    from dflash_ds.resolve.topology import Layout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parts = {"drafter": {"weights": 900 * fit.GIB}, "target": {"weights": 10 * fit.GIB}}
+    fit.check_fits(parts, Layout(8, 4, 4), torch.device("cuda", 0), None)
+    parts["drafter"]["logits"] = 1000 * fit.GIB
+    parts["drafter"]["weights"] = 100 * fit.GIB
+    with pytest.raises(RecipeError, match="none has 1,024 GiB.*1,000.0 GiB of it is the drafter logits.*loss_chunks"):
+        fit.check_fits(parts, Layout(8, 4, 4), torch.device("cuda", 0), None)
+
+
+@pytest.mark.parametrize("recipe, extra", [("recipes/qwen27b.yaml", []), ("recipes/qwen36-35b-a3b.yaml", []),
+                                           ("recipes/qwen27b.yaml", ["run.device=cuda"])])
+def test_dry_run_plans_a_gpu_recipe_without_a_gpu_or_the_hub(monkeypatch, capsys, recipe, extra):
+    import torch
+
+    from dflash_ds.resolve import run
+    from dflash_ds.target_model.model import TargetError
+    from dflash_ds.train import main
+
+    def unreachable(path):
+        raise TargetError(f"the target {path!r} cannot be loaded (no hub)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(run, "load_config", unreachable)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([recipe, "--dry-run", *extra]) == 0
+    out = capsys.readouterr()
+    assert "memory estimate per rank: drafter" in out.out and "no GPU is visible here" in out.out
+    assert "published geometry" in out.out and "error" not in out.err
+    # A run (not a plan) still needs the GPU it asks for, and the target's own config.
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        run.resolve_run(load_recipe(recipe, ["run.device=cuda"]), 8)
