@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from dflash_ds.config import load_recipe, ranks_per_node
-from dflash_ds.resolve import contract
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.resolve.plan import describe
 from dflash_ds.safety import Exit, exit_now, say
@@ -82,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         run_dir = Path(recipe.run.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        contract.record(recipe, control.start_step)  # never over the recipe the run started with
         (run_dir / "plan.txt").write_text(describe(spec.plan, spec.memory) + "\n")
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.

@@ -123,3 +123,36 @@ def test_dry_run_plans_a_gpu_recipe_without_a_gpu_or_the_hub(monkeypatch, capsys
     # A run (not a plan) still needs the GPU it asks for, and the target's own config.
     with pytest.raises(ValueError, match="no GPU is visible"):
         run.resolve_run(load_recipe(recipe, ["run.device=cuda"]), 8)
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("loads", [False, True])
+def test_the_runs_contract_is_recorded_only_once_the_drafter_has_resumed(tmp_path, monkeypatch, loads):
+    """A resume whose checkpoint does not load (another shape, recipe.yaml gone) records nothing: the
+    correct command is then not refused against the failed one's settings."""
+    from types import SimpleNamespace
+
+    from dflash_ds.resolve.run import resolve_run
+    from dflash_ds.runtime import checkpoint, engines, trainer
+    from dflash_ds.safety import CheckpointError
+
+    run = tmp_path / "run"
+    spec = resolve_run(load_recipe("recipes/tiny.yaml", [f"run.output_dir={run}"]), 2)
+
+    def load(*args, **kwargs):
+        if not loads:
+            raise CheckpointError("the checkpoint holds another drafter")
+        return 4
+
+    def source(*args):
+        raise _Stop  # past the point this test is about
+    monkeypatch.setattr(engines, "build_drafter_engine", lambda *a, **k: (None, None))
+    monkeypatch.setattr(checkpoint, "load", load)
+    monkeypatch.setattr(trainer, "received_source", source)
+    control = SimpleNamespace(start={"step": 4, "tag": "step00000004"}, start_step=4)
+    with pytest.raises(_Stop if loads else CheckpointError):
+        trainer.DrafterTrainer.load(spec, None, 0, SimpleNamespace(drafter=None), control)
+    assert (run / "recipe.yaml").is_file() == loads

@@ -33,6 +33,7 @@ from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped, say
 from dflash_ds.resolve.payload import PayloadLayout, unpack
+from dflash_ds.resolve import contract
 from dflash_ds.resolve.plan import receive_depth
 from dflash_ds.resolve.run import RunSpec
 
@@ -123,6 +124,8 @@ class DrafterTrainer:
         drafter = build_drafter(spec)
         engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank, spec.device)
         start = checkpoint.load(engine, r.run.output_dir, groups.drafter, control.start, r.checkpoint.universal, lead)
+        if lead:  # the run's contract: recorded once the drafter is built and resumed, never from a failed start
+            contract.record(r, control.start_step)
         source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups, start)
         from deepspeed.accelerator import get_accelerator
 
