@@ -156,3 +156,39 @@ def test_the_runs_contract_is_recorded_only_once_the_drafter_has_resumed(tmp_pat
     with pytest.raises(_Stop if loads else CheckpointError):
         trainer.DrafterTrainer.load(spec, None, 0, SimpleNamespace(drafter=None), control)
     assert (run / "recipe.yaml").is_file() == loads
+
+
+def test_a_safetensors_error_writing_the_export_is_one_line_and_keeps_the_previous_export(tmp_path, monkeypatch):
+    """A full disk under safetensors raises its own SafetensorError (not an OSError): one line naming
+    the export and the cause, the previous export untouched, the checkpoint complete."""
+    from types import SimpleNamespace
+
+    from safetensors import SafetensorError
+
+    from dflash_ds import export
+    from dflash_ds.resolve.run import resolve_run
+    from dflash_ds.runtime import checkpoint, trainer
+    from dflash_ds.runtime.trainer import build_drafter
+    from dflash_ds.safety import CheckpointError
+
+    run = tmp_path / "run"
+    spec = resolve_run(load_recipe("recipes/tiny.yaml", [f"run.output_dir={run}"]), 2)
+    drafter = build_drafter(spec)
+    export.save_drafter(drafter, run / "export")
+    before = {p.name: p.read_bytes() for p in (run / "export").iterdir()}
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: "step00000004")
+    monkeypatch.setattr(export, "save_file", full)
+    me = SimpleNamespace(spec=spec, lead=True, engine=None, group=None, last_tau=None,
+                         model=SimpleNamespace(drafter=drafter))
+    with pytest.raises(CheckpointError) as err:
+        trainer.DrafterTrainer.save(me, 4)
+    msg = str(err.value)
+    assert "\n" not in msg and f"could not write the export {run / 'export'}" in msg
+    assert "No space left on device" in msg and "checkpoint step 4 is complete" in msg
+    assert {p.name: p.read_bytes() for p in (run / "export").iterdir()} == before
+    assert sorted(p.name for p in run.iterdir()) == ["export"]  # no staging directory left

@@ -242,7 +242,7 @@ class DrafterTrainer:
         say(report.position_line())
 
     def save(self, step: int) -> None:
-        from dflash_ds.export import save_drafter
+        from dflash_ds.export import ExportWriteError, save_drafter
 
         r = self.spec.recipe
         t0 = time.perf_counter()
@@ -254,9 +254,10 @@ class DrafterTrainer:
             try:
                 out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export",
                                    card=card_info(r, step, self.last_tau), num_anchors=r.objective.num_anchors)
-            except OSError as exc:  # the export is swapped in only when complete: the old one stays
+            except ExportWriteError as exc:  # the export is swapped in only when complete: the old one stays
                 raise CheckpointError(
-                    f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
+                    f"could not write the export {Path(r.run.output_dir) / 'export'}: "
+                    f"{checkpoint.describe_error(exc.__cause__ or exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
             say(f"step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "
