@@ -192,3 +192,49 @@ def test_a_safetensors_error_writing_the_export_is_one_line_and_keeps_the_previo
     assert "No space left on device" in msg and "checkpoint step 4 is complete" in msg
     assert {p.name: p.read_bytes() for p in (run / "export").iterdir()} == before
     assert sorted(p.name for p in run.iterdir()) == ["export"]  # no staging directory left
+
+
+def _chat_file(path, n, tag):
+    import json
+
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{tag} {i}?"},
+                                                     {"role": "assistant", "content": f"{tag} {i}."}]}) + "\n"
+                            for i in range(n)))
+
+
+@pytest.mark.parametrize("names, split, rows, read, named", [
+    (("train.jsonl", "test.jsonl"), "train", 2, "train", "test.jsonl (test)"),
+    (("train.jsonl", "test.jsonl"), "train+test", 5, "train test", None),
+    # A file named for no split is train's, as datasets reads a directory without split names.
+    (("shard0.jsonl", "test_cases.jsonl"), "train", 2, "shard0", "test_cases.jsonl (test)"),
+    (("shard0.jsonl", "test_cases.jsonl"), "test", 3, "test", "shard0.jsonl (train)"),
+])
+def test_a_data_directorys_files_are_all_read_or_the_skip_is_named(tmp_path, capsys, names, split, rows, read, named):
+    from dflash_ds.data.sources import load_rows
+
+    d = tmp_path / "data"
+    d.mkdir()
+    _chat_file(d / names[0], 2, names[0].split(".")[0])
+    _chat_file(d / names[1], 3, names[1].split(".")[0])
+    ds = load_rows(str(d), split, str(tmp_path / "hf"))
+    assert len(ds) == rows
+    assert {m[0]["content"].split()[0].split("_")[0] for m in ds["messages"]} == set(read.split())
+    err = capsys.readouterr().err
+    if named is None:
+        assert "not read" not in err
+    else:
+        (line,) = [line for line in err.splitlines() if "not read" in line]
+        assert named in line and "data.split=" in line
+
+
+def test_a_split_a_data_directory_lacks_names_the_splits_it_has(tmp_path):
+    from dflash_ds.data.sources import load_rows
+
+    d = tmp_path / "data"
+    d.mkdir()
+    _chat_file(d / "shard0.jsonl", 2, "a")
+    _chat_file(d / "test_cases.jsonl", 2, "b")
+    with pytest.raises(ValueError) as err:
+        load_rows(str(d), "validation", str(tmp_path / "hf"))
+    msg = str(err.value)
+    assert msg.startswith("data.split: split 'validation'") and "test: test_cases.jsonl" in msg and "train+test" in msg
