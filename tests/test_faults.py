@@ -238,3 +238,19 @@ def test_a_split_a_data_directory_lacks_names_the_splits_it_has(tmp_path):
         load_rows(str(d), "validation", str(tmp_path / "hf"))
     msg = str(err.value)
     assert msg.startswith("data.split: split 'validation'") and "test: test_cases.jsonl" in msg and "train+test" in msg
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_an_empty_or_damaged_parquet_file_is_named_not_its_directory(tmp_path, inside):
+    from dflash_ds.data.sources import load_rows
+
+    d = tmp_path / "data"
+    d.mkdir()
+    _chat_file(d / "a.jsonl", 2, "a")
+    (d / "b.parquet").write_bytes(b"")
+    target = d if inside else d / "b.parquet"
+    with pytest.raises(ValueError, match=f"data.path: {d / 'b.parquet'} is empty \\(0 bytes\\)"):
+        load_rows(str(target), "train", str(tmp_path / "hf"))
+    (d / "b.parquet").write_bytes(b"PAR1" + b"\0" * 40)
+    with pytest.raises(ValueError, match=f"data.path: {d / 'b.parquet'} is not a readable Parquet file"):
+        load_rows(str(target), "train", str(tmp_path / "hf"))
