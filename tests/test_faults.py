@@ -254,3 +254,15 @@ def test_an_empty_or_damaged_parquet_file_is_named_not_its_directory(tmp_path, i
     (d / "b.parquet").write_bytes(b"PAR1" + b"\0" * 40)
     with pytest.raises(ValueError, match=f"data.path: {d / 'b.parquet'} is not a readable Parquet file"):
         load_rows(str(target), "train", str(tmp_path / "hf"))
+
+
+def test_a_bench_dir_that_is_a_file_is_called_a_file(tmp_path):
+    from dflash_ds.eval.benchmarks import load_conversations
+
+    with pytest.raises(ValueError) as err:
+        load_conversations("gsm8k", "assets/bench/gsm8k.jsonl", setting="eval.bench_dir")
+    msg = str(err.value)
+    assert msg.startswith("eval.bench_dir assets/bench/gsm8k.jsonl is a file, not a directory") and "assets/bench" in msg
+    with pytest.raises(ValueError, match="does not exist"):
+        load_conversations("gsm8k", str(tmp_path / "nope"), setting="eval.bench_dir")
+    assert load_conversations("gsm8k", "assets/bench", limit=2, setting="eval.bench_dir")
