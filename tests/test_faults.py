@@ -266,3 +266,12 @@ def test_a_bench_dir_that_is_a_file_is_called_a_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_conversations("gsm8k", str(tmp_path / "nope"), setting="eval.bench_dir")
     assert load_conversations("gsm8k", "assets/bench", limit=2, setting="eval.bench_dir")
+
+
+def test_expert_parallel_on_a_dense_target_names_the_dense_target_first():
+    from dflash_ds.resolve.run import resolve_run
+
+    # targets_per_node 1 is not divisible by 2 either: the dense target is the problem to name.
+    with pytest.raises(RecipeError) as err:
+        resolve_run(load_recipe("recipes/tiny.yaml", ["target.expert_parallel=2"]), 2)
+    assert "is a dense model" in str(err.value) and "target.expert_parallel=1" in str(err.value)

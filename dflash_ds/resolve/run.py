@@ -25,7 +25,7 @@ from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype, section_dtype
 from dflash_ds.resolve.files import check_files
 from dflash_ds.resolve.fit import check_fits
-from dflash_ds.resolve.moe import check_moe, target_params
+from dflash_ds.resolve.moe import check_moe, dense_expert_parallel, target_params
 from dflash_ds.resolve.objective import check_objective
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_parts, resolve
@@ -94,7 +94,7 @@ def check_world(recipe: Recipe, world_size: int) -> Layout:
     try:
         return Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated, recipe.target.expert_parallel)
     except TopologyError as exc:
-        raise RecipeError(str(exc)) from None
+        raise RecipeError(dense_expert_parallel(recipe) or str(exc)) from None
 
 
 def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *, planning: bool = False) -> RunSpec:
