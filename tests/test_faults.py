@@ -275,3 +275,18 @@ def test_expert_parallel_on_a_dense_target_names_the_dense_target_first():
     with pytest.raises(RecipeError) as err:
         resolve_run(load_recipe("recipes/tiny.yaml", ["target.expert_parallel=2"]), 2)
     assert "is a dense model" in str(err.value) and "target.expert_parallel=1" in str(err.value)
+
+
+def test_the_evaluator_prints_the_exports_own_block_size(tmp_path, capsys):
+    """A DSpark export of block 7 emits up to 8 tokens a cycle; the line names its block size, 7."""
+    from dflash_ds.eval.cli import main
+    from dflash_ds.export import save_drafter
+    from dflash_ds.resolve.run import resolve_run
+    from dflash_ds.runtime.trainer import build_drafter
+
+    spec = resolve_run(load_recipe("recipes/tiny-dspark.yaml", ["drafter.block_size=7"]), 2)
+    save_drafter(build_drafter(spec), tmp_path / "export", num_anchors=spec.recipe.objective.num_anchors)
+    assert main(["--target", "assets/tiny-target", "--drafter", str(tmp_path / "export"), "--prompts",
+                 "assets/tiny_eval.jsonl", "--limit", "1", "--max-new-tokens", "8"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tau_mean")]
+    assert line.endswith("block size 7)"), line

@@ -174,7 +174,7 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     result.update(report.as_dict())
     result["llama_cpp"] = llama_cpp.as_dict()
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
-          f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
+          f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {model.block_size})")
     print(llama_cpp.line() + " (docs/algorithm.md section 7.3)")
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
