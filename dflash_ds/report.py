@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import yaml
 
-from dflash_ds.metrics import read_metrics
 from dflash_ds.model.variants import DEFAULT, VARIANTS
 from dflash_ds.model.variants.base import DrafterVariant
 from dflash_ds.safety import Exit, say
@@ -234,11 +233,36 @@ def run_variant(run_dir: Path) -> DrafterVariant:
     return VARIANTS.get(name, DEFAULT)
 
 
+def read_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's records. A last line cut short (a run that ended mid-write) is left out with a
+    note naming it; a damaged line before the last is a ValueError naming the file and the line."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            if i == last:
+                say(f"note: {path}:{i + 1} is cut short (the run ended while writing it); the report leaves it out")
+                continue
+            raise ValueError(f"{path}:{i + 1} is not a JSON record ({exc}); repair or delete that line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{i + 1} is not a JSON object; repair or delete that line")
+        records.append(record)
+    return records
+
+
 def report_contents(run_dir: str | Path) -> Contents:
     """What the report of `run_dir` shows: the panels (the architecture's after the common ones) and
     the summary rows."""
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    records = read_records(run_dir)
     if not records:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is missing or empty; pass a run directory (run.output_dir)")
     steps, taus = split_records(records)

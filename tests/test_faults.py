@@ -290,3 +290,24 @@ def test_the_evaluator_prints_the_exports_own_block_size(tmp_path, capsys):
                  "assets/tiny_eval.jsonl", "--limit", "1", "--max-new-tokens", "8"]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tau_mean")]
     assert line.endswith("block size 7)"), line
+
+
+def test_a_metrics_jsonl_with_a_cut_last_line_is_reported_naming_the_line(tmp_path, capsys):
+    import json
+
+    from dflash_ds.report import main, report_contents
+
+    recs = [{"step": s, "loss": 3.0 / s, "accept_proxy": 1 + s / 10, "lr": 1e-3, "tok_per_s": 1000.0} for s in range(1, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    (tmp_path / "metrics.jsonl").write_text(text + json.dumps(dict(recs[-1], step=6))[:17])
+    contents = report_contents(tmp_path)
+    assert [r["step"] for r in contents.steps] == [1, 2, 3, 4, 5]
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}:6 is cut short" in err
+    # A damaged line before the last is the user's to repair: one line naming it, exit 2.
+    lines = text.splitlines()
+    lines[2] = lines[2][:10]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main([str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{tmp_path / 'metrics.jsonl'}:3 is not a JSON record" in line
