@@ -311,3 +311,73 @@ def test_a_metrics_jsonl_with_a_cut_last_line_is_reported_naming_the_line(tmp_pa
     assert main([str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"{tmp_path / 'metrics.jsonl'}:3 is not a JSON record" in line
+
+
+def test_an_interrupt_in_the_block_is_a_keyboard_interrupt_whatever_unwinds_over_it():
+    import os
+    import signal
+
+    from dflash_ds.safety import interrupt_in_this_process
+
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt_in_this_process():
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a point where the handler runs
+    # A library that raises its own error while unwinding from the interrupt (datasets' pool: TimeoutError).
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt_in_this_process():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            finally:
+                raise TimeoutError("the pool's own error")
+    with pytest.raises(TimeoutError):  # no interrupt: errors pass unchanged
+        with interrupt_in_this_process():
+            raise TimeoutError("not an interrupt")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_in_the_pre_launch_step_is_one_line_and_the_shells_status(monkeypatch, capsys):
+    from dflash_ds.guard import launch
+
+    def interrupted(recipe):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "prelaunch", interrupted)
+    assert launch.main(["recipes/tiny.yaml"]) == 0
+    shell = capsys.readouterr().out.strip()
+    assert shell.startswith("echo '[dflash] error: interrupted (Ctrl-C) before launch") and shell.endswith("exit 130")
+
+
+@pytest.mark.launcher  # a real process group and a real Ctrl-C
+@pytest.mark.parametrize("entry", ["launch.sh", "prepare"])
+def test_ctrl_c_during_data_preparation_prints_one_line(tmp_path, entry):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .launch_util import ROOT, cpu_env
+
+    args = ["recipes/tiny.yaml", f"data.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'run'}",
+            "data.num_proc=2"]
+    cmd = ["bash", "launch.sh", *args] if entry == "launch.sh" else [sys.executable, "-m", "dflash_ds.data", "prepare", *args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(DFLASH_PYTHON=sys.executable), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    os.set_blocking(p.stdout.fileno(), False)
+    out, deadline = b"", time.time() + 240
+    while p.poll() is None and time.time() < deadline:
+        out += p.stdout.read() or b""
+        if b"encoding conversations" in out:
+            time.sleep(0.3)
+            os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+            break
+        time.sleep(0.05)
+    p.wait(timeout=120)
+    os.set_blocking(p.stdout.fileno(), True)
+    text = (out + p.stdout.read()).decode(errors="replace")
+    assert p.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and text.count("[dflash] error: interrupted (Ctrl-C)") == 1, text[-3000:]
+    assert not (tmp_path / "run").exists()
+    assert [q.name for q in (tmp_path / "cache").iterdir()] == ["hf_datasets"]
