@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash_ds.config import load_recipe, ranks_per_node
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.resolve.plan import describe
 from dflash_ds.safety import Exit, exit_now, say
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
         if args.dry_run:
             from dflash_ds.guard.launch import check_hub

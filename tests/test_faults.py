@@ -381,3 +381,54 @@ def test_ctrl_c_during_data_preparation_prints_one_line(tmp_path, entry):
     assert "Traceback" not in text and text.count("[dflash] error: interrupted (Ctrl-C)") == 1, text[-3000:]
     assert not (tmp_path / "run").exists()
     assert [q.name for q in (tmp_path / "cache").iterdir()] == ["hf_datasets"]
+
+
+@pytest.mark.launcher  # a fresh interpreter: transformers' import is what is under test
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_cpu_run_without_fp8_loads_the_target_without_torchao_and_its_lines(fp8):
+    """torchao's import prints a "Failed to load" line per GPU kernel it cannot load on CPU, and torch
+    two deprecation warnings; only the FP8 drafter layers use it."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from .launch_util import ROOT, cpu_env
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed: nothing to keep out")
+    code = ("import sys\nfrom dflash_ds.libraries import quiet_libraries\n"
+            f"quiet_libraries(torchao={fp8})\n"
+            "from dflash_ds.target_model.model import load_target\n"
+            "load_target('assets/tiny-target', dtype='float32')\n"
+            "print('torchao imported:', 'torchao' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"torchao imported: {fp8}" in p.stdout
+    assert "is an Enum subclass" not in p.stderr
+    if not fp8:
+        assert "Failed to load" not in p.stderr
+
+
+def test_the_known_pytree_enum_deprecation_is_filtered_and_other_lines_kept():
+    import logging
+
+    from dflash_ds.libraries import quiet_libraries
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    quiet_libraries(torchao=True)
+    log, keep = logging.getLogger("torch.utils._pytree"), Keep()
+    log.addHandler(keep)
+    try:
+        log.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type.", "E")
+        log.warning("something else")
+    finally:
+        log.removeHandler(keep)
+    assert keep.lines == ["something else"]

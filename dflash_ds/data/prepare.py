@@ -40,6 +40,7 @@ from dflash_ds.data.cache import (FORMAT_VERSION, LENGTHS_FILE, MANIFEST_FILE, R
                                   cache_damage, discard, write_manifest)
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.safety import INTERRUPTED, Exit, interrupt_in_this_process, say
 
 
@@ -405,6 +406,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from dflash_ds.config import load_recipe
     recipe = load_recipe(args.recipe, args.overrides)
+    quiet_libraries()
     # The same preparation as a training run, so it writes the cache training reads.
     try:
         with interrupt_in_this_process():

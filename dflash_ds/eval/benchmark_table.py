@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
 from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sampled_continuation,
@@ -183,6 +184,7 @@ def after_training(recipe) -> int:
 def main(argv: list[str] | None = None) -> int:
     from dflash_ds.config import RecipeError, load_recipe
 
+    quiet_libraries()
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         say("usage: python -m dflash_ds.eval.benchmark_table RECIPE [key=value ...]")

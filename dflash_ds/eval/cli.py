@@ -21,6 +21,7 @@ from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model_card import trained_thinking
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.safety import Exit, say
 
 
@@ -63,6 +64,7 @@ def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_templat
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.eval",
                                      description="Exact greedy acceptance length tau of a DFlash drafter export.")
     parser.add_argument("--target", required=True, help="target model directory or hub id")

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from dflash_ds.config import Recipe, RecipeError, load_recipe, ranks_per_node
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.safety import INTERRUPTED, CheckpointError, Exit, LockError, interrupt_in_this_process, say
 
 WANDB_TIMEOUT_S = 5.0
@@ -275,6 +276,7 @@ def main(argv: list[str]) -> int:
     except RecipeError as exc:
         print(_fail(str(exc)))
         return Exit.OK
+    quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
     # Whatever the checks print (data preparation reports, library warnings) must not reach the
     # shell's eval: fd 1 points at stderr until the variables are printed.
     saved = os.dup(1)
