@@ -107,6 +107,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *,
     drafter_json = drafter_ds_config(recipe, layout.num_drafters)
     target_kind, target_json = target_ds_config(recipe, layout.num_targets)
     device, notes = planned_device(recipe, drafter_json, planning)
+    no_gpu_here = bool(notes)  # a plan drawn for GPUs on a machine without one
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
     dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
@@ -137,7 +138,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *,
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
-    gpu_here = device.type == "cuda" and torch.cuda.is_available()
+    gpu_here = device.type == "cuda" and not no_gpu_here
     if geo.hybrid and recipe.data.pack and gpu_here and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
