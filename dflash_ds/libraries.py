@@ -29,7 +29,8 @@ class _Drop(logging.Filter):
 
 
 def quiet_libraries(*, torchao: bool = False) -> None:
-    """Call at an entry point, before transformers' models are imported; `torchao`: the run uses it
+    """Call at an entry point once HF_HUB_OFFLINE is settled (importing transformers fixes it) and before
+    transformers' models are imported; `torchao`: the run uses it
     (drafter.fp8.layers). Idempotent."""
     for name, text in KNOWN:
         logger = logging.getLogger(name)

@@ -35,13 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
         if args.dry_run:
             from dflash_ds.guard.launch import check_hub
 
             # A hub out of reach: the local cache only, at once, not 30 s of retries per file.
             check_hub(recipe)
+        # After the hub check: it may set HF_HUB_OFFLINE, which huggingface_hub reads as it is imported.
+        quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
         spec = resolve_run(recipe, world, planning=args.dry_run)
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
         say(f"error: {exc}")

@@ -244,6 +244,8 @@ def prelaunch(recipe: Recipe) -> dict[str, str]:
     check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
     env = check_wandb(recipe)
     offline = check_hub(recipe)
+    # After the hub check: it may set HF_HUB_OFFLINE, which huggingface_hub reads as it is imported.
+    quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
     try:
         if Path(recipe.run.output_dir).exists():
             check_resume(recipe)
@@ -276,7 +278,6 @@ def main(argv: list[str]) -> int:
     except RecipeError as exc:
         print(_fail(str(exc)))
         return Exit.OK
-    quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
     # Whatever the checks print (data preparation reports, library warnings) must not reach the
     # shell's eval: fd 1 points at stderr until the variables are printed.
     saved = os.dup(1)
