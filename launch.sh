@@ -13,7 +13,11 @@ done
 # The pre-launch checks print shell assignments. Whatever way they fail (a user's error: one line and
 # exit 2; a crash: its traceback), nothing is started.
 unset DFLASH_PROCS DFLASH_PORT DFLASH_STOP_GRACE
+# Ctrl-C during the checks (often during the data preparation) is theirs to report: the shell waits for
+# their one line instead of dying with them (a trap, unlike an ignored signal, leaves them the default).
+trap ':' INT
 DFLASH_VARS=$("$PYTHON" -m dflash_ds.guard.launch "$@") || exit $?
+trap - INT
 eval "$DFLASH_VARS" || exit 1
 if [ -z "${DFLASH_PROCS:-}" ] || [ -z "${DFLASH_PORT:-}" ] || [ -z "${DFLASH_STOP_GRACE:-}" ]; then
   echo "[dflash] error: the pre-launch checks gave no launch settings (see above); nothing was started" >&2

@@ -80,6 +80,11 @@ def is_export(path: Path) -> bool:
     return isinstance(config, dict) and bool(set(class_names()) & set(config.get("architectures") or []))
 
 
+class ExportWriteError(OSError):
+    """Writing the export failed (its cause is `__cause__`: safetensors' SafetensorError on a full
+    disk, torch's RuntimeError, an OSError); the previous export, if any, is untouched."""
+
+
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
                  card: dict | None = None, num_anchors: int | None = None) -> Path:
     """Write `drafter` as a serving export into `out_dir`, atomically.
@@ -116,19 +121,22 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
 
     # Staged next to out_dir and moved into place only when complete: a crash mid-save never
     # leaves a half-written drafter where a serving engine (or a resume) would pick it up.
-    with replace_dir_atomic(out_dir) as tmp:
-        # Tensors that share storage (tied weights) would be refused by safetensors; clone makes
-        # each one own its bytes.
-        save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        written = [WEIGHTS_NAME, CONFIG_NAME, CARD_NAME]
-        if remote is not None:
-            shutil.copyfile(remote.source, tmp / remote.name)
-            written.append(remote.name)
-        (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
-        for name in written:
-            os.chmod(tmp / name, FILE_MODE)
-        os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700
+    try:
+        with replace_dir_atomic(out_dir) as tmp:
+            # Tensors that share storage (tied weights) would be refused by safetensors; clone makes
+            # each one own its bytes.
+            save_file({n: t.clone() for n, t in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            written = [WEIGHTS_NAME, CONFIG_NAME, CARD_NAME]
+            if remote is not None:
+                shutil.copyfile(remote.source, tmp / remote.name)
+                written.append(remote.name)
+            (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
+            for name in written:
+                os.chmod(tmp / name, FILE_MODE)
+            os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700
+    except Exception as exc:  # noqa: BLE001  a failed write is the disk's (or the folder's), whatever raised it
+        raise ExportWriteError(str(exc)) from exc
     return out_dir
 
 

@@ -78,8 +78,28 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    p = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
+    """metrics.jsonl's records. A last line cut short (a run that ended mid-write) is left out with a
+    note naming it; a damaged line before the last is a ValueError naming the file and the line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            if i == last:
+                say(f"note: {path}:{i + 1} is cut short (the run ended while writing it); it is left out")
+                continue
+            raise ValueError(f"{path}:{i + 1} is not a JSON record ({exc}); repair or delete that line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{i + 1} is not a JSON object; repair or delete that line")
+        records.append(record)
+    return records
 
 
 def fmt_eta(seconds: float) -> str:

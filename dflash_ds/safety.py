@@ -9,10 +9,12 @@ stop-request thread, signals.py; the run lock, lock.py; `control.run_guarded`, w
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import signal
 import sys
+import threading
 
 
 class Exit(enum.IntEnum):
@@ -39,6 +41,39 @@ class Exit(enum.IntEnum):
 
 # The signals that ask a run to stop: the first one for a checkpoint, a second one at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def interrupt_in_this_process():
+    """Within the block, Ctrl-C (SIGINT to the whole foreground group) raises KeyboardInterrupt in this
+    process alone: the workers it forks meanwhile (datasets' map pools) inherit a handler that ignores
+    it, and their pool ends them as the interrupt unwinds, so the user gets one line from the caller,
+    not a traceback per worker. Outside the main thread (where no handler can be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    parent, hit = os.getpid(), []
+
+    def handler(signum, frame):
+        if os.getpid() == parent:
+            hit.append(signum)
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    except BaseException:
+        # Libraries unwinding from the interrupt may raise their own error over it (datasets' pool
+        # raises TimeoutError while it drops its workers): the interrupt is what happened.
+        if hit:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+INTERRUPTED = ("interrupted (Ctrl-C) before launch, during the checks or the data preparation; nothing was started "
+               "and no partial data cache is kept")
 
 
 def say(msg: str, who: object = None) -> None:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash_ds.config import load_recipe, ranks_per_node
-from dflash_ds.resolve import contract
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.resolve.plan import describe
 from dflash_ds.safety import Exit, exit_now, say
@@ -36,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         world = args.world_size or int(os.environ.get("WORLD_SIZE", ranks_per_node(recipe)))
-        spec = resolve_run(recipe, world)
+        if args.dry_run:
+            from dflash_ds.guard.launch import check_hub
+
+            # A hub out of reach: the local cache only, at once, not 30 s of retries per file.
+            check_hub(recipe)
+        # After the hub check: it may set HF_HUB_OFFLINE, which huggingface_hub reads as it is imported.
+        quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
+        spec = resolve_run(recipe, world, planning=args.dry_run)
     except ValueError as exc:  # RecipeError, TargetError and the model/config checks: the user's to fix
         say(f"error: {exc}")
         return Exit.USER
@@ -79,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         run_dir = Path(recipe.run.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        contract.record(recipe, control.start_step)  # never over the recipe the run started with
         (run_dir / "plan.txt").write_text(describe(spec.plan, spec.memory) + "\n")
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.

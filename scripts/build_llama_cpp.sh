@@ -47,7 +47,14 @@ mkdir -p "$CACHE_ROOT"
 WORK="$(mktemp -d "$CACHE_ROOT/.llama.cpp-build.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 
-"$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK/dl" >&2
+# One try (--retries 0): a failed download is reported at once, pip's own words whole, not after pip's five
+# retries; the next run of this script tries again.
+if ! "$PYTHON" -m pip download -q --retries 0 --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK/dl" \
+    >"$WORK/pip.log" 2>&1; then
+  echo "build_llama_cpp: pip download of llama-cpp-python==$VERSION (the llama.cpp source) failed; pip said:" >&2
+  cat "$WORK/pip.log" >&2
+  exit 2
+fi
 SDIST="$WORK/dl/llama_cpp_python-$VERSION.tar.gz"
 echo "$SHA256  $SDIST" | sha256sum -c --quiet - >&2 || { echo "build_llama_cpp: $SDIST does not match the pinned sha256" >&2; exit 2; }
 tar -xzf "$SDIST" -C "$WORK" "llama_cpp_python-$VERSION/vendor/llama.cpp"

@@ -101,7 +101,8 @@ def build(tmp: Path) -> LlamaCpp:
     except OSError as e:
         unavailable(f"cannot run {BUILD.name}: {e}")
     if r.returncode != 0:
-        unavailable(f"{BUILD.name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
+        # Whole: a reason cut mid-line hides the cause (pip's error is its last lines, its context before).
+        unavailable(f"{BUILD.name} failed ({r.returncode}): {r.stderr.strip()}")
     home = Path(r.stdout.strip().splitlines()[-1])
     src = tmp / "exit_delay.c"
     src.write_text(_EXIT_DELAY_C)

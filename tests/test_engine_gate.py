@@ -28,3 +28,25 @@ def test_a_vllm_install_that_cannot_run_skips_locally_and_fails_in_ci(tmp_path, 
     monkeypatch.setenv("CI", ci)
     with pytest.raises(outcome, match="build_vllm_cpu.sh failed \\(2\\).*venv module"):
         vllm_cpu.build()
+
+
+def test_a_failed_download_is_tried_once_and_reported_whole(tmp_path, monkeypatch):
+    """pip's error reaches the skip reason whole (not cut mid-line), after one try, not pip's retries."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n"
+                    "echo 'WARNING: a first line of context' >&2\n"
+                    "echo 'ERROR: Could not find a version that satisfies the requirement llama-cpp-python' >&2\n"
+                    "echo 'ERROR: No matching distribution found for llama-cpp-python==0.3.36' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PYTHON", str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CI", "")
+    monkeypatch.setattr(llama_cpp.sys, "executable", str(fake))
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        llama_cpp.build(tmp_path)
+    reason = str(skipped.value)
+    assert "pip download of llama-cpp-python==0.3.36" in reason and "a first line of context" in reason
+    assert reason.rstrip().endswith("No matching distribution found for llama-cpp-python==0.3.36")
+    (line,) = calls.read_text().splitlines()
+    assert "--retries 0" in line

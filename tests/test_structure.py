@@ -196,7 +196,7 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 # (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> how it
 # starts and stops -> entry points).
 LAYERS = [
-    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety"),
+    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries"),
     ("dflash_ds.data", "dflash_ds.metrics"),
     ("dflash_ds.model",),
     ("dflash_ds.model_card", "dflash_ds.target_model"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -65,9 +66,13 @@ def _coerce(value, tp, path: str, moves: list | None = None):
         if isinstance(value, bool):
             raise RecipeError(f"{path}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise RecipeError(f"{path}: expected a number, got {value!r}") from None
+        # nan or inf in any setting (a rate, a weight, a timeout) trains NaN or never ends, silently.
+        if not math.isfinite(number):
+            raise RecipeError(f"{path}: expected a finite number, got {value!r}; set a finite value")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise RecipeError(f"{path}: expected a string, got {value!r}")

@@ -161,8 +161,13 @@ class RegenerateConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""
-    """Hub dataset id, or a local .json/.jsonl/.parquet/.arrow file or directory."""
+    """Hub dataset id, or a local .json/.jsonl/.parquet/.arrow file or directory. A directory's files are
+    split as `datasets` names them: a file whose name holds a split's word (train.jsonl, test.jsonl,
+    test_cases.jsonl, eval-0.parquet) is in that split, and every other data file (shard0.jsonl) is in
+    train, never dropped; the files of the splits not read are named in a note."""
     split: str = "train"
+    """The split read, as in `datasets`: a hub dataset's split, or a local directory's (data.path); several
+    joined by '+' (train+test) read them all."""
     max_samples: int | None = None
     max_length: int = 3072
     """Longest conversation in tokens (the paper's 3,072); longer ones are cut or dropped (data.truncation).

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ from dflash_ds.data.cache import (FORMAT_VERSION, LENGTHS_FILE, MANIFEST_FILE, R
                                   cache_damage, discard, write_manifest)
 from dflash_ds.io import replace_dir_atomic
 from dflash_ds.data.packing import pack_documents
-from dflash_ds.safety import Exit, say
+from dflash_ds.libraries import quiet_libraries
+from dflash_ds.safety import INTERRUPTED, Exit, interrupt_in_this_process, say
 
 
 
@@ -404,8 +406,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from dflash_ds.config import load_recipe
     recipe = load_recipe(args.recipe, args.overrides)
+    quiet_libraries()
     # The same preparation as a training run, so it writes the cache training reads.
-    data = load_training_data(recipe)
+    try:
+        with interrupt_in_this_process():
+            data = load_training_data(recipe)
+    except KeyboardInterrupt:
+        say(f"error: {INTERRUPTED}")
+        return Exit.of_signal(signal.SIGINT)
     print(f"[data] {data.num_rows} rows in {data.cache_path}")
     lengths = Path(data.cache_path) / LENGTHS_FILE
     if lengths.is_file():

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
 from dflash_ds.io import write_text_atomic
@@ -287,6 +288,7 @@ def main(argv=None) -> int:
     from dflash_ds.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    quiet_libraries()
     shards = Shards.from_env()
     rank = shards.rank
     try:

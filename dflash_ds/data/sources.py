@@ -103,24 +103,58 @@ def load_rows(path: str, split: str, cache_dir: str | None = None, *, path_setti
     return ds
 
 
-def _load_directory(p: Path, split: str, kw: dict, settings: tuple[str, str]):
-    """Every data file of directory `p` in `split`, whatever its format: `datasets` alone would read
-    the most common extension and silently skip the files of the others."""
-    import datasets
+def directory_splits(p: Path) -> dict[str, list[Path]]:
+    """The data files of directory `p` by split, as `datasets` names them: a file whose name holds a
+    split's word (train.jsonl, test_cases.jsonl, eval-0.parquet: datasets' own patterns) is in that
+    split, and every other data file is in "train" (datasets would drop such files as soon as one file
+    names a split; here no file is left out)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
+    files = [f.resolve() for f in _local_files(p) if f.suffix.lower() in DATA_SUFFIXES]
+    named: dict[str, list[Path]] = {}
+    for name, found in DataFilesDict.from_patterns(get_data_patterns(str(p)), base_path=str(p)).items():
+        kept = [f for f in map(lambda x: Path(x).resolve(), found) if f in files]
+        if kept:
+            named[str(name)] = kept
+    placed = {f for fs in named.values() for f in fs}
+    unnamed = [f for f in files if f not in placed]
+    if unnamed:
+        named["train"] = sorted(set(named.get("train", [])) | set(unnamed))
+    return named
+
+
+def _load_directory(p: Path, split: str, kw: dict, settings: tuple[str, str]):
+    """The data files of directory `p` in `split` (`directory_splits`; "a+b" reads several, as in
+    `datasets`), whatever their formats: `datasets` alone would read the most common extension and
+    silently skip the files of the others. The files of the other splits are named in one note."""
+    import datasets
+
+    from dflash_ds.safety import say
+
     path_setting, split_setting = settings
-    splits = DataFilesDict.from_patterns(get_data_patterns(str(p)), base_path=str(p))
-    if split not in splits:
-        raise ValueError(f"{split_setting}: split {split!r} not in {p} (its files give {sorted(map(str, splits))})")
+    splits = directory_splits(p)
+    wanted = [s.strip() for s in split.split("+")]
+    missing = [s for s in wanted if s not in splits]
+    if missing:
+        order = sorted(splits, key=lambda name: (name != "train", name))
+        listed = "; ".join(f"{name}: {', '.join(f.name for f in splits[name][:3])}"
+                           f"{' ...' if len(splits[name]) > 3 else ''}" for name in order)
+        raise ValueError(f"{split_setting}: split {missing[0]!r} not in {p} (its files give {listed}); set "
+                         f"{split_setting} to one of {', '.join(order)}, or several joined by '+' "
+                         f"(e.g. {'+'.join(order)}) to read them all")
+    chosen = [f for s in wanted for f in splits[s]]
+    skipped = {name: fs for name, fs in sorted(splits.items()) if name not in wanted}
+    if skipped:
+        listed = "; ".join(f"{', '.join(f.name for f in fs[:3])}{' ...' if len(fs) > 3 else ''} ({name})"
+                           for name, fs in skipped.items())
+        say(f"note: {path_setting} {p}: {split_setting} {split} reads {len(chosen)} file(s); the files of the other "
+            f"splits are not read: {listed}; {split_setting}={'+'.join([*wanted, *skipped])} reads them all")
     by_builder: dict[str, list[str]] = {}
-    for f in splits[split]:
-        builder = DATA_SUFFIXES.get(Path(f).suffix.lower())
-        if builder is not None:
-            by_builder.setdefault(builder, []).append(f)
-    if len(by_builder) < 2:
-        return datasets.load_dataset(str(p), split=split, **kw)
-    parts = [datasets.load_dataset(b, data_files={split: fs}, split=split, **kw) for b, fs in sorted(by_builder.items())]
+    for f in chosen:
+        by_builder.setdefault(DATA_SUFFIXES[f.suffix.lower()], []).append(str(f))
+    parts = [datasets.load_dataset(b, data_files={"train": fs}, split="train", **kw) for b, fs in sorted(by_builder.items())]
+    if len(parts) == 1:
+        return parts[0]
     try:
         return datasets.concatenate_datasets([parts[0]] + [d.cast(parts[0].features) for d in parts[1:]])
     except (ValueError, TypeError, KeyError) as exc:

@@ -57,10 +57,23 @@ def check_json_file(path: Path, setting: str) -> int:
 
 
 def check_local(files: list[Path], setting: str) -> None:
-    """Check every JSON / JSON Lines file among `files` (other formats are left to their readers)."""
+    """Check every JSON / JSON Lines file among `files` record by record, and that every Parquet or
+    Arrow file is one (its footer read): a damaged file is named, not the directory it is in."""
     for f in files:
-        if f.suffix.lower() in (".json", ".jsonl"):
+        suffix = f.suffix.lower()
+        if suffix in (".json", ".jsonl"):
             check_json_file(f, setting)
+        elif suffix in (".parquet", ".arrow") and f.stat().st_size == 0:
+            raise ValueError(f"{setting}: {f} is empty (0 bytes), not a {suffix[1:]} file; write it again or remove it")
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                pq.read_metadata(f)
+            except Exception as exc:  # noqa: BLE001  pyarrow's ArrowInvalid / OSError: the file is not whole
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ValueError(f"{setting}: {f} is not a readable Parquet file ({first}); write it again or "
+                                 "remove it") from None
 
 
 def record_format(fields) -> str:

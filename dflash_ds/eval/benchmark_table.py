@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
 from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
@@ -202,6 +203,7 @@ def after_training(recipe) -> int:
 def main(argv: list[str] | None = None) -> int:
     from dflash_ds.config import RecipeError, load_recipe
 
+    quiet_libraries()
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         say("usage: python -m dflash_ds.eval.benchmark_table RECIPE [key=value ...]")

@@ -78,6 +78,12 @@ def _records_from_file(path: Path, name: str) -> list[dict]:
 def _records(name: str, bench_dir: str | None, setting: str) -> tuple[list[dict], str]:
     b = BENCHMARKS[name]
     if bench_dir:
+        if Path(bench_dir).is_file():
+            raise ValueError(f"{setting} {bench_dir} is a file, not a directory; point {setting} at the directory "
+                             f"that holds {name}.jsonl (e.g. {Path(bench_dir).parent or '.'})")
+        if not Path(bench_dir).is_dir():
+            raise ValueError(f"{setting} {bench_dir} does not exist; point {setting} at a directory holding "
+                             f"{name}.jsonl, or drop it to load the sets from the hub")
         files = [Path(bench_dir) / f"{name}{ext}" for ext in (".jsonl", ".json", ".parquet")]
         found = next((f for f in files if f.is_file()), None)
         if found is None:

@@ -22,6 +22,7 @@ from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model_card import trained_thinking
+from dflash_ds.libraries import quiet_libraries
 from dflash_ds.safety import Exit, say
 
 
@@ -64,6 +65,7 @@ def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_templat
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.eval",
                                      description="Exact greedy acceptance length tau of a DFlash drafter export.")
     parser.add_argument("--target", required=True, help="target model directory or hub id")
@@ -191,7 +193,7 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     result["llama_cpp"] = llama_cpp.as_dict() if llama_cpp is not None else None
     result["vllm"] = vllm.as_dict()
     print(f"tau_mean {_fmt(report.tau_mean)}  tau_pooled {_fmt(report.tau_pooled)}  "
-          f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {report.block_size})")
+          f"({len(report.cycles)} responses, {report.num_cycles} cycles, block size {model.block_size})")
     print(llama_cpp.line() + " (docs/algorithm.md section 7.3)" if llama_cpp is not None else
           "llama.cpp does not load this drafter (its model card says why): no llama.cpp count")
     print(vllm.line() + " (docs/algorithm.md section 7.4)")

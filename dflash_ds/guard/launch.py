@@ -19,13 +19,15 @@ import json
 import netrc
 import os
 import shlex
+import signal
 import socket
 import sys
 import tempfile
 from pathlib import Path
 
 from dflash_ds.config import Recipe, RecipeError, load_recipe, ranks_per_node
-from dflash_ds.safety import CheckpointError, Exit, LockError, say
+from dflash_ds.libraries import quiet_libraries
+from dflash_ds.safety import INTERRUPTED, CheckpointError, Exit, LockError, interrupt_in_this_process, say
 
 WANDB_TIMEOUT_S = 5.0
 HUB_TIMEOUT_S = 3.0
@@ -242,6 +244,8 @@ def prelaunch(recipe: Recipe) -> dict[str, str]:
     check_lock(recipe)  # first and cheap: a second run on a directory stops in a second
     env = check_wandb(recipe)
     offline = check_hub(recipe)
+    # After the hub check: it may set HF_HUB_OFFLINE, which huggingface_hub reads as it is imported.
+    quiet_libraries(torchao=recipe.drafter.fp8.layers != "none")
     try:
         if Path(recipe.run.output_dir).exists():
             check_resume(recipe)
@@ -262,9 +266,9 @@ def prelaunch(recipe: Recipe) -> dict[str, str]:
     return env
 
 
-def _fail(msg: str) -> str:
-    """Shell text that prints the one line and stops launch.sh with Exit.USER."""
-    return f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit {int(Exit.USER)}"
+def _fail(msg: str, code: int = Exit.USER) -> str:
+    """Shell text that prints the one line and stops launch.sh with `code` (Exit.USER: the user's to fix)."""
+    return f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit {int(code)}"
 
 
 def main(argv: list[str]) -> int:
@@ -281,17 +285,21 @@ def main(argv: list[str]) -> int:
     saved = os.dup(1)
     sys.stdout.flush()
     os.dup2(2, 1)
+    code = Exit.USER
     try:
-        env = prelaunch(recipe)
+        with interrupt_in_this_process():
+            env = prelaunch(recipe)
         error = None
     except ValueError as exc:  # RecipeError, data and tokenizer errors: the user's to fix
         error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except KeyboardInterrupt:  # Ctrl-C, most often during the data preparation: one line, the shell's status
+        error, code = INTERRUPTED, Exit.of_signal(signal.SIGINT)
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
     if error is not None:
-        print(_fail(error))
+        print(_fail(error, code))
         return Exit.OK
     lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={free_port()}",
              f"DFLASH_STOP_GRACE={recipe.run.stop_grace_s:g}"]

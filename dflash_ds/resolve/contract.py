@@ -1,7 +1,10 @@
 """The run's recipe as a contract: what a run started with is recorded, and a resume may change only
 what does not change the drafter's shape, the data stream or the taps.
 
-`run.output_dir/recipe.yaml` is the recipe of the run's first start and is never overwritten; a later
+`run.output_dir/recipe.yaml` is the recipe of the run's first start, written by the lead drafter once the
+drafter is built and its checkpoint loaded (a start that fails before that, e.g. a resume of another shape
+without a record, must not become the contract the correct command is refused against), and is never
+overwritten; a later
 start whose recipe differs is recorded beside it (`recipe.resume-<step>.yaml`; after
 `checkpoint.resume=restart` the previous run's record moves to `recipe.before-restart-<n>.yaml` and the
 new run's becomes recipe.yaml). Before a resume, `compare` puts the recipe against the record:

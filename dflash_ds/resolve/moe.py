@@ -10,6 +10,28 @@ from dflash_ds.target_model.model import TargetShape
 from dflash_ds.target_model.moe import IMPLEMENTATIONS, OWN, moe_shape
 
 
+def dense_problem(n: int) -> str:
+    return (f"target.expert_parallel is {n} but target.path is a dense model (no routed experts): set "
+            "target.expert_parallel=1 (a dense target too large for one GPU runs under ZeRO-3: "
+            "ds_configs/target_zero3.json)")
+
+
+def dense_expert_parallel(recipe: Recipe) -> str | None:
+    """The line for target.expert_parallel > 1 on a dense target, checked before the topology: the
+    topology's own complaint about it (e.g. the targets per node it must divide) would send the user
+    to fix a setting that then fails on the real problem. None when the target's config cannot be
+    read (that is reported in its turn)."""
+    from dflash_ds.target_model.model import TargetError, load_config
+
+    if recipe.target.expert_parallel == 1:
+        return None
+    try:
+        config = load_config(recipe.target.path)
+    except TargetError:
+        return None
+    return dense_problem(recipe.target.expert_parallel) if moe_shape(config) is None else None
+
+
 def check_moe(recipe: Recipe, target_config, target_kind: str, layout: Layout) -> None:
     t = recipe.target
     if t.experts_implementation not in IMPLEMENTATIONS:
@@ -19,9 +41,7 @@ def check_moe(recipe: Recipe, target_config, target_kind: str, layout: Layout) -
     n = t.expert_parallel
     if shape is None:
         if n != 1:
-            raise RecipeError(f"target.expert_parallel is {n} but target.path is a dense model (no routed experts): "
-                              "set target.expert_parallel=1 (a dense target too large for one GPU runs under "
-                              "ZeRO-3: ds_configs/target_zero3.json)")
+            raise RecipeError(dense_problem(n))
         return
     if target_kind == "zero3":
         raise RecipeError(

@@ -99,22 +99,32 @@ def receive_depth(grad_accum: int) -> int:
     return 2 * grad_accum
 
 
-def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
-                    taps: int) -> dict[str, float]:
-    """Rough GiB per rank by role (weights, optimizer, payload buffers, activations)."""
-    gib = 1024 ** 3
+def memory_parts(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
+                 taps: int) -> dict[str, dict[str, float]]:
+    """Rough bytes per rank by role and by what holds them (weights, optimizer, payload buffers,
+    activations), so that a plan that cannot fit names the part, and the settings, at fault."""
     s, r, n, b = recipe.data.row_length, plan.rows_per_micro, recipe.objective.num_anchors, recipe.drafter.block_size
     payload = r * s * (taps * hidden + 6) * 2
     nd = plan.layout.num_drafters
-    drafter = (d_params * (2 + 2) + d_params * 12 / nd  # bf16 weights + grads, fp32 master + Adam split by ZeRO-2
-               + 2 * vocab * hidden * 2  # frozen embedding + lm_head
-               + receive_depth(plan.grad_accum) * payload
-               + r * n * b * hidden * 2 * 12 * recipe.drafter.num_layers  # block activations
-               + r * n * b * vocab * 4 / recipe.objective.loss_chunks * 2)  # one loss chunk's logits + grad
+    drafter = {
+        "weights": d_params * (2 + 2) + d_params * 12 / nd,  # bf16 weights + grads, fp32 master + Adam split by ZeRO-2
+        "embedding": 2 * vocab * hidden * 2,  # frozen embedding + lm_head
+        "payload": receive_depth(plan.grad_accum) * payload,
+        "activations": r * n * b * hidden * 2 * 12 * recipe.drafter.num_layers,  # block activations
+        "logits": r * n * b * vocab * 4 / recipe.objective.loss_chunks * 2,  # one loss chunk's logits + grad
+    }
     # bf16 weights; FP8 projections take 1 byte a weight (the embedding stays bf16)
     weights = t_params + vocab * hidden if recipe.target.quantization == "fp8" else t_params * 2
-    target = weights + (recipe.topology.max_in_flight + 1) * payload + r * s * hidden * 2 * 16
-    return {"drafter": drafter / gib, "target": target / gib}
+    target = {"weights": weights, "payload": (recipe.topology.max_in_flight + 1) * payload,
+              "activations": r * s * hidden * 2 * 16}
+    return {"drafter": drafter, "target": target}
+
+
+def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
+                    taps: int) -> dict[str, float]:
+    """Rough GiB per rank by role (the sum of `memory_parts`)."""
+    parts = memory_parts(recipe, plan, d_params, t_params, hidden, vocab, taps)
+    return {role: sum(p.values()) / 1024 ** 3 for role, p in parts.items()}
 
 
 def describe(plan: Plan, memory: dict[str, float] | None = None) -> str:

@@ -80,7 +80,7 @@ class Machine(NamedTuple):
 
 def machine(device: torch.device) -> Machine:
     torchao = importlib.util.find_spec("torchao") is not None
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # no GPU here: a plan drawn for one
         return Machine(device.type, torchao=torchao)
     return Machine("cuda", tuple(torch.cuda.get_device_capability(device)), torch.cuda.get_device_name(device), torchao)
 
@@ -100,7 +100,7 @@ def drafter_refusal(fp8, m: Machine, shape) -> str | None:
     if m.device_type != "cuda":
         return (f"{what} needs an FP8 GPU ({FP8_GPU}); run.device is {m.device_type}, where there is no FP8 "
                 f"matmul: {DRAFTER_OFF}")
-    if m.capability < FP8_CAPABILITY:
+    if m.capability is not None and m.capability < FP8_CAPABILITY:
         cap = ".".join(map(str, m.capability))
         return (f"{what} needs FP8 tensor cores ({FP8_GPU}), but this rank's GPU ({m.gpu_name}) has compute "
                 f"capability {cap}: {DRAFTER_OFF}")

@@ -22,11 +22,13 @@ from dflash_ds.model.objective import StepSettings
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.resolve.drafter import check_servable, drafter_shape, recipe_keys
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
-from dflash_ds.resolve.dtypes import payload_dtype
+from dflash_ds.resolve.dtypes import payload_dtype, section_dtype
 from dflash_ds.resolve.files import check_files
-from dflash_ds.resolve.moe import check_moe, target_params
+from dflash_ds.resolve.fit import check_fits
+from dflash_ds.resolve.moe import check_moe, dense_expert_parallel, target_params
+from dflash_ds.resolve.objective import check_objective
 from dflash_ds.resolve.payload import PayloadLayout
-from dflash_ds.resolve.plan import Plan, memory_estimate, resolve
+from dflash_ds.resolve.plan import Plan, memory_parts, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
 from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization
 from dflash_ds.safety import say
@@ -74,22 +76,38 @@ def resolve_device(name: str, setting: str) -> torch.device:
     return torch.device("cpu")
 
 
+def planned_device(recipe: Recipe, drafter_json: dict, planning: bool) -> tuple[torch.device, tuple[str, ...]]:
+    """`resolve_device` of run.device, except for a plan (--dry-run) on a machine without a GPU: that one
+    is drawn for the GPUs the recipe asks for (run.device cuda, or auto with a drafter JSON that trains
+    in bf16 or fp16, which CPU refuses), with a note, and what only a GPU can say is left unchecked."""
+    name = recipe.run.device
+    if not planning or torch.cuda.is_available() or name not in ("auto", "cuda"):
+        return resolve_device(name, "run.device"), ()
+    if name == "auto" and section_dtype(drafter_json, "drafter.ds_config", recipe.drafter.ds_config) == torch.float32:
+        return torch.device("cpu"), ()
+    return torch.device("cuda", 0), (f"no GPU is visible here: the plan is drawn for GPUs (run.device {name}); "
+                                     "the GPU's FP8 support and the GPU-only packages are not checked, its memory only against 1 TiB",)
+
+
 def check_world(recipe: Recipe, world_size: int) -> Layout:
     t = recipe.topology
     try:
         return Layout(world_size, t.drafters_per_node, t.targets_per_node, t.colocated, recipe.target.expert_parallel)
     except TopologyError as exc:
-        raise RecipeError(str(exc)) from None
+        raise RecipeError(dense_expert_parallel(recipe) or str(exc)) from None
 
 
-def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) -> RunSpec:
+def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *, planning: bool = False) -> RunSpec:
     """Every pre-launch check, then the resolved spec. Without `num_rows` (the data is prepared
     after the process group starts) the plan assumes one step per epoch: `RunSpec.with_rows` then
-    gives the exact one."""
+    gives the exact one. `planning` (--dry-run): the plan of a GPU recipe is drawn on a machine
+    without a GPU too (`planned_device`), and a hub target out of reach is planned with its built-in
+    geometry (target_model.presets), each with a note."""
     layout = check_world(recipe, world_size)
     drafter_json = drafter_ds_config(recipe, layout.num_drafters)
     target_kind, target_json = target_ds_config(recipe, layout.num_targets)
-    device = resolve_device(recipe.run.device, "run.device")
+    device, notes = planned_device(recipe, drafter_json, planning)
+    no_gpu_here = bool(notes)  # a plan drawn for GPUs on a machine without one
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
     dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
@@ -100,7 +118,13 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     try:
         tcfg = load_config(recipe.target.path)
     except TargetError as exc:
-        raise RecipeError(f"target.path: {exc}") from None
+        from dflash_ds.target_model.presets import published_config  # transformers: only when needed
+
+        tcfg = published_config(recipe.target.path) if planning else None
+        if tcfg is None:
+            raise RecipeError(f"target.path: {exc}") from None
+        notes += (f"the target's config ({recipe.target.path}) cannot be read here (no hub, not in the HF cache): "
+                  "planned with its published geometry (dflash_ds/target_model/presets.py)",)
     check_quantization(recipe.target, device.type, target_kind, tcfg)
     check_moe(recipe, tcfg, target_kind, layout)
     geo = target_geometry(tcfg)
@@ -112,24 +136,26 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None) ->
     if recipe.drafter.init_from:
         check_init_from(recipe.drafter.init_from, dcfg)
     check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
-    if geo.hybrid and recipe.data.pack and device.type == "cuda" and importlib.util.find_spec("fla") is None:
+    gpu_here = device.type == "cuda" and not no_gpu_here
+    if geo.hybrid and recipe.data.pack and gpu_here and importlib.util.find_spec("fla") is None:
         raise RecipeError(
             "data.pack: true with a hybrid (Gated DeltaNet) target on GPU needs flash-linear-attention's varlen "
             "kernel to keep the packed documents of a row apart (without it the exact per-document fallback is "
             "far too slow); pip install 'dflash-ds[gpu]' (flash-linear-attention), or set data.pack=false")
-    if geo.hybrid and device.type == "cuda" and importlib.util.find_spec("fla") is None:
+    if geo.hybrid and gpu_here and importlib.util.find_spec("fla") is None:
         say("warning: the target has Gated DeltaNet layers but flash-linear-attention is not installed; "
             "the target will run ~1.6x slower (pip install 'dflash-ds[gpu]')")
+    check_objective(StepSettings.of(dcfg, recipe.objective, recipe.run.seed, device))
     payload = payload_layout(recipe, dcfg, dtype)
     rows = num_rows
-    notes: tuple[str, ...] = ()
     if rows is None:
         o = recipe.optim
         rows = o.rows_per_micro_batch * o.grad_accum * layout.num_drafters
-        notes = ("data not prepared yet: step counts assume one step per epoch "
-                 "(run python -m dflash_ds.data prepare RECIPE for exact numbers)",)
-    plan, memory = plan_and_memory(recipe, world_size, dcfg, geo, rows)
-    return RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, memory, num_rows is not None, notes)
+        notes += ("data not prepared yet: step counts assume one step per epoch "
+                  "(run python -m dflash_ds.data prepare RECIPE for exact numbers)",)
+    plan, parts = plan_and_parts(recipe, world_size, dcfg, geo, rows)
+    check_fits(parts, layout, device, dcfg, zero3_target=target_kind == "zero3")
+    return RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, gib(parts), num_rows is not None, notes)
 
 
 def payload_layout(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> PayloadLayout:
@@ -169,9 +195,21 @@ def _plain(value) -> str:
     return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
+def gib(parts: dict[str, dict[str, float]]) -> dict[str, float]:
+    """GiB per rank by role from `memory_parts`' bytes."""
+    return {role: sum(p.values()) / 1024 ** 3 for role, p in parts.items()}
+
+
 def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetShape,
                     num_rows: int) -> tuple[Plan, dict[str, float]]:
-    """The plan for `num_rows` prepared rows and the rough memory per rank it implies."""
+    """The plan for `num_rows` prepared rows and the rough memory per rank (GiB by role) it implies."""
+    plan, parts = plan_and_parts(recipe, world_size, c, g, num_rows)
+    return plan, gib(parts)
+
+
+def plan_and_parts(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetShape,
+                   num_rows: int) -> tuple[Plan, dict[str, dict[str, float]]]:
+    """The plan for `num_rows` prepared rows and the rough bytes per rank by role and part."""
     plan = resolve(recipe, world_size, num_rows)
     dp = c.num_parameters
     # The target's logits at the drafter (the KL term, or the architecture's) keep every target layer
@@ -179,4 +217,4 @@ def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetS
     kl = wants_target_logits(recipe, c)
     last = g.num_layers if kl else max(c.target_layer_ids) + 1
     tp = target_params(g, last, recipe.target.expert_parallel)
-    return plan, memory_estimate(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))
+    return plan, memory_parts(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))

@@ -201,6 +201,9 @@ def describe_error(exc: BaseException, folder: Path | None = None) -> str:
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{os.strerror(exc.errno)}{where}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    rust = re.search(r"Os \{ code: (\d+)", text)  # safetensors (Rust) reports the errno inside its text
+    if rust:
+        return f"{os.strerror(int(rust.group(1)))} ({type(exc).__name__}: {text})"
     if any(k in text for k in ("inline_container", "iostream", "file write failed", "PytorchStreamWriter")):
         # torch's writer reports a short write without errno; name the likely causes instead.
         import resource

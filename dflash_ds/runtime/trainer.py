@@ -33,6 +33,7 @@ from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped, say
 from dflash_ds.resolve.payload import PayloadLayout, unpack
+from dflash_ds.resolve import contract
 from dflash_ds.resolve.plan import receive_depth
 from dflash_ds.resolve.run import RunSpec
 
@@ -123,6 +124,8 @@ class DrafterTrainer:
         drafter = build_drafter(spec)
         engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank, spec.device)
         start = checkpoint.load(engine, r.run.output_dir, groups.drafter, control.start, r.checkpoint.universal, lead)
+        if lead:  # the run's contract: recorded once the drafter is built and resumed, never from a failed start
+            contract.record(r, control.start_step)
         source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups, start)
         from deepspeed.accelerator import get_accelerator
 
@@ -240,7 +243,7 @@ class DrafterTrainer:
         say(report.position_line())
 
     def save(self, step: int) -> None:
-        from dflash_ds.export import save_drafter
+        from dflash_ds.export import ExportWriteError, save_drafter
 
         r = self.spec.recipe
         t0 = time.perf_counter()
@@ -252,9 +255,10 @@ class DrafterTrainer:
             try:
                 out = save_drafter(self.model.drafter, Path(r.run.output_dir) / "export",
                                    card=card_info(r, step, self.last_tau), num_anchors=r.objective.num_anchors)
-            except OSError as exc:  # the export is swapped in only when complete: the old one stays
+            except ExportWriteError as exc:  # the export is swapped in only when complete: the old one stays
                 raise CheckpointError(
-                    f"could not write the export {Path(r.run.output_dir) / 'export'}: {checkpoint.describe_error(exc)}; "
+                    f"could not write the export {Path(r.run.output_dir) / 'export'}: "
+                    f"{checkpoint.describe_error(exc.__cause__ or exc)}; "
                     f"the previous export is untouched and checkpoint step {step} is complete") from None
             # Timed: a 27B-width drafter's checkpoint (ZeRO-2 states) is ~24 GB and can take minutes.
             say(f"step {step}: checkpoint written ({t1 - t0:.0f} s); drafter exported to {out} "

@@ -169,6 +169,19 @@ GEOMETRIES: dict[str, NamedGeometry] = {
 }
 
 
+# The hub ids of the published models whose geometry is built in, for a plan drawn where the hub is
+# out of reach (--dry-run): the shapes the plan needs are these configs' own.
+PUBLISHED = {"Qwen/Qwen3.6-27B": "qwen3.6-27b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3.6-35B-A3B": "qwen3.6-35b-a3b",
+             "Qwen/Qwen3.5-35B-A3B": "qwen3.6-35b-a3b", "Qwen/Qwen3.5-122B-A10B": "qwen3.5-122b-a10b",
+             "Qwen/Qwen3.5-397B-A17B": "qwen3.5-397b-a17b", "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b"}
+
+
+def published_config(hub_id: str) -> PretrainedConfig | None:
+    """The built-in config of a published model by its hub id, None for any other."""
+    name = PUBLISHED.get(hub_id)
+    return get_geometry(name).make(None) if name else None
+
+
 def get_geometry(name: str) -> NamedGeometry:
     if name not in GEOMETRIES:
         raise ValueError(f"unknown geometry {name!r}; choose one of {', '.join(GEOMETRIES)} (--geometry)")

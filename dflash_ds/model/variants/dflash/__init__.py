@@ -167,6 +167,13 @@ class DFlash:
         """The cross-entropy's coefficient in the loss under this step's `step_term`."""
         return 1.0
 
+    def term_weights(self, shape: DrafterShape, term: Any) -> dict[str, float]:
+        """The weight of each of this architecture's loss terms under `term` (a `step_term`) that reach a
+        parameter of a drafter of `shape`, by the field of `objective_keys` that sets it, or in words for
+        a term no setting weighs (the pre-launch check that some term trains the drafter reads this).
+        DFlash's cross-entropy is always on."""
+        return {"the cross-entropy (always on)": self.ce_weight(term)}
+
     def candidates(self, shape: DrafterShape) -> int:
         """Top-k token ids (and raw logits) per slot the base loss keeps for `extra_loss`; 0 for none."""
         return 0

@@ -180,6 +180,9 @@ class DFlash2(DFlash):
         alpha = s.alpha if step is None else selector_alpha(step, total_steps, s.alpha, s.warmup_ratio, s.ramp_ratio)
         return SelectorTerm(alpha, s.inject_gold, s.detach)
 
+    def term_weights(self, shape: DrafterShape, term: SelectorTerm) -> dict[str, float]:
+        return {**super().term_weights(shape, term), "selector_alpha": float(term.alpha)}
+
     def candidates(self, shape: DrafterShape) -> int:
         return shape.arch_fields.selector_top_k
 

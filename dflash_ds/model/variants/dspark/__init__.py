@@ -192,6 +192,13 @@ class DSpark(DFlash):
     def ce_weight(self, term: DSparkTerms | None) -> float:
         return (term or DSparkTerms()).ce
 
+    def term_weights(self, shape: DrafterShape, term: DSparkTerms | None) -> dict[str, float]:
+        t = term or DSparkTerms()
+        weights = {"ce_weight": float(t.ce), "l1_weight": float(t.l1)}
+        if shape.arch_fields.enable_confidence_head:  # without the head its weight trains nothing
+            weights["confidence_weight"] = float(t.confidence)
+        return weights
+
     def chunk_term(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor) -> ChunkTerm:
         """The Markov bias of every slot's logits (teacher-forced predecessor) and l1 * ||q - p||_1
         on the biased logits and the target's, inside the fused loss's pass over the vocabulary."""

@@ -1,0 +1,30 @@
+"""The objective trains something: a run whose loss has no term with a nonzero weight that reaches a
+trainable parameter would spend its steps with a zero gradient and export the initial drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_ds.config import RecipeError
+from dflash_ds.model.objective import StepSettings
+
+def objective_weights(settings: StepSettings) -> dict[str, float]:
+    """Every term of the resolved objective that reaches a trainable parameter, by the recipe key that
+    weights it: the architecture's terms (after any warm-up) and the KL term."""
+    variant = settings.shape.variant
+    keyed = {f.name for f in dataclasses.fields(variant.objective_keys)} if variant.objective_keys else set()
+    own = variant.term_weights(settings.shape, variant.step_term(settings.arch_loss))
+    weights = {(f"objective.{variant.name}.{name}" if name in keyed else name): float(w) for name, w in own.items()}
+    weights["objective.kl_weight"] = float(settings.kl_weight)
+    return weights
+
+
+def check_objective(settings: StepSettings) -> None:
+    """Refuse, naming the weights, an objective whose every term has weight 0."""
+    weights = objective_weights(settings)
+    if any(w != 0 for w in weights.values()):
+        return
+    names = list(weights)
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+    raise RecipeError(f"{listed} are all 0: no term of the loss trains the drafter (its gradient would be 0 at every "
+                      "step); set at least one of them above 0")
