@@ -131,6 +131,10 @@ def test_cli_prints_one_row_per_set_and_setting_and_warns_on_thinking(world, tmp
     assert "enable_thinking" not in capsys.readouterr().err
     assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k",
                  "--bench-dir", str(tmp_path / "empty")]) == 2
+    assert "--bench-dir" in (err := capsys.readouterr().err) and "does not exist" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k",
+                 "--bench-dir", str(tmp_path / "empty")]) == 2
     assert "benchmark gsm8k" in capsys.readouterr().err
     assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "heldout"]) == 2
     assert "--prompts" in capsys.readouterr().err
