@@ -31,48 +31,10 @@ DATA_SEED = 1234
 TRAIN_SEED = 0
 TOKENIZER_SIZE = 1006  # 6 markup tokens (ids 0..5), 256 bytes, merges; the model's vocab rounds up to 1024
 
-PAD, IM_START, IM_END, THINK, END_THINK, MASK = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>")
-
-# A Qwen3-style template: system prompt, multi-turn, reasoning kept only on turns after the last user
-# query (the last turn always carries a <think> block, empty when there is no reasoning), and
-# `enable_thinking=false` pre-fills an empty <think> block in the generation prompt.
-CHAT_TEMPLATE = (
-    "{%- if messages and messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'assistant' %}"
-    "{%- set content = m.content if m.content is string else '' %}"
-    "{%- set reasoning = '' %}"
-    "{%- if m.reasoning_content is string %}{%- set reasoning = m.reasoning_content %}"
-    "{%- elif '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
-    "{%- set content = content.split('</think>')[-1] %}"
-    "{%- endif %}"
-    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>assistant\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-
-# Same pre-tokenisation rule family as Qwen2/3 tokenizers (letters, single digits, punctuation runs,
-# newline runs), so that token boundaries behave like the real targets'.
-PRETOKENIZE_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# The markup tokens, the Qwen3-style chat template and the pre-tokenisation rule are the lab tokenizer's
+# (one definition for both of the project's own tokenizers).
+from dflash_ds.lab.tokenizer import (CHAT_TEMPLATE, END_THINK, IM_END, IM_START, MASK, PAD,  # noqa: E402
+                                     PRETOKENIZE_PATTERN, THINK)
 
 WORDS = ["apple", "river", "garden", "planet", "silver", "window", "rabbit", "castle", "orange",
          "pencil", "forest", "candle", "dragon", "bottle", "yellow", "mirror", "basket", "rocket",
