@@ -187,11 +187,13 @@ def test_vllm_loads_every_export(vllm_python, tmp_path, name):
         for w in drafter.parameters():
             w.add_(torch.randn_like(w) * 0.1)
     save_drafter(drafter, tmp_path / name, dtype=torch.float32)
-    serve = drafter.config.variant.serving(drafter.config)
+    serve = drafter.config.variant.card(drafter.config).serving
     result = vllm_cpu.contract(vllm_python, TARGET, tmp_path / name, serve.vllm_method, serve.vllm_tokens)
     cls, refused = CLASSES[name]
     assert result["model_class"] == cls, result
     assert result["runner_refuses"] == refused, result
+    # the architecture's card says what vLLM's own check says: V1 refuses it exactly when the card names why
+    assert (serve.vllm_v2_only is None) == (refused == []), (serve.vllm_v2_only, refused)
     assert result["missing"] == [] and result["unexpected"] == [], result
     # The export has no embedding and no lm_head: vLLM takes the target's.
     assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result
