@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -31,10 +30,9 @@ DATA_SEED = 1234
 TRAIN_SEED = 0
 TOKENIZER_SIZE = 1006  # 6 markup tokens (ids 0..5), 256 bytes, merges; the model's vocab rounds up to 1024
 
-# The markup tokens, the Qwen3-style chat template and the pre-tokenisation rule are the lab tokenizer's
+# The markup tokens, the Qwen3-style chat template and the tokenizer's training are the lab tokenizer's
 # (one definition for both of the project's own tokenizers).
-from dflash_ds.lab.tokenizer import (CHAT_TEMPLATE, END_THINK, IM_END, IM_START, MASK, PAD,  # noqa: E402
-                                     PRETOKENIZE_PATTERN, THINK)
+from dflash_ds.lab.tokenizer import CHAT_TEMPLATE, IM_END, MASK, PAD, train_tokenizer  # noqa: E402
 
 WORDS = ["apple", "river", "garden", "planet", "silver", "window", "rabbit", "castle", "orange",
          "pencil", "forest", "candle", "dragon", "bottle", "yellow", "mirror", "basket", "rocket",
@@ -142,38 +140,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def build_tokenizer(texts: list[str]):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # The markup tokens take ids 0..5 (<|mask|> = 5, the drafter's MASK id); BPE entries follow.
-    markup_tokens = (PAD, IM_START, IM_END, THINK, END_THINK, MASK)
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_SIZE, min_frequency=2, show_progress=False,
-                                  special_tokens=[AddedToken(s, special=True, normalized=False) for s in markup_tokens],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # The corpus never contains the markup strings, so no merges are spent on them.
-    markup = re.compile("|".join(re.escape(s) for s in markup_tokens))
-    pieces = [p for t in texts for p in markup.split(t) if p]
-    tok.train_from_iterator(pieces, trainer=trainer)
-    assert tok.get_vocab_size() == TOKENIZER_SIZE, tok.get_vocab_size()
-    # Like Qwen3, the reasoning delimiters are added tokens that decoding keeps (not "special").
-    spec = json.loads(tok.to_str())
-    for added in spec["added_tokens"]:
-        added["special"] = added["content"] not in (THINK, END_THINK)
-    tok = Tokenizer.from_str(json.dumps(spec))
-    assert [tok.token_to_id(s) for s in markup_tokens] == list(range(6))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD,
-                                   extra_special_tokens=[IM_START, MASK], model_max_length=1024,
-                                   clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
+    """The lab tokenizer's recipe (markup ids 0..5, <|mask|> = 5 the drafter's MASK id; BPE entries
+    follow) at the tiny target's size and context."""
+    fast = train_tokenizer(texts, TOKENIZER_SIZE)
+    assert len(fast) == TOKENIZER_SIZE, len(fast)
+    fast.model_max_length = 1024
     return fast
 
 
