@@ -9,7 +9,7 @@ import torch
 
 from dflash_ds.data import prepare as D
 from dflash_ds.data import regenerate as R
-from dflash_ds.data.chat import ChatEncoder
+from dflash_ds.data.chat import ChatEncoder, normalize
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-target"
@@ -82,6 +82,65 @@ def test_turn_by_turn_with_recorded_prompts(tok):
     want = enc.prompt_ids([convs[0][0], {"role": "assistant", "content": "new 1.0"}, convs[0][2]])
     assert seen[1][0] == want
     assert "new 1.0" in tok.decode(seen[1][0]) and "old A" not in tok.decode(seen[1][0])
+
+
+def test_keep_unfinished_keeps_the_cut_turn_and_drops_what_follows(tok):
+    enc = ChatEncoder(tok, False)
+    convs = [
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "old A"},
+         {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "old B"}],
+        [{"role": "user", "content": "Q3"}, {"role": "assistant", "content": "old C"},
+         {"role": "user", "content": "Q4"}, {"role": "assistant", "content": "old D"}],
+    ]
+
+    def run(**kw):
+        seen = []
+
+        def fake(prompts, seed):  # conversation 0's first turn and conversation 1's second turn run out
+            seen.append(len(prompts))
+            return [(tok(f"new {len(seen)}.{k}", add_special_tokens=False)["input_ids"], k != 0)
+                    for k in range(len(prompts))]
+
+        return R.regenerate_conversations(convs, enc, fake, seed=0, **kw), seen
+
+    (kept, unfinished), seen = run(keep_unfinished=True)
+    assert unfinished == 2 and seen == [2, 1]  # the cut conversation 0 asks for no second turn
+    assert kept[0] == [convs[0][0], {"role": "assistant", "content": "new 1.0", "truncated": True}]
+    assert kept[1] == [convs[1][0], {"role": "assistant", "content": "new 1.1"}, convs[1][2],
+                       {"role": "assistant", "content": "new 2.0", "truncated": True}]
+    (dropped, unfinished), seen = run()  # the default drops them
+    assert unfinished == 2 and seen == [2, 1]
+    assert dropped == [[convs[1][0], {"role": "assistant", "content": "new 1.1"}, convs[1][2]]]
+
+
+def test_truncated_answer_is_trained_without_an_end_of_turn(tok):
+    """The template renders <|im_end|> after every assistant turn; a truncated answer's loss mask must
+    stop before it (the target never generated it), a finished answer's includes it."""
+    enc = ChatEncoder(tok, False)
+    conv = [{"role": "user", "content": "Say something long."}, {"role": "assistant", "content": "It was a"}]
+    full = enc.encode(conv)
+    # what a shard line reads back as (normalize keeps the mark)
+    cut_msgs = normalize({"messages": conv[:1] + [dict(conv[1], truncated=True)]}, "messages")
+    assert cut_msgs[1]["truncated"] is True
+    cut = enc.encode(cut_msgs)
+    assert cut.input_ids == full.input_ids  # the same text; only the supervision differs
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    sup_full = [t for t, m in zip(full.input_ids, full.loss_mask) if m]
+    sup_cut = [t for t, m in zip(cut.input_ids, cut.loss_mask) if m]
+    assert sup_full[-1] == end_id and end_id not in sup_cut
+    assert sup_cut == sup_full[:-1]
+    assert tok.decode(sup_cut) == "It was a"
+    assert cut.turn_spans[-1][1] == full.turn_spans[-1][1] - 1
+    # a mark on a user message, or a non-true value, is not a truncation
+    assert "truncated" not in normalize({"messages": [dict(conv[0], truncated=True), conv[1]]}, "messages")[0]
+    assert "truncated" not in normalize({"messages": [conv[0], dict(conv[1], truncated="yes")]}, "messages")[1]
+
+
+def test_keep_unfinished_is_part_of_the_manifest(tmp_path):
+    src = tmp_path / "x.jsonl"
+    off = R._manifest(make_cfg(tmp_path, src), 4, 1)
+    on = R._manifest(make_cfg(tmp_path, src, keep_unfinished=True), 4, 1)
+    assert "keep_unfinished" not in off["settings"] and on["settings"]["keep_unfinished"] is True
 
 
 def greedy(model, ids, stop, max_new):

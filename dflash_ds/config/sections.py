@@ -132,7 +132,12 @@ class RegenerateConfig:
     """Where regenerated shards go and where training reads them; empty = <data.cache_dir>/regenerated."""
     max_new_tokens: int = 2048
     """Longest response per turn; a turn that reaches it unfinished is dropped with the rest of its
-    conversation."""
+    conversation (unless keep_unfinished)."""
+    keep_unfinished: bool = False
+    """Keep a turn cut at max_new_tokens as a truncated answer (marked `truncated: true`, trained without
+    an end-of-turn token, which the target never produced) and drop only the turns after it. Off by
+    default: a long-answer target would otherwise fill the data with answers cut mid-thought; on where
+    the budget cuts many turns and dropping them would lose most of the data (the quality lab)."""
     temperature: float = 0.0
     """0 = greedy."""
     top_p: float = 1.0

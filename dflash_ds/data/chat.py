@@ -108,6 +108,9 @@ def _message(m: dict) -> dict:
         out = {"role": role, "content": _text(m.get("content"))}
         if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
             out["reasoning_content"] = m["reasoning_content"]
+        if role == "assistant" and m.get("truncated") is True:
+            # an answer cut at the regeneration budget: its end-of-turn token was never generated
+            out["truncated"] = True
     elif m.get("from") is not None:
         role = _SHAREGPT_ROLES.get(str(m["from"]).lower(), str(m["from"]))
         out = {"role": role, "content": _text(m.get("value"))}
@@ -229,7 +232,7 @@ class ChatEncoder:
         probed = self.render(messages[:i] + [{"role": "assistant", "content": probe}] + messages[i + 1:], False)
         start = _common_prefix(full, probed)
         end = len(full) - _common_suffix(full, probed, min(len(full), len(probed)) - start)
-        return start, self._extend(full, end)
+        return start, end if messages[i].get("truncated") else self._extend(full, end)
 
     def _spans(self, messages: list[dict], turns: list[int], full: str) -> list[tuple[int, int]]:
         """Character spans of all assistant turns from one probe render (module docstring, step 2)."""
@@ -271,7 +274,9 @@ class ChatEncoder:
             if starts[t] is None or ends[t] is None or ends[t] < starts[t]:
                 spans.append(self._turn_span(messages, i, full))
             else:
-                spans.append((starts[t], self._extend(full, ends[t])))
+                # a truncated answer (cut at the regeneration budget) does not own the end-of-turn
+                # token the template renders after it: the target never produced it
+                spans.append((starts[t], ends[t] if messages[i].get("truncated") else self._extend(full, ends[t])))
         return spans
 
     def encode(self, messages: list[dict]) -> Encoded:

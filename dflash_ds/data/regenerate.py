@@ -21,7 +21,9 @@ shard file is written to a temporary name and renamed when complete, so an inter
 by skipping finished shards, without duplicating or losing samples. A turn that hits
 `max_new_tokens` without ending is dropped together with the rest of its conversation (the sample
 is dropped when it is the first assistant turn): an unfinished response followed by an end-of-turn
-token would teach the drafter a wrong ending.
+token would teach the drafter a wrong ending. With `data.regenerate.keep_unfinished` the cut turn is
+kept instead, marked `truncated: true` (data/chat.py then leaves the template's end-of-turn token
+after it out of the loss), and only the turns after it are dropped.
 """
 
 from __future__ import annotations
@@ -137,8 +139,11 @@ def uses_server(rs) -> bool:
 
 # ----------------------------------------------------------------------------- the shard loop
 
-def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, generate, seed: int):
-    """Regenerate all assistant turns, turn by turn; returns (kept conversations, unfinished count)."""
+def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, generate, seed: int, *,
+                             keep_unfinished: bool = False):
+    """Regenerate all assistant turns, turn by turn; returns (kept conversations, unfinished count).
+    An unfinished turn is dropped with what follows it, or with `keep_unfinished` kept as a truncated
+    answer (the conversation's last message)."""
     convs = [list(c) for c in convs]
     alive = list(range(len(convs)))
     unfinished = 0
@@ -163,11 +168,14 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
         for (c, k), (ids, finished) in zip(todo, outs):
             if not finished:
                 unfinished += 1
-                convs[c] = convs[c][:k]  # the turn and what follows it are lost
+                convs[c] = convs[c][:k]  # the turn and what follows it are lost ...
+                if keep_unfinished:  # ... or the turn is kept as cut, and the conversation ends there
+                    text = encoder.tokenizer.decode(ids, skip_special_tokens=False)
+                    convs[c].append({"role": "assistant", "content": split_reasoning(text), "truncated": True})
                 continue
             text = encoder.tokenizer.decode(ids, skip_special_tokens=False)
             convs[c][k] = {"role": "assistant", "content": split_reasoning(text)}
-        alive = [c for c, _ in todo]
+        alive = [c for c, k in todo if k < len(convs[c]) and not convs[c][k].get("truncated")]
         turn += 1
     kept = [c for c in convs if any(m["role"] == "assistant" for m in c)]
     return kept, unfinished
@@ -175,10 +183,12 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
 
 def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
     rs = cfg.regenerate
+    settings = {"max_new_tokens": rs.max_new_tokens, "temperature": rs.temperature,
+                "top_p": rs.top_p, "thinking": bool(cfg.thinking), "seed": cfg.seed}
+    if getattr(rs, "keep_unfinished", False):  # only when on: regenerations written before the key still match
+        settings["keep_unfinished"] = True
     return {"format": FORMAT_VERSION, "source": source_identity(cfg.path, cfg.split) or {"hub": cfg.path, "split": cfg.split},
-            "num_samples": num_samples, "shard_size": SHARD_SIZE, "num_shards": num_shards,
-            "settings": {"max_new_tokens": rs.max_new_tokens, "temperature": rs.temperature,
-                         "top_p": rs.top_p, "thinking": bool(cfg.thinking), "seed": cfg.seed}}
+            "num_samples": num_samples, "shard_size": SHARD_SIZE, "num_shards": num_shards, "settings": settings}
 
 
 @dataclass(frozen=True)
@@ -250,7 +260,8 @@ def regenerate(cfg, target_path: str, *, shards: Shards = Shards(), generator=No
         if client is not None:
             kept, unfinished, failed = client.shard(convs, seed)
         else:
-            (kept, unfinished), failed = regenerate_conversations(convs, encoder, generator, seed), 0
+            (kept, unfinished), failed = regenerate_conversations(
+                convs, encoder, generator, seed, keep_unfinished=getattr(rs, "keep_unfinished", False)), 0
         summary["samples_in"] += len(convs)
         summary["failed_samples"] += failed
         limit = getattr(rs, "max_failed_fraction", 0.0)

@@ -132,7 +132,10 @@ class ServerClient:
             self.stats.add(prompt_tokens=int(usage.get("prompt_tokens") or 0),
                            completion_tokens=int(usage.get("completion_tokens") or 0))
             if choice.get("finish_reason") == "length":
-                msgs = msgs[:k]  # an unfinished answer would teach a wrong ending: drop it and the rest
+                msgs = msgs[:k]  # an unfinished answer would teach a wrong ending: drop it and the rest ...
+                if getattr(self.s, "keep_unfinished", False):  # ... or keep it as cut, marked (data/chat.py)
+                    content = (choice.get("message") or {}).get("content") or ""
+                    msgs.append({"role": "assistant", "content": content, "truncated": True})
                 kept = msgs if any(m["role"] == "assistant" for m in msgs) else None
                 return kept, 1
             message = choice.get("message") or {}
