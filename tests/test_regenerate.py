@@ -258,3 +258,29 @@ def test_regenerate_under_the_deepspeed_launcher(tmp_path):
     assert proc.returncode == 0, output(proc)[-4000:]
     rows = [_json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
     assert len(rows) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+def test_shards_regenerated_together_write_the_same_shards(tmp_path, tok, monkeypatch):
+    """Shards(per_call=k) puts k shards' conversations in each generate batch; the files are those of
+    one shard at a time (a deterministic generator: the greedy case)."""
+    monkeypatch.setattr(R, "SHARD_SIZE", 3)
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:11]))  # 4 shards, the last of 2
+    batches = []
+
+    def fake(prompts, seed):  # the answer depends on the prompt only; every third one runs out
+        batches.append(len(prompts))
+        return [(tok(f"a{len(p)}", add_special_tokens=False)["input_ids"], len(p) % 3 != 0) for p in prompts]
+
+    one = R.regenerate(make_cfg(tmp_path, src, out="one", keep_unfinished=True), str(TINY), generator=fake,
+                       tokenizer=tok, verbose=False)
+    first_turns_one = batches[0]
+    batches.clear()
+    grouped = R.regenerate(make_cfg(tmp_path, src, out="grouped", keep_unfinished=True), str(TINY),
+                           shards=R.Shards(per_call=3), generator=fake, tokenizer=tok, verbose=False)
+    assert first_turns_one == 3 and batches[0] == 9  # three shards' first turns in one batch
+    assert one["shards_written"] == grouped["shards_written"] == 4
+    assert one["unfinished_turns"] == grouped["unfinished_turns"] > 0
+    for name in sorted(p.name for p in (tmp_path / "one").glob("part-*.jsonl")):
+        assert (tmp_path / "one" / name).read_text() == (tmp_path / "grouped" / name).read_text()
+    assert any(m.get("truncated") for row in read_shards(tmp_path / "grouped") for m in row["messages"])

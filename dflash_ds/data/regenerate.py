@@ -111,11 +111,12 @@ class HFGenerator:
             torch.manual_seed(seed * 1_000_003 + b)
             # top_k=None: no hidden top-k (generate's default 50) on top of the recipe's top_p
             kw = dict(do_sample=True, temperature=rs.temperature, top_p=rs.top_p) if sample else dict(do_sample=False)
-            with torch.no_grad():
+            with torch.inference_mode():
                 out = self.model.generate(
                     input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
                     max_new_tokens=rs.max_new_tokens, eos_token_id=sorted(self.stop),
-                    pad_token_id=self.pad, top_k=None, **kw)
+                    pad_token_id=self.pad, top_k=None, use_cache=True, **kw)
+            out = out.cpu()  # one copy: a row's .tolist() on the GPU would wait for the device per row
             for r, k in enumerate(idx):
                 new = out[r, width:].tolist()
                 end = next((t for t, tok in enumerate(new) if tok in self.stop), None)
@@ -144,9 +145,19 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
     """Regenerate all assistant turns, turn by turn; returns (kept conversations, unfinished count).
     An unfinished turn is dropped with what follows it, or with `keep_unfinished` kept as a truncated
     answer (the conversation's last message)."""
+    out, unfinished = _regenerate_turns(convs, encoder, generate, seed, keep_unfinished)
+    return _kept(out), sum(unfinished)
+
+
+def _kept(convs: list[list[dict]]) -> list[list[dict]]:
+    return [c for c in convs if any(m["role"] == "assistant" for m in c)]
+
+
+def _regenerate_turns(convs, encoder: ChatEncoder, generate, seed: int, keep_unfinished: bool):
+    """-> (every conversation regenerated or cut, unfinished turns per conversation), in input order."""
     convs = [list(c) for c in convs]
     alive = list(range(len(convs)))
-    unfinished = 0
+    unfinished = [0] * len(convs)
     turn = 0
     while alive:
         todo = []  # (conversation, message index) of each conversation's `turn`-th assistant message
@@ -167,7 +178,7 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
         outs = generate(prompts, seed * 1000 + turn) if prompts else []
         for (c, k), (ids, finished) in zip(todo, outs):
             if not finished:
-                unfinished += 1
+                unfinished[c] += 1
                 convs[c] = convs[c][:k]  # the turn and what follows it are lost ...
                 if keep_unfinished:  # ... or the turn is kept as cut, and the conversation ends there
                     text = encoder.tokenizer.decode(ids, skip_special_tokens=False)
@@ -177,8 +188,7 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
             convs[c][k] = {"role": "assistant", "content": split_reasoning(text)}
         alive = [c for c, k in todo if k < len(convs[c]) and not convs[c][k].get("truncated")]
         turn += 1
-    kept = [c for c in convs if any(m["role"] == "assistant" for m in c)]
-    return kept, unfinished
+    return convs, unfinished
 
 
 def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
@@ -194,11 +204,15 @@ def _manifest(cfg, num_samples: int, num_shards: int) -> dict:
 @dataclass(frozen=True)
 class Shards:
     """Which shards this process writes: those with index % world_size == rank that are not written yet,
-    at most `max_shards` of them (None = all; a number makes a partial run)."""
+    at most `max_shards` of them (None = all; a number makes a partial run), `per_call` at a time."""
 
     rank: int = 0
     world_size: int = 1
     max_shards: int | None = None
+    per_call: int = 1
+    """Shards regenerated together: their conversations share each turn's generate batches, so that a
+    small target fills a large GPU (SHARD_SIZE conversations alone do not). The shards, their files and
+    their greedy answers do not depend on it; sampled answers draw from the group's first shard's seed."""
 
     @classmethod
     def from_env(cls) -> "Shards":
@@ -248,45 +262,62 @@ def regenerate(cfg, target_path: str, *, shards: Shards = Shards(), generator=No
         encoder = ChatEncoder(tokenizer, cfg.thinking)
         generator = generator or make_generator(cfg, target_path, tokenizer)
     t_start = time.time()
-    for i in mine:
-        t0 = time.time()
-        convs = []
-        for row in ds.select(range(i * SHARD_SIZE, min(n, (i + 1) * SHARD_SIZE))):
-            try:
-                convs.append(normalize(row, schema))
-            except SampleError:
-                summary["bad_samples"] += 1
-        seed = cfg.seed * 100_003 + i
+    keep = getattr(rs, "keep_unfinished", False)
+    for g in range(0, len(mine), max(1, shards.per_call)):
+        group, t0 = mine[g:g + max(1, shards.per_call)], time.time()
+        batches = [_read_shard(ds, i, n, schema, summary) for i in group]
+        seeds = [cfg.seed * 100_003 + i for i in group]
         if client is not None:
-            kept, unfinished, failed = client.shard(convs, seed)
+            results = [client.shard(convs, seed) for convs, seed in zip(batches, seeds)]
         else:
-            (kept, unfinished), failed = regenerate_conversations(
-                convs, encoder, generator, seed, keep_unfinished=getattr(rs, "keep_unfinished", False)), 0
-        summary["samples_in"] += len(convs)
-        summary["failed_samples"] += failed
-        limit = getattr(rs, "max_failed_fraction", 0.0)
-        if failed and summary["failed_samples"] > limit * summary["samples_in"]:
-            raise RuntimeError(
-                f"data.regenerate.max_failed_fraction: {summary['failed_samples']} of {summary['samples_in']} "
-                f"samples failed (limit {limit}); last error: {client.stats.last_failure}. Check the servers "
-                f"({', '.join(rs.urls)}) and rerun: finished shards are kept, {shard_name(i)} is redone")
-        write_text_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
-        summary["shards_written"] += 1
-        summary["samples_out"] += len(kept)
-        summary["unfinished_turns"] += unfinished
-        if verbose:
-            line = (f"regenerate: rank {rank}: {shard_name(i)} ({summary['shards_written']}/{len(mine)}) "
-                    f"{len(kept)}/{len(convs)} samples, {unfinished} unfinished turns, {time.time() - t0:.1f} s")
-            if client is not None:
-                st, dt = client.stats, max(time.time() - t_start, 1e-9)
-                line += (f" | {st.completion_tokens / dt:,.0f} generated tok/s, {st.prompt_tokens:,} prompt + "
-                         f"{st.completion_tokens:,} generated tokens, {st.requests} requests, {st.retries} retries, "
-                         f"{summary['failed_samples']} failed samples")
-            say(line)
+            results = _regenerate_group(batches, encoder, generator, seeds[0], keep)
+        for i, convs, (kept, unfinished, failed) in zip(group, batches, results):
+            summary["samples_in"] += len(convs)
+            summary["failed_samples"] += failed
+            limit = getattr(rs, "max_failed_fraction", 0.0)
+            if failed and summary["failed_samples"] > limit * summary["samples_in"]:
+                raise RuntimeError(
+                    f"data.regenerate.max_failed_fraction: {summary['failed_samples']} of {summary['samples_in']} "
+                    f"samples failed (limit {limit}); last error: {client.stats.last_failure}. Check the servers "
+                    f"({', '.join(rs.urls)}) and rerun: finished shards are kept, {shard_name(i)} is redone")
+            write_text_atomic(out / shard_name(i), "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in kept))
+            summary["shards_written"] += 1
+            summary["samples_out"] += len(kept)
+            summary["unfinished_turns"] += unfinished
+            if verbose:
+                line = (f"regenerate: rank {rank}: {shard_name(i)} ({summary['shards_written']}/{len(mine)}) "
+                        f"{len(kept)}/{len(convs)} samples, {unfinished} unfinished turns, {time.time() - t0:.1f} s")
+                if client is not None:
+                    st, dt = client.stats, max(time.time() - t_start, 1e-9)
+                    line += (f" | {st.completion_tokens / dt:,.0f} generated tok/s, {st.prompt_tokens:,} prompt + "
+                             f"{st.completion_tokens:,} generated tokens, {st.requests} requests, {st.retries} retries, "
+                             f"{summary['failed_samples']} failed samples")
+                say(line)
     if client is not None:
         summary.update(requests=client.stats.requests, retries=client.stats.retries,
                        prompt_tokens=client.stats.prompt_tokens, completion_tokens=client.stats.completion_tokens)
     return summary
+
+
+def _read_shard(ds, i: int, n: int, schema: str, summary: dict) -> list[list[dict]]:
+    convs = []
+    for row in ds.select(range(i * SHARD_SIZE, min(n, (i + 1) * SHARD_SIZE))):
+        try:
+            convs.append(normalize(row, schema))
+        except SampleError:
+            summary["bad_samples"] += 1
+    return convs
+
+
+def _regenerate_group(batches, encoder, generator, seed: int, keep_unfinished: bool) -> list[tuple]:
+    """Several shards' conversations regenerated as one list, split back -> [(kept, unfinished, 0)]."""
+    flat = [c for b in batches for c in b]
+    done, cut = _regenerate_turns(flat, encoder, generator, seed, keep_unfinished)
+    results, pos = [], 0
+    for b in batches:
+        results.append((_kept(done[pos:pos + len(b)]), sum(cut[pos:pos + len(b)]), 0))
+        pos += len(b)
+    return results
 
 
 def main(argv=None) -> int:

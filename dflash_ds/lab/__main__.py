@@ -150,7 +150,9 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("regenerate")
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*")
-    r.add_argument("--batch-size", type=int, default=256)
+    r.add_argument("--batch-size", type=int, default=1024,
+                   help="conversations per HF generate call (the lab target's KV cache at 1,024 x ~1,500 "
+                        "tokens is ~16 GB: room on an H200)")
     r.add_argument("--seconds", type=float, default=150)
     s = sub.add_parser("summarize")
     s.add_argument("run_dir")

@@ -12,11 +12,12 @@ from pathlib import Path
 
 
 def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, seconds: float, log) -> dict:
-    """`python -m dflash_ds.regenerate RECIPE` one shard at a time with an HF generate batch of
-    `batch_size`, stopping after the shard that passes `seconds` (a rerun resumes at the next shard).
-    Returns the summary, with `complete` saying whether every shard is written."""
+    """`python -m dflash_ds.regenerate RECIPE` with an HF generate batch of `batch_size`: as many shards
+    at a time as fill it (their conversations share each turn's batches), stopping after the group that
+    passes `seconds` (a rerun resumes at the next shard). Returns the summary, with `complete` saying
+    whether every shard is written."""
     from dflash_ds.config import load_recipe
-    from dflash_ds.data.regenerate import HFGenerator, Shards
+    from dflash_ds.data.regenerate import SHARD_SIZE, HFGenerator, Shards
     from dflash_ds.data.regenerate import regenerate as run_shards
     from dflash_ds.data.sources import check_complete, load_tokenizer, output_dir
 
@@ -25,16 +26,20 @@ def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, secon
     if not cfg.regenerate.enabled:
         raise ValueError(f"{recipe_path}: data.regenerate.enabled is false; the lab trains on the target's own answers")
     tokenizer = load_tokenizer(recipe.target.path)
+    if batch_size < 1:
+        raise ValueError(f"regenerate --batch-size {batch_size}: must be >= 1")
     generator = HFGenerator(recipe.target.path, tokenizer, cfg.regenerate, batch_size=batch_size)
+    per_call = -(-batch_size // SHARD_SIZE)
     t0, total = time.monotonic(), {"shards_written": 0, "samples_out": 0, "unfinished_turns": 0}
     while True:
-        done = run_shards(cfg, recipe.target.path, shards=Shards(max_shards=1), generator=generator,
-                          tokenizer=tokenizer, verbose=True)
+        done = run_shards(cfg, recipe.target.path, shards=Shards(max_shards=per_call, per_call=per_call),
+                          generator=generator, tokenizer=tokenizer, verbose=True)
         for k in total:
             total[k] += done.get(k, 0)
         if done["shards_written"] == 0 or time.monotonic() - t0 > seconds:
             break
     total["wall_s"] = time.monotonic() - t0
+    total["batch_size"] = batch_size
     total["complete"] = _complete(check_complete, output_dir(cfg))
     log(f"regenerate: {total}")
     return total
