@@ -13,9 +13,10 @@ from pathlib import Path
 
 def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, seconds: float, log) -> dict:
     """`python -m dflash_ds.regenerate RECIPE` with an HF generate batch of `batch_size`: as many shards
-    at a time as fill it (their conversations share each turn's batches), stopping after the group that
-    passes `seconds` (a rerun resumes at the next shard). Returns the summary, with `complete` saying
-    whether every shard is written."""
+    at a time as fill it (their conversations share each turn's batches). A group starts only while the
+    last one's time still fits in `seconds` (a group cut by the command's limit would lose all its
+    shards); a rerun resumes at the next shard. Returns the summary, with `complete` saying whether
+    every shard is written."""
     from dflash_ds.config import load_recipe
     from dflash_ds.data.regenerate import SHARD_SIZE, HFGenerator, Shards
     from dflash_ds.data.regenerate import regenerate as run_shards
@@ -32,11 +33,13 @@ def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, secon
     per_call = -(-batch_size // SHARD_SIZE)
     t0, total = time.monotonic(), {"shards_written": 0, "samples_out": 0, "unfinished_turns": 0}
     while True:
+        started = time.monotonic()
         done = run_shards(cfg, recipe.target.path, shards=Shards(max_shards=per_call, per_call=per_call),
                           generator=generator, tokenizer=tokenizer, verbose=True)
         for k in total:
             total[k] += done.get(k, 0)
-        if done["shards_written"] == 0 or time.monotonic() - t0 > seconds:
+        last = time.monotonic() - started  # the estimate of the next group's time
+        if done["shards_written"] == 0 or time.monotonic() - t0 + last > seconds:
             break
     total["wall_s"] = time.monotonic() - t0
     total["batch_size"] = batch_size
