@@ -12,6 +12,9 @@ for a in "$@"; do
 done
 # The pre-launch checks print shell assignments. Whatever way they fail (a user's error: one line and
 # exit 2; a crash: its traceback), nothing is started.
+# A DFLASH_PORT set by the caller is the launcher's rendezvous port (runs started together on one host
+# each pass their own: scripts/quality_lab.sh sweep); unset, the checks pick a free one.
+export DFLASH_REQUESTED_PORT=${DFLASH_PORT:-}
 unset DFLASH_PROCS DFLASH_PORT DFLASH_STOP_GRACE
 # Ctrl-C during the checks (often during the data preparation) is theirs to report: the shell waits for
 # their one line instead of dying with them (a trap, unlike an ignored signal, leaves them the default).

@@ -4,19 +4,30 @@
 #     (carry runs/lab/corpus.jsonl.xz, runs/lab/tokenizer and runs/lab/conversations.tar.xz to the GPU machine)
 #   bash scripts/quality_lab.sh OUT target               GPU: the lab target (~7.5 min), then its regeneration
 #   bash scripts/quality_lab.sh OUT regenerate           GPU: finish a time-boxed regeneration (resumes)
-#   bash scripts/quality_lab.sh OUT train NAME [k=v ...] GPU: one drafter: v1, v1-seed1, dflash2, dspark
+#   bash scripts/quality_lab.sh OUT train NAME [k=v ...] GPU: one drafter run, trained and evaluated
+#   bash scripts/quality_lab.sh OUT run PHASE NAME [k=v ...]   the same, PHASE train, eval or all
+#   bash scripts/quality_lab.sh OUT sweep PHASE NAME...  GPU: several runs at once on the one GPU
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
+# NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
+# v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing). PHASE: train (training only), eval (the benchmark
+# table, llama.cpp's count, the summary OUT/NAME.json) or all.
 # Every step is resumable: a built target, written regeneration shards and a finished run are reused
 # (they live in the ignored LAB_DIR, default runs/lab). What each step leaves in OUT is small (JSON and
 # logs): OUT/target.json, OUT/regenerate.json, OUT/NAME.json (the run's summary), OUT/*.log.
 # Settings (environment): LAB_DIR; LAB_TARGET_ARGS (extra `python -m dflash_ds.lab target` arguments, e.g.
 # "--seconds 300" or "--steps 1234" to repeat a recorded run); LAB_FRAME_ARGS (the same for `frame`);
 # LAB_REGEN_SECONDS (the regeneration's time box; default: what is left of 540 s after the target, 480 s alone);
+# LAB_REGEN_ARGS (extra `python -m dflash_ds.lab regenerate` arguments, e.g. "--batch-size 2048");
 # LAB_OVERRIDES (recipe key=value settings for the regeneration and every run, e.g. for a CPU check);
 # LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter (scripts/setup_env.sh).
+# sweep: each run gets its own rendezvous port (DFLASH_PORT), its log OUT/NAME.log and a start
+# LAB_SWEEP_STAGGER seconds (default 5) after the previous one, so that compilations do not all collide;
+# LAB_SWEEP_SECONDS (default: none) stops the runs still training after that many seconds with a
+# checkpoint (SIGTERM to launch.sh), for a command's time limit. The sweep waits for all; it exits 1
+# naming the runs that failed, else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,16p' "$0" >&2
+  sed -n '2,27p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -40,9 +51,120 @@ need() {  # a file a step needs, and the step that makes it
   if [ ! -e "$1" ]; then echo "[lab] error: $1 is missing; run: bash scripts/quality_lab.sh OUT $2" >&2; exit 2; fi
 }
 
-regenerate() {  # $1: its time box in seconds (it stops after the shard that passes it)
+regenerate() {  # $1: its time box in seconds (a group of shards starts only while the last one's time fits)
+  local RARGS
+  read -r -a RARGS <<< "${LAB_REGEN_ARGS:-}"
   lab --record "$OUT/regenerate.json" regenerate recipes/lab/v1.yaml "${PATHS[@]}" "${EXTRA[@]}" \
-    --seconds "$1" 2>&1 | tee -a "$OUT/regenerate.log"
+    --seconds "$1" "${RARGS[@]}" 2>&1 | tee -a "$OUT/regenerate.log"
+}
+
+phase_ok() {
+  case "$1" in train|eval|all) ;; *) echo "[lab] error: PHASE '$1': one of train, eval, all" >&2; exit 2 ;; esac
+}
+
+one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settings; output also in OUT/NAME.log
+  local PHASE=$1 NAME=$2 SPEC_TEXT
+  shift 2
+  phase_ok "$PHASE"
+  SPEC_TEXT=$(lab run-settings "$NAME") || exit 2
+  mapfile -t SPEC <<< "$SPEC_TEXT"
+  local RECIPE=${SPEC[0]} RUN="$LAB/runs/$NAME" PIDFILE="$LAB/runs/.$NAME.launch_pid"
+  need "$LAB/target/lab_target.json" target
+  exec > >(tee -a "$OUT/$NAME.log") 2>&1
+  SETTINGS=("${PATHS[@]}" "run.output_dir=$RUN" "${SPEC[@]:1}" "${EXTRA[@]}")
+  [ -n "${LAB_STEPS:-}" ] && SETTINGS+=("optim.max_steps=$LAB_STEPS")
+  SETTINGS+=("$@")
+  local T0 RC
+  T0=$(date +%s)
+  # Three parts, each skipped once done, so that a command cut by its time limit is rerun as is:
+  # training (resumes from its last checkpoint), the benchmark table, llama.cpp's count.
+  if [ "$PHASE" != eval ] && [ ! -f "$RUN/.lab_trained" ]; then
+    mkdir -p "$LAB/runs"
+    # in the background only to know launch.sh's PID: a sweep's time box stops it there (a checkpoint first)
+    bash launch.sh "$RECIPE" "${SETTINGS[@]}" "eval.benchmarks=[]" &
+    echo $! > "$PIDFILE"
+    if wait $!; then RC=0; else RC=$?; fi
+    rm -f "$PIDFILE"
+    if [ "$RC" -eq 75 ]; then
+      echo "[lab] $NAME: training stopped with a checkpoint; rerun the same command to resume"
+    fi
+    [ "$RC" -eq 0 ] || exit "$RC"
+    touch "$RUN/.lab_trained"
+  fi
+  [ "$PHASE" = train ] && return 0
+  need "$RUN/.lab_trained" "run train $NAME"
+  if [ ! -f "$RUN/benchmarks.json" ]; then
+    "$PY" -m dflash_ds.eval.benchmark_table "$RECIPE" "${SETTINGS[@]}"
+  fi
+  # llama.cpp's count on the held-out prose (greedy), as the evaluator prints it beside tau
+  if [ ! -f "$RUN/lab_eval.json" ]; then
+    MAX_NEW=$("$PY" -c "import sys; from dflash_ds.config import load_recipe; r = load_recipe(sys.argv[1], sys.argv[2:]); \
+print(r.eval.max_new_tokens, r.eval.bench_limit)" "$RECIPE" "${SETTINGS[@]}")
+    read -r NEW LIMIT <<< "$MAX_NEW"
+    "$PY" -m dflash_ds.eval --target "$LAB/target" --drafter "$RUN/export" \
+      --prompts "$LAB/conversations/bench/heldout.jsonl" --limit "$LIMIT" --max-new-tokens "$NEW" \
+      --chat-template-kwargs '{"enable_thinking": false}' --out "$RUN/lab_eval.json"
+  fi
+  lab summarize "$RUN" "$NAME" "$OUT/$NAME.json" --wall-s $(( $(date +%s) - T0 ))
+}
+
+sweep() {  # $1: PHASE, then the runs' names
+  local PHASE=${1:-}
+  [ $# -ge 2 ] || { echo "[lab] usage: bash scripts/quality_lab.sh OUT sweep train|eval|all NAME..." >&2; exit 2; }
+  shift
+  phase_ok "$PHASE"
+  local NAME
+  for NAME in "$@"; do lab run-settings "$NAME" > /dev/null || exit 2; done  # every name, before any start
+  need "$LAB/target/lab_target.json" target
+  # distinct free ports, held together while they are chosen (one per run's launcher)
+  local PORTS
+  read -r -a PORTS <<< "$("$PY" -c 'import socket, sys
+s = [socket.socket() for _ in range(int(sys.argv[1]))]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])' $#)"
+  local PIDS=() i=0 T0 STOPPED=0 ALIVE P
+  T0=$(date +%s)
+  for NAME in "$@"; do
+    rm -f "$LAB/runs/.$NAME.launch_pid"  # a PID left by a command that was killed is not this run's
+    [ $i -gt 0 ] && sleep "${LAB_SWEEP_STAGGER:-5}"
+    DFLASH_PORT=${PORTS[$i]} bash scripts/quality_lab.sh "$OUT" run "$PHASE" "$NAME" > /dev/null 2>&1 &
+    PIDS+=($!)
+    echo "[lab] sweep: $NAME started ($PHASE, port ${PORTS[$i]}, log $OUT/$NAME.log)"
+    i=$((i + 1))
+  done
+  while :; do
+    ALIVE=0
+    for P in "${PIDS[@]}"; do kill -0 "$P" 2> /dev/null && ALIVE=1; done
+    [ "$ALIVE" = 0 ] && break
+    if [ -n "${LAB_SWEEP_SECONDS:-}" ] && [ "$STOPPED" = 0 ] && [ $(( $(date +%s) - T0 )) -ge "$LAB_SWEEP_SECONDS" ]; then
+      echo "[lab] sweep: ${LAB_SWEEP_SECONDS} s passed; stopping the runs still training (with a checkpoint)"
+      for NAME in "$@"; do
+        if [ -f "$LAB/runs/.$NAME.launch_pid" ]; then kill -TERM "$(cat "$LAB/runs/.$NAME.launch_pid")" 2> /dev/null || true; fi
+      done
+      STOPPED=1
+    fi
+    sleep 2
+  done
+  local FAILED=() HALTED=() RC
+  i=0
+  for NAME in "$@"; do
+    if wait "${PIDS[$i]}"; then RC=0; else RC=$?; fi
+    case "$RC" in
+      0) echo "[lab] sweep: $NAME done ($PHASE)" ;;
+      75) HALTED+=("$NAME"); echo "[lab] sweep: $NAME stopped with a checkpoint" ;;
+      *) FAILED+=("$NAME"); echo "[lab] sweep: $NAME failed (exit $RC; see $OUT/$NAME.log)" ;;
+    esac
+    i=$((i + 1))
+  done
+  echo "[lab] sweep: $(( $(date +%s) - T0 )) s"
+  if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "[lab] error: sweep $PHASE: failed: ${FAILED[*]} (logs in $OUT)" >&2
+    exit 1
+  fi
+  if [ ${#HALTED[@]} -gt 0 ]; then
+    echo "[lab] sweep $PHASE: stopped by LAB_SWEEP_SECONDS: ${HALTED[*]}; rerun the same sweep to finish them" >&2
+    exit 75
+  fi
 }
 
 case "$STEP" in
@@ -71,7 +193,7 @@ case "$STEP" in
         --conversations "$LAB/conversations" --out "$LAB/target" "${TARGS[@]}" 2>&1 | tee "$OUT/target.log"
     fi
     cp "$LAB/target/lab_target.json" "$OUT/target.json"
-    # What is left of a 10-minute command (less a margin for the last shard) goes to the regeneration.
+    # What is left of a 10-minute command (less a margin for loading and the first group) goes to the regeneration.
     LEFT=$(( ${LAB_COMMAND_SECONDS:-540} - ($(date +%s) - T0) ))
     if [ "$LEFT" -ge 40 ]; then
       regenerate "${LAB_REGEN_SECONDS:-$LEFT}"
@@ -86,41 +208,20 @@ case "$STEP" in
   train)
     NAME=${1:?usage: bash scripts/quality_lab.sh OUT train NAME [key=value ...]}
     shift
-    RECIPE=recipes/lab/${NAME%%-seed*}.yaml
-    need "$RECIPE" "train v1|v1-seed1|dflash2|dspark"
-    need "$LAB/target/lab_target.json" target
-    SEED=0
-    case "$NAME" in *-seed*) SEED=${NAME##*-seed} ;; esac
-    RUN="$LAB/runs/$NAME"
-    SETTINGS=("${PATHS[@]}" "run.output_dir=$RUN" "run.seed=$SEED" "${EXTRA[@]}")
-    [ -n "${LAB_STEPS:-}" ] && SETTINGS+=("optim.max_steps=$LAB_STEPS")
-    SETTINGS+=("$@")
-    T0=$(date +%s)
-    # Three parts, each skipped once done, so that a command cut by its time limit is rerun as is:
-    # training (resumes from its last checkpoint), the benchmark table, llama.cpp's count.
-    if [ ! -f "$RUN/.lab_trained" ]; then
-      bash launch.sh "$RECIPE" "${SETTINGS[@]}" "eval.benchmarks=[]" 2>&1 | tee -a "$OUT/$NAME.log"
-      touch "$RUN/.lab_trained"
-    fi
-    if [ ! -f "$RUN/benchmarks.json" ]; then
-      "$PY" -m dflash_ds.eval.benchmark_table "$RECIPE" "${SETTINGS[@]}" 2>&1 | tee -a "$OUT/$NAME.log"
-    fi
-    # llama.cpp's count on the held-out prose (greedy), as the evaluator prints it beside tau
-    if [ ! -f "$RUN/lab_eval.json" ]; then
-      MAX_NEW=$("$PY" -c "import sys; from dflash_ds.config import load_recipe; r = load_recipe(sys.argv[1], sys.argv[2:]); \
-print(r.eval.max_new_tokens, r.eval.bench_limit)" "$RECIPE" "${SETTINGS[@]}")
-      read -r NEW LIMIT <<< "$MAX_NEW"
-      "$PY" -m dflash_ds.eval --target "$LAB/target" --drafter "$RUN/export" \
-        --prompts "$LAB/conversations/bench/heldout.jsonl" --limit "$LIMIT" --max-new-tokens "$NEW" \
-        --chat-template-kwargs '{"enable_thinking": false}' --out "$RUN/lab_eval.json" 2>&1 | tee -a "$OUT/$NAME.log"
-    fi
-    lab summarize "$RUN" "$NAME" "$OUT/$NAME.json" --wall-s $(( $(date +%s) - T0 ))
+    one all "$NAME" "$@"
+    ;;
+  run)
+    [ $# -ge 2 ] || { echo "[lab] usage: bash scripts/quality_lab.sh OUT run train|eval|all NAME [key=value ...]" >&2; exit 2; }
+    one "$@"
+    ;;
+  sweep)
+    sweep "$@"
     ;;
   table)
     lab table "$OUT"
     ;;
   *)
-    echo "[lab] error: unknown step '$STEP'; one of prepare, target, regenerate, train, table" >&2
+    echo "[lab] error: unknown step '$STEP'; one of prepare, target, regenerate, train, run, sweep, table" >&2
     exit 2
     ;;
 esac

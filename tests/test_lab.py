@@ -295,3 +295,62 @@ def test_lab_recipes_are_the_shipped_ones_scaled(lab, shipped):
     assert a.drafter.mask_token_id == tokenizer.MASK_ID
     assert a.topology.colocated and a.data.regenerate.enabled and a.data.thinking == b.data.thinking
     assert set(a.eval.benchmarks) == {"heldout", "humaneval", "mbpp", "mt_bench"}
+
+
+def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
+    from pathlib import Path
+
+    from dflash_ds.config import load_recipe
+    from dflash_ds.lab import catalog
+    from dflash_ds.lab.__main__ import main
+    from dflash_ds.lab.target import SHAPES
+    from dflash_ds.model.blocks import default_gamma
+
+    root = Path(__file__).resolve().parents[1]
+    assert {"v1", "v1-seed1", "dflash2", "dspark", "v1-noanchor", "dspark-b7", "v1-fp8", "v1-kl",
+            "dspark-sizing"} <= set(catalog.RUNS)
+    recipes = {}
+    for name, r in catalog.RUNS.items():
+        lines = catalog.settings_lines(name)
+        assert lines[0] == r.recipe and all(" " not in o and "=" in o for o in lines[1:])
+        recipes[name] = load_recipe(root / r.recipe, lines[1:])  # every key exists and every value is valid
+        assert r.baseline is None or (r.baseline in catalog.RUNS and r.question)
+    base = {n: load_recipe(root / catalog.RUNS[n].recipe) for n in ("v1", "dspark")}
+    assert recipes["v1"] == load_recipe(root / "recipes/lab/v1.yaml", ["run.seed=0"])
+    assert recipes["v1-seed1"].run.seed == 1 and recipes["v1"].run.seed == 0
+    assert base["v1"].objective.anchor_last_prompt_token and not recipes["v1-noanchor"].objective.anchor_last_prompt_token
+    b7 = recipes["dspark-b7"]
+    assert b7.drafter.block_size == 7 and b7.objective.gamma is None and default_gamma(7 + 1) == 4  # DeepSpec's
+    assert b7.objective.num_anchors == base["dspark"].objective.num_anchors
+    assert recipes["v1-fp8"].drafter.fp8.layers == "rowwise" and recipes["v1-fp8"].drafter.fp8.lm_head
+    assert recipes["v1-kl"].objective.kl_weight > 0 and base["v1"].objective.kl_weight == 0
+    shape, sz = SHAPES["lab"], recipes["dspark-sizing"].drafter
+    assert (sz.num_attention_heads, sz.num_key_value_heads, sz.head_dim) == (shape.heads, shape.kv_heads, shape.head_dim)
+    assert sz.num_layers == 6 and sz.intermediate_size == 3 * shape.hidden and sz.layer_types is None  # all full
+    taps = list(sz.target_layer_ids)
+    assert len(taps) == 8 == len(set(taps)) and taps == sorted(taps) and taps[0] == 1 and taps[-1] < shape.layers - 1
+    assert recipes["dspark-sizing"].optim.min_lr_ratio == 1.0  # cosine to a floor of lr: constant after warmup
+    assert recipes["dspark-sizing"].drafter.block_size == base["dspark"].drafter.block_size
+    # unknown names: one line listing the runs there are
+    with pytest.raises(ValueError, match=r"unknown lab run 'v2'; one of: v1, v1-seed1, dflash2"):
+        catalog.run("v2")
+    assert main(["run-settings", "v2"]) == 2
+    assert "one of: v1," in capsys.readouterr().err
+    assert main(["run-settings", "v1-kl"]) == 0
+    assert capsys.readouterr().out.splitlines() == catalog.settings_lines("v1-kl")
+
+
+def test_launch_port_from_the_environment(monkeypatch, capsys):
+    from dflash_ds.guard import launch
+
+    monkeypatch.setenv("DFLASH_REQUESTED_PORT", "")
+    assert launch.requested_port() == ""
+    monkeypatch.setenv("DFLASH_REQUESTED_PORT", "29731")
+    assert launch.requested_port() == "29731"
+    for bad in ("80", "abc", "70000"):
+        monkeypatch.setenv("DFLASH_REQUESTED_PORT", bad)
+        with pytest.raises(ValueError, match=f"DFLASH_PORT={bad} is not a port"):
+            launch.requested_port()
+        assert launch.main(["recipes/tiny.yaml"]) == 0  # shell text that stops launch.sh, before anything else
+        assert capsys.readouterr().out.strip() == launch._fail(f"DFLASH_PORT={bad} is not a port: set a number in "
+                                                               "1024-65535, or unset it for a free one")

@@ -271,8 +271,22 @@ def _fail(msg: str, code: int = Exit.USER) -> str:
     return f"echo {shlex.quote('[dflash] error: ' + msg)} >&2; exit {int(code)}"
 
 
+def requested_port() -> str:
+    """The caller's DFLASH_PORT (launch.sh passes it on as DFLASH_REQUESTED_PORT), "" when unset; a value
+    that is not a port raises ValueError."""
+    port = os.environ.get("DFLASH_REQUESTED_PORT", "").strip()
+    if port and not (port.isdigit() and 1024 <= int(port) <= 65535):
+        raise ValueError(f"DFLASH_PORT={port} is not a port: set a number in 1024-65535, or unset it for a free one")
+    return port
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if not a.startswith("--")]
+    try:
+        port = requested_port()
+    except ValueError as exc:
+        print(_fail(str(exc)))
+        return Exit.OK
     try:
         recipe = load_recipe(args[0], args[1:])
     except RecipeError as exc:
@@ -301,7 +315,7 @@ def main(argv: list[str]) -> int:
     if error is not None:
         print(_fail(error, code))
         return Exit.OK
-    lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={free_port()}",
+    lines = [f"DFLASH_PROCS={ranks_per_node(recipe)}", f"DFLASH_PORT={port or free_port()}",
              f"DFLASH_STOP_GRACE={recipe.run.stop_grace_s:g}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     import torch

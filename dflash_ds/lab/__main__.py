@@ -5,6 +5,7 @@
     frame       conversations and held-out benchmark sets -> runs/lab/conversations        CPU
     target      pretrain + fine-tune the lab target -> runs/lab/target                      GPU, <= ~8 min
     regenerate  the target's own answers to the training conversations (time-boxed)         GPU
+    run-settings  a named run's recipe and overrides, one a line (dflash_ds/lab/catalog.py)
     summarize   one run's summary JSON (benchmarks, losses, llama.cpp counts, wall time)
     table       the table of every summary in a folder -> quality_lab.md + quality_lab_table.json
 """
@@ -95,6 +96,13 @@ def _regenerate(args) -> dict:
     return regenerate(args.recipe, args.overrides, batch_size=args.batch_size, seconds=args.seconds, log=_log)
 
 
+def _run_settings(args) -> dict:
+    from dflash_ds.lab.catalog import settings_lines
+
+    print("\n".join(settings_lines(args.name)))
+    return {}
+
+
 def _summarize(args) -> dict:
     from dflash_ds.lab.runs import summarize
 
@@ -154,6 +162,8 @@ def parser() -> argparse.ArgumentParser:
                    help="conversations per HF generate call (the lab target's KV cache at 1,024 x ~1,500 "
                         "tokens is ~16 GB: room on an H200)")
     r.add_argument("--seconds", type=float, default=150)
+    n = sub.add_parser("run-settings")
+    n.add_argument("name")
     s = sub.add_parser("summarize")
     s.add_argument("run_dir")
     s.add_argument("name")
@@ -166,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 STEPS = {"corpus": _corpus, "tokenizer": _tokenizer, "frame": _frame, "target": _target, "regenerate": _regenerate,
-         "summarize": _summarize, "table": _table}
+         "run-settings": _run_settings, "summarize": _summarize, "table": _table}
 
 
 def main(argv=None) -> int:
@@ -179,7 +189,7 @@ def main(argv=None) -> int:
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(json.dumps(result, indent=1) + "\n")
-    if args.step not in ("table",):
+    if args.step not in ("table", "run-settings"):
         print(json.dumps(result, indent=1, default=str)[:6000])
     return 0
 

@@ -1,0 +1,77 @@
+"""The lab's named runs: each a lab recipe plus recipe overrides, and the run it is measured against.
+
+`bash scripts/quality_lab.sh OUT train NAME` and `... sweep PHASE NAME...` read a run's settings from here
+(`python -m dflash_ds.lab run-settings NAME`); `lab table` reads the decisions (each run against its
+baseline) from here too. The lab target these overrides are sized for: 10 layers, hidden 768, 12 query
+heads and 4 KV heads of 64, MLP 2,048 (dflash_ds/lab/target.py, shape "lab").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Run:
+    recipe: str
+    """The lab recipe (recipes/lab/*.yaml) the run starts from."""
+    overrides: tuple[str, ...] = ()
+    """Recipe key=value settings on top of it (no spaces: the shell reads one per line)."""
+    baseline: str | None = None
+    """The run this one is measured against in the decisions table; None for the baselines."""
+    question: str = ""
+    """What the comparison decides (the table's row label)."""
+
+
+RUNS: dict[str, Run] = {
+    "v1": Run("recipes/lab/v1.yaml"),
+    # the seed-to-seed noise of v1: the same recipe, another seed (initialisation and data order)
+    "v1-seed1": Run("recipes/lab/v1.yaml", ("run.seed=1",), baseline="v1", question="seed-to-seed noise"),
+    "dflash2": Run("recipes/lab/dflash2.yaml", baseline="v1", question="DFlash2 against v1 (the ordering)"),
+    "dspark": Run("recipes/lab/dspark.yaml", baseline="v1", question="DSpark against v1 (the ordering)"),
+    # The default anchors a block at each turn's last prompt token too; off = the paper's anchors.
+    "v1-noanchor": Run("recipes/lab/v1.yaml", ("objective.anchor_last_prompt_token=false",), baseline="v1",
+                       question="objective.anchor_last_prompt_token false"),
+    # DeepSpec's block. What follows the block is already derived from it: objective.gamma null is
+    # DSpark's B + 1 rule (4 at block 7, DeepSpec's loss_decay_gamma), and the anchors per row stay
+    # the paper's density per token (each anchor drafts 7 tokens instead of 16).
+    "dspark-b7": Run("recipes/lab/dspark.yaml", ("drafter.block_size=7",), baseline="dspark",
+                     question="DSpark at block 7 (DeepSpec's) against 16"),
+    # The FP8 drafter after a whole run: every layer's projections (rowwise scales) and the frozen
+    # lm_head of the loss in FP8 (needs torchao on the GPU machine and drafter.compile, the default).
+    "v1-fp8": Run("recipes/lab/v1.yaml", ("drafter.fp8.layers=rowwise", "drafter.fp8.lm_head=true"),
+                  baseline="v1", question="FP8 drafter (layers rowwise + lm_head) against bf16"),
+    # CE plus forward KL to the target at T = 1 and equal weight: the distillation most drafter
+    # trainers add (docs/algorithm.md section 5; on the tiny target it reached CE's tau, docs/performance.md).
+    "v1-kl": Run("recipes/lab/v1.yaml", ("objective.kl_weight=1.0", "objective.kl_temperature=1.0"),
+                 baseline="v1", question="CE + KL (weight 1, T 1) against CE"),
+    # SpecForge's DSpark sizing rules (docs/dspark_draft_backbone_recipe.md) as one experiment:
+    # - attention geometry of the target: 12 query / 4 KV heads of 64 (the drafter's default is the
+    #   target's; set here so that the run says it);
+    # - 8 taps spread uniformly from layer 1, away from the output: [1, L-3] cannot hold 8 distinct
+    #   layers of the lab target's 10, so layers 1-8 (the last, 9, left out);
+    # - 6 layers with a 3x FFN: intermediate 2,304 = 3 x 768 (the target's 2,048 is 2.7x);
+    # - constant learning rate 5e-4 after the 4% warmup (cosine to a floor of 1.0 x lr);
+    # - kept from the lab's DSpark, as the rules also say: all layers full attention, 0.1 CE + 0.9 L1 +
+    #   1.0 confidence, the block (16; block 7 is its own decision above).
+    "dspark-sizing": Run("recipes/lab/dspark.yaml", (
+        "drafter.num_layers=6", "drafter.intermediate_size=2304", "drafter.num_attention_heads=12",
+        "drafter.num_key_value_heads=4", "drafter.head_dim=64", "drafter.target_layer_ids=[1,2,3,4,5,6,7,8]",
+        "optim.lr=5.0e-4", "optim.min_lr_ratio=1.0"), baseline="dspark",
+        question="SpecForge's DSpark sizing rules against the lab's DSpark"),
+}
+
+
+def run(name: str) -> Run:
+    """The named run; an unknown name is the user's error, naming the runs there are."""
+    if name not in RUNS:
+        raise ValueError(f"unknown lab run {name!r}; one of: {', '.join(RUNS)}")
+    return RUNS[name]
+
+
+def settings_lines(name: str) -> list[str]:
+    """What `run-settings NAME` prints: the recipe, then one override a line (the run's seed included:
+    run.seed=0 unless the overrides set it)."""
+    r = run(name)
+    seed = [] if any(o.startswith("run.seed=") for o in r.overrides) else ["run.seed=0"]
+    return [r.recipe, *seed, *r.overrides]
