@@ -16,9 +16,9 @@ from dflash_ds.model.blocks import MicroBatch, make_blocks, slot_rows, slot_targ
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.loss import LossOutput
+from dflash_ds.model.loss_terms import OutputTerm, RowTerm
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.model.variants import VARIANTS
-from dflash_ds.model.variants.base import LossContext
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.toy_variant import ToyMarkov, register
 
@@ -64,13 +64,13 @@ def world(name: str, dtype=torch.float64):
 def fused(model, mb, blocks, normaliser, settings):
     """The project's loss: (loss, the logged sums by name)."""
     out = drafter_loss(model, mb, blocks, normaliser, settings)
-    names = model.config.variant.log_names(model.config)
-    return out.loss, {"ce": out.ce_sum, "kl": out.kl_sum, **dict(zip(names, out.extra))}
+    return out.loss, out.sums
 
 
 def dense(model, mb, blocks, normaliser, settings):
-    """The same loss written plainly in float64 (the architecture's extra loss, which autograd already
-    differentiates, reads the dense base's candidates and per-row values): (loss, sums by name)."""
+    """The same loss written plainly in float64: (loss, sums by name). The architecture's vocabulary
+    terms by their value functions (autograd differentiates them); its output terms, which autograd
+    already differentiates, read the dense loss's candidates and per-row values."""
     shape, variant = model.config, model.config.variant
     term = variant.step_term(settings.arch_loss)
     ctx = model.drafter.fuse(mb.taps)
@@ -82,9 +82,9 @@ def dense(model, mb, blocks, normaliser, settings):
     labels = torch.where(w > 0, slot_rows(blocks.labels, B, first), 0)
     lm_head = model.lm_head.double()
     raw = h @ lm_head.T
-    chunk = variant.chunk_term(model, blocks, term, hidden)
-    if chunk is not None and chunk.table is not None:
-        raw = raw + chunk.features.double() @ chunk.table.double().T
+    bias = variant.logit_bias(model, blocks, hidden)
+    if bias is not None:
+        raw = raw + bias.features.double() @ bias.table.double().T
     z = shape.logit_transform.apply(raw)
     ce = F.cross_entropy(z, labels, reduction="none")
     index = slot_rows(slot_target_index(blocks.anchors, B, S, variant.label_offset), B, first)
@@ -93,23 +93,23 @@ def dense(model, mb, blocks, normaliser, settings):
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     sums = {"ce": (w * ce).sum(), "kl": (w * kl).sum()}
     loss = variant.ce_weight(term) * sums["ce"] + KL_WEIGHT * TEMPERATURE ** 2 * sums["kl"]
-    rows = None
-    if chunk is not None and chunk.vocab is not None:
-        values, _ = chunk.vocab(z.softmax(-1), tz, False)
-        name = variant.log_names(shape)[0]
-        sums[name] = (w * values).sum()
-        loss = loss + chunk.vocab_weight * sums[name]
-        rows = values.detach().unsqueeze(1)
-    k = variant.candidates(shape)
-    top = raw.detach().topk(k, dim=-1) if k else None
-    base = LossOutput(loss / normaliser, sums["ce"].detach(), None, sums["kl"].detach(),
-                      top.indices if k else None, top.values if k else None, (), rows)
-    extra = variant.extra_loss(LossContext(model, hidden, blocks, base, normaliser, term))
+    rows = {}
+    terms = variant.loss_terms(model, blocks, term, hidden)
+    for t in terms:
+        if isinstance(t, RowTerm):
+            values, _ = t.values(z.softmax(-1), tz, False)
+            sums[t.name] = (w * values).sum()
+            loss = loss + t.weight * sums[t.name]
+            rows[t.name] = values.detach()
     loss = loss / normaliser
-    if extra is not None:
-        names = variant.log_names(shape)[1 if chunk is not None and chunk.vocab is not None else 0:]
-        sums.update(zip(names, extra.sums))
-        loss = loss + extra.loss
+    k = max((t.top_k for t in terms if isinstance(t, OutputTerm)), default=0)
+    top = raw.detach().topk(k, dim=-1) if k else None
+    base = LossOutput(loss, {}, None, top.indices if k else None, top.values if k else None, rows)
+    for t in terms:
+        if isinstance(t, OutputTerm):
+            extra, logs = t.contribute(base, normaliser)
+            sums.update(logs)
+            loss = loss + extra
     return loss, {n: s.detach() for n, s in sums.items()}
 
 

@@ -164,9 +164,9 @@ class DrafterTrainer:
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=s.shape.first_draft_slot)
-            accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
-            kl_sum = kl_sum + out.kl_sum
-            extra = tuple(a + b for a, b in zip(extra, out.extra))
+            accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.sums["ce"]
+            kl_sum = kl_sum + out.sums.get("kl", 0.0)
+            extra = tuple(a + out.sums[n] for a, n in zip(extra, s.shape.variant.log_names(s.shape)))
         # The profile window closes before the releases post the next receives: a transfer started
         # inside the window and finished after it would close its profiler record on a profiler that
         # is gone (a crash in the wait).
