@@ -22,8 +22,6 @@ from dflash_ds.model.variants import VARIANTS
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.toy_variant import ToyMarkov, register
 
-pytestmark = pytest.mark.unit
-
 ARCHITECTURES = sorted(VARIANTS) + [ToyMarkov.name]
 D, VOCAB, B, S = 32, 96, 4, 40
 KL_WEIGHT, TEMPERATURE = 0.3, 1.5

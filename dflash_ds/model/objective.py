@@ -67,11 +67,12 @@ class StepSettings:
 
 
 def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings,
-                 term: Any = None) -> LossOutput:
+                 term: Any = None, *, loss_class: type = ChunkedLoss) -> LossOutput:
     """(ce_weight * sum(w * CE) [+ kl_weight * T^2 * sum(w * KL)] + the architecture's terms) / normaliser for
     one micro-batch (the caller supplies the whole step's weight). `term`: StepSettings.step_term of this
     step (None = the architecture's full weights, no warm-up). The output's `sums` holds every term's
-    detached sum by name: "ce", "kl" (with the KL term) and the architecture's `log_names`."""
+    detached sum by name: "ce", "kl" (with the KL term) and the architecture's `log_names`. `loss_class`:
+    what runs the terms (ChunkedLoss, or a class with its interface: the bench's autograd variant)."""
     variant = model.config.variant
     if term is None:
         term = variant.step_term(settings.arch_loss)
@@ -82,7 +83,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     if settings.kl_weight > 0:
         terms.append(Distillation(settings.kl_weight, settings.kl_temperature))
     terms += variant.loss_terms(model, blocks, term, hidden)
-    loss = ChunkedLoss(terms, model.lm_head, chunks=settings.loss_chunks, transform=settings.shape.logit_transform,
+    loss = loss_class(terms, model.lm_head, chunks=settings.loss_chunks, transform=settings.shape.logit_transform,
                        head=model.loss_head, first_slot=settings.shape.first_draft_slot)
     target = None
     if loss.reads_target:
