@@ -140,7 +140,7 @@ class RowTerm(VocabTerm):
 
     name: str
     weight: float
-    values: Callable = None
+    values: Callable
     kernel: Callable | None = None
     reads_target: bool = True
     keep_rows: bool = True
