@@ -402,6 +402,28 @@ def test_elementwise_traces_as_one_graph():
                     torch.testing.assert_close(a, b)
 
 
+def test_fresh_terms_with_new_weights_compile_the_pass_once():
+    # drafter_loss builds its terms anew every micro-batch and a warm-up changes their weights between
+    # steps: the compiled pass (traced once per run on CUDA) must not be traced again for that.
+    from dflash_ds.model.variants.dspark.parts import l1_to_target
+
+    hidden, weight, labels, weights = case(torch.float32)
+    logits, lab = hidden @ weight.T, torch.where(weights > 0, labels, 0)
+    traced = []
+
+    def backend(gm, inputs):
+        traced.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(chunk_math, dynamic=False, fullgraph=True, backend=backend)
+    for step in range(4):
+        terms = (CrossEntropy(0.1 + step), Distillation(0.2 * step, 1.5), RowTerm("l1", 1.0 / (step + 1), l1_to_target))
+        fn(logits, TargetLogits(torch.roll(logits, 1, 0)), lab, weights, tuple(weights * 0.5 for _ in terms),
+           Pass(terms, TRANSFORM))
+    assert len(traced) == 1
+
+
 def test_a_logit_bias_is_the_loss_of_the_stacked_operands():
     # A LogitBias's features @ table.T folded into the lm_head matmul: the loss and every gradient
     # equal the dense loss of [hidden | features] through [weight | table]; the folded weight the
