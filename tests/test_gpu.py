@@ -464,8 +464,8 @@ def test_dspark_pass_kernel_matches_the_compiled_pass(record):
         assert chunk_pass(logits.device, how) is l1_pass
         for grad in (True, False):
             sc = scales if grad else None
-            want_ms, want = timed_ms(lambda: compiled(logits, target, labels, weights, sc, how))
-            got_ms, got = timed_ms(lambda: l1_pass(logits.clone(), target, labels, weights, sc, how))
+            want_ms, want = timed_ms(lambda: compiled(logits, target, labels, weights, scales=sc, how=how))
+            got_ms, got = timed_ms(lambda: l1_pass(logits.clone(), target, labels, weights, scales=sc, how=how))
             key = f"{c}x{v}_{'grad' if grad else 'no_grad'}"
             found[key] = {"kernel_ms": got_ms, "compiled_ms": want_ms, "ce_rel": rel(got[0][0], want[0][0]),
                           "l1_rows_rel": rel(got[2][1], want[2][1]), "l1_sum_rel": rel(got[0][1], want[0][1]),

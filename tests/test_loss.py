@@ -386,15 +386,14 @@ def test_elementwise_traces_as_one_graph():
     table = t_logits[:5].contiguous()
     for transform in (IDENTITY, TRANSFORM):
         by_row = TargetLogits(t_logits)
-        for args in ((logits, None, lab, weights, (scale,), Pass((ce,), transform)),
-                     (logits, None, lab, weights, None, Pass((ce,), transform)),
-                     (logits, by_row, lab, weights, scales[:2], Pass((ce, kl), transform)),
-                     (logits, by_row, lab, weights, scales[:2], Pass((ce, l1), transform)),
-                     (logits, by_row, lab, weights, None, Pass((ce, kl, l1), transform)),
-                     (logits, TargetLogits(table, t_rows), lab, weights, scales, Pass((ce, kl, l1), transform))):
+        for target, sc, terms in ((None, (scale,), (ce,)), (None, None, (ce,)), (by_row, scales[:2], (ce, kl)),
+                                  (by_row, scales[:2], (ce, l1)), (by_row, None, (ce, kl, l1)),
+                                  (TargetLogits(table, t_rows), scales, (ce, kl, l1))):
+            args = (logits, target, lab, weights)
+            how = Pass(terms, transform)
             torch._dynamo.reset()
             traced = torch.compile(chunk_math, dynamic=False, fullgraph=True, backend="eager")
-            got, want = traced(*args), chunk_math(*args)
+            got, want = traced(*args, scales=sc, how=how), chunk_math(*args, scales=sc, how=how)
             flat_got, flat_want = [*got[0], got[1], *got[2], got[3]], [*want[0], want[1], *want[2], want[3]]
             assert [a is None for a in flat_got] == [b is None for b in flat_want]
             for a, b in zip(flat_got, flat_want):
@@ -419,8 +418,8 @@ def test_fresh_terms_with_new_weights_compile_the_pass_once():
     fn = torch.compile(chunk_math, dynamic=False, fullgraph=True, backend=backend)
     for step in range(4):
         terms = (CrossEntropy(0.1 + step), Distillation(0.2 * step, 1.5), RowTerm("l1", 1.0 / (step + 1), l1_to_target))
-        fn(logits, TargetLogits(torch.roll(logits, 1, 0)), lab, weights, tuple(weights * 0.5 for _ in terms),
-           Pass(terms, TRANSFORM))
+        fn(logits, TargetLogits(torch.roll(logits, 1, 0)), lab, weights, scales=tuple(weights * 0.5 for _ in terms),
+           how=Pass(terms, TRANSFORM))
     assert len(traced) == 1
 
 

@@ -88,8 +88,10 @@ class PerChunkBackwardLoss(ChunkedLoss):
         grads = (g_hidden, g_features, table.grad if table is not None else None)
         loss = _HandBack.apply(loss_value, grads, *leaves) if grad else loss_value
         correct = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-        out = LossOutput(loss, totals, correct, torch.cat([t[1] for t in tops]) if tops else None,
-                         torch.cat([t[0] for t in tops]) if tops else None, {k: torch.cat(v) for k, v in kept.items()})
+        out = LossOutput(loss=loss, sums=totals, correct=correct,
+                         candidates=torch.cat([t[1] for t in tops]) if tops else None,
+                         candidate_logits=torch.cat([t[0] for t in tops]) if tops else None,
+                         rows={k: torch.cat(v) for k, v in kept.items()})
         return self._output_terms(out, normaliser)
 
 

@@ -102,16 +102,19 @@ class ChunkedLoss:
         if grad_weight and not isinstance(self.head, DenseHead):
             raise ValueError("the loss's lm_head strategy computes the matmuls of a frozen weight, but the weight "
                              "requires grad")
-        tensors = tuple(bias) if bias is not None else ()
-        call = _Call(self, normaliser, target, grad_on and hidden.requires_grad, grad_weight)
+        tensors = (bias.features, bias.table) if bias is not None else ()
+        call = _Call(loss=self, normaliser=normaliser, target=target, grad_hidden=grad_on and hidden.requires_grad,
+                     grad_weight=grad_weight)
         if not (call.grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
-            out, _ = _run(hidden.detach(), weight.detach(), labels, weights, call, tuple(t.detach() for t in tensors))
+            out, _ = _run(hidden.detach(), weight.detach(), labels, weights, call=call,
+                          bias_tensors=tuple(t.detach() for t in tensors))
         else:
             loss, correct, top, top_logits, sum_values, kept_values = _Fused.apply(
                 hidden, weight, labels, weights, call, *tensors)
             sums = dict(zip((t.name for t in self.vocab_terms), sum_values.unbind()))
             kept = dict(zip((t.name for t in self.vocab_terms if t.keep_rows), kept_values.unbind(1)))
-            out = LossOutput(loss, sums, correct, top, top_logits, kept)
+            out = LossOutput(loss=loss, sums=sums, correct=correct, candidates=top, candidate_logits=top_logits,
+                             rows=kept)
         if not self.top_k:
             out = out._replace(candidates=None, candidate_logits=None)
         return self._output_terms(out, normaliser)
@@ -171,7 +174,7 @@ class _Call(NamedTuple):
     grad_weight: bool
 
 
-def _run(hidden, weight, labels, weights, call: _Call, bias_tensors=()):
+def _run(hidden, weight, labels, weights, *, call: _Call, bias_tensors=()):
     """The chunk loop: (the output of the vocabulary terms, whose loss is sum_t weight_t * loss_scale_t *
     sum(w * values_t) / normaliser, and its gradients (d hidden, d weight, the bias's), those the
     terms' directions give; None where not wanted)."""
@@ -183,7 +186,7 @@ def _run(hidden, weight, labels, weights, call: _Call, bias_tensors=()):
     # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their values finite and lets
     # their labels be anything (padding, out-of-vocabulary ids).
     lab = torch.where(w > 0, labels, torch.zeros_like(labels))
-    bias = LogitBias(*bias_tensors) if bias_tensors else None
+    bias = LogitBias(features=bias_tensors[0], table=bias_tensors[1]) if bias_tensors else None
     want_grad = call.grad_hidden or call.grad_weight or any(t.requires_grad for t in bias_tensors)
     if want_grad:
         scale = w / normaliser
@@ -197,7 +200,8 @@ def _run(hidden, weight, labels, weights, call: _Call, bias_tensors=()):
     top = hidden.new_empty(chunks * size, top_k, dtype=torch.long)
     top_logits = hidden.new_empty(chunks * size, top_k)
     kept = {t.name: hidden.new_empty(chunks * size, dtype=acc_dtype) for t in terms if t.keep_rows}
-    project = owner.head.matmuls(ChunkRows(hidden, weight, bias, call.target, size, chunks, call.grad_hidden))
+    project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=call.target, size=size,
+                                           chunks=chunks, grad_hidden=call.grad_hidden))
     how = Pass(terms, owner.transform)
     fn = chunk_pass(hidden.device, how)
     for i in range(chunks):
@@ -212,7 +216,7 @@ def _run(hidden, weight, labels, weights, call: _Call, bias_tensors=()):
         logits, t_logits = project.logits(i, lo, hi)
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
-        sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, sc, how)
+        sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, scales=sc, how=how)
         del logits, t_logits
         totals = [a + b for a, b in zip(totals, sums)]
         hits.append(hit)
@@ -231,15 +235,15 @@ def _run(hidden, weight, labels, weights, call: _Call, bias_tensors=()):
     for term, total in zip(terms, totals):
         part = (term.weight * term.loss_scale) * total
         loss = part if loss is None else loss + part
-    out = LossOutput(loss / normaliser, {t.name: total for t, total in zip(terms, totals)}, correct, top[:n],
-                     top_logits[:n], {k: v[:n] for k, v in kept.items()})
+    out = LossOutput(loss=loss / normaliser, sums={t.name: total for t, total in zip(terms, totals)}, correct=correct,
+                     candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()})
     return out, (g_hidden if call.grad_hidden else None, g_weight, g_bias)
 
 
 class _Fused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, call: _Call, *bias_tensors):
-        out, (g_hidden, g_weight, g_bias) = _run(hidden, weight, labels, weights, call, bias_tensors)
+        out, (g_hidden, g_weight, g_bias) = _run(hidden, weight, labels, weights, call=call, bias_tensors=bias_tensors)
         g_bias = g_bias[:len(bias_tensors)]
         ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in g_bias))
         ctx.bias_grads = tuple(g is not None for g in g_bias)

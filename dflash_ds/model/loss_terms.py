@@ -177,7 +177,7 @@ class TargetLogits(NamedTuple):
     rows: torch.Tensor | None = None
 
 
-def chunk_math(logits, target: TargetLogits | None, labels, weights, scales: tuple | None, how: Pass):
+def chunk_math(logits, target: TargetLogits | None, labels, weights, *, scales: tuple | None, how: Pass):
     """One chunk's terms over the vocabulary and, with `scales` (one `[c]` tensor per term: the row
     weight over the normaliser times the term's weight and grad_scale; tensors, not numbers, so a
     weight that changes between steps compiles nothing anew), the gradient of their weighted sum

@@ -26,7 +26,7 @@ _BLOCK = 8192  # logits a sweep step reads per row and input: 16 per thread at 1
 _WARPS = 16
 
 
-def l1_pass(logits, target, labels, weights, scales, how):
+def l1_pass(logits, target, labels, weights, *, scales, how):
     """chunk_math for the terms (CrossEntropy, DSpark's L1 RowTerm), identity transform, on CUDA:
     ((sum(w * CE), sum(w * ||q - p||_1)), argmax hit, (None, ||q - p||_1 per row), the logits'
     gradient (written over `logits`) or None without `scales`)."""
