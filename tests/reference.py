@@ -50,7 +50,7 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(model, mb, bl, weight, settings, term)
             out.loss.backward()
-            total += float(out.ce_sum)
+            total += float(out.sums["ce"])
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)
         if grad_norms is not None:
             grad_norms.append(float(norm))
