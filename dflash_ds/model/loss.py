@@ -54,7 +54,8 @@ class ChunkedLoss:
     candidates (token ids and raw logits) returned per row are as many as the output terms read,
     taken from the chunks' logits."""
 
-    def __init__(self, terms, weight: torch.Tensor, *, chunks: int, transform: LogitTransform = IDENTITY, head=None, first_slot: int = 1):
+    def __init__(self, terms, weight: torch.Tensor, *, chunks: int, transform: LogitTransform = IDENTITY, head=None,
+                 first_slot: int = 1):
         self.vocab_terms = tuple(t for t in terms if isinstance(t, VocabTerm))
         self.output_terms = tuple(t for t in terms if isinstance(t, OutputTerm))
         if len(self.vocab_terms) + len(self.output_terms) != len(terms):
@@ -87,7 +88,8 @@ class ChunkedLoss:
         if not 0 <= self.top_k <= weight.shape[0]:
             raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {self.top_k}")
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-            raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+            raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and "
+                             f"{tuple(weight.shape)}")
         if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
             raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{n}]")
         if self.reads_target and target is None:
