@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from dflash_ds.model.blocks import make_blocks
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.logit_transform import IDENTITY
+from dflash_ds.model.loss import ChunkedLoss
+from dflash_ds.model.loss_terms import CrossEntropy, Distillation, OutputTerm, TargetRows
 from dflash_ds.model.objective import drafter_loss
 from dflash_ds.resolve.run import RunSpec
 from dflash_ds.resolve.plan import lr_factor
@@ -48,7 +50,7 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         for mb, bl in zip(mbs, blocks):
             out = drafter_loss(model, mb, bl, weight, settings, term)
             out.loss.backward()
-            total += float(out.ce_sum)
+            total += float(out.sums["ce"])
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)
         if grad_norms is not None:
             grad_norms.append(float(norm))
@@ -59,21 +61,45 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
     return losses
 
 
+class Candidates(OutputTerm):
+    """An output term that only asks the loss for each row's top-k candidates (and adds nothing)."""
+
+    name, weight = "candidates", 0.0
+
+    def __init__(self, k: int):
+        self.top_k = k
+
+    def contribute(self, out, normaliser):
+        return 0.0, {}
+
+
+def chunked(hidden, weight, labels, weights, normaliser, chunks, *, kl=None, terms=(), top_k=0, transform=IDENTITY,
+            target=None, bias=None, head=None):
+    """model/loss.py's loss of rows with the CE (weight 1), the KL term when `kl` = (weight, T) is given,
+    then `terms`; `target`: the target's states [n, D] (or a model.loss_terms.TargetRows)."""
+    all_terms = [CrossEntropy(), *([Distillation(*kl)] if kl is not None else []), *terms,
+                 *([Candidates(top_k)] if top_k else [])]
+    if target is not None and not isinstance(target, TargetRows):
+        target = TargetRows(target)
+    return ChunkedLoss(all_terms, weight, chunks=chunks, transform=transform, head=head).rows(
+        hidden, labels, weights, normaliser, bias=bias, target=target)
+
+
 def dense_loss(hidden, weight, labels, weights, normaliser, kl=None, transform=IDENTITY):
     """(loss, sum(w * CE), sum(w * KL), correct) of rows `hidden [n, D]` through `weight [V, D]`, in
-    float64, every logit materialised: loss = (sum(w * CE) + kl.weight * T^2 * sum(w * KL(p_T || q_T)))
-    / normaliser, both distributions through the target's logit `transform` (`kl`: a model.loss.KLTerm,
-    the target's states constant). Unsupervised rows (weight 0) add nothing, whatever their label."""
+    float64, every logit materialised: loss = (sum(w * CE) + kl_weight * T^2 * sum(w * KL(p_T || q_T)))
+    / normaliser, both distributions through the target's logit `transform` (`kl`: (kl_weight, T, the
+    target's states), constant). Unsupervised rows (weight 0) add nothing, whatever their label."""
     z = transform.apply(hidden.double() @ weight.double().T)
     w = weights.double()
     sup = w > 0
     ce_sum = (w * F.cross_entropy(z, torch.where(sup, labels, 0), reduction="none")).sum()
     kl_sum = torch.zeros((), dtype=torch.float64)
     total = ce_sum
-    if kl is not None and kl.weight > 0:
-        t = kl.temperature
-        target = transform.apply(kl.target_hidden.double() @ weight.double().T).detach()
+    if kl is not None and kl[0] > 0:
+        kl_weight, t, states = kl
+        target = transform.apply(states.double() @ weight.double().T).detach()
         log_q, log_p = F.log_softmax(z / t, -1), F.log_softmax(target / t, -1)
         kl_sum = (w * (log_p.exp() * (log_p - log_q)).sum(-1)).sum()
-        total = total + kl.weight * t * t * kl_sum
+        total = total + kl_weight * t * t * kl_sum
     return total / normaliser, ce_sum, kl_sum, (z.argmax(-1) == labels) & sup

@@ -406,9 +406,9 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(inject, kl):
         ref = reference_selector_loss(m.candidate_selector, head, blocks, labels[:, 1:].reshape(-1), prev,
                                       bl.weights.view(-1, B)[:, 1:].reshape(-1).double(), inject)
     torch.testing.assert_close(out.loss, base.loss + 0.7 * ref / w, rtol=1e-9, atol=1e-9)
-    assert (float(out.kl_sum) > 0) == (kl > 0)
-    torch.testing.assert_close(out.extra[0], ref, rtol=1e-9, atol=1e-9)
-    assert float(ref) > 0 and (inject or float(out.extra[1]) > 0)
+    assert ("kl" in out.sums) == (kl > 0) and (kl == 0 or float(out.sums["kl"]) > 0)
+    torch.testing.assert_close(out.sums["selector_loss_sum"], ref, rtol=1e-9, atol=1e-9)
+    assert float(ref) > 0 and (inject or float(out.sums["selector_covered"]) > 0)
     out.loss.backward()
     assert m.candidate_selector.predecessor_codebook.grad.abs().sum() > 0
 

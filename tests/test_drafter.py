@@ -16,7 +16,7 @@ from dflash_ds.model.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.taps import build_target_layer_ids
-from dflash_ds.model.loss import LossOptions, linear_cross_entropy
+from tests.reference import chunked
 
 D, VOCAB = 64, 300
 
@@ -370,8 +370,7 @@ def _loss_and_grads(model, x, lm_head):
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, VOCAB, hidden.shape[:2], generator=g)
     weights = torch.rand(hidden.shape[:2], generator=g, dtype=torch.float64)
-    out = linear_cross_entropy(hidden.flatten(0, 1), lm_head, labels.flatten(), weights.flatten(), weights.sum(),
-                               LossOptions(num_chunks=3))
+    out = chunked(hidden.flatten(0, 1), lm_head, labels.flatten(), weights.flatten(), weights.sum(), 3)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -52,6 +52,11 @@ def world(kl_weight: float, **fields):
     return DraftModel(drafter, embed, head), mb, settings
 
 
+def extra_of(model, out) -> tuple:
+    """The architecture's sums of a loss output, in its `log_names` order."""
+    return tuple(out.sums[n] for n in model.config.variant.log_names(model.config))
+
+
 def named(model, extra) -> dict[str, float]:
     """The step's sums by the architecture's names (what the trainer hands `log_record`)."""
     return dict(zip(model.config.variant.log_names(model.config), map(float, extra)))
@@ -67,8 +72,8 @@ def test_a_drafter_without_a_confidence_head_logs_no_confidence_field():
     for model, mb, settings in (with_head, bare):
         blocks = make_blocks(mb, settings, 0)
         out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings)
-        assert len(out.extra) == len(model.config.variant.log_names(model.config))
-        records.append(model.config.variant.log_record(named(model, out.extra), float(blocks.weights.sum())))
+        assert len(extra_of(model, out)) == len(model.config.variant.log_names(model.config))
+        records.append(model.config.variant.log_record(named(model, extra_of(model, out)), float(blocks.weights.sum())))
     assert {k for k in records[0] if k.startswith("confidence")} >= {"confidence_loss", "confidence_mae", "confidence_bias"}
     assert not [k for k in records[1] if k.startswith("confidence")]
     assert set(records[1]) == {k for k in records[0] if not k.startswith("confidence")}
@@ -140,7 +145,7 @@ def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12, msg=name)
     assert all(float(g.abs().sum()) > 0 for g in got)  # both heads and the backbone are trained
     # Logged sums: L1, BCE, probabilistic tau per block, calibration, per-slot acceptance.
-    l1_sum, bce_sum, tau_sum, blocks_counted, abs_error, bias, *slots = (float(x) for x in out.extra)
+    l1_sum, bce_sum, tau_sum, blocks_counted, abs_error, bias, *slots = (float(x) for x in extra_of(model, out))
     assert l1_sum == pytest.approx(float(l1.detach()), rel=1e-10) and bce_sum == pytest.approx(float(bce.detach()), rel=1e-10)
     on = weights > 0
     survive = torch.cumprod(accept * on, -1)
@@ -152,7 +157,7 @@ def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
     for k in range(B):
         assert slots[2 * k] == pytest.approx(float((accept[..., k] * on[..., k]).sum()), rel=1e-10)
         assert slots[2 * k + 1] == int(on[..., k].sum())
-    record = model.config.variant.log_record(named(model, out.extra), float(blocks.weights.sum()))
+    record = model.config.variant.log_record(named(model, extra_of(model, out)), float(blocks.weights.sum()))
     assert 1.0 <= record["tau_probabilistic"] <= B + 1 and "accept_rate_pos_4" in record
     # The greedy hits count from slot 0 (anchor-first), on the biased logits.
     assert torch.equal(out.correct, hits)
@@ -169,9 +174,9 @@ def test_the_ce_weight_scales_only_the_ce_term():
     norm = blocks.weights.sum()
     a = drafter_loss(model, mb, blocks, norm, settings, DSparkTerms(ce=1.0, l1=0.0, confidence=0.0))
     b = drafter_loss(model, mb, blocks, norm, settings, DSparkTerms(ce=0.25, l1=0.0, confidence=0.0))
-    torch.testing.assert_close(a.loss, a.ce_sum / norm, rtol=1e-12, atol=0)
-    torch.testing.assert_close(b.loss, 0.25 * a.ce_sum / norm, rtol=1e-12, atol=0)
-    assert torch.equal(a.ce_sum, b.ce_sum)  # the logged "loss" is the unweighted CE
+    torch.testing.assert_close(a.loss, a.sums["ce"] / norm, rtol=1e-12, atol=0)
+    torch.testing.assert_close(b.loss, 0.25 * a.sums["ce"] / norm, rtol=1e-12, atol=0)
+    assert torch.equal(a.sums["ce"], b.sums["ce"])  # the logged "loss" is the unweighted CE
 
 
 def test_the_logged_reliability_bins_match_a_float64_reference():
@@ -189,10 +194,10 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
         i = min(int(p * BINS), BINS - 1)
         want[:, i] += torch.tensor([w, w * p, w * t], dtype=torch.float64)
     assert int((want[0] > 0).sum()) >= 3  # the predictions spread over several bins
-    got = torch.tensor([float(x) for x in out.extra[-3 * BINS:]], dtype=torch.float64).view(3, BINS)
+    got = torch.tensor([float(x) for x in extra_of(model, out)[-3 * BINS:]], dtype=torch.float64).view(3, BINS)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     variant, total = model.config.variant, float(norm)
-    record = variant.log_record(named(model, out.extra), float(norm))
+    record = variant.log_record(named(model, extra_of(model, out)), float(norm))
     for row, name in zip(want, ("weight", "pred", "target")):
         assert record[f"confidence_bin_{name}"] == pytest.approx((row / total).tolist(), rel=1e-10, abs=1e-14)
     ece = float((want[1] - want[2]).abs().sum() / want[0].sum())
@@ -201,5 +206,5 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
     assert record["confidence_bias"] == pytest.approx(float((want[1] - want[2]).sum()) / total, rel=1e-9)
     assert abs(record["confidence_bias"]) <= record["confidence_ece"] <= record["confidence_mae"] + 1e-12
     # Empty bins (no confidence head) log no reliability fields.
-    bare = variant.log_record(named(model, [float(x) for x in out.extra[:-3 * BINS]] + [0.0] * (3 * BINS)), float(norm))
+    bare = variant.log_record(named(model, [float(x) for x in extra_of(model, out)[:-3 * BINS]] + [0.0] * (3 * BINS)), float(norm))
     assert "accept_rate_pos_1" in bare and not any(k.startswith(("confidence_bin", "confidence_ece")) for k in bare)

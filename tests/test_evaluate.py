@@ -21,7 +21,8 @@ from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_tap
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
 from dflash_ds.export import save_drafter
 from dflash_ds.model.blocks import block_inputs, block_targets, sample_anchors
-from dflash_ds.model.loss import LossOptions, block_loss
+from dflash_ds.model.loss import ChunkedLoss
+from dflash_ds.model.loss_terms import CrossEntropy
 from dflash_ds.eval.specdec import draft_block, speculative_generate
 
 
@@ -107,7 +108,7 @@ def train_drafter(target, sequences, steps, seed=0):
         labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid, B, None)
         mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
         hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
-        out = block_loss(hidden, head, labels, weights, weights.sum(), LossOptions(2))
+        out = ChunkedLoss([CrossEntropy()], head, chunks=2).blocks(hidden, labels, weights, weights.sum())
         opt.zero_grad()
         out.loss.backward()
         opt.step()

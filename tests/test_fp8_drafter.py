@@ -13,7 +13,8 @@ from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import LossOptions, linear_cross_entropy
+from dflash_ds.model.head_matmuls import SeparateMatmuls
+from tests.reference import chunked
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.resolve import quantization
 from dflash_ds.resolve.quantization import Machine
@@ -211,15 +212,15 @@ def test_fused_loss_through_the_fp8_head_equals_the_emulated_reference(chunks):
     weights = torch.rand(45, generator=g)
     weights[::4] = 0
     h = hidden.clone().requires_grad_(True)
-    out = linear_cross_entropy(h, weight, labels, weights, 30.0, LossOptions(chunks, 5, head=Fp8Head(weight)))
-    loss, ce_sum, correct, top = out.loss, out.ce_sum, out.correct, out.top_ids
+    out = chunked(h, weight, labels, weights, 30.0, chunks, top_k=5, head=Fp8Head(weight))
+    loss, ce_sum, correct, top = out.loss, out.sums["ce"], out.correct, out.candidates
     ref_loss, ref_grad = emulated_loss(hidden, weight, labels, weights, 30.0)
     assert rel(loss, ref_loss) < 1e-6 and rel(ce_sum / 30.0, ref_loss) < 1e-6
     loss.backward()
     assert rel(h.grad, ref_grad) < 1e-4
     # The bf16 path's (exact) gradient is measurably elsewhere: the FP8 head was used.
     h2 = hidden.clone().requires_grad_(True)
-    linear_cross_entropy(h2, weight, labels, weights, 30.0, LossOptions(chunks)).loss.backward()
+    chunked(h2, weight, labels, weights, 30.0, chunks).loss.backward()
     assert rel(h.grad, h2.grad) > 1e-3
     ref_logits = q64(hidden) @ q64(weight).T
     assert torch.equal(top, ref_logits.topk(5).indices)
@@ -231,7 +232,7 @@ def test_the_head_is_for_a_frozen_weight_only():
     labels, weights = torch.zeros(40, dtype=torch.long), torch.ones(40)
     head = Fp8Head(weight)
     with pytest.raises(ValueError, match="frozen weight"):
-        linear_cross_entropy(hidden, weight.requires_grad_(True), labels, weights, 1.0, LossOptions(2, head=head))
+        chunked(hidden, weight.requires_grad_(True), labels, weights, 1.0, 2, head=head)
 
 
 class Spy:
@@ -239,6 +240,9 @@ class Spy:
 
     def __init__(self, weight):
         self.weight, self.calls = weight, []
+
+    def matmuls(self, rows):
+        return SeparateMatmuls(rows, self)
 
     def logits(self, h):
         self.calls.append("logits")
@@ -272,8 +276,8 @@ def test_drafter_loss_reaches_the_draft_models_loss_head(architecture, kl):
     out.loss.backward()
     assert spy.calls == ["logits", "input_grad"] * 3
     torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-12)
-    assert (float(out.kl_sum) > 0) == (kl > 0) and len(out.extra) == len(plain.extra)
-    for a, b in zip(out.extra, plain.extra):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert ("kl" in out.sums) == (kl > 0) and out.sums.keys() == plain.sums.keys()
+    for name, value in out.sums.items():
+        torch.testing.assert_close(value, plain.sums[name], rtol=1e-12, atol=1e-12, msg=name)
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-9, atol=1e-12)

@@ -25,7 +25,7 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from dflash_ds.model.blocks import block_inputs, position_ids_from_doc_ids, sample_anchors
-from dflash_ds.model.loss import LossOptions, linear_cross_entropy
+from tests.reference import chunked
 
 pytestmark = pytest.mark.gpu
 
@@ -420,7 +420,7 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
 
     def fused():
         h = hidden.clone().requires_grad_(True)
-        out = linear_cross_entropy(h, weight, labels, weights, norm, LossOptions(16))
+        out = chunked(h, weight, labels, weights, norm, 16)
         out.loss.backward()
         return float(out.loss.detach()), h.grad.float(), out.correct
 
@@ -436,13 +436,13 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
 def test_dspark_pass_kernel_matches_the_compiled_pass(record):
     """DSpark's hand-written pass over a chunk's vocabulary (variants/dspark/vocab_pass.l1_pass: three
     sweeps a row, the gradient written over the logits) against the generic compiled pass
-    (vocab_pass.chunk_math with l1_to_target) on one chunk at the flagship's sizes (896 rows, the
+    (loss_terms.chunk_math with l1_to_target) on one chunk at the flagship's sizes (896 rows, the
     vocabulary 248,320; the target's logits a table of 540 distinct rows read by index), with and
     without the gradient, and on a vocabulary that is no multiple of the kernel's block."""
     from dflash_ds.model.logit_transform import IDENTITY
     from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.model.loss_terms import CrossEntropy, Pass, RowTerm, TargetLogits, chunk_pass
     from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
-    from dflash_ds.model.vocab_pass import Pass, Scales, TargetLogits, chunk_pass
 
     found = {}
     for c, v, k in ((896, 248320, 540), (37, 50001, 20)):
@@ -457,24 +457,24 @@ def test_dspark_pass_kernel_matches_the_compiled_pass(record):
         labels = torch.randint(0, v, (c,), device="cuda", generator=g)
         labels[::5] = logits[::5].float().argmax(-1)  # hits to count
         weights = torch.rand(c, device="cuda", generator=g) * (torch.arange(c, device="cuda") % 7 != 0)
-        scales = Scales(weights * 0.1 / 100, None, weights * 0.9 / 100)
+        scales = (weights * 0.1 / 100, weights * 0.9 / 100)
         target = TargetLogits(table, rows)
-        compiled = chunk_pass(logits.device, Pass(None, IDENTITY, l1_to_target))
-        how = Pass(None, IDENTITY, l1_to_target, l1_pass)
+        compiled = chunk_pass(logits.device, Pass((CrossEntropy(0.1), RowTerm("l1", 0.9, l1_to_target)), IDENTITY))
+        how = Pass((CrossEntropy(0.1), RowTerm("l1", 0.9, l1_to_target, l1_pass)), IDENTITY)
         assert chunk_pass(logits.device, how) is l1_pass
         for grad in (True, False):
             sc = scales if grad else None
-            want_ms, want = timed_ms(lambda: compiled(logits, target, labels, weights, sc, how))
-            got_ms, got = timed_ms(lambda: l1_pass(logits.clone(), target, labels, weights, sc, how))
+            want_ms, want = timed_ms(lambda: compiled(logits, target, labels, weights, scales=sc, how=how))
+            got_ms, got = timed_ms(lambda: l1_pass(logits.clone(), target, labels, weights, scales=sc, how=how))
             key = f"{c}x{v}_{'grad' if grad else 'no_grad'}"
-            found[key] = {"kernel_ms": got_ms, "compiled_ms": want_ms, "ce_rel": rel(got[0], want[0]),
-                          "l1_rows_rel": rel(got[3], want[3]), "l1_sum_rel": rel(got[4], want[4]),
+            found[key] = {"kernel_ms": got_ms, "compiled_ms": want_ms, "ce_rel": rel(got[0][0], want[0][0]),
+                          "l1_rows_rel": rel(got[2][1], want[2][1]), "l1_sum_rel": rel(got[0][1], want[0][1]),
                           "hits": int(want[1].sum()), "hits_equal": bool(torch.equal(got[1], want[1]))}
             if grad:
-                found[key]["grad_rel"] = rel(got[5].float(), want[5].float())
-                found[key]["grad_max_abs"] = float((got[5].float() - want[5].float()).abs().max())
-                found[key]["grad_scale"] = float(want[5].float().abs().max())
-            assert got[2] is None and (got[5] is None) == (not grad)
+                found[key]["grad_rel"] = rel(got[3].float(), want[3].float())
+                found[key]["grad_max_abs"] = float((got[3].float() - want[3].float()).abs().max())
+                found[key]["grad_scale"] = float(want[3].float().abs().max())
+            assert got[2][0] is None and (got[3] is None) == (not grad)
     record["dspark_pass_kernel"] = found
     for key, f in found.items():
         assert f["hits_equal"] and f["hits"] > 0, (key, f)
@@ -492,9 +492,9 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
     3,072-token row's positions and each slot's position (the recipe's anchor density, 1 in 6:
     overlapping blocks share positions), against the same loss on the gathered rows (each row's
     logits multiplied, no index)."""
-    from dflash_ds.model.chunk_term import ChunkTerm
     from dflash_ds.model.gather import take_rows
-    from dflash_ds.model.loss import KLTerm
+    from dflash_ds.model.loss import ChunkedLoss
+    from dflash_ds.model.loss_terms import CrossEntropy, LogitBias, RowTerm, TargetRows
     from dflash_ds.model.variants.dspark.parts import l1_to_target
     from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
 
@@ -513,10 +513,11 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
     weights = torch.rand(n, device="cuda", generator=g)
     norm = weights.sum()
 
-    def fused(kl=KLTerm(0.0, 1.0, table, index), kernel=l1_pass):
+    def fused(rows=TargetRows(table, index), kernel=l1_pass):
         h, a, b = (t.clone().requires_grad_(True) for t in (hidden, w1, w2))
-        term = ChunkTerm(take_rows(a, prev, torch.bfloat16), b, l1_to_target, l1, kernel)
-        out = linear_cross_entropy(h, weight, labels, weights, norm, LossOptions(16, term=term, ce_weight=0.1), kl)
+        loss = ChunkedLoss([CrossEntropy(0.1), RowTerm("l1", l1, l1_to_target, kernel)], weight, chunks=16)
+        out = loss.rows(h, labels, weights, norm, bias=LogitBias(take_rows(a, prev, torch.bfloat16), b),
+                        target=rows)
         out.loss.backward()
         return float(out.loss.detach()), (h.grad.float(), a.grad.float(), b.grad.float())
 
@@ -538,7 +539,7 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
 
     f_ms, (f_loss, f_grads) = timed_ms(fused)
     c_ms, (c_loss, c_grads) = timed_ms(lambda: fused(kernel=None))
-    r_ms, (r_loss, r_grads) = timed_ms(lambda: fused(KLTerm(0.0, 1.0, target)))
+    r_ms, (r_loss, r_grads) = timed_ms(lambda: fused(TargetRows(target)))
     a_ms, (a_loss, a_grads) = timed_ms(reference)
     names = ("hidden", "markov_w1", "markov_w2")
     found = {"autograd_ms": a_ms, "fused_ms": f_ms, "fused_compiled_pass_ms": c_ms, "fused_by_row_ms": r_ms,
@@ -1105,7 +1106,7 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
     labels = torch.randint(0, v, (m,), device="cuda", generator=g)
     weights = torch.rand(m, device="cuda", generator=g)
     x = h.clone().requires_grad_(True)
-    loss = linear_cross_entropy(x, w, labels, weights, float(m), LossOptions(4, head=head)).loss
+    loss = chunked(x, w, labels, weights, float(m), 4, head=head).loss
     ref = -(weights.double() * torch.log_softmax(ref_logits, -1).gather(1, labels[:, None])[:, 0]).sum() / m
     loss.backward()
     found["loss_vs_emulation"] = rel(loss, ref)

@@ -14,7 +14,8 @@ from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales
 from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
+from dflash_ds.model.loss import ChunkedLoss
+from dflash_ds.model.loss_terms import CrossEntropy, Distillation, TargetRows
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.reference import dense_loss
@@ -58,15 +59,16 @@ def test_loss_applies_the_transform_to_the_drafter_and_the_target_logits(with_kl
     weights = torch.rand(b, q, generator=g, dtype=torch.float64)
     weights.view(b, -1, bs)[..., 0] = 0  # slot 0 of every block is never supervised
     target_hidden = torch.randn(b, q, d, generator=g, dtype=torch.float64) * 3
-    kl = KLTerm(0.7, 2.0, target_hidden=target_hidden) if with_kl else None
+    terms = [CrossEntropy(), *([Distillation(0.7, 2.0)] if with_kl else [])]
+    target = TargetRows(target_hidden) if with_kl else None
     results = {}
     for transform in (TRANSFORM, IDENTITY):
         h = hidden.clone().requires_grad_()
-        out = block_loss(h, weight, labels.view(b, -1, bs), weights.view(b, -1, bs), 5.0, LossOptions(3, 0, transform),
-                         kl)
+        out = ChunkedLoss(terms, weight, chunks=3, transform=transform).blocks(
+            h, labels.view(b, -1, bs), weights.view(b, -1, bs), 5.0, target=target)
         (grad,) = torch.autograd.grad(out.loss, h)
         href = hidden.clone().requires_grad_()
-        rows_kl = KLTerm(0.7, 2.0, slot_rows(target_hidden, bs)) if with_kl else None
+        rows_kl = (0.7, 2.0, slot_rows(target_hidden, bs)) if with_kl else None
         ref = dense_loss(slot_rows(href, bs), weight, slot_rows(labels, bs), slot_rows(weights, bs), 5.0, rows_kl,
                          transform)[0]
         (ref_grad,) = torch.autograd.grad(ref, href)

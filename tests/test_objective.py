@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ds.model.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
                                     slot_target_states, valid_anchor_mask)
-from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
+from dflash_ds.model.loss import ChunkedLoss
+from dflash_ds.model.loss_terms import CrossEntropy, Distillation, TargetRows
 from dflash_ds.model.objective import acceptance_proxy
 
 E = math.exp
@@ -240,8 +241,9 @@ def pipeline(device, generator=None, kl=False):
             valid = torch.ones(b, n, dtype=torch.bool, device=device)
         block_inputs(input_ids, positions, anchors, B, mask_token_id=1)
         labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, valid, B, None)
-        term = KLTerm(0.5, 1.0, slot_target_states(final, anchors, B)) if kl else None
-        out = block_loss(hidden, head, labels, weights, weights.sum(), LossOptions(3), term)
+        terms = [CrossEntropy(), *([Distillation(0.5, 1.0)] if kl else [])]
+        target = TargetRows(slot_target_states(final, anchors, B)) if kl else None
+        out = ChunkedLoss(terms, head, chunks=3).blocks(hidden, labels, weights, weights.sum(), target=target)
         forward_ops = len(mode.seen)
         out.loss.backward()
         acceptance_proxy(out.correct, weights)

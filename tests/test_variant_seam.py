@@ -23,7 +23,7 @@ from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import KLTerm, LossOptions, linear_cross_entropy
+from tests.reference import chunked
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.objective import StepSettings, drafter_loss
@@ -70,8 +70,8 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     blocks = make_blocks(mb, settings, 0)
     weight = blocks.weights.sum()
     out = drafter_loss(model, mb, blocks, weight, settings, settings.step_term(0, 1))
-    assert len(out.extra) == 1 and float(out.extra[0]) > 0
-    record = toy.log_record(dict(zip(toy.log_names(shape), [float(out.extra[0])])), float(weight))
+    assert toy.log_names(shape) == ("tv_sum",) and float(out.sums["tv_sum"]) > 0
+    record = toy.log_record({"tv_sum": float(out.sums["tv_sum"])}, float(weight))
     assert 0 < record["tv"] < 1
     # One optimizer step moves the head and the backbone.
     opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
@@ -185,19 +185,19 @@ def test_the_package_holds_nothing_of_the_toy():
 
 
 def dense_loss(hidden, weight, labels, w, norm, term_inputs, kl, transform):
-    """Float64, every logit at once, plain autograd: (CE of the biased logits + kl.weight * T^2 * KL +
-    0.5 * TV) summed with the slot weights, over `norm`."""
+    """Float64, every logit at once, plain autograd: (CE of the biased logits + kl_weight * T^2 * KL +
+    0.5 * TV) summed with the slot weights, over `norm`; kl = (kl_weight, T, the target's states)."""
     prev, emb, proj = term_inputs
+    kl_weight, t, target = kl
     x = hidden @ weight.T + markov_bias(prev, emb, proj)
     z = transform.apply(x)
     ce = F.cross_entropy(z, labels, reduction="none")
-    tz = transform.apply(kl.target_hidden @ weight.T)
+    tz = transform.apply(target @ weight.T)
     tv = 0.5 * (z.softmax(-1) - tz.softmax(-1)).abs().sum(-1)
     total = (w * ce).sum() + 0.5 * (w * tv).sum()
-    if kl.weight > 0:
-        t = kl.temperature
+    if kl_weight > 0:
         klv = F.kl_div(F.log_softmax(z / t, -1), F.log_softmax(tz / t, -1), reduction="none", log_target=True).sum(-1)
-        total = total + kl.weight * t * t * (w * klv).sum()
+        total = total + kl_weight * t * t * (w * klv).sum()
     return total / norm, (w * tv).sum()
 
 
@@ -213,10 +213,11 @@ def test_the_in_loop_term_matches_a_float64_dense_reference(kl_weight, transform
     prev = torch.randint(0, VOCAB, (n,), generator=g)
     emb = (0.5 * torch.randn(VOCAB, 3, generator=g, dtype=torch.float64)).requires_grad_()
     proj = (0.5 * torch.randn(VOCAB, 3, generator=g, dtype=torch.float64)).requires_grad_()
-    kl = KLTerm(kl_weight, 1.5, target)
-    term = markov_term(prev, emb, proj, 0.5)
-    out = linear_cross_entropy(hidden, weight, labels, w, 4.0, LossOptions(4, 0, transform, term), kl)
-    loss, sums = out.loss, out.term_sums
+    kl = (kl_weight, 1.5, target)
+    bias, term = markov_term(prev, emb, proj, 0.5)
+    out = chunked(hidden, weight, labels, w, 4.0, 4, kl=(kl_weight, 1.5) if kl_weight else None, terms=(term,),
+                  target=target, bias=bias, transform=transform)
+    loss, sums = out.loss, (out.sums["tv_sum"],)
     ref, tv_ref = dense_loss(hidden, weight, labels, w, 4.0, (prev, emb, proj), kl, transform)
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(sums[0], tv_ref, rtol=1e-10, atol=1e-12)

@@ -21,7 +21,7 @@ from torch import nn
 
 from dflash_ds.config.architectures import section_of
 from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.chunk_term import ChunkTerm
+from dflash_ds.model.loss_terms import LogitBias, RowTerm
 from dflash_ds.model.variants import DrafterVariant
 from dflash_ds.model.variants.base import Card, FieldError, LogView, RemoteCode, Tensor
 from dflash_ds.model.variants.registry import entries
@@ -67,7 +67,7 @@ def markov_bias(prev: torch.Tensor, embedding: torch.Tensor, projection: torch.T
 
 def total_variation(q: torch.Tensor, target_z: torch.Tensor, grad: bool):
     """TV(q, softmax(target_z)) per row and, with `grad`, its gradient w.r.t. the logits of q (a
-    ChunkTerm's `vocab`: module level, traced into the fused loss)."""
+    RowTerm's `values`: module level, traced into the fused loss)."""
     gap = q - target_z.softmax(-1)
     tv = 0.5 * gap.abs().sum(-1)
     if not grad:
@@ -76,10 +76,11 @@ def total_variation(q: torch.Tensor, target_z: torch.Tensor, grad: bool):
     return tv, q * (s - (s * q).sum(-1, keepdim=True))
 
 
-def markov_term(prev: torch.Tensor, embedding: torch.Tensor, projection: torch.Tensor, tv_weight: float) -> ChunkTerm:
+def markov_term(prev: torch.Tensor, embedding: torch.Tensor, projection: torch.Tensor,
+                tv_weight: float) -> tuple[LogitBias, RowTerm]:
     """The bias from each row's previous token `prev` [n] (its embedding row times the projection),
-    and tv_weight * sum(w * TV(drafter, target))."""
-    return ChunkTerm(F.embedding(prev, embedding), projection, total_variation, tv_weight)
+    and the term tv_weight * sum(w * TV(drafter, target))."""
+    return LogitBias(F.embedding(prev, embedding), projection), RowTerm("tv_sum", tv_weight, total_variation)
 
 
 def predecessors(labels: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -123,9 +124,12 @@ class ToyMarkov(DrafterVariant):
     def loss_settings(self, objective) -> float:
         return section_of(objective, self.name, ToyObjective).tv_weight
 
-    def chunk_term(self, model, blocks, term, hidden) -> ChunkTerm:
+    def loss_terms(self, model, blocks, term, hidden) -> tuple:
+        return (RowTerm("tv_sum", term, total_variation),)
+
+    def logit_bias(self, model, blocks, hidden) -> LogitBias:
         head, b = model.drafter.markov_head, model.config.block_size
-        return markov_term(slot_rows(predecessors(blocks.labels, b), b), head.embedding, head.projection, term)
+        return LogitBias(F.embedding(slot_rows(predecessors(blocks.labels, b), b), head.embedding), head.projection)
 
     def log_names(self, shape) -> tuple[str, ...]:
         return ("tv_sum",)

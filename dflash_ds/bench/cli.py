@@ -142,6 +142,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write all numbers to this JSON file")
     p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
+    p.add_argument("--loss-impl", default="fused", choices=("fused", "autograd"),
+                   help="drafter: the loss with hand-written gradients (model/loss.py), or autograd per chunk "
+                        "with a backward per chunk (torchtitan's chunked loss; bench/chunk_autograd.py)")
     p.add_argument("--no-fla-conv", action="store_true", help="target: keep transformers' PyTorch short conv")
     p.add_argument("--no-fused-target", action="store_true",
                    help="target: keep transformers' own norms and SwiGLU instead of the compiled fused ones")

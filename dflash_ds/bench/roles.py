@@ -113,6 +113,10 @@ def drafter_step(setup: Setup, engine, model, source, group):
     from dflash_ds.runtime.profiling import NoSyncTimer
 
     trainer = DrafterTrainer(setup.run, 0, DrafterParts(engine, model, source, group, NoSyncTimer()), NullControl())
+    if setup.args.loss_impl == "autograd":
+        from .chunk_autograd import PerChunkBackwardLoss
+
+        trainer.loss_class = PerChunkBackwardLoss
 
     def step(s: int):
         st = trainer.train_step(s)

@@ -204,7 +204,7 @@ def block_targets(
 def slot_rows(t: torch.Tensor, block_size: int, first: int = 1) -> torch.Tensor:
     """`[b, Q, ...]` -> `[rows, ...]`: the drafting slots (`first` .. B-1 of every block: without
     slot 0, or all of them anchor-first) in the loss's row order, the order of
-    `model.loss.LossOutput.candidates` and of a ChunkTerm's features."""
+    `model.loss.LossOutput.candidates` and of a LogitBias's features."""
     b, q = t.shape[:2]
     # A strided view until the reshape: slot 0 of every block is dropped by shape, not by its weight.
     u = t.reshape(b * (q // block_size), block_size, *t.shape[2:])[:, first:]

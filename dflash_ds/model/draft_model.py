@@ -9,12 +9,13 @@ target's frozen `embed_tokens` and its states are read out through the target's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import HeadGemms
+from dflash_ds.model.head_matmuls import DenseHead
 from dflash_ds.model.shape import DrafterShape
 
 
@@ -23,9 +24,14 @@ class DraftModel:
     drafter: DFlashDrafter
     embed: torch.Tensor  # [V, D] the target's input embedding, frozen
     lm_head: torch.Tensor  # [V, D] the target's output projection, frozen (never exported)
-    # The training loss's lm_head matmuls in FP8 (target_model/fp8_head.Fp8Head of lm_head,
-    # drafter.fp8.lm_head); None: bf16. Drafting and evaluation always read `lm_head`.
-    loss_head: HeadGemms | None = None
+    # The training loss's lm_head matmul strategy (model/head_matmuls.py): target_model/fp8_head.Fp8Head
+    # of lm_head in FP8 (drafter.fp8.lm_head), or None for a DenseHead of its own (torch.mm; it keeps
+    # the folded weight of a logit bias between steps). Drafting and evaluation always read `lm_head`.
+    loss_head: Any = None
+
+    def __post_init__(self):
+        if self.loss_head is None:
+            object.__setattr__(self, "loss_head", DenseHead())
 
     @classmethod
     def from_target(cls, drafter: DFlashDrafter, target) -> "DraftModel":

@@ -1,352 +1,270 @@
-"""The loss: the target's frozen lm_head on the drafter's states and a weighted cross-entropy, with
-the optional distillation term and an architecture's own terms, the gradients computed in the forward.
+"""The loss: the target's frozen lm_head on the drafter's states and a sum of named terms (model/loss_terms.py),
+the gradients computed in the forward.
 
 The lm_head of a 248K-token vocabulary is the drafter's most expensive matmul. The loss is a sum over
 rows, so each chunk's gradient is known as soon as its logits are: the forward computes a chunk's
-logits, one fused elementwise pass (model/vocab_pass.py) gives the CE (and the KL, and an
-architecture's per-row term over the vocabulary), the argmax hit and the logits' gradient, and one matmul turns that into the input
-gradient; the backward only scales the saved gradients by
-the incoming one. Two lm_head matmuls per chunk, and only one chunk's logits ever exist: with the
-target's logits (the KL term, an architecture's term), the target's rows of the chunk are stacked
-under the drafter's in the same matmul, and an architecture's low-rank bias is folded into it
-(`[h | features] @ [W | table].T`, model/chunk_term.py). An autograd version with checkpointed chunks would run the lm_head three
-times per chunk and walk the logits several times in fp32 (docs/performance.md).
-
-`linear_cross_entropy` works on rows `[n, D]`; `block_loss` on the blocks of a micro-batch (it
-drops slot 0 of every block by shape and returns the per-slot results in block layout).
+logits, one fused elementwise pass (`loss_terms.chunk_math`) gives every vocabulary term's values
+(the CE, the KL, an architecture's per-row term), the argmax hit and the logits' gradient, and one
+matmul turns that into the input gradient; the backward only scales the saved gradients by the
+incoming one. Two lm_head matmuls per chunk, and only one chunk's logits ever exist: with the
+target's rows, they are stacked under the drafter's in the same matmul, and a logit bias is folded
+into it (model/head_matmuls.py). An autograd version with checkpointed chunks would run the lm_head
+three times per chunk and walk the logits several times in fp32 (docs/performance.md; the bench's
+`--loss-impl autograd` runs one). After the chunk loop, the output terms (loss_terms.OutputTerm)
+add theirs from what it returned.
 
 Model code: no torch.distributed, no deepspeed.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.chunk_matmuls import ChunkMatmuls
-from dflash_ds.model.chunk_term import ChunkTerm
+from dflash_ds.model.head_matmuls import ChunkRows, DenseHead
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.model.loss_terms import (CrossEntropy, LogitBias, OutputTerm, Pass, TargetRows, VocabTerm,
+                                        chunk_pass)
 from dflash_ds.model.top_k import block_top_k
-from dflash_ds.model.vocab_pass import Pass, Scales, chunk_pass
 
 
-class KLTerm(NamedTuple):
-    """The distillation term and the target's states: every row adds weight * T^2 * KL(p_T || q_T),
-    p_T the target's and q_T the drafter's distribution softened by the temperature T (T^2 keeps the
-    gradient's size independent of T). The target's logits are `target_hidden` (its final-norm states
-    for the same rows) through the same lm_head, chunk by chunk. With weight 0 there is no KL, but a
-    ChunkTerm still sees the target's logits.
-
-    With `target_index`, `target_hidden` is a table `[P, D]` and row i's state is
-    `target_hidden[target_index[i]]`: the target's logits depend on the position only, and the
-    blocks of nearby anchors cover the same positions (at the recipes' anchor density about 38% of a
-    chunk's rows repeat one), so each chunk multiplies its distinct states once and the pass reads
-    each row's logits by index."""
-
-    weight: float
-    temperature: float = 1.0
-    target_hidden: torch.Tensor | None = None
-    target_index: torch.Tensor | None = None
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # sum over terms of weight * scale * sum(w * values), / normaliser (+ the output terms')
+    sums: dict  # name -> sum(w * values), detached, fp32 or wider: every term's, and the output terms' logs
+    correct: torch.Tensor  # bool: argmax == label on rows of weight > 0 ([n] rows; [b, Q] for blocks)
+    candidates: torch.Tensor | None  # int64 [n, top_k] each row's top-k token ids, best first; None without
+    candidate_logits: torch.Tensor | None  # [n, top_k] their raw logits (before the transform), detached
+    rows: dict  # name -> [n] a vocabulary term's values per row (those that keep them), detached
 
 
-class HeadGemms(Protocol):
-    """The two lm_head matmuls of a chunk computed some other way than `torch.mm` with the weight
-    (target_model/fp8_head.Fp8Head: FP8), for a frozen weight W [V, D]."""
+class ChunkedLoss:
+    """The loss over rows `[n, D]` through the lm_head `weight` `[V, D]` (the target's, frozen; a weight
+    that requires grad gets its gradient too), a loop over chunks of rows in which every vocabulary
+    term runs on the chunk's logits, then over the output terms.
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, D] -> hidden @ W.T [n, V]."""
+    `terms`: the CrossEntropy first (always there: its sum is the logs' loss), then the others in
+    the order their gradients are summed. `chunks`: at most this many chunks of ceil(n / chunks)
+    rows, the last padded with zero-weight rows, so every chunk has one shape. `transform`: the
+    target's logit scaling / softcap, applied before the softmax (the candidates' logits are the raw
+    ones). `head`: the matmul strategy (model/head_matmuls.py; default `DenseHead`). `first_slot`:
+    for `blocks`, the first slot of every block that is a row (DrafterShape.first_draft_slot). The
+    candidates (token ids and raw logits) returned per row are as many as the output terms read,
+    taken from the chunks' logits."""
 
-    def input_grad(self, grad_logits: torch.Tensor) -> torch.Tensor:
-        """[n, V] -> grad_logits @ W [n, D]."""
+    def __init__(self, terms, weight: torch.Tensor, *, chunks: int, transform: LogitTransform = IDENTITY, head=None,
+                 first_slot: int = 1):
+        self.vocab_terms = tuple(t for t in terms if isinstance(t, VocabTerm))
+        self.output_terms = tuple(t for t in terms if isinstance(t, OutputTerm))
+        if len(self.vocab_terms) + len(self.output_terms) != len(terms):
+            raise ValueError(f"a loss term is a VocabTerm or an OutputTerm, got {terms}")
+        if not self.vocab_terms or not isinstance(self.vocab_terms[0], CrossEntropy):
+            raise ValueError("the loss's first term must be the CrossEntropy")
+        names = [t.name for t in terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two loss terms share a name: {names}")
+        for t in self.vocab_terms:
+            if not t.weight >= 0 or not getattr(t, "temperature", 1.0) > 0:
+                raise ValueError(f"the {t.name} term's weight must be >= 0 (and its temperature > 0), got {t}")
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        self.weight, self.chunks, self.transform, self.first_slot = weight, chunks, transform, first_slot
+        self.head = head if head is not None else DenseHead()
+        self.top_k = max((t.top_k for t in self.output_terms), default=0)
+        self.reads_target = any(t.reads_target for t in self.vocab_terms)
+
+    def rows(self, hidden, labels, weights, normaliser, *, bias: LogitBias | None = None,
+             target: TargetRows | None = None) -> LossOutput:
+        """The loss of rows: hidden `[n, D]` (the weight's dtype; logits in that dtype, the terms in
+        fp32, or float64 for float64 inputs), labels `[n]` int, weights `[n]`, normaliser a
+        float or a 0-dim tensor (a constant). Rows of weight 0 add exactly 0 whatever their label.
+        `loss` is differentiable w.r.t. `hidden`, the weight when it requires grad, and the bias's
+        tensors; with gradients enabled the forward also computes them (saved until backward, which
+        only scales them). Static shapes and no host synchronisation, except one with
+        `target.index` (each chunk's count of distinct target states). Differentiable once only."""
+        n, weight = hidden.shape[0], self.weight
+        if not 0 <= self.top_k <= weight.shape[0]:
+            raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {self.top_k}")
+        if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+            raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and "
+                             f"{tuple(weight.shape)}")
+        if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+            raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{n}]")
+        if self.reads_target and target is None:
+            raise ValueError("a loss term reads the target's logits, but the target's states (TargetRows) are missing")
+        target = _target_rows(target, hidden) if self.reads_target else None
+        if bias is not None:
+            bias.check(n, weight.shape[0])
+        if isinstance(normaliser, torch.Tensor):
+            normaliser = normaliser.detach()
+        grad_on = torch.is_grad_enabled()
+        grad_weight = grad_on and weight.requires_grad
+        if grad_weight and not isinstance(self.head, DenseHead):
+            raise ValueError("the loss's lm_head strategy computes the matmuls of a frozen weight, but the weight "
+                             "requires grad")
+        tensors = (bias.features, bias.table) if bias is not None else ()
+        call = _Call(loss=self, normaliser=normaliser, target=target, grad_hidden=grad_on and hidden.requires_grad,
+                     grad_weight=grad_weight)
+        if not (call.grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
+            out, _ = _run(hidden.detach(), weight.detach(), labels, weights, call=call,
+                          bias_tensors=tuple(t.detach() for t in tensors))
+        else:
+            loss, correct, top, top_logits, sum_values, kept_values = _Fused.apply(
+                hidden, weight, labels, weights, call, *tensors)
+            sums = dict(zip((t.name for t in self.vocab_terms), sum_values.unbind()))
+            kept = dict(zip((t.name for t in self.vocab_terms if t.keep_rows), kept_values.unbind(1)))
+            out = LossOutput(loss=loss, sums=sums, correct=correct, candidates=top, candidate_logits=top_logits,
+                             rows=kept)
+        if not self.top_k:
+            out = out._replace(candidates=None, candidate_logits=None)
+        return self._output_terms(out, normaliser)
+
+    def _output_terms(self, out: LossOutput, normaliser) -> LossOutput:
+        loss, sums = out.loss, dict(out.sums)
+        for term in self.output_terms:
+            extra, logs = term.contribute(out, normaliser)
+            loss = loss + extra
+            sums.update(logs)
+        return out._replace(loss=loss, sums=sums)
+
+    def blocks(self, hidden, labels, weights, normaliser, *, bias: LogitBias | None = None,
+               target: TargetRows | None = None) -> LossOutput:
+        """The loss of a micro-batch's blocks: hidden `[b, N*B, D]`, labels and weights `[b, N, B]`
+        (the block size is their last dimension), target states `[b, N*B, D]`, or with an index
+        `[b, N*B]` a table `[P, D]`; a bias's features are already in row order. The slots before
+        `first_slot` are skipped by shape (block_targets makes their weight 0): the drafting slots
+        are copied into rows, in `blocks.slot_rows` order, the order of the candidates and kept rows.
+        `correct` comes back `[b, Q]` (False on the skipped slots)."""
+        b, n, block_size = labels.shape
+        q, first = n * block_size, self.first_slot
+        if hidden.shape[:2] != (b, q):
+            raise ValueError(f"hidden {tuple(hidden.shape)} must be [{b}, {q}, D] for labels {tuple(labels.shape)}")
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        if target is not None and target.index is not None:
+            target = target._replace(index=slot_rows(target.index.view(b, q), block_size, first))
+        elif target is not None:
+            target = target._replace(states=slot_rows(target.states, block_size, first))
+        out = self.rows(slot_rows(hidden, block_size, first), slot_rows(labels.view(b, q), block_size, first),
+                        slot_rows(weights.view(b, q).to(acc_dtype), block_size, first), normaliser, bias=bias,
+                        target=target)
+        correct = out.correct.view(b * n, block_size - first)
+        correct = torch.cat([correct.new_zeros(b * n, first), correct], dim=1).view(b, q)
+        return out._replace(correct=correct)
 
 
-class LossOptions(NamedTuple):
-    """How the rows are projected, and what else the loss returns."""
-
-    num_chunks: int
-    """At most this many chunks of rows; only one chunk's logits ever exist."""
-    top_k: int = 0
-    """> 0: also return each row's top-k token ids and raw logits (DFlash2's selector candidates)."""
-    transform: LogitTransform = IDENTITY
-    """The target's logit scaling / softcap (model/logit_transform.py), applied to the drafter's
-    logits (and the target's) before the softmax; the top-k logits are the raw ones."""
-    term: ChunkTerm | None = None
-    """An architecture's term on each chunk's logits (ChunkTerm)."""
-    head: HeadGemms | None = None
-    """The drafter's logits and their input gradient through these instead of `torch.mm` with the
-    weight (which must then be frozen); the target's logits of the same rows stay `torch.mm`."""
-    first_slot: int = 1
-    """`block_loss`: the first slot of every block that is a row (DrafterShape.first_draft_slot)."""
-    ce_weight: float = 1.0
-    """The cross-entropy's coefficient in the loss (`ce_sum` stays the unweighted sum(w * CE))."""
+def _target_rows(target: TargetRows, hidden) -> TargetRows:
+    states, index = target.states, target.index
+    if index is not None:
+        if index.shape != hidden.shape[:1] or states.dim() != 2 or states.shape[1] != hidden.shape[1]:
+            raise ValueError(f"the target's index {tuple(index.shape)} must be [{hidden.shape[0]}] into its states "
+                             f"[P, {hidden.shape[1]}], got states {tuple(states.shape)}")
+        index = index.detach().long()
+    elif states.shape != hidden.shape:
+        raise ValueError(f"the target's states {tuple(states.shape)} must match hidden {tuple(hidden.shape)}")
+    # A constant of the loss (the target is frozen), in the drafter's dtype: autograd need not see it.
+    return TargetRows(states.detach().to(hidden.dtype), index)
 
 
-class _Settings(NamedTuple):
-    # Everything but the rows: one argument for the autograd Function. `kl` is None when the term
-    # is off, else it holds the target's states, detached and in the drafter's dtype: a constant of
-    # the loss, so autograd need not see that tensor.
-    num_chunks: int
+class _Call(NamedTuple):
+    # One loss call's constants: the autograd Function's one non-tensor argument.
+    loss: ChunkedLoss
+    normaliser: float | torch.Tensor
+    target: TargetRows | None
     grad_hidden: bool
     grad_weight: bool
-    kl: KLTerm | None
-    top_k: int = 0  # > 0: also return each row's top_k token ids and raw logits, taken from the chunk's logits
-    transform: LogitTransform = IDENTITY  # the target's logit scaling / softcap (model/logit_transform.py)
-    term: ChunkTerm | None = None  # an architecture's term (its tensors travel as the Function's inputs)
-    target: torch.Tensor | None = None  # the target's final-norm states [n, D] for `term` (detached), KL off
-    target_index: torch.Tensor | None = None  # KLTerm.target_index of `target`
-    head: HeadGemms | None = None  # LossOptions.head
-    ce_weight: float = 1.0  # the CE's coefficient in the loss
 
 
-class TermResult(NamedTuple):
-    loss: torch.Tensor | float  # vocab_weight * sum(w * values), before the normaliser
-    sums: torch.Tensor  # [1]: sum(w * values), detached ([0] without a vocab term)
-    grads: tuple  # one per term tensor (None where it needs none)
-    rows: torch.Tensor  # [n, 1] the values per row, detached ([n, 0] without)
-
-
-def _run(hidden, weight, labels, weights, normaliser, settings: _Settings, term_tensors=()):
-    """The whole computation; the gradients are those of loss = (sum(w * (ce_weight * CE + kl_weight *
-    T^2 * KL + vocab_weight * the chunk term's values))) / normaliser, the KL term's target states
-    [n, D] being those of the same rows. `term_tensors`: the chunk term's features and table (their
-    gradients come back last)."""
-    num_chunks, grad_hidden, grad_weight, kl_term, top_k, transform, chunk_term, _, _, head, ce_coef = settings
-    temperature = kl_term.temperature if kl_term is not None else None
-    n, d = hidden.shape
+def _run(hidden, weight, labels, weights, *, call: _Call, bias_tensors=()):
+    """The chunk loop: (the output of the vocabulary terms, whose loss is sum_t weight_t * loss_scale_t *
+    sum(w * values_t) / normaliser, and its gradients (d hidden, d weight, the bias's), those the
+    terms' directions give; None where not wanted)."""
+    owner, normaliser = call.loss, call.normaliser
+    terms, top_k = owner.vocab_terms, owner.top_k
+    n = hidden.shape[0]
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = weights.to(acc_dtype)
-    # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their CE finite and
-    # lets their labels be anything (padding, out-of-vocabulary ids).
+    # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their values finite and lets
+    # their labels be anything (padding, out-of-vocabulary ids).
     lab = torch.where(w > 0, labels, torch.zeros_like(labels))
-    want_grad = grad_hidden or grad_weight or any(t.requires_grad for t in term_tensors)
-    vocab = chunk_term.vocab if chunk_term is not None else None
+    bias = LogitBias(features=bias_tensors[0], table=bias_tensors[1]) if bias_tensors else None
+    want_grad = call.grad_hidden or call.grad_weight or any(t.requires_grad for t in bias_tensors)
     if want_grad:
         scale = w / normaliser
-        scales = Scales(scale * ce_coef, scale * (kl_term.weight * kl_term.temperature) if kl_term is not None else None,
-                         scale * chunk_term.vocab_weight if vocab is not None else None)
-    size = max(1, -(-n // num_chunks))
+        scales = tuple(scale * (t.weight * t.grad_scale) for t in terms)
+    size = max(1, -(-n // owner.chunks))
     chunks = -(-n // size)
-    ce_total = hidden.new_zeros((), dtype=acc_dtype)
-    kl_total = hidden.new_zeros((), dtype=acc_dtype)
-    vocab_total = hidden.new_zeros((), dtype=acc_dtype)
+    totals = [hidden.new_zeros((), dtype=acc_dtype) for _ in terms]
     hits = []
-    g_weight = torch.zeros_like(weight) if grad_weight else None
+    g_weight = torch.zeros_like(weight) if call.grad_weight else None
     # DFlash2's selector rescores these: taken here, from logits that exist anyway.
-    top = hidden.new_empty(chunks * size, top_k, dtype=torch.long) if top_k else None
-    top_logits = hidden.new_empty(chunks * size, top_k) if top_k else None
-    values = hidden.new_empty(chunks * size, dtype=acc_dtype) if vocab is not None else None
-    project = ChunkMatmuls(hidden, weight, settings, term_tensors, size, chunks)
-    how = Pass(temperature, transform, vocab, chunk_term.kernel if chunk_term is not None else None)
+    top = hidden.new_empty(chunks * size, top_k, dtype=torch.long)
+    top_logits = hidden.new_empty(chunks * size, top_k)
+    kept = {t.name: hidden.new_empty(chunks * size, dtype=acc_dtype) for t in terms if t.keep_rows}
+    project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=call.target, size=size,
+                                           chunks=chunks, grad_hidden=call.grad_hidden))
+    how = Pass(terms, owner.transform)
     fn = chunk_pass(hidden.device, how)
     for i in range(chunks):
         lo, hi = i * size, min(n, (i + 1) * size)
         lc, wc = lab[lo:hi], w[lo:hi]
-        sc = Scales(*(t[lo:hi] if t is not None else None for t in scales)) if want_grad else None
+        sc = tuple(t[lo:hi] for t in scales) if want_grad else None
         pad = size - (hi - lo)
         if pad:
             lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
-            sc = Scales(*(F.pad(t, (0, pad)) if t is not None else None for t in sc)) if want_grad else None
+            sc = tuple(F.pad(t, (0, pad)) for t in sc) if want_grad else None
         # The target is frozen, so its logits are a constant of the loss; only this chunk's exist.
         logits, t_logits = project.logits(i, lo, hi)
         if top_k:
             top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
-        ce, hit, kl_c, v, v_sum, g_logits = fn(logits, t_logits, lc, wc, sc, how)
+        sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, scales=sc, how=how)
         del logits, t_logits
-        ce_total = ce_total + ce
+        totals = [a + b for a, b in zip(totals, sums)]
         hits.append(hit)
-        if kl_c is not None:
-            kl_total = kl_total + kl_c
-        if v is not None:
-            values[i * size:(i + 1) * size] = v
-            vocab_total = vocab_total + v_sum
+        for term, v in zip(terms, values):
+            if term.keep_rows:
+                kept[term.name][i * size:(i + 1) * size] = v
         if g_logits is not None:
             project.backward(g_logits, i, lo, hi)
-        if grad_weight:
+        if call.grad_weight:
             # Accumulates in the weight's dtype, as autograd would across chunks.
             g_weight.addmm_(g_logits.t(), project.rows(hidden, lo, hi))
         del g_logits
     correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    if top_k:
-        top, top_logits = top[:n], top_logits[:n]
-    else:
-        top, top_logits = hidden.new_zeros(n, 0, dtype=torch.long), hidden.new_zeros(n, 0)
-    g_hidden, term_grads = project.grads(n)
-    if vocab is None:
-        extra = TermResult(0.0, ce_total.new_zeros(0), term_grads, ce_total.new_zeros(n, 0))
-    else:
-        extra = TermResult(chunk_term.vocab_weight * vocab_total, vocab_total.reshape(1), term_grads,
-                           values[:n].unsqueeze(1))
-    return ce_total, correct, g_hidden if grad_hidden else None, g_weight, kl_total, (top, top_logits), extra
+    g_hidden, g_bias = project.grads(n)
+    loss = None
+    for term, total in zip(terms, totals):
+        part = (term.weight * term.loss_scale) * total
+        loss = part if loss is None else loss + part
+    out = LossOutput(loss=loss / normaliser, sums={t.name: total for t, total in zip(terms, totals)}, correct=correct,
+                     candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()})
+    return out, (g_hidden if call.grad_hidden else None, g_weight, g_bias)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class _Fused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, call: tuple, *term_tensors):
-        normaliser, settings = call  # one argument: the normaliser and the settings are constants here
-        ce_total, correct, g_hidden, g_weight, kl_total, top, extra = _run(hidden, weight, labels, weights,
-                                                                           normaliser, settings, term_tensors)
-        ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in extra.grads))
-        ctx.term_grads = tuple(g is not None for g in extra.grads)
-        loss = (_total(ce_total, kl_total, settings) + extra.loss) / normaliser
-        ctx.mark_non_differentiable(ce_total, correct, kl_total, *top, extra.sums, extra.rows)
-        return loss, ce_total, correct, kl_total, *top, extra.sums, extra.rows
+    def forward(ctx, hidden, weight, labels, weights, call: _Call, *bias_tensors):
+        out, (g_hidden, g_weight, g_bias) = _run(hidden, weight, labels, weights, call=call, bias_tensors=bias_tensors)
+        g_bias = g_bias[:len(bias_tensors)]
+        ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in g_bias))
+        ctx.bias_grads = tuple(g is not None for g in g_bias)
+        # Tensors, not dicts, cross the Function; `rows` names them again.
+        sum_values = torch.stack(list(out.sums.values()))
+        kept = list(out.rows.values())
+        kept_values = torch.stack(kept, dim=1) if kept else out.candidate_logits.new_zeros(out.correct.shape[0], 0)
+        ctx.mark_non_differentiable(out.correct, out.candidates, out.candidate_logits, sum_values, kept_values)
+        return out.loss, out.correct, out.candidates, out.candidate_logits, sum_values, kept_values
 
     @staticmethod
     def backward(ctx, g_loss, *_non_differentiable):
         if torch.is_grad_enabled():
             # create_graph=True: the saved gradients are constants here, so a second derivative
             # would silently come out as zero.
-            raise RuntimeError("linear_cross_entropy cannot be differentiated twice (backward with create_graph=True)")
+            raise RuntimeError("the chunked loss cannot be differentiated twice (backward with create_graph=True)")
         # loss is linear in the saved gradients' scale: only the upstream factor is left to apply.
-        g_hidden, g_weight, *g_term = ctx.saved_tensors
+        g_hidden, g_weight, *g_bias = ctx.saved_tensors
         gh = g_hidden * g_loss if g_hidden is not None else None
         gw = g_weight * g_loss if g_weight is not None else None
-        gt = tuple(g * g_loss if kept else None for g, kept in zip(g_term, ctx.term_grads))
-        return gh, gw, None, None, None, *gt
-
-
-def _total(ce_total, kl_total, settings: _Settings):
-    kl = settings.kl
-    ce = settings.ce_weight * ce_total
-    return ce + (kl.weight * kl.temperature ** 2) * kl_total if kl is not None else ce
-
-
-class LinearCE(NamedTuple):
-    loss: torch.Tensor  # (ce_weight * sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the term's loss) / normaliser
-    ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider
-    correct: torch.Tensor  # bool [n]: argmax == label on rows of weight > 0
-    kl_sum: torch.Tensor  # sum(w * KL), detached (0 without the term)
-    top_ids: torch.Tensor  # int64 [n, top_k], best first ([n, 0] without)
-    top_logits: torch.Tensor  # [n, top_k] raw logits of those ids (the logits' dtype), detached
-    term_sums: torch.Tensor  # [1] sum(w * the chunk term's values), detached ([0] without its vocab term)
-    term_rows: torch.Tensor  # [n, 1] the chunk term's values per row, detached ([n, 0] without)
-
-
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    normaliser: float | torch.Tensor,
-    options: LossOptions,
-    kl: KLTerm | None = None,
-) -> LinearCE:
-    """sum(w * CE(t(hidden @ weight.T), labels)) / normaliser (t the target's logit transform), plus
-    the KL term and the chunk term of `options`, without materialising all logits.
-
-    hidden `[n, D]`, weight `[V, D]` (same dtype; logits in that dtype, CE in fp32, or float64 for
-    float64 inputs), labels `[n]` int, weights `[n]`, normaliser a float or a 0-dim tensor (a
-    constant: it gets no gradient). Rows are cut into at most `options.num_chunks` chunks of
-    ceil(n / num_chunks) rows, the last padded with zero-weight rows, so every chunk has the same
-    shape. Rows of weight 0 add exactly 0 and their labels may be anything. `loss` is
-    differentiable w.r.t. `hidden`, `weight` when it requires grad, and the chunk term's tensors;
-    with gradients enabled the forward also computes them (saved until backward, which only scales
-    them); under no_grad it computes the loss only. Static shapes and no host synchronisation, except
-    one with `kl.target_index` (each chunk's count of distinct target states). Differentiable once only.
-    """
-    num_chunks, top_k, transform, term, head, _, ce_weight = options
-    if not 0 <= top_k <= weight.shape[0]:
-        raise ValueError(f"top_k must be in [0, {weight.shape[0]}] (the vocabulary), got {top_k}")
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [n, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
-        raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{hidden.shape[0]}]")
-    kl_weight, temperature = (kl.weight, kl.temperature) if kl is not None else (0.0, 1.0)
-    if not kl_weight >= 0 or not temperature > 0:
-        raise ValueError(f"the KL weight must be >= 0 and its temperature > 0, got {kl_weight}, {temperature}")
-    target = kl.target_hidden if kl is not None else None
-    index = kl.target_index if kl is not None and target is not None else None
-    if index is not None:
-        if index.shape != hidden.shape[:1] or target.dim() != 2 or target.shape[1] != hidden.shape[1]:
-            raise ValueError(f"target_index {tuple(index.shape)} must be [{hidden.shape[0]}] into target_hidden "
-                             f"[P, {hidden.shape[1]}], got target_hidden {tuple(target.shape)}")
-        index = index.detach().long()
-    elif target is not None and target.shape != hidden.shape:
-        raise ValueError(f"target_hidden {tuple(target.shape)} must match hidden {tuple(hidden.shape)}")
-    if kl_weight > 0 and target is None:
-        raise ValueError("a KL weight > 0 needs the target's states (KLTerm.target_hidden)")
-    target = target.detach().to(hidden.dtype) if target is not None and (kl_weight > 0 or term is not None) else None
-    kl_on = KLTerm(kl_weight, temperature, target, index) if kl_weight > 0 else None
-    if isinstance(normaliser, torch.Tensor):
-        normaliser = normaliser.detach()
-    grad_on = torch.is_grad_enabled()
-    grad_hidden = grad_on and hidden.requires_grad
-    grad_weight = grad_on and weight.requires_grad
-    if head is not None and grad_weight:
-        raise ValueError("LossOptions.head computes the lm_head matmuls of a frozen weight, but the weight requires grad")
-    tensors = term.tensors if term is not None else ()
-    if term is not None:
-        term.check(hidden.shape[0], weight.shape[0])
-    settings = _Settings(num_chunks, grad_hidden, grad_weight, kl_on, top_k, transform, term,
-                         target if kl_on is None else None, index if kl_on is None else None, head, ce_weight)
-    if not (grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
-        ce_total, correct, _, _, kl_total, top, extra = _run(hidden.detach(), weight.detach(), labels, weights,
-                                                             normaliser, settings, tuple(t.detach() for t in tensors))
-        loss = (_total(ce_total, kl_total, settings) + extra.loss) / normaliser
-        return LinearCE(loss, ce_total, correct, kl_total, *top, extra.sums, extra.rows)
-    return LinearCE(*_LinearCrossEntropy.apply(hidden, weight, labels, weights, (normaliser, settings), *tensors))
-
-
-class LossOutput(NamedTuple):
-    loss: torch.Tensor  # (ce_weight * sum(w * CE) + kl.weight * T^2 * sum(w * KL) + the architecture's terms) / normaliser
-    ce_sum: torch.Tensor  # sum(w * CE), detached, fp32 or wider (for logs and step-wide sums)
-    correct: torch.Tensor  # bool [b, Q]: argmax == label on supervised slots, False elsewhere
-    kl_sum: torch.Tensor  # sum(w * KL(p_target || p_drafter)), detached; 0 when the KL term is off
-    # LossOptions.top_k > 0: int64 [rows, k] top-k token ids of every supervised slot, best first, in
-    # `blocks.slot_rows` order (taken from the loss's own logits), and their raw lm_head logits [rows, k]
-    # (before the target's transform; the lm_head's dtype, detached); None otherwise.
-    candidates: torch.Tensor | None = None
-    candidate_logits: torch.Tensor | None = None
-    # The architecture's detached sums, in its `log_names` order (the chunk term's, then its extra loss's).
-    extra: tuple = ()
-    # The chunk term's values per row [rows, 1] in `slot_rows` order (None without its vocab term).
-    term_rows: torch.Tensor | None = None
-
-
-def block_loss(
-    hidden: torch.Tensor,
-    lm_head: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    normaliser: float | torch.Tensor,
-    options: LossOptions,
-    kl: KLTerm | None = None,
-) -> LossOutput:
-    """`linear_cross_entropy` of a micro-batch's blocks: hidden `[b, N*B, D]`, labels and weights
-    `[b, N, B]` (the block size is their last dimension), `kl.target_hidden` `[b, N*B, D]`, or with
-    `kl.target_index` `[b, N*B]` a table `[P, D]` that index reads.
-
-    The slots before `options.first_slot` (slot 0, the anchor, unless the layout is anchor-first) are
-    skipped by shape, so their weight is ignored (block_targets always makes it 0): the drafting
-    slots of every block are copied into rows (cheap next to the lm_head), in `slot_rows` order; the
-    chunk term's rows are in that order too. Every drafting slot is projected whatever its weight
-    (zero-weight slots add exactly 0).
-    """
-    b, n, block_size = labels.shape
-    q, d = n * block_size, hidden.shape[-1]
-    if hidden.shape[:2] != (b, q):
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be [{b}, {q}, D] for labels {tuple(labels.shape)}")
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    rows_kl = None
-    first = options.first_slot
-    if kl is not None:
-        target, index = kl.target_hidden, kl.target_index
-        if index is not None:
-            rows_kl = kl._replace(target_index=slot_rows(index.view(b, q), block_size, first))
-        else:
-            rows_kl = kl._replace(target_hidden=slot_rows(target, block_size, first) if target is not None else None)
-    out = linear_cross_entropy(slot_rows(hidden, block_size, first), lm_head,
-                               slot_rows(labels.view(b, q), block_size, first),
-                               slot_rows(weights.view(b, q).to(acc_dtype), block_size, first), normaliser, options,
-                               rows_kl)
-    correct = out.correct.view(b * n, block_size - first)
-    correct = torch.cat([correct.new_zeros(b * n, first), correct], dim=1).view(b, q)
-    top = options.top_k > 0
-    return LossOutput(out.loss, out.ce_sum, correct, out.kl_sum.to(acc_dtype), out.top_ids if top else None,
-                      out.top_logits if top else None, tuple(out.term_sums.unbind()) if options.term is not None else (),
-                      out.term_rows if options.term is not None and options.term.vocab is not None else None)
+        gb = tuple(g * g_loss if kept else None for g, kept in zip(g_bias, ctx.bias_grads))
+        return gh, gw, None, None, None, *gb

@@ -16,9 +16,9 @@ import torch
 from dflash_ds.model.attention import LayerAttention
 from dflash_ds.model.blocks import Blocks, MicroBatch, slot_target_index
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import KLTerm, LossOptions, block_loss
+from dflash_ds.model.loss import ChunkedLoss, LossOutput
+from dflash_ds.model.loss_terms import CrossEntropy, Distillation, TargetRows
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants.base import LossContext
 
 
 @dataclass(frozen=True)
@@ -67,37 +67,37 @@ class StepSettings:
 
 
 def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings,
-                 term: Any = None):
-    """sum(w * (CE [+ KL])) / normaliser for one micro-batch (the caller supplies the whole step's weight),
-    plus the architecture's terms: its chunk term inside the fused loss and its extra loss after it
-    (`term`: StepSettings.step_term of this step; None = the architecture's full weights, no warm-up).
-    Their detached sums are in the output's `extra` field, in the variant's `log_names` order."""
+                 term: Any = None, *, loss_class: type = ChunkedLoss) -> LossOutput:
+    """(ce_weight * sum(w * CE) [+ kl_weight * T^2 * sum(w * KL)] + the architecture's terms) / normaliser for
+    one micro-batch (the caller supplies the whole step's weight). `term`: StepSettings.step_term of this
+    step (None = the architecture's full weights, no warm-up). The output's `sums` holds every term's
+    detached sum by name: "ce", "kl" (with the KL term) and the architecture's `log_names`. `loss_class`:
+    what runs the terms (ChunkedLoss, or a class with its interface: the bench's autograd variant)."""
     variant = model.config.variant
     if term is None:
         term = variant.step_term(settings.arch_loss)
     ctx = model.drafter.fuse(mb.taps)
     block_embeds = model.embed_tokens(blocks.block_ids, ctx)
     hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
-    kl = None
-    if settings.kl_weight > 0 or variant.needs_target_logits:
+    terms = [CrossEntropy(variant.ce_weight(term))]
+    if settings.kl_weight > 0:
+        terms.append(Distillation(settings.kl_weight, settings.kl_temperature))
+    terms += variant.loss_terms(model, blocks, term, hidden)
+    loss = loss_class(terms, model.lm_head, chunks=settings.loss_chunks, transform=settings.shape.logit_transform,
+                       head=model.loss_head, first_slot=settings.shape.first_draft_slot)
+    target = None
+    if loss.reads_target:
         if mb.final_hidden is None:
             raise ValueError("the loss needs the target's final-norm states (KL term or the architecture's term) "
                              "but the payload carries none")
         # The states by position (a table and each slot's row of it): the loss multiplies each
         # chunk's distinct positions once, where overlapping blocks would repeat them.
         r, s_len, d = mb.final_hidden.shape
-        kl = KLTerm(settings.kl_weight, settings.kl_temperature, mb.final_hidden.reshape(r * s_len, d).to(hidden.dtype),
-                    slot_target_index(blocks.anchors, settings.block_size, s_len, variant.label_offset))
-    options = LossOptions(settings.loss_chunks, variant.candidates(model.config), settings.shape.logit_transform,
-                          variant.chunk_term(model, blocks, term, hidden), model.loss_head,
-                          settings.shape.first_draft_slot, variant.ce_weight(term))
+        target = TargetRows(mb.final_hidden.reshape(r * s_len, d).to(hidden.dtype),
+                            slot_target_index(blocks.anchors, settings.block_size, s_len, variant.label_offset))
     r, b = blocks.labels.shape[0], settings.block_size
-    out = block_loss(hidden, model.lm_head, blocks.labels.view(r, -1, b), blocks.weights.view(r, -1, b), normaliser,
-                     options, kl)
-    extra = variant.extra_loss(LossContext(model, hidden, blocks, out, normaliser, term))
-    if extra is None:
-        return out
-    return out._replace(loss=out.loss + extra.loss, extra=out.extra + extra.sums)
+    return loss.blocks(hidden, blocks.labels.view(r, -1, b), blocks.weights.view(r, -1, b), normaliser,
+                       bias=variant.logit_bias(model, blocks, hidden), target=target)
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True, first: int = 1):

@@ -23,6 +23,7 @@ from dflash_ds.eval.tau import TauReport, tau_from_taps
 from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.blocks import make_blocks
+from dflash_ds.model.loss import ChunkedLoss
 from dflash_ds.model.objective import acceptance_proxy, drafter_loss
 from dflash_ds.model_card import card_info
 from dflash_ds.report import finish_run
@@ -104,6 +105,8 @@ class DrafterTrainer:
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = spec.settings
+        # What runs the loss's terms; the bench swaps in another with the same interface to compare.
+        self.loss_class = ChunkedLoss
         self._metrics: Metrics | None = None
         self.last_tau: TauReport | None = None  # the latest evaluation, for the export's model card
         self.window = LogWindow()
@@ -159,14 +162,14 @@ class DrafterTrainer:
         ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_names(s.shape))
         term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(self.model, mb, bl, weight / scale, s, term)
+            out = drafter_loss(self.model, mb, bl, weight / scale, s, term, loss_class=self.loss_class)
             self.engine.backward(out.loss)
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=s.shape.first_draft_slot)
-            accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.ce_sum
-            kl_sum = kl_sum + out.kl_sum
-            extra = tuple(a + b for a, b in zip(extra, out.extra))
+            accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.sums["ce"]
+            kl_sum = kl_sum + out.sums.get("kl", 0.0)
+            extra = tuple(a + out.sums[n] for a, n in zip(extra, s.shape.variant.log_names(s.shape)))
         # The profile window closes before the releases post the next receives: a transfer started
         # inside the window and finished after it would close its profiler record on a profiler that
         # is gone (a crash in the wait).

@@ -14,15 +14,10 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:  # both import the architectures (model/variants/__init__.py)
-    from dflash_ds.model.blocks import Blocks
-    from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.model.loss import LossOutput
 
 
 class FieldError(ValueError):
@@ -61,22 +56,6 @@ class Wrappers(NamedTuple):
 
     attention: tuple[str, nn.Module]
     mlp: tuple[str, nn.Module]
-
-
-class LossContext(NamedTuple):
-    """What an architecture's loss term after the base loss sees (`DFlash.extra_loss`)."""
-
-    model: "DraftModel"
-    hidden: torch.Tensor  # [R, N*B, D] the drafter's final states
-    blocks: "Blocks"
-    base: "LossOutput"  # the base loss's output (its candidates, when `candidates` asked for them)
-    normaliser: float | torch.Tensor
-    term: Any  # this step's `step_term`: the architecture's own type
-
-
-class ExtraLoss(NamedTuple):
-    loss: torch.Tensor  # added to the base loss (already divided by the normaliser), differentiable
-    sums: tuple[torch.Tensor, ...]  # detached, in `log_names` order (after the chunk term's, if any)
 
 
 class ReportFigure(NamedTuple):

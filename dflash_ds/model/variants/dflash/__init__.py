@@ -24,7 +24,7 @@ import torch
 
 from dflash_ds.config.architectures import section_of
 from dflash_ds.model import blocks
-from dflash_ds.model.variants.base import (Card, ExtraLoss, LogView, LossContext, NoFields, Proposal, RemoteCode,
+from dflash_ds.model.variants.base import (Card, LogView, NoFields, Proposal, RemoteCode,
                                            ReportFigure, Serving, Tensor, Wrappers, argmax_tokens, typed)
 from dflash_ds.model.variants.registry import register
 
@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # the model and the shape read the architectures (model/varia
     from torch import nn  # are here for the annotations only
 
     from dflash_ds.model.blocks import Blocks, MicroBatch
-    from dflash_ds.model.chunk_term import ChunkTerm
     from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.model.loss_terms import LogitBias
     from dflash_ds.model.shape import DrafterShape
 
 MODELING = Path(__file__).parent / "modeling_dflash.py"
@@ -174,24 +174,21 @@ class DFlash:
         DFlash's cross-entropy is always on."""
         return {"the cross-entropy (always on)": self.ce_weight(term)}
 
-    def candidates(self, shape: DrafterShape) -> int:
-        """Top-k token ids (and raw logits) per slot the base loss keeps for `extra_loss`; 0 for none."""
-        return 0
+    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor) -> tuple:
+        """This architecture's terms of the loss under `term` (a `step_term`), after the cross-entropy and
+        the KL (model/loss_terms.py): `VocabTerm`s run on each chunk's logits (and the target's, when
+        they read them; `needs_target_logits` then), `OutputTerm`s after the chunk loop on what it
+        returned. Their sums' names are `log_names`. `hidden` `[R, N*B, D]`: the drafter's final states."""
+        return ()
 
-    def chunk_term(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor) -> ChunkTerm | None:
-        """A model.chunk_term.ChunkTerm evaluated inside the fused loss, chunk by chunk, on each chunk's
-        logits (and the target's, with `needs_target_logits`): a low-rank bias of the logits
-        (features @ table.T, folded into the lm_head matmul) and/or a per-row term over the
-        vocabulary; None for none. `hidden` `[R, N*B, D]`: the drafter's final states."""
-        return None
-
-    def extra_loss(self, ctx: LossContext) -> ExtraLoss | None:
-        """A term computed after the base loss (e.g. from its candidates), or None."""
+    def logit_bias(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor) -> LogitBias | None:
+        """A low-rank bias of every row's logits (model.loss_terms.LogitBias: features in the loss's row
+        order, a table), folded into the loss's lm_head matmul; None for none."""
         return None
 
     def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
-        """The names of the detached sums the loss returns for a drafter of `shape` (`LossOutput.extra`:
-        the chunk term's first, then `extra_loss`'s), summed over micro-batches and ranks."""
+        """The names of the detached sums this architecture's terms add to the loss's `sums` for a drafter
+        of `shape`, summed over micro-batches and ranks."""
         return ()
 
     def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float | list[float]]:

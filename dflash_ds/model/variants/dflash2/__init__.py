@@ -17,7 +17,8 @@ import torch
 from dflash_ds.config import ObjectiveConfig
 from dflash_ds.config.architectures import section_of
 from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.variants.base import Card, ExtraLoss, FieldError, LogView, LossContext, Proposal, Tensor, Wrappers
+from dflash_ds.model.loss_terms import OutputTerm
+from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, Tensor, Wrappers
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.registry import register
 from dflash_ds.model.variants.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
@@ -84,6 +85,29 @@ class SelectorSchedule:
     detach: bool = False
     warmup_ratio: float = 0.0
     ramp_ratio: float = 0.0
+
+
+class SelectorLoss(OutputTerm):
+    """alpha * sum(w * selector CE) / normaliser over the loss's top-k candidates (and their raw logits),
+    teacher-forced: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor)."""
+
+    name = "selector_loss_sum"
+
+    def __init__(self, model: DraftModel, blocks, hidden: torch.Tensor, term: SelectorTerm):
+        self.model, self.blocks, self.hidden, self.term = model, blocks, hidden, term
+        self.weight, self.top_k = term.alpha, model.config.arch_fields.selector_top_k
+
+    def contribute(self, out, normaliser):
+        model, blocks, term = self.model, self.blocks, self.term
+        b = model.config.block_size
+        labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
+        predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
+        rows = SelectorRows(slot_rows(self.hidden, b), out.candidates, slot_rows(blocks.labels, b),
+                            slot_rows(predecessors, b), slot_rows(blocks.weights, b), out.candidate_logits)
+        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, model.config.logit_transform)
+        return (term.alpha / normaliser) * stats.loss_sum, {
+            "selector_loss_sum": stats.loss_sum.detach(), "selector_covered": stats.covered,
+            "selector_correct": stats.correct}
 
 
 @register
@@ -183,21 +207,8 @@ class DFlash2(DFlash):
     def term_weights(self, shape: DrafterShape, term: SelectorTerm) -> dict[str, float]:
         return {**super().term_weights(shape, term), "selector_alpha": float(term.alpha)}
 
-    def candidates(self, shape: DrafterShape) -> int:
-        return shape.arch_fields.selector_top_k
-
-    def extra_loss(self, ctx: LossContext) -> ExtraLoss:
-        """alpha * sum(w * selector CE) / normaliser over the base loss's top-k candidates, teacher-forced."""
-        model, blocks, term = ctx.model, ctx.blocks, ctx.term
-        b = model.config.block_size
-        labels = blocks.labels.view(blocks.labels.shape[0], -1, b)
-        # Teacher forcing: slot k's predecessor is the gold token at slot k - 1 (slot 0's label is the anchor).
-        predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
-        rows = SelectorRows(slot_rows(ctx.hidden, b), ctx.base.candidates, slot_rows(blocks.labels, b),
-                            slot_rows(predecessors, b), slot_rows(blocks.weights, b), ctx.base.candidate_logits)
-        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, model.config.logit_transform)
-        return ExtraLoss((term.alpha / ctx.normaliser) * stats.loss_sum,
-                         (stats.loss_sum.detach(), stats.covered, stats.correct))
+    def loss_terms(self, model: DraftModel, blocks, term: SelectorTerm, hidden: torch.Tensor) -> tuple:
+        return (SelectorLoss(model, blocks, hidden, term),)
 
     def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
         return ("selector_loss_sum", "selector_covered", "selector_correct")

@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from dflash_ds.config import ObjectiveConfig
 from dflash_ds.config.architectures import section_of
 from dflash_ds.model.blocks import Blocks, MicroBatch, default_gamma, slot_rows
-from dflash_ds.model.chunk_term import ChunkTerm
 from dflash_ds.model.gather import take_rows
-from dflash_ds.model.variants.base import (Card, ExtraLoss, FieldError, LogView, LossContext, Proposal, ReportFigure,
-                                           Serving, Tensor)
+from dflash_ds.model.loss_terms import LogitBias, OutputTerm, RowTerm
+from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, ReportFigure, Serving, Tensor
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.registry import register
 from dflash_ds.model.variants.dspark.parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
@@ -89,6 +88,46 @@ def _sum_names(block_size: int, confidence: bool) -> tuple[str, ...]:
     bins = [f"confidence_bin_{what}_{i}" for what in ("weight", "pred", "target") for i in range(BINS)]
     return ("l1_sum", "confidence_sum", "tau_probabilistic_sum", "tau_probabilistic_blocks",
             "confidence_abs_error_sum", "confidence_bias_sum", *slots, *bins)
+
+
+class ConfidenceTerm(OutputTerm):
+    """confidence * sum(w * BCE(c, 1 - TV)) / normaliser, the confidence head's logits c read from the
+    slots' final states (and their predecessors' Markov embeddings) against each slot's 1 - TV from the
+    L1 term's per-row values (a constant, as in DeepSpec); and the logs' statistics of 1 - TV and the
+    confidence (per slot, per block). Without a confidence head it adds no loss, only those logs."""
+
+    name = "confidence_sum"
+
+    def __init__(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor, weight: float):
+        self.model, self.blocks, self.hidden, self.weight = model, blocks, hidden, weight
+
+    def contribute(self, out, normaliser):
+        model, blocks, b = self.model, self.blocks, self.model.config.block_size
+        accept = (1.0 - 0.5 * out.rows["l1_sum"].view(-1, b)).clamp(0.0, 1.0)
+        w = blocks.weights.view(-1, b).to(accept.dtype)
+        head = getattr(model.drafter, "confidence_head", None)
+        loss, conf_sum = self.hidden.new_zeros(()), w.new_zeros(())
+        cal, bins = (w.new_zeros(()), w.new_zeros(())), w.new_zeros(3 * BINS)
+        if head is not None:
+            w1 = model.drafter.markov_head.markov_w1.weight
+            embedding = take_rows(w1, _predecessors(blocks, b)) if head.with_markov else None
+            c = confidence_logits(slot_rows(self.hidden, b, 0), embedding, head.proj.weight, head.proj.bias)
+            c = c.to(accept.dtype).view_as(accept)
+            conf_sum = (w * F.binary_cross_entropy_with_logits(c, accept, reduction="none")).sum()
+            loss = self.weight * conf_sum / normaliser
+            stats = calibration(torch.sigmoid(c.detach()), accept, w, BINS)
+            cal = (stats.abs_error, stats.bias)
+            bins = torch.cat([stats.bin_weight.sum(0), stats.bin_pred.sum(0), stats.bin_target.sum(0)])
+        tau_sum, tau_blocks = expected_tau(accept, w)
+        on = (w > 0).to(accept.dtype)
+        per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
+        if head is None:  # in `log_names` order
+            sums = (tau_sum, tau_blocks.to(accept.dtype), *per_slot.unbind())
+        else:
+            sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal),
+                    *per_slot.unbind(), *bins.to(accept.dtype).unbind())
+        names = _sum_names(b, head is not None)[1:]
+        return loss, {n: v.detach() for n, v in zip(names, sums, strict=True)}
 
 
 @register
@@ -199,46 +238,19 @@ class DSpark(DFlash):
             weights["confidence_weight"] = float(t.confidence)
         return weights
 
-    def chunk_term(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor) -> ChunkTerm:
-        """The Markov bias of every slot's logits (teacher-forced predecessor) and l1 * ||q - p||_1
-        on the biased logits and the target's, inside the fused loss's pass over the vocabulary."""
+    def loss_terms(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor) -> tuple:
+        """l1 * ||q - p||_1 on the biased logits and the target's, inside the fused loss's pass over the
+        vocabulary (one Triton kernel on CUDA), then the confidence head's term on its per-row values."""
         t = term or DSparkTerms()
-        head = model.drafter.markov_head
-        # The Markov embedding of every slot's predecessor, gathered once for the whole micro-batch
-        # (its gradient one segmented sum); the loss folds embedding @ markov_w2.T into the lm_head.
-        features = head.embed(_predecessors(blocks, model.config.block_size), hidden.dtype)
-        return ChunkTerm(features, head.markov_w2.weight, l1_to_target, t.l1, l1_pass)
+        return (RowTerm("l1_sum", t.l1, l1_to_target, l1_pass), ConfidenceTerm(model, blocks, hidden, t.confidence))
 
-    def extra_loss(self, ctx: LossContext) -> ExtraLoss:
-        """confidence * sum(w * BCE(c, 1 - TV)) / normaliser, the confidence head's logits c read from
-        the slots' final states (and their predecessors' Markov embeddings) against each slot's
-        1 - TV from the fused loss (a constant, as in DeepSpec); and the logs' statistics of 1 - TV
-        and the confidence (per slot, per block)."""
-        t, model, b = ctx.term or DSparkTerms(), ctx.model, ctx.model.config.block_size
-        accept = (1.0 - 0.5 * ctx.base.term_rows.view(-1, b)).clamp(0.0, 1.0)
-        w = ctx.blocks.weights.view(-1, b).to(accept.dtype)
-        head = getattr(model.drafter, "confidence_head", None)
-        loss, conf_sum = ctx.hidden.new_zeros(()), w.new_zeros(())
-        cal, bins = (w.new_zeros(()), w.new_zeros(())), w.new_zeros(3 * BINS)
-        if head is not None:
-            w1 = model.drafter.markov_head.markov_w1.weight
-            embedding = take_rows(w1, _predecessors(ctx.blocks, b)) if head.with_markov else None
-            c = confidence_logits(slot_rows(ctx.hidden, b, 0), embedding, head.proj.weight, head.proj.bias)
-            c = c.to(accept.dtype).view_as(accept)
-            conf_sum = (w * F.binary_cross_entropy_with_logits(c, accept, reduction="none")).sum()
-            loss = t.confidence * conf_sum / ctx.normaliser
-            stats = calibration(torch.sigmoid(c.detach()), accept, w, BINS)
-            cal = (stats.abs_error, stats.bias)
-            bins = torch.cat([stats.bin_weight.sum(0), stats.bin_pred.sum(0), stats.bin_target.sum(0)])
-        tau_sum, tau_blocks = expected_tau(accept, w)
-        on = (w > 0).to(accept.dtype)
-        per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
-        if head is None:  # in `log_names` order
-            sums = (tau_sum, tau_blocks.to(accept.dtype), *per_slot.unbind())
-        else:
-            sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal),
-                    *per_slot.unbind(), *bins.to(accept.dtype).unbind())
-        return ExtraLoss(loss, tuple(s.detach() for s in sums))
+    def logit_bias(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor) -> LogitBias:
+        """The Markov bias of every slot's logits (teacher-forced predecessor): the Markov embedding of
+        every slot's predecessor, gathered once for the whole micro-batch (its gradient one segmented
+        sum); the loss folds embedding @ markov_w2.T into the lm_head matmul."""
+        head = model.drafter.markov_head
+        return LogitBias(head.embed(_predecessors(blocks, model.config.block_size), hidden.dtype),
+                         head.markov_w2.weight)
 
     def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
         return _sum_names(shape.block_size, shape.arch_fields.enable_confidence_head)

@@ -16,7 +16,7 @@ DSpark (DeepSeek's DeepSpec) keeps the DFlash backbone and changes three things:
 The loss of a slot is `ce * CE + l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV)` with q the
 drafter's distribution (Markov bias included), p the target's, TV = ||q - p||_1 / 2; its weight w is
 the usual decay times mask. `l1_to_target` is the L1 term and its gradient in the fused loss's one
-pass over the vocabulary (model/chunk_term.py); the CE is the loss's own, and the confidence BCE
+pass over the vocabulary (model/loss_terms.py RowTerm); the CE is the loss's own, and the confidence BCE
 is computed after it from each slot's 1 - TV (variants/dspark.py).
 
 Model code: no torch.distributed, no deepspeed.
@@ -211,7 +211,7 @@ class DSparkTerms(NamedTuple):
 
 
 def l1_to_target(q: torch.Tensor, target_z: torch.Tensor, grad: bool):
-    """DSpark's L1 term for the fused loss (a ChunkTerm's `vocab`): per row ||q - p||_1 (twice the
+    """DSpark's L1 term for the fused loss (a RowTerm's `values`): per row ||q - p||_1 (twice the
     total variation) of the drafter's distribution q `[c, V]` and the target's p = softmax(target_z),
     and its gradient w.r.t. the drafter's logits: with s = sign(q - p), d/dz ||q - p||_1 =
     q * (s - <s, q>) (the softmax's Jacobian applied to s)."""

@@ -11,8 +11,8 @@ drafter's logits and the target's (by row index: distinct positions are multipli
 chunk moves 3 x 2 reads and one write of `[c, V]` where the compiled pass moves 4 x 2 reads and a
 write to a new tensor.
 
-`l1_pass` has chunk_math's signature and results (ChunkTerm.kernel); the loss calls it on CUDA
-without the KL term or a logit transform (DSpark refuses both). tests/test_gpu.py holds it to
+`l1_pass` has chunk_math's signature and results (RowTerm.kernel); the loss calls it on CUDA
+for the cross-entropy and this term alone, without a logit transform (DSpark refuses it). tests/test_gpu.py holds it to
 chunk_math.
 
 Model code: no torch.distributed, no deepspeed.
@@ -26,14 +26,14 @@ _BLOCK = 8192  # logits a sweep step reads per row and input: 16 per thread at 1
 _WARPS = 16
 
 
-def l1_pass(logits, target, labels, weights, scales, how):
-    """chunk_math for DSpark's term (`how.vocab` = l1_to_target, no KL, identity transform) on CUDA:
-    (sum(w * CE), argmax hit, None, ||q - p||_1 per row, sum(w * ||q - p||_1), the logits' gradient
-    (written over `logits`) or None without `scales`)."""
+def l1_pass(logits, target, labels, weights, *, scales, how):
+    """chunk_math for the terms (CrossEntropy, DSpark's L1 RowTerm), identity transform, on CUDA:
+    ((sum(w * CE), sum(w * ||q - p||_1)), argmax hit, (None, ||q - p||_1 per row), the logits'
+    gradient (written over `logits`) or None without `scales`)."""
     from dflash_ds.model.variants.dspark.kernel import ce_l1_rows
 
-    if target is None or how.temperature is not None:
-        raise ValueError("l1_pass needs the target's logits and no KL term")
+    if target is None or len(how.terms) != 2:
+        raise ValueError("l1_pass needs the target's logits and the cross-entropy and L1 terms alone")
     c, vocab = logits.shape
     table = target.logits
     rows = target.rows if target.rows is not None else torch.arange(c, device=logits.device)
@@ -42,12 +42,12 @@ def l1_pass(logits, target, labels, weights, scales, how):
     stats = torch.empty(c, 2, device=logits.device, dtype=torch.float32)
     argmax = torch.empty(c, device=logits.device, dtype=torch.int32)
     grad = scales is not None
-    s_ce = scales.ce.float().contiguous() if grad else stats
-    s_l1 = scales.vocab.float().contiguous() if grad else stats
+    s_ce = scales[0].float().contiguous() if grad else stats
+    s_l1 = scales[1].float().contiguous() if grad else stats
     ce_l1_rows[(c,)](logits, logits.stride(0), table, table.stride(0), rows.contiguous(), labels.contiguous(), s_ce,
                      s_l1, stats, argmax, vocab, GRAD=grad, BLOCK=_BLOCK, num_warps=_WARPS)
     ce, l1 = stats.unbind(1)
     w = weights
     hit = (argmax.long() == labels) & (w > 0)
     ce, l1 = ce.to(w.dtype), l1.to(w.dtype)
-    return (ce * w).sum(), hit, None, l1, (l1 * w).sum(), logits if grad else None
+    return ((ce * w).sum(), (l1 * w).sum()), hit, (None, l1), logits if grad else None

@@ -1,0 +1,123 @@
+"""The loss the way torchtitan's chunked loss computes it (torchtitan/components/loss.py, ChunkedLossWrapper):
+autograd over each chunk, backward per chunk, for the bench to time against model/loss.py's
+hand-written gradients (`python -m dflash_ds.bench --role drafter --loss-impl autograd`).
+
+Each chunk of rows is cut from the graph (a detached leaf), its lm_head matmul, logit transform and
+terms are written plainly (torch's cross-entropy, log_softmax for the KL, an architecture's row term by
+its value function) and `backward()` runs right away, so only one chunk's logits and autograd
+intermediates exist at a time; the chunk's input gradient is copied into one float32 buffer. After the
+loop one autograd node hands that buffer (times the incoming gradient) to the drafter. Against the
+fused loss: the same two lm_head matmuls per chunk, but autograd keeps the fp32 logits and the
+softmax of each term for its backward, and walks them again there. The target's logits are one
+matmul per chunk of their own, over every row (no distinct positions), and a logit bias its own
+matmul. Equal in value to ChunkedLoss to float summation order (tests/test_bench.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash_ds.model.loss import ChunkedLoss, LossOutput
+from dflash_ds.model.loss_terms import CrossEntropy, Distillation, RowTerm
+from dflash_ds.model.top_k import block_top_k
+
+
+class PerChunkBackwardLoss(ChunkedLoss):
+    """ChunkedLoss's interface; `rows` by autograd per chunk (module docstring). The lm_head is frozen
+    and multiplied with `torch.mm` (no FP8 strategy)."""
+
+    def rows(self, hidden, labels, weights, normaliser, *, bias=None, target=None) -> LossOutput:
+        weight = self.weight.detach()
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError("the per-chunk autograd loss trains no lm_head: freeze the weight")
+        if self.reads_target and target is None:
+            raise ValueError("a loss term reads the target's logits, but the target's states (TargetRows) are missing")
+        n, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+        w = weights.to(acc)
+        lab = torch.where(w > 0, labels, torch.zeros_like(labels))
+        if isinstance(normaliser, torch.Tensor):
+            normaliser = normaliser.detach()
+        leaves = (hidden, *(bias or ()))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+        # The bias's table is one leaf for every chunk (its .grad accumulates over them); its features,
+        # like the states, are cut per chunk.
+        table = bias.table.detach().requires_grad_(bias.table.requires_grad) if bias is not None else None
+        g_hidden = torch.zeros(n, hidden.shape[1], dtype=acc, device=hidden.device) \
+            if grad and hidden.requires_grad else None
+        g_features = torch.zeros(n, table.shape[1], dtype=acc, device=hidden.device) \
+            if grad and bias is not None and bias.features.requires_grad else None
+        size = max(1, -(-n // self.chunks))
+        totals = {t.name: hidden.new_zeros((), dtype=acc) for t in self.vocab_terms}
+        kept = {t.name: [] for t in self.vocab_terms if t.keep_rows}
+        loss_value, hits, tops = hidden.new_zeros((), dtype=acc), [], []
+        for lo in range(0, n, size):
+            hi = min(n, lo + size)
+            h = hidden[lo:hi].detach().requires_grad_(g_hidden is not None)
+            logits = h @ weight.T
+            f = None
+            if bias is not None:
+                f = bias.features[lo:hi].detach().requires_grad_(g_features is not None)
+                logits = logits + f.to(logits.dtype) @ table.to(logits.dtype).T
+            if self.top_k:
+                tops.append(block_top_k(logits.detach(), self.top_k))
+            z = self.transform.apply(logits.to(acc))
+            tz = None
+            if self.reads_target:
+                states = target.states if target.index is None else target.states[target.index]
+                with torch.no_grad():
+                    tz = self.transform.apply((states[lo:hi].to(hidden.dtype) @ weight.T).to(acc))
+            hits.append((z.detach().argmax(-1) == lab[lo:hi]) & (w[lo:hi] > 0))
+            chunk_loss = None
+            for term in self.vocab_terms:
+                values = _values(term, z, tz, lab[lo:hi])
+                part = (values * w[lo:hi]).sum()
+                totals[term.name] = totals[term.name] + part.detach()
+                if term.keep_rows:
+                    kept[term.name].append(values.detach())
+                part = (term.weight * term.loss_scale) * part
+                chunk_loss = part if chunk_loss is None else chunk_loss + part
+            chunk_loss = chunk_loss / normaliser
+            loss_value = loss_value + chunk_loss.detach()
+            if grad:
+                chunk_loss.backward()
+                if g_hidden is not None:
+                    g_hidden[lo:hi] = h.grad
+                if g_features is not None:
+                    g_features[lo:hi] = f.grad
+        grads = (g_hidden, g_features, table.grad if table is not None else None)
+        loss = _HandBack.apply(loss_value, grads, *leaves) if grad else loss_value
+        correct = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+        out = LossOutput(loss=loss, sums=totals, correct=correct,
+                         candidates=torch.cat([t[1] for t in tops]) if tops else None,
+                         candidate_logits=torch.cat([t[0] for t in tops]) if tops else None,
+                         rows={k: torch.cat(v) for k, v in kept.items()})
+        return self._output_terms(out, normaliser)
+
+
+def _values(term, z, tz, labels):
+    """A vocabulary term's per-row values written plainly, for autograd to differentiate."""
+    if isinstance(term, CrossEntropy):
+        return F.cross_entropy(z, labels, reduction="none")
+    if isinstance(term, Distillation):
+        log_q, log_p = F.log_softmax(z / term.temperature, -1), F.log_softmax(tz / term.temperature, -1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if isinstance(term, RowTerm):
+        return term.values(z.softmax(-1), tz, False)[0]
+    raise ValueError(f"the per-chunk autograd loss has no plain form of the {term.name} term")
+
+
+class _HandBack(torch.autograd.Function):
+    """The loss's value, whose backward hands the gradients gathered chunk by chunk to the leaves
+    (hidden, then the bias's features and table), times the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, loss_value, grads, *leaves):
+        ctx.grads = grads
+        ctx.dtypes = tuple(t.dtype for t in leaves)
+        return loss_value.clone()
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        out = tuple(g * g_loss if g is not None else None for g in ctx.grads)
+        return None, None, *(g.to(d) if g is not None else None for g, d in zip(out, ctx.dtypes))
