@@ -7,6 +7,7 @@ losses, llama.cpp's counts, wall time).
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -91,19 +92,37 @@ def tau_records(metrics: Path) -> list[dict]:
     return out
 
 
+def pooled_mean_se(groups: list[list[float]]) -> tuple[float | None, float | None]:
+    """The mean of every value of every group and its standard error with the groups (responses) as
+    the independent units: a response's rounds share its text, so they are not independent draws.
+    (The ratio estimator's SE: sqrt(n / (n - 1) * sum_i (y_i - mean * m_i)^2) / sum_i m_i, y_i the
+    group's sum and m_i its size.) The SE is None below two non-empty groups."""
+    groups = [g for g in groups if g]
+    total = sum(len(g) for g in groups)
+    if not total:
+        return None, None
+    mean = sum(sum(g) for g in groups) / total
+    n = len(groups)
+    if n < 2:
+        return mean, None
+    spread = sum((sum(g) - mean * len(g)) ** 2 for g in groups)
+    return mean, math.sqrt(n / (n - 1) * spread) / total
+
+
 def llama_cpp_summary(counts: dict | None) -> dict | None:
-    """llama.cpp's mean acceptance length per program, and its first round apart from the later ones."""
+    """llama.cpp's mean acceptance length per program, and its first round apart from the later ones
+    (mean accepted drafts per round, each with its standard error over responses)."""
     if not counts:
         return None
     out = {"spec_draft_n_max": counts.get("spec_draft_n_max")}
     for program in ("llama_server", "llama_speculative_simple"):
         rounds = (counts.get(program) or {}).get("rounds") or []
-        first = [r[0] for r in rounds if r]
-        later = [a for r in rounds for a in r[1:]]
+        first, first_se = pooled_mean_se([r[:1] for r in rounds])
+        later, later_se = pooled_mean_se([r[1:] for r in rounds])
         out[program] = {
             "mean_accept_length": (counts.get(program) or {}).get("mean_accept_length"),
-            "first_round_accepted": sum(first) / len(first) if first else None,
-            "later_rounds_accepted": sum(later) / len(later) if later else None,
+            "first_round_accepted": first, "first_round_se": first_se,
+            "later_rounds_accepted": later, "later_rounds_se": later_se,
             "rounds": sum(len(r) for r in rounds), "responses": len(rounds)}
     return out
 
