@@ -94,19 +94,13 @@ def tau_records(metrics: Path) -> list[dict]:
 
 def pooled_mean_se(groups: list[list[float]]) -> tuple[float | None, float | None]:
     """The mean of every value of every group and its standard error with the groups (responses) as
-    the independent units: a response's rounds share its text, so they are not independent draws.
-    (The ratio estimator's SE: sqrt(n / (n - 1) * sum_i (y_i - mean * m_i)^2) / sum_i m_i, y_i the
-    group's sum and m_i its size.) The SE is None below two non-empty groups."""
-    groups = [g for g in groups if g]
-    total = sum(len(g) for g in groups)
-    if not total:
-        return None, None
-    mean = sum(sum(g) for g in groups) / total
-    n = len(groups)
-    if n < 2:
-        return mean, None
-    spread = sum((sum(g) - mean * len(g)) ** 2 for g in groups)
-    return mean, math.sqrt(n / (n - 1) * spread) / total
+    the independent units: a response's rounds share its text, so they are not independent draws (the
+    evaluator's ratio estimator, as for tau_pooled). None where undefined (the SE: below two non-empty
+    groups)."""
+    from dflash_ds.eval.sampled import ratio_se
+
+    mean, se = ratio_se([sum(g) for g in groups], [len(g) for g in groups])
+    return tuple(None if math.isnan(x) else x for x in (mean, se))
 
 
 def llama_cpp_summary(counts: dict | None) -> dict | None:
