@@ -118,6 +118,7 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
     assert "| llama_server later rounds accepted | 0.667 | 0.667 | +0.000 ± " in text
     assert "| v1-kl | v1 | prose (held-out docs) | greedy | tau | 2.000 | 2.000 | +0.000 ± 0.141 (+0.0) |" in text
     assert "not in this folder: `v1-fp8` against `v1`" in text
+    assert f"(drafting GFLOPs a cycle: `dspark` {f16 / 1e9:.3f}, `dspark-b7` {f7 / 1e9:.3f})" in text
 
 
 def test_rounds_without_standard_errors_never_count(tmp_path):

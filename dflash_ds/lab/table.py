@@ -170,7 +170,7 @@ def _decisions_md(dec: dict) -> list[str]:
     lines.append("")
     for e in dec["decision"]:
         g = e.get("drafting_gflops")
-        flops = f" (drafting GFLOPs a cycle: {g['baseline']:.3f} against {g['run']:.3f})" if g else ""
+        flops = f" (drafting GFLOPs a cycle: `{e['against']}` {g['baseline']:.3f}, `{e['run']}` {g['run']:.3f})" if g else ""
         lines.append(f"- {e['question']}: {_verdict(e, se)}{flops}")
     for m in dec["missing"]:
         lines.append(f"- not in this folder: `{m['run']}` against `{m['against']}` ({m['question']}): no summary "
