@@ -21,22 +21,34 @@ class Run:
     """The run this one is measured against in the decisions table; None for the baselines."""
     question: str = ""
     """What the comparison decides (the table's row label)."""
+    section: str = "decision"
+    """Where the table puts the comparison: "noise" (the seed-to-seed difference every other one is
+    read against), "ordering" (issue 43's check that the later generations beat v1) or "decision"."""
+    per_flop: bool = False
+    """Also compare tau per drafting FLOP (lab/decisions.py `drafting_flops`): for a drafter that does
+    other work per cycle than its baseline's (another block, other layers)."""
+    rounds: bool = False
+    """Also compare llama.cpp's first round apart from the later ones: for a setting that acts on the
+    first round only (the anchor at the last prompt token)."""
 
 
 RUNS: dict[str, Run] = {
     "v1": Run("recipes/lab/v1.yaml"),
     # the seed-to-seed noise of v1: the same recipe, another seed (initialisation and data order)
-    "v1-seed1": Run("recipes/lab/v1.yaml", ("run.seed=1",), baseline="v1", question="seed-to-seed noise"),
-    "dflash2": Run("recipes/lab/dflash2.yaml", baseline="v1", question="DFlash2 against v1 (the ordering)"),
-    "dspark": Run("recipes/lab/dspark.yaml", baseline="v1", question="DSpark against v1 (the ordering)"),
+    "v1-seed1": Run("recipes/lab/v1.yaml", ("run.seed=1",), baseline="v1", question="seed-to-seed noise",
+                    section="noise"),
+    "dflash2": Run("recipes/lab/dflash2.yaml", baseline="v1", question="DFlash2 against v1",
+                   section="ordering"),
+    "dspark": Run("recipes/lab/dspark.yaml", baseline="v1", question="DSpark against v1",
+                  section="ordering"),
     # The default anchors a block at each turn's last prompt token too; off = the paper's anchors.
     "v1-noanchor": Run("recipes/lab/v1.yaml", ("objective.anchor_last_prompt_token=false",), baseline="v1",
-                       question="objective.anchor_last_prompt_token false"),
+                       question="objective.anchor_last_prompt_token false", rounds=True),
     # DeepSpec's block. What follows the block is already derived from it: objective.gamma null is
     # DSpark's B + 1 rule (4 at block 7, DeepSpec's loss_decay_gamma), and the anchors per row stay
     # the paper's density per token (each anchor drafts 7 tokens instead of 16).
     "dspark-b7": Run("recipes/lab/dspark.yaml", ("drafter.block_size=7",), baseline="dspark",
-                     question="DSpark at block 7 (DeepSpec's) against 16"),
+                     question="DSpark at block 7 (DeepSpec's) against 16", per_flop=True),
     # The FP8 drafter after a whole run: every layer's projections (rowwise scales) and the frozen
     # lm_head of the loss in FP8 (needs torchao on the GPU machine and drafter.compile, the default).
     "v1-fp8": Run("recipes/lab/v1.yaml", ("drafter.fp8.layers=rowwise", "drafter.fp8.lm_head=true"),
@@ -58,7 +70,8 @@ RUNS: dict[str, Run] = {
         "drafter.num_layers=6", "drafter.intermediate_size=2304", "drafter.num_attention_heads=12",
         "drafter.num_key_value_heads=4", "drafter.head_dim=64", "drafter.target_layer_ids=[1,2,3,4,5,6,7,8]",
         "optim.lr=5.0e-4", "optim.min_lr_ratio=1.0"), baseline="dspark",
-        question="SpecForge's DSpark sizing rules against the lab's DSpark"),
+        question="SpecForge's DSpark sizing rules against the lab's DSpark",
+        per_flop=True),
 }
 
 

@@ -7,6 +7,7 @@ losses, llama.cpp's counts, wall time).
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -91,19 +92,31 @@ def tau_records(metrics: Path) -> list[dict]:
     return out
 
 
+def pooled_mean_se(groups: list[list[float]]) -> tuple[float | None, float | None]:
+    """The mean of every value of every group and its standard error with the groups (responses) as
+    the independent units: a response's rounds share its text, so they are not independent draws (the
+    evaluator's ratio estimator, as for tau_pooled). None where undefined (the SE: below two non-empty
+    groups)."""
+    from dflash_ds.eval.sampled import ratio_se
+
+    mean, se = ratio_se([sum(g) for g in groups], [len(g) for g in groups])
+    return tuple(None if math.isnan(x) else x for x in (mean, se))
+
+
 def llama_cpp_summary(counts: dict | None) -> dict | None:
-    """llama.cpp's mean acceptance length per program, and its first round apart from the later ones."""
+    """llama.cpp's mean acceptance length per program, and its first round apart from the later ones
+    (mean accepted drafts per round, each with its standard error over responses)."""
     if not counts:
         return None
     out = {"spec_draft_n_max": counts.get("spec_draft_n_max")}
     for program in ("llama_server", "llama_speculative_simple"):
         rounds = (counts.get(program) or {}).get("rounds") or []
-        first = [r[0] for r in rounds if r]
-        later = [a for r in rounds for a in r[1:]]
+        first, first_se = pooled_mean_se([r[:1] for r in rounds])
+        later, later_se = pooled_mean_se([r[1:] for r in rounds])
         out[program] = {
             "mean_accept_length": (counts.get(program) or {}).get("mean_accept_length"),
-            "first_round_accepted": sum(first) / len(first) if first else None,
-            "later_rounds_accepted": sum(later) / len(later) if later else None,
+            "first_round_accepted": first, "first_round_se": first_se,
+            "later_rounds_accepted": later, "later_rounds_se": later_se,
             "rounds": sum(len(r) for r in rounds), "responses": len(rounds)}
     return out
 

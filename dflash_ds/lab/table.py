@@ -4,20 +4,24 @@ Rows per benchmark set and sampling (greedy, T = 1): tau_mean with its standard 
 for each run; each run's difference from the reference run (v1, seed 0) with the standard error of the
 difference (the runs' responses are independent: sqrt(se_a^2 + se_b^2)), called a difference only at
 2 standard errors or more; the seed-to-seed difference of v1 beside it; per-position acceptance;
-llama.cpp's counted acceptance (first round apart from the later ones); final losses and wall times.
+llama.cpp's counted acceptance (first round apart from the later ones); final losses and wall times;
+and the comparisons of dflash_ds/lab/decisions.py (each catalog run against its baseline): the
+ordering check (v1 < DFlash2, v1 < DSpark, beside the seed-to-seed noise) and the decisions.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
+
+from dflash_ds.lab import decisions
+from dflash_ds.lab.decisions import SIGNIFICANT_SE, difference
+from dflash_ds.lab.decisions import rows_of as _rows
 
 REFERENCE = "v1"
 SEED_TWIN = "v1-seed1"
 LAB_SET_NAMES = {"heldout": "prose (held-out docs)", "humaneval": "code completion", "mbpp": "instruction -> code",
                  "mt_bench": "two turns"}
-SIGNIFICANT_SE = 2.0
 
 
 def load_summaries(folder: Path) -> dict[str, dict]:
@@ -31,20 +35,6 @@ def load_summaries(folder: Path) -> dict[str, dict]:
         raise ValueError(f"lab table: no run summaries (<name>.json) in {folder}; each `bash scripts/quality_lab.sh "
                          f"OUT train NAME` writes one there")
     return out
-
-
-def _rows(summary: dict) -> dict[tuple[str, str], dict]:
-    return {(r["bench"], r["sampling"]): r for r in summary.get("benchmarks", [])}
-
-
-def difference(a: dict, b: dict) -> dict | None:
-    """b - a in tau_mean, its standard error and the ratio (None when either lacks a number)."""
-    if a.get("tau_mean") is None or b.get("tau_mean") is None:
-        return None
-    se = math.sqrt((a.get("tau_mean_se") or 0.0) ** 2 + (b.get("tau_mean_se") or 0.0) ** 2)
-    delta = b["tau_mean"] - a["tau_mean"]
-    z = delta / se if se > 0 else (math.inf if delta else 0.0)
-    return {"delta": delta, "se": se, "z": z, "significant": abs(z) >= SIGNIFICANT_SE}
 
 
 def build(summaries: dict[str, dict]) -> dict:
@@ -63,7 +53,8 @@ def build(summaries: dict[str, dict]) -> dict:
                 if d is not None:
                     diffs.append({"run": name, "against": REFERENCE, "bench": k[0], "sampling": k[1], **d})
     return {"runs": summaries, "sets": [list(k) for k in keys], "differences": diffs,
-            "reference": REFERENCE, "seed_twin": SEED_TWIN, "significant_se": SIGNIFICANT_SE}
+            "reference": REFERENCE, "seed_twin": SEED_TWIN, "significant_se": SIGNIFICANT_SE,
+            "decisions": decisions.compare(summaries)}
 
 
 def _pm(row: dict | None) -> str:
@@ -104,6 +95,7 @@ def markdown(table: dict) -> str:
         for d in table["differences"]:
             lines.append(f"| {d['run']} | {LAB_SET_NAMES.get(d['bench'], d['bench'])} | {d['sampling']} | "
                          f"{d['delta']:+.3f} | {d['se']:.3f} | {d['z']:+.1f} | {'yes' if d['significant'] else 'no'} |")
+    lines += _ordering_md(table["decisions"]) + _decisions_md(table["decisions"])
     lines += ["", "## Acceptance by position (P(slot k | slots < k accepted))", "", "| run | set | sampling | positions |",
               "|---|---|---|---|"]
     for n in names:
@@ -118,13 +110,72 @@ def markdown(table: dict) -> str:
         if not c:
             lines.append(f"| {n} | - | - | - | - | - | - | - |")
             continue
-        srv, sim = c["llama_server"], c["llama_speculative_simple"]
-        lines.append(f"| {n} | {c.get('spec_draft_n_max')} | {_num(srv['mean_accept_length'], '.3f')} | "
-                     f"{_num(srv['first_round_accepted'], '.3f')} | {_num(srv['later_rounds_accepted'], '.3f')} | "
-                     f"{_num(sim['mean_accept_length'], '.3f')} | {_num(sim['first_round_accepted'], '.3f')} | "
-                     f"{_num(sim['later_rounds_accepted'], '.3f')} |")
+        cells = [_num((c.get(program) or {}).get(k), ".3f") for program in ("llama_server", "llama_speculative_simple")
+                 for k in ("mean_accept_length", "first_round_accepted", "later_rounds_accepted")]
+        lines.append(f"| {n} | {c.get('spec_draft_n_max')} | " + " | ".join(cells) + " |")
     lines += ["", "(first round / later rounds: mean accepted drafts per round.)", ""]
     return "\n".join(lines)
+
+
+def _cell(d: dict) -> str:
+    """delta ± se (delta/se), starred when it counts."""
+    if d["se"] is None:
+        return f"{d['delta']:+.3f} (no SE)"
+    return f"{d['delta']:+.3f} ± {d['se']:.3f} ({d['z']:+.1f}){' *' if d['significant'] else ''}"
+
+
+def _verdict(e: dict, se: float) -> str:
+    return (f"`{e['run']}` against `{e['against']}`: better at >= {se:g} SE on {e['better']} of {e['tau_rows']} "
+            f"set/sampling rows, worse on {e['worse']}")
+
+
+def _ordering_md(dec: dict) -> list[str]:
+    entries = dec["ordering"] + dec["noise"]
+    if not entries:
+        return []
+    se = dec["significant_se"]
+    cells = {(e["run"], r["bench"], r["sampling"]): r for e in entries for r in e["rows"] if r["measure"] == "tau"}
+    keys = sorted({(r["bench"], r["sampling"]) for e in entries for r in e["rows"] if r["measure"] == "tau"},
+                  key=lambda k: (k[0], k[1] != "greedy", k[1]))
+    names = [e["run"] for e in entries]
+    lines = ["", "## Ordering check: v1 < DFlash2, v1 < DSpark", "",
+             f"run - {REFERENCE} in tau_mean ± the SE of the difference (difference / SE); * = at >= {se:g} SE. "
+             f"`{SEED_TWIN}` - `{REFERENCE}` is the seed-to-seed noise: by chance about 1 row in 20 reaches "
+             f"{se:g} SE; more says the SE over responses misses the run-to-run noise.", "",
+             f"| set | sampling | {REFERENCE} | " + " | ".join(f"{n} - {REFERENCE}" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for bench, sampling in keys:
+        base = next(cells[n, bench, sampling] for n in names if (n, bench, sampling) in cells)
+        row = [_cell(cells[n, bench, sampling]) if (n, bench, sampling) in cells else "-" for n in names]
+        lines.append(f"| {LAB_SET_NAMES.get(bench, bench)} | {sampling} | {base['baseline']:.3f} ± "
+                     f"{base['baseline_se']:.3f} | " + " | ".join(row) + " |")
+    lines += [""] + [f"- {_verdict(e, se)}" for e in entries]
+    return lines
+
+
+def _decisions_md(dec: dict) -> list[str]:
+    se = dec["significant_se"]
+    lines = ["", "## Decisions: each run against its baseline", "",
+             f"run - baseline ± the SE of the difference (difference / SE); * = at >= {se:g} SE. Drafting FLOPs: "
+             f"one cycle's forward of the block over a {dec['context_tokens']}-token context "
+             "(dflash_ds/lab/decisions.py `drafting_flops`). llama.cpp rows: mean accepted drafts a round on the "
+             "held-out prose, greedy.", "",
+             "| decision | run | baseline | set | sampling | measure | baseline value | run value | run - baseline |",
+             "|---|---|---|---|---|---|---|---|---|"] if dec["decision"] else ["", "## Decisions", ""]
+    for e in dec["decision"]:
+        for r in e["rows"]:
+            lines.append(f"| {e['question']} | {e['run']} | {e['against']} | {LAB_SET_NAMES.get(r['bench'], r['bench'])} "
+                         f"| {r['sampling']} | {r['measure']} | {_num(r['baseline'], '.3f')} | {_num(r['value'], '.3f')} "
+                         f"| {_cell(r)} |")
+    lines.append("")
+    for e in dec["decision"]:
+        g = e.get("drafting_gflops")
+        flops = f" (drafting GFLOPs a cycle: `{e['against']}` {g['baseline']:.3f}, `{e['run']}` {g['run']:.3f})" if g else ""
+        lines.append(f"- {e['question']}: {_verdict(e, se)}{flops}")
+    for m in dec["missing"]:
+        lines.append(f"- not in this folder: `{m['run']}` against `{m['against']}` ({m['question']}): no summary "
+                     f"of {', '.join(m['lacks'])}")
+    return lines
 
 
 def write(folder: Path, out: Path) -> tuple[Path, Path]:
