@@ -8,7 +8,8 @@ Every test belongs to exactly one tier (see README, "Tests"):
   launcher     the real `deepspeed` launcher on gloo, or other spawned processes;
   engine       exports served by llama.cpp, built by scripts/build_llama_cpp.sh, and by vLLM's CPU
                build, installed by scripts/build_vllm_cpu.sh (skipped without a compiler or when a
-               build fails, except under CI=true, where that fails the tier);
+               build fails, except under CI=true, where that fails the tier), and SGLang's model classes
+               (scripts/build_sglang_cpu.sh; opt-in with DFLASH_SGLANG=1, about 6 GB);
   gpu          needs CUDA (skipped without it).
 A test is `unit` unless it is marked `integration`, `launcher`, `engine` or `gpu`. A unit or integration test that
 starts a Python, shell or launcher process, or a multiprocessing worker, fails with a message saying to

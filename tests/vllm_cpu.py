@@ -1,12 +1,14 @@
 """vLLM for the engine tier: the CPU build in an environment of its own (scripts/build_vllm_cpu.sh), its
-OpenAI-compatible server in a subprocess, and its own config and model code run on an export
-(tests/vllm_contract.py).
+OpenAI-compatible server in a subprocess, its own config and model code run on an export
+(tests/vllm_contract.py), and the drafter as that build computes it (`as_cpu_build_runs`).
 
 Outside CI a failed build skips the tier with the reason; with CI=true it fails (tests/llama_cpp.py).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +21,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from dflash_ds.model.draft_model import DraftModel
 from tests.llama_cpp import ROOT, unavailable
 
 BUILD = ROOT / "scripts" / "build_vllm_cpu.sh"
@@ -140,3 +146,59 @@ def contract(python: Path, target: Path, export: Path, method: str, num_speculat
     result = json.loads(lines[-1])
     assert "error" not in result, f"{export.name}: {result['error']}\n{r.stderr[-3000:]}"
     return result
+
+
+# vLLM's DFlash model writes the context keys of all layers in one pass: `_normalize_context_k`
+# (vllm/model_executor/models/qwen3_dflash.py) calls `ops.rms_norm` on the keys [L, tokens, heads,
+# head_dim] with the layers' k_norm weights stacked [L, head_dim], relying on the kernel to pick the
+# weight row by the outermost index. The CPU kernel (csrc/cpu/layernorm.cpp, `rms_norm`) reads the
+# first head_dim weights for every row, so on the CPU build the context keys of every layer are
+# normalised with layer 0's k_norm weight; the block's own keys go through each layer's k_norm.
+# This prints [row-0 error, per-row error] of that call on a stacked weight in vLLM's environment.
+RMS_NORM_PROBE = """
+import torch
+from vllm import _custom_ops as ops
+torch.manual_seed(0)
+x, w = torch.randn(2, 3, 2, 32), torch.randn(2, 32)
+out = torch.empty_like(x)
+ops.rms_norm(out, x, w, 1e-6)
+normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+print([(out - normed * w[0]).abs().max().item(), (out - normed * w[:, None, None]).abs().max().item()])
+"""
+
+
+def rms_norm_rows(python: Path) -> list[float]:
+    """[error against weight row 0 everywhere, error against one weight row per layer] of vLLM's
+    `ops.rms_norm` on a stacked weight (RMS_NORM_PROBE)."""
+    r = subprocess.run([str(python), "-c", RMS_NORM_PROBE], capture_output=True, text=True,
+                       timeout=CONTRACT_TIMEOUT, env=dict(os.environ, **ENV))
+    assert r.returncode == 0, f"the rms_norm probe failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+class ContextKeysWithFirstNorm(nn.Module):
+    """A layer's k_norm as vLLM's CPU build applies it: the context's keys (the first `context` rows,
+    set by the attention's pre-hook) with layer 0's k_norm, the block's keys with the layer's own."""
+
+    def __init__(self, own: nn.Module, first: nn.Module):
+        super().__init__()
+        self.own, self.first, self.context = own, first, 0
+
+    def forward(self, k: torch.Tensor) -> torch.Tensor:
+        c = self.context
+        return torch.cat([self.first(k[:, :c]), self.own(k[:, c:])], dim=1)
+
+
+def as_cpu_build_runs(model: DraftModel) -> DraftModel:
+    """The drafter as vLLM's CPU build computes it (RMS_NORM_PROBE's comment): a copy whose layers
+    after the first normalise the context's keys with layer 0's k_norm; `model` is left as it is."""
+    drafter = copy.deepcopy(model.drafter)
+    first = drafter.layers[0].self_attn.k_norm
+    for layer in list(drafter.layers)[1:]:
+        norm = ContextKeysWithFirstNorm(layer.self_attn.k_norm, first)
+        layer.self_attn.k_norm = norm
+
+        def count_context(module, args, norm=norm):
+            norm.context = args[1].ctx.shape[1]  # DFlashAttention.forward(xn, inputs): keys are [ctx ; block]
+        layer.self_attn.register_forward_pre_hook(count_context)
+    return dataclasses.replace(model, drafter=drafter)
