@@ -185,7 +185,8 @@ class Answers(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     httpd = http.server.HTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    # shutdown() waits for the serving loop's next poll: 0.5 s a test at the default interval.
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
