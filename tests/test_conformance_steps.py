@@ -142,8 +142,11 @@ def update(names: list[str]) -> None:
     for name in names or architectures():
         records[name] = train(name)
         print(f"{name}: objective {records[name][0]['objective']:.5f} -> {records[name][-1]['objective']:.5f}")
-    RECORD.write_text(json.dumps({"about": f"tests/test_conformance_steps.py; regenerate with `{UPDATE} [NAME ...]`",
-                                  "records": dict(sorted(records.items()))}, indent=1) + "\n")
+    # One line per step, so that a regenerated record reads as a diff of the steps that changed.
+    about = json.dumps(f"tests/test_conformance_steps.py; regenerate with `{UPDATE} [NAME ...]`")
+    archs = [f"  {json.dumps(name)}: [\n" + ",\n".join(f"   {json.dumps(step)}" for step in steps) + "\n  ]"
+             for name, steps in sorted(records.items())]
+    RECORD.write_text(f'{{\n "about": {about},\n "records": {{\n' + ",\n".join(archs) + "\n }\n}\n")
 
 
 if __name__ == "__main__":
