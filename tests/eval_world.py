@@ -24,17 +24,18 @@ def final_states(target, x: torch.Tensor) -> torch.Tensor:
         return target.model(input_ids=x[None]).last_hidden_state[0]
 
 
-def trained_world(section, arch_loss, gamma: float, steps: int = 120) -> dict:
+def trained_world(section, arch_loss, gamma: float | None, steps: int = 120, *, hidden: int = 64, new: int = NEW) -> dict:
     """target, prompts, sequences and the DraftModel of `section` (a config.DrafterConfig) trained
-    `steps` AdamW steps on the four sequences' response tokens."""
+    `steps` AdamW steps on the four sequences' response tokens (gamma None: the architecture's default
+    loss decay); the target `hidden` wide, its responses `new` tokens long (the world's "new")."""
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
-                      rope_theta=1e6, tie_word_embeddings=False)
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                      num_attention_heads=hidden // 16, num_key_value_heads=max(hidden // 32, 1), head_dim=16,
+                      vocab_size=VOCAB, max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=False)
     target = Qwen3ForCausalLM(cfg).double().eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 120, (PROMPT_LEN,), generator=gen) for _ in range(6)]
-    sequences = [greedy_continuation(target, p, max_new_tokens=NEW) for p in prompts[:4]]
+    sequences = [greedy_continuation(target, p, max_new_tokens=new) for p in prompts[:4]]
     shape = drafter_shape(target.config, section)
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).double()
@@ -45,6 +46,7 @@ def trained_world(section, arch_loss, gamma: float, steps: int = 120) -> dict:
     final = torch.stack([final_states(target, s) for s in sequences]) if shape.variant.needs_target_logits else None
     mb = MicroBatch(torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences]), x, loss_mask,
                     torch.zeros_like(x, dtype=torch.int32), final)
+    gamma = shape.variant.default_gamma(shape) if gamma is None else gamma
     settings = StepSettings(shape=shape, num_anchors=24, gamma=gamma, loss_chunks=2, mask_kind="dense", seed=0,
                             arch_loss=arch_loss)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
@@ -55,7 +57,7 @@ def trained_world(section, arch_loss, gamma: float, steps: int = 120) -> dict:
         out.loss.backward()
         opt.step()
     drafter.eval().requires_grad_(False)
-    return dict(target=target, prompts=prompts, sequences=sequences, model=model)
+    return dict(target=target, prompts=prompts, sequences=sequences, model=model, new=new)
 
 
 def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
@@ -73,25 +75,28 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
     monkeypatch.setattr(specdec_sampled, "verify_block", coupled_verify)
     accepted = []
     for seed, prompt in enumerate(world["prompts"][:4]):
-        responder = Responder(target, world["model"], SAMPLING, BenchOptions(NEW, seed=seed))
+        responder = Responder(target, world["model"], SAMPLING, BenchOptions(world["new"], seed=seed))
         response = responder.respond(prompt.tolist())
         ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
-                                                         torch.Generator().manual_seed(seed), max_new_tokens=NEW)
+                                                         torch.Generator().manual_seed(seed),
+                                                         max_new_tokens=world["new"])
         assert ids.tolist() == response and counts == responder.result.report.cycles[0]
         accepted += [c - 1 for c in counts]
     return accepted
 
 
-def online_equals_offline(world: dict):
+def online_equals_offline(world: dict, sequences: list | None = None):
     """The exact offline tau's report over the six prompts, after checking that the online reference
-    loop emits the same text and the same cycles for each."""
+    loop emits the same text and the same cycles for each; `sequences`, when a list, receives each
+    prompt + response."""
     from dflash_ds.eval.generate import offline_tau
     from dflash_ds.eval.specdec import speculative_generate
 
-    sequences = []
-    report = offline_tau(world["target"], world["model"], world["prompts"], max_new_tokens=NEW, sequences=sequences)
+    sequences = [] if sequences is None else sequences
+    report = offline_tau(world["target"], world["model"], world["prompts"], max_new_tokens=world["new"],
+                         sequences=sequences)
     for prompt, x, cycles in zip(world["prompts"], sequences, report.cycles):
-        ids, counts = speculative_generate(world["target"], world["model"], prompt, max_new_tokens=NEW)
+        ids, counts = speculative_generate(world["target"], world["model"], prompt, max_new_tokens=world["new"])
         assert ids.tolist() == x[prompt.numel():].tolist()
         assert counts == cycles
     return report

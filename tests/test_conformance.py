@@ -4,7 +4,11 @@ tests/toy_variant.py): what each must do whatever it adds.
 Every recipe loads in the sections' form (no note), round-trips whole through dump_yaml -> load and
 resolves (the tiny ones against their target; the hub ones against the named geometry of their
 target). Every architecture's drafter has exactly the tensors its inventory lists, round-trips its
-config.json, and drafts the same tokens after export -> load (weights bit-exact)."""
+config.json, and drafts the same tokens after export -> load (weights bit-exact).
+
+The suite's other members: the online walk equals the offline count of tau
+(tests/test_conformance_walk.py) and 20 in-process training steps equal a pinned record
+(tests/test_conformance_steps.py), over the same architectures."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A DFlash2 export: tensor names and shapes against the rules of z-lab's public DFlash2 header fixture
-(tests/fixtures/dflash2_header_rules.json, restated as formulas), config.json fields, a bit-exact round
-trip, AutoModel loading with outputs and proposals equal to the project's drafter, the model card."""
+(tests/fixtures/dflash2_header_rules.json, restated as formulas), config.json fields, the refusals of a
+config that does not match (the bit-exact round trip is the conformance suite's), AutoModel loading
+with outputs and proposals equal to the project's drafter, the model card."""
 
 import json
 from pathlib import Path
@@ -106,13 +107,10 @@ def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
     assert "--speculative-num-draft-tokens 8" in card and "DFlash2DraftModel" in card
 
 
-def test_round_trip_is_bit_exact_and_a_v1_reader_refuses_nothing_silently(tmp_path):
+def test_a_dflash2_config_missing_or_mismatching_a_field_is_refused_by_name(tmp_path):
+    # The bit-exact round trip itself is the conformance suite's (tests/test_conformance.py).
     drafter = make_drafter(seed=1)
     out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
-    back = load_drafter(out)
-    assert back.config == drafter.config and back.config.architecture == "dflash2"
-    for n, t in drafter.state_dict().items():
-        assert torch.equal(back.state_dict()[n], t), n
     # A DFlash2 config with a missing field is refused, naming it.
     config = json.loads((out / "config.json").read_text())
     broken = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != "selector_rank"})

@@ -23,6 +23,7 @@ def _export(tmp_path, overrides=(), seed=123):
     return drafter, save_drafter(drafter, tmp_path / "export")
 
 
+@pytest.mark.integration  # the tiny target and its data, trained in this process (README, "Tests")
 def test_a_matching_export_passes_and_the_run_trains_from_its_weights(tmp_path):
     from dflash_ds.data.prepare import load_training_data
     from dflash_ds.model.draft_model import DraftModel

@@ -185,7 +185,8 @@ class Answers(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     httpd = http.server.HTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    # shutdown() waits for the serving loop's next poll: 0.5 s a test at the default interval.
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
@@ -220,9 +221,10 @@ def test_a_silent_wandb_service_is_given_up_after_the_timeout(tmp_path, monkeypa
         monkeypatch.delenv("WANDB_MODE", raising=False)
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
         t = time.monotonic()
-        with pytest.raises(RecipeError, match="did not answer within 1 s"):
-            launch.check_wandb(tiny(tmp_path, *WANDB), timeout=1)
-        assert time.monotonic() - t < 4
+        # A short timeout: the check waits it out in full.
+        with pytest.raises(RecipeError, match="did not answer within 0.2 s"):
+            launch.check_wandb(tiny(tmp_path, *WANDB), timeout=0.2)
+        assert time.monotonic() - t < 3.2
     finally:
         listener.close()
 

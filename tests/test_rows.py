@@ -96,6 +96,7 @@ def _long_answer_chats(path: Path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
+@pytest.mark.integration  # the whole data preparation of 300 long chats at the flagship's rows: seconds
 @pytest.mark.parametrize("row_length, bound", [(None, 0.03), (3072, None)], ids=["flagship_rows", "rows3072"])
 def test_prepare_long_answers_with_the_flagship_recipe_pads_little(tmp_path, row_length, bound):
     from transformers import AutoTokenizer

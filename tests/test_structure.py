@@ -30,6 +30,7 @@ nothing cannot pass unnoticed.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = "dflash_ds"
@@ -47,7 +48,15 @@ def module_name(path: Path, root: Path) -> str:
 
 def sources(root: Path) -> dict[str, tuple[Path, ast.Module]]:
     """Module name -> (path, parsed tree) for every .py file of the package under `root`."""
-    return {module_name(p, root): (p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(root.rglob("*.py"))}
+    files = sorted(root.rglob("*.py"))
+    return {module_name(p, root): (p, _parsed(p, p.stat().st_mtime_ns, p.stat().st_size)) for p in files}
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path, mtime_ns: int, size: int) -> ast.Module:
+    # Every check walks the whole package: parse each file once per session (a file written since is
+    # parsed again, its modification time and size being part of the key). The checks only read the trees.
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 def parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
