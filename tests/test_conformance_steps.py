@@ -75,9 +75,9 @@ def step_record(out, blocks, settings: StepSettings, weight: float) -> dict:
     shape = settings.shape
     w = blocks.weights.view(blocks.weights.shape[0], -1, settings.block_size)
     run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=shape.first_draft_slot)
-    rec = {"objective": float(out.loss.detach()), "loss": float(out.ce_sum) / weight,
-           "accept_proxy": float(run_sum) / max(float(counted), 1.0), "kl": float(out.kl_sum) / weight}
-    sums = {n: float(v) for n, v in zip(shape.variant.log_names(shape), out.extra)}
+    rec = {"objective": float(out.loss.detach()), "loss": float(out.sums["ce"]) / weight,
+           "accept_proxy": float(run_sum) / max(float(counted), 1.0), "kl": float(out.sums["kl"]) / weight}
+    sums = {n: float(out.sums[n]) for n in shape.variant.log_names(shape)}
     rec.update(shape.variant.log_record(sums, weight))
     return rec
 
