@@ -2,7 +2,7 @@
 # The quality lab (docs/quality.md), one step per command so that each fits a 10-minute device call:
 #   bash scripts/quality_lab.sh OUT prepare              CPU side, needs PyPI: corpus, tokenizer, conversations
 #     (carry runs/lab/corpus.jsonl.xz, runs/lab/tokenizer and runs/lab/conversations.tar.xz to the GPU machine)
-#   bash scripts/quality_lab.sh OUT target               GPU: the lab target (~7.5 min), then its regeneration
+#   bash scripts/quality_lab.sh OUT target               GPU: the lab target (~5.5 min), then its regeneration
 #   bash scripts/quality_lab.sh OUT regenerate           GPU: finish a time-boxed regeneration (resumes)
 #   bash scripts/quality_lab.sh OUT train NAME [k=v ...] GPU: one drafter run, trained and evaluated
 #   bash scripts/quality_lab.sh OUT run PHASE NAME [k=v ...]   the same, PHASE train, eval or all
