@@ -133,11 +133,11 @@ def test_the_scores_follow_the_definition(pkg):
     emb, hidden, context = torch.randn(n, s, k, D).double(), torch.randn(n, s, D).double(), torch.randn(n, D).double()
     lp = torch.randn(n, s, VOCAB).double().log_softmax(-1).topk(k, dim=-1).values
     feats = candidate_features(lp)
-    assert torch.allclose(feats[..., 0], lp.float()) and torch.allclose(feats[..., 1], lp.exp().float())
-    assert torch.equal(feats[0, 0, :, 3], torch.tensor([0, 1 / 3, 2 / 3, 1.0])) and feats[..., 4].sum() == n * s
+    assert torch.equal(feats[..., 0], lp) and torch.equal(feats[..., 1], lp.exp())
+    assert torch.equal(feats[0, 0, :, 3], torch.tensor([0, 1 / 3, 2 / 3, 1.0], dtype=torch.float64)) and feats[..., 4].sum() == n * s
     valid = torch.tensor([True, False, True])
     got = head(emb, lp, hidden, context, valid=valid)
-    assert got.start.shape == (n, k) and got.pair.shape == (n, s - 1, k, k) and got.start.dtype == torch.float32
+    assert got.start.shape == (n, k) and got.pair.shape == (n, s - 1, k, k) and got.start.dtype == torch.float64
     assert got.start.abs().max() <= 8.0 and got.pair.abs().max() <= 8.0
     # An anchor that does not exist scores as a zero context row would, whatever the row holds.
     zeroed = head(emb, lp, hidden, context * torch.tensor([1.0, 0.0, 1.0]).double()[:, None], valid=valid)
@@ -150,9 +150,9 @@ def test_the_scores_follow_the_definition(pkg):
     into = head.in_head(f).view(n, s, k, -1)
     ao = head.anchor_out_head(alpha)
     cos = torch.nn.functional.cosine_similarity
-    assert torch.allclose(got.start, (8.0 * cos(ao[:, None], into[:, 0], dim=-1)).float(), atol=1e-6)
+    assert torch.allclose(got.start, 8.0 * cos(ao[:, None], into[:, 0], dim=-1), atol=1e-12)
     want = 8.0 * cos(out[:, 0, :, None], into[:, 1, None, :], dim=-1)
-    assert torch.allclose(got.pair[:, 0], want.float(), atol=1e-6)
+    assert torch.allclose(got.pair[:, 0], want, atol=1e-12)
 
 
 def rule_shapes(rules: dict, symbols: dict, layers: dict) -> dict[str, tuple[int, ...]]:
@@ -284,3 +284,13 @@ def test_an_export_missing_a_key_or_routed_elsewhere_is_refused(pkg):
     off = dict(config, dflash_config=dict(config["dflash_config"], lilicorr_enabled=False))
     with pytest.raises(ValueError, match="lilicorr_enabled true"):
         DrafterShape.from_hf_config(off)
+
+
+def test_a_bf16_head_scores_in_fp32(pkg):
+    """The cosines are formed in the head's dtype and scaled in fp32, as the engines do (the walk's
+    argmax reads fp32 log-factors)."""
+    head = make_drafter(pkg, seed=6).lilicorr.bfloat16()
+    k, s, n = 4, B - 1, 2
+    lp = torch.randn(n, s, VOCAB).log_softmax(-1).topk(k, dim=-1).values
+    got = head(torch.randn(n, s, k, D), lp, torch.randn(n, s, D), torch.randn(n, D), valid=torch.ones(n))
+    assert got.start.dtype == got.pair.dtype == torch.float32 and torch.isfinite(got.pair).all()

@@ -16,13 +16,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_ds.model.variants.base import Card, FieldError, Serving, Tensor, Wrappers
+import torch
+
+from dflash_ds.model.variants.base import Card, FieldError, Proposal, Serving, Tensor, Wrappers
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.dflash2.parts import BlockConv
 from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
+from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score
 from dflash_ds.model.variants.registry import register
 
-if TYPE_CHECKING:  # it reads the architectures (model/variants/__init__.py)
+if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
+    from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.shape import DrafterShape
 
 MAX_TOPK = 16
@@ -177,9 +181,11 @@ class LiLiCorr(DFlash):
         if f.conv and shape.hidden_size % f.block_conv_group_size:
             raise FieldError("block_conv_group_size", f"= {f.block_conv_group_size} must divide the hidden size "
                              f"{shape.hidden_size}")
-        if shape.output_multiplier != 1.0 or shape.final_logit_softcapping is not None:
-            raise FieldError("output_multiplier", "scales or caps the target's logits, and the engines take LiLiCorr's "
-                             "candidate log-probs from the raw lm_head logits: LiLiCorr is trained for targets "
+        if shape.output_multiplier != 1.0 or shape.final_logit_softcapping is not None \
+                or shape.input_embedding_scale != 1.0:
+            raise FieldError("output_multiplier", "scales or caps the target's logits (or input_embedding_scale its "
+                             "embedding), and the engines take LiLiCorr's candidate log-probs from the raw lm_head "
+                             "logits and its candidates' raw embedding rows: LiLiCorr is trained for targets "
                              "without a logit transform only (Qwen3, Llama)")
 
     def config_entries(self, shape: DrafterShape) -> dict:
@@ -260,6 +266,26 @@ class LiLiCorr(DFlash):
         position = token + NUM_FEATURES * h + h * h + g.num_layers * (4 * h * h + 2 * h * m) + 3 * h * h + 2 * h * g.factor_dim
         per_slot = g.top_k * position + h * d + (h * d + h * g.factor_dim) / max(g.slots, 1)
         return int(6 * per_slot * draft_tokens)
+
+    # --------------------------------------------------------------------------------- the walk
+
+    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
+                context: torch.Tensor | None = None, context_valid: torch.Tensor | None = None) -> Proposal:
+        """The engines' greedy walk over the head's log-factors (walk.py). The head reads each anchor's
+        context row, `context` [n, D]: hidden_norm(fc(taps)) at the position before the anchor, zero-weighted
+        where `context_valid` [n] is false (default: every row exists)."""
+        if p_min > 0:
+            raise ValueError("llama.cpp's --spec-draft-p-min cut of a LiLiCorr draft is not modelled (no llama.cpp "
+                             "release loads LiLiCorr); predict its rounds with p_min 0")
+        if context is None:
+            raise ValueError("a LiLiCorr draft reads each anchor's context row (hidden_norm(fc(taps)) at the position "
+                             "before the anchor); pass context [n, D]")
+        if context_valid is None:
+            context_valid = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        with torch.no_grad():
+            found, factors = score(model, hidden, context.to(hidden.device), context_valid.to(hidden.device))
+            tokens = chosen(found, greedy_path(factors))
+        return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
 
     # --------------------------------------------------------------------------------- the card
 

@@ -186,13 +186,13 @@ class Factors(NamedTuple):
 
 def candidate_features(log_probs: torch.Tensor) -> torch.Tensor:
     """The five features [..., k, 5] of candidates whose full-vocabulary log-probs are `log_probs`
-    [..., k] (rank order), in fp32."""
-    lp = log_probs.float()
+    [..., k] (rank order), in fp32 (float64 log-probs, of reference checks, stay float64)."""
+    lp = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
     k = lp.shape[-1]
-    rank = torch.arange(k, device=lp.device, dtype=torch.float32)
+    rank = torch.arange(k, device=lp.device, dtype=lp.dtype)
     frac = rank / (k - 1) if k > 1 else torch.zeros_like(rank)
     return torch.stack([lp, lp.exp(), lp - lp.max(-1, keepdim=True).values, frac.expand_as(lp),
-                        (rank == 0).float().expand_as(lp)], dim=-1)
+                        (rank == 0).to(lp.dtype).expand_as(lp)], dim=-1)
 
 
 class LiLiCorrHead(PaddedParameters):
@@ -289,7 +289,8 @@ class LiLiCorrHead(PaddedParameters):
 
     def forward(self, embeddings: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor,
                 context: torch.Tensor, *, valid: torch.Tensor) -> Factors:
-        """The log-factors (fp32) of n blocks: `logit_scale` times the cosines."""
+        """The log-factors (at least fp32) of n blocks: `logit_scale` times the cosines."""
         start, pair = self.cosines(self.lattice(embeddings, log_probs, hidden), self.anchor(context, valid))
-        scale = self.geometry.logit_scale
-        return Factors(scale * start.float(), scale * pair.float())
+        # fp32 for bf16 heads, as the engines scale them; a float64 head (reference checks) stays float64.
+        dtype, scale = torch.promote_types(start.dtype, torch.float32), self.geometry.logit_scale
+        return Factors(scale * start.to(dtype), scale * pair.to(dtype))
