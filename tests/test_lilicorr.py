@@ -4,8 +4,9 @@ that loads and saves under the engines' names), Model-Optimizer's initialisation
 an export held against the readers' rules (tests/fixtures/lilicorr_reader_rules.json) with a bit-exact
 round trip.
 
-The architecture is not in model/variants/__init__.py's list yet (its loss and walk are not built): each
-test registers it for its own duration only, so no other test sees it."""
+The architecture is not in model/variants/__init__.py's list yet (its loss terms are not wired into the
+fused loss): each test registers it for its own duration only, so no other test sees it
+(tests/lilicorr_unlisted.py)."""
 
 import json
 import math
@@ -20,8 +21,8 @@ from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants.registry import entries
 from dflash_ds.resolve.drafter import drafter_shape
+from tests.lilicorr_unlisted import registered
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "lilicorr_reader_rules.json").read_text())
 D, VOCAB, B = 64, 128, 4
@@ -30,14 +31,8 @@ TINY = {"candidate_topk": 4, "head_hidden_size": 16, "factor_dim": 16, "num_laye
 
 @pytest.fixture
 def pkg(monkeypatch):
-    """The lilicorr package, registered for this test only (importing it registers it for good; the
-    registration is taken back at teardown)."""
-    from dflash_ds.model.variants import lilicorr
-
-    for registry, key, value in entries(lilicorr.LiLiCorr):
-        registry.pop(key, None)
-        monkeypatch.setitem(registry, key, value)
-    return lilicorr
+    """The lilicorr package, registered for this test only (tests/lilicorr_unlisted.py)."""
+    return registered(monkeypatch)
 
 
 def target_config(**kw):
@@ -236,7 +231,7 @@ def test_the_export_follows_the_readers_rules_and_loads_back_bit_exact(pkg, tmp_
 def test_the_recipe_sections_keep_model_optimizers_defaults(pkg):
     f, o = pkg.LiLiCorrFields(), pkg.LiLiCorrObjective()
     assert (f.candidate_topk, f.head_hidden_size, f.factor_dim, f.num_layers, f.num_heads) == (8, 1024, 1024, 2, 8)
-    assert (f.mlp_ratio, f.logit_scale, f.vector_eps, f.conv) == (2.0, 8.0, 1e-4, False)
+    assert (f.mlp_ratio, f.score_scale, f.vector_eps, f.conv) == (2.0, 8.0, 1e-4, False)
     assert (o.w_ce, o.w_margin, o.w_pen, o.margin, o.soft_value) == (0.25, 0.0, 0.25, 2.0, True)
     o.check()
     pkg.LiLiCorrObjective(w_ce=0.125, w_margin=0.125).check()  # Model-Optimizer's margin variant
@@ -253,7 +248,7 @@ def test_the_recipe_sections_keep_model_optimizers_defaults(pkg):
     ({"head_hidden_size": 12, "num_heads": 4}, r"head_hidden_size = 12 must be a multiple of 8"),
     ({"factor_dim": 0}, r"factor_dim = 0 must be >= 1"),
     ({"mlp_ratio": 0.3}, r"mlp_ratio = 0.3 must be > 0"),
-    ({"logit_scale": 0.0}, r"logit_scale = 0.0 must be finite and > 0"),
+    ({"score_scale": 0.0}, r"score_scale = 0.0 must be finite and > 0"),
     ({"vector_eps": 0.5}, r"vector_eps = 0.5 must be in \(0, 0.5\)"),
     ({"block_conv_kernel_size": 2}, r"block_conv_kernel_size = 2 and block_conv_group_size = 0: set both"),
     ({"block_conv_kernel_size": 5, "block_conv_group_size": 16}, r"block_conv_kernel_size = 5 must not exceed"),

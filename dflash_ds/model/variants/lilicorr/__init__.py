@@ -61,9 +61,10 @@ class LiLiCorrFields:
     """Attention heads of those layers (Model-Optimizer: 8); divides the head's width."""
     mlp_ratio: float = 2.0
     """Their MLP's width over the head's (Model-Optimizer: 2.0; ungated SiLU MLP)."""
-    logit_scale: float = 8.0
-    """lambda: the log-factors are lambda times the cosines, a fixed constant (Model-Optimizer: 8.0). It
-    changes the walk's scores without changing a shape, so every reader requires it in the export."""
+    score_scale: float = 8.0
+    """lambda: the log-factors are lambda times the cosines, a fixed constant (Model-Optimizer's logit_scale:
+    8.0). It changes the walk's scores without changing a shape, so every reader requires it in the
+    export, as `lilicorr_logit_scale` (named apart from the target configs' own logit_scale here)."""
     vector_eps: float = 1e-4
     """Floor of the factor vectors' norm before normalising (Model-Optimizer: 1e-4)."""
     block_conv_kernel_size: int = 0
@@ -80,7 +81,7 @@ class LiLiCorrFields:
 
 
 # dflash_config key of each field (the readers' names).
-_RENAMED = {"head_hidden_size": "lilicorr_hidden_size", "block_conv_kernel_size": "conv_kernel_size",
+_RENAMED = {"head_hidden_size": "lilicorr_hidden_size", "score_scale": "lilicorr_logit_scale", "block_conv_kernel_size": "conv_kernel_size",
             "block_conv_group_size": "conv_group_size"}
 CONFIG_KEYS = {f.name: _RENAMED.get(f.name, f"lilicorr_{f.name}") for f in dataclasses.fields(LiLiCorrFields)}
 
@@ -123,7 +124,7 @@ def geometry(shape: DrafterShape) -> Geometry:
     width = f.head_hidden_size or shape.hidden_size
     return Geometry(hidden=shape.hidden_size, width=width, factor_dim=f.factor_dim, num_layers=f.num_layers,
                     num_heads=f.num_heads, mlp_width=int(width * f.mlp_ratio), slots=shape.block_size - 1,
-                    top_k=f.candidate_topk, eps=shape.rms_norm_eps, logit_scale=f.logit_scale,
+                    top_k=f.candidate_topk, eps=shape.rms_norm_eps, logit_scale=f.score_scale,
                     vector_eps=f.vector_eps)
 
 
@@ -168,8 +169,8 @@ class LiLiCorr(DFlash):
                 int(width * f.mlp_ratio) < 1:
             raise FieldError("mlp_ratio", f"= {f.mlp_ratio} must be > 0 and make width * mlp_ratio "
                              f"({int(width * max(f.mlp_ratio, 0))}) a positive multiple of {ALIGN}")
-        if not (math.isfinite(f.logit_scale) and f.logit_scale > 0):
-            raise FieldError("logit_scale", f"= {f.logit_scale} must be finite and > 0 (Model-Optimizer: 8.0)")
+        if not (math.isfinite(f.score_scale) and f.score_scale > 0):
+            raise FieldError("score_scale", f"= {f.score_scale} must be finite and > 0 (Model-Optimizer: 8.0)")
         if not 0 < f.vector_eps < 0.5:
             raise FieldError("vector_eps", f"= {f.vector_eps} must be in (0, 0.5) (Model-Optimizer: 1e-4)")
         if (f.block_conv_kernel_size > 0) != (f.block_conv_group_size > 0):
@@ -189,7 +190,7 @@ class LiLiCorr(DFlash):
                              "without a logit transform only (Qwen3, Llama)")
 
     def config_entries(self, shape: DrafterShape) -> dict:
-        # No reader takes any of these from elsewhere or defaults one: logit_scale and vector_eps change
+        # No reader takes any of these from elsewhere or defaults one: the logit scale and vector_eps change
         # the scores without changing a shape. The convolution's keys only with the convolution.
         f = shape.arch_fields
         out = {"block_size": shape.block_size, "projector_type": PROJECTOR, "lilicorr_enabled": True}
@@ -292,7 +293,7 @@ class LiLiCorr(DFlash):
     def card(self, shape: DrafterShape) -> Card:
         f, g, b = shape.arch_fields, geometry(shape), shape.block_size
         rows = [f"| LiLiCorr head | top {g.top_k} candidates a slot, width {g.width}, {g.num_layers} lattice layers "
-                f"x {g.num_heads} heads, factors {g.factor_dim}, logit scale {f.logit_scale} |"]
+                f"x {g.num_heads} heads, factors {g.factor_dim}, logit scale {f.score_scale} |"]
         if f.conv:
             rows.append(f"| block convolution | {f.block_conv_kernel_size} taps, groups of {f.block_conv_group_size} "
                         "channels |")
