@@ -97,10 +97,10 @@ def test_the_fused_loss_is_the_dflash_loss_plus_the_lattice_terms(monkeypatch, w
         / sums.supervised * (w.sum() / normaliser)
     assert int(sums.supervised) >= 6 and not found.valid.all()  # supervised slots, and an excluded block
     assert float((full.loss - ce_only.loss - lattice).detach()) == pytest.approx(0.0, abs=1e-12)
-    assert float(full.sums["lilicorr_hinge_sum"]) == (0.0 if weights is BASE else pytest.approx(float(sums.hinge)))
+    assert float(full.sums["lilicorr_hinge_sum"]) == (0.0 if weights is BASE else pytest.approx(float(sums.hinge.detach())))
     assert float(full.sums["lilicorr_supervised"]) == float(sums.supervised)
     if weights is MARGIN:
-        assert float(sums.hinge) > 0
+        assert float(sums.hinge.detach()) > 0
 
 
 def test_the_lattice_terms_alone_reach_the_head_and_the_backbone(monkeypatch):
@@ -118,3 +118,27 @@ def test_the_lattice_terms_alone_reach_the_head_and_the_backbone(monkeypatch):
     # The anchor's context row reaches fc; the pass-hidden path and the soft value the last backbone layer.
     assert model.drafter.fc.weight.grad.abs().sum() > 0
     assert model.drafter.layers[-1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_the_log_names_are_the_sums_and_the_record_is_made_of_them(monkeypatch):
+    pkg = registered(monkeypatch)
+    model, mb, settings = world(pkg, seed=3)
+    blocks, hidden, inputs = forward(model, mb, settings)
+    out = chunked(model, blocks, hidden, [CrossEntropy(), *lattice_loss_terms(model, blocks, inputs, MARGIN)],
+                  float(blocks.weights.sum()))
+    variant = pkg.LiLiCorr()
+    assert set(out.sums) - {"ce"} == set(variant.log_names(model.config))
+    sums = {k: float(v.detach()) for k, v in out.sums.items()}
+    rec = variant.log_record(sums, float(blocks.weights.sum()))
+    sup, blocks_n = sums["lilicorr_supervised"], sums["lilicorr_blocks"]
+    assert sup > 0 and blocks_n > 0
+    assert rec["lilicorr_ce"] == pytest.approx(sums["lilicorr_ce_sum"] / sup)
+    assert rec["lilicorr_margin"] == pytest.approx(sums["lilicorr_hinge_sum"] / sup)
+    # k = V: every gold is in the lattice, so the oracle prefix is the whole block and covers every slot.
+    assert rec["lilicorr_oracle_prefix"] == B - 1 and rec["lilicorr_slot_gt_in_lattice"] == 1.0
+    assert rec["lilicorr_oracle_gap"] == pytest.approx(B - 1 - rec["lilicorr_selected_prefix"])
+    assert 0 <= rec["lilicorr_top1_prefix"] <= B - 1 and rec["lilicorr_logfactor_spread"] > 0
+    assert rec["accept_rate_pos_1"] == pytest.approx(sums["lilicorr_accept_sum_1"] / blocks_n)
+    # Nothing to report without a valid block: the fields are left out, not NaN.
+    empty = {k: 0.0 for k in sums}
+    assert variant.log_record(empty, 1.0) == {}

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_ds.model.variants.base import Card, FieldError, Proposal, Serving, Tensor, Wrappers
+from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, Serving, Tensor, Wrappers
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.dflash2.parts import BlockConv
 from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
+from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
 from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score
 from dflash_ds.model.variants.registry import register
 
@@ -137,6 +138,16 @@ class LiLiCorr(DFlash):
     fields = LiLiCorrFields
     objective_keys = LiLiCorrObjective
     needs_target_logits = True  # the penalty reads the target's logits at the candidates
+    logs = LogView(
+        progress=("lattice CE {lilicorr_ce:.3f}",
+                  "prefix sel/top1/oracle {lilicorr_selected_prefix:.2f}/{lilicorr_top1_prefix:.2f}/"
+                  "{lilicorr_oracle_prefix:.2f}", "spread {lilicorr_logfactor_spread:.2f}"),
+        series=(("loss", "lilicorr_ce", "lattice CE"), ("loss", "lilicorr_penalty", "lattice penalty"),
+                ("accept_proxy", "lilicorr_selected_prefix", "reranked prefix"),
+                ("accept_proxy", "lilicorr_oracle_prefix", "oracle prefix")),
+        summary=(("final reranked / top-1 / oracle prefix", "{lilicorr_selected_prefix:.2f} / "
+                  "{lilicorr_top1_prefix:.2f} / {lilicorr_oracle_prefix:.2f}"),
+                 ("final log-factor spread", "{lilicorr_logfactor_spread:.3f}")))
 
     def fields_from_recipe(self, section: Any) -> LiLiCorrFields:
         # Only its own section: a drafter section's attributes of the same names (num_layers, the
@@ -287,6 +298,14 @@ class LiLiCorr(DFlash):
             found, factors = score(model, hidden, context.to(hidden.device), context_valid.to(hidden.device))
             tokens = chosen(found, greedy_path(factors))
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
+
+    # ----------------------------------------------------------------------------------- the logs
+
+    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
+        return sum_names(shape.block_size)
+
+    def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float]:
+        return log_record(sums)
 
     # --------------------------------------------------------------------------------- the card
 

@@ -20,15 +20,15 @@ import torch.nn.functional as F
 
 from dflash_ds.model.blocks import slot_rows
 from dflash_ds.model.loss_terms import OutputTerm, RowTerm
+from dflash_ds.model.variants.lilicorr.logs import TOP_LOG_Q
 from dflash_ds.model.variants.lilicorr.terms import Weights, lattice_logs, lattice_terms, nodes, oracle, soft_log_probs
 
 if TYPE_CHECKING:
     from dflash_ds.model.blocks import Blocks
     from dflash_ds.model.draft_model import DraftModel
 
-TOP_LOG_Q = "lilicorr_top_log_q"
-"""The row term whose per-row values are log q of each row's argmax: the row's log-normaliser is then
-its top raw logit minus this (logits untransformed: LiLiCorr refuses targets with a logit transform)."""
+# TOP_LOG_Q: the row term whose per-row values are log q of each row's argmax: the row's log-normaliser is
+# then its top raw logit minus this (logits untransformed: LiLiCorr refuses targets with a logit transform).
 
 
 def top_log_q(q: torch.Tensor, tz: torch.Tensor | None, grad: bool):
