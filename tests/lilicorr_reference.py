@@ -115,15 +115,22 @@ class ReferenceDraft:
             torch.zeros(0, k, k, dtype=torch.float64)
         return self.scale * start, self.scale * pair
 
-    def walk(self, start: torch.Tensor, pair: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
-        """SGLang's greedy selection: the start row broadcast over the predecessor axis on top of the pair
-        rows ([S, k, k]), every row turned into the one-hot of its first maximum, then the inverse-CDF walk
-        from predecessor 0 with one uniform a slot (which the one-hot rows make irrelevant)."""
+    def walk(self, start: torch.Tensor, pair: torch.Tensor, uniforms: torch.Tensor, temperature: float = 0.0
+             ) -> list[int]:
+        """SGLang's selection: the start row broadcast over the predecessor axis on top of the pair rows
+        ([S, k, k]); at temperature 0 every row turned into the one-hot of its first maximum, else into
+        softmax(row / T); then the inverse-CDF walk from predecessor 0 with one uniform a slot (which the
+        one-hot rows make irrelevant)."""
         k = self.k
         scores = torch.cat([start.expand(1, k, k), pair], dim=0)
         probs = torch.zeros_like(scores)
         for s in range(scores.shape[0]):
             for i in range(k):
+                if temperature > 0:
+                    e = [math.exp(float(scores[s, i, j] - scores[s, i].max()) / temperature) for j in range(k)]
+                    for j in range(k):
+                        probs[s, i, j] = e[j] / sum(e)
+                    continue
                 best = 0
                 for j in range(1, k):
                     if scores[s, i, j] > scores[s, i, best]:

@@ -83,3 +83,23 @@ def test_a_walk_without_the_anchor_row_or_with_a_cut_is_refused(pkg):
         pkg.LiLiCorr().propose(model, states, anchors)
     with pytest.raises(ValueError, match="p_min 0"):
         pkg.LiLiCorr().propose(model, states, anchors, 0.5, context=context)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 2.0])
+def test_the_sampled_walk_equals_sglangs_inverse_cdf_walk(pkg, temperature):
+    from dflash_ds.model.variants.lilicorr.walk import sampled_path
+
+    model, states, context, anchors = world(pkg, 14)
+    drafter = model.drafter
+    ref = ReferenceDraft(drafter.state_dict(), drafter.config.to_hf_config()["dflash_config"], drafter.config.rms_norm_eps)
+    found, factors = pkg.walk.score(model, states, context, torch.ones(states.shape[0], dtype=torch.bool))
+    uniforms = torch.rand(states.shape[0], B - 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    path = sampled_path(factors, temperature, uniforms)
+    greedy = greedy_path(factors).index
+    assert not torch.equal(path.index, greedy)  # the draws move off the greedy path somewhere
+    for b in range(states.shape[0]):
+        want = ref.walk(factors.start[b].detach(), factors.pair[b].detach(), uniforms[b], temperature)
+        assert path.index[b].tolist() == want, b
+    assert torch.allclose(path.rows.sum(-1), torch.ones_like(path.rows[..., 0]))
+    with pytest.raises(ValueError, match="use greedy_path"):
+        sampled_path(factors, 0.0, uniforms)

@@ -71,6 +71,29 @@ def greedy_path(factors: Factors) -> Path:
     return Path(torch.stack(index, dim=1), torch.stack(rows, dim=1))
 
 
+def sampled_path(factors: Factors, temperature: float, uniforms: torch.Tensor) -> Path:
+    """The walk at temperature `temperature` > 0 with one uniform a slot (`uniforms` [n, S] in [0, 1)), as
+    SGLang draws it: each slot's proposal is q = softmax(row / T) over its k candidates (row: the start
+    factors, then the row leaving the previous choice), the index the number of cumulative q at or below
+    the uniform, capped at the last candidate with q > 0. `rows` holds the q rows (the proposal
+    distributions min(1, p / q) is checked against)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for a sampled walk, got {temperature}; use greedy_path for 0")
+    row = factors.start
+    index, rows = [], []
+    k = row.shape[-1]
+    positions = torch.arange(k, device=row.device)
+    for s in range(factors.pair.shape[1] + 1):
+        if s > 0:
+            row = factors.pair[:, s - 1].gather(1, index[-1][:, None, None].expand(-1, 1, k)).squeeze(1)
+        q = torch.softmax(row / temperature, dim=-1)
+        count = (uniforms[:, s, None] >= q.cumsum(-1)).sum(-1)
+        last = torch.where(q > 0, positions, torch.zeros_like(positions)).amax(-1)
+        rows.append(q)
+        index.append(torch.minimum(count, last))
+    return Path(torch.stack(index, dim=1), torch.stack(rows, dim=1))
+
+
 def score(model: DraftModel, hidden: torch.Tensor, context: torch.Tensor, context_valid: torch.Tensor
           ) -> tuple[Candidates, Factors]:
     """The candidates and the head's log-factors of n blocks from the drafted slots' states `hidden`
