@@ -289,3 +289,40 @@ def test_a_bf16_head_scores_in_fp32(pkg):
     lp = torch.randn(n, s, VOCAB).log_softmax(-1).topk(k, dim=-1).values
     got = head(torch.randn(n, s, k, D), lp, torch.randn(n, s, D), torch.randn(n, D), valid=torch.ones(n))
     assert got.start.dtype == got.pair.dtype == torch.float32 and torch.isfinite(got.pair).all()
+
+
+@pytest.mark.parametrize("geometry", ["qwen3.6-27b", "qwen3-8b", "qwen3.6-35b-a3b"])
+@pytest.mark.parametrize("fields", [{}, {"block_conv_kernel_size": 2, "block_conv_group_size": 16},
+                                    {"head_hidden_size": 0}], ids=["base", "conv", "full width"])
+def test_the_head_keeps_zero2_gradients_aligned_at_real_geometries(pkg, geometry, fields):
+    """Model-Optimizer's published shape (k 8, width 1024, 2 layers of 8 heads, factors 1024) at block 16 on the
+    real targets: every parameter a multiple of 8 elements (tests/test_variant_seam.py's rule)."""
+    from dflash_ds.target_model.presets import get_geometry, target_config
+
+    section = DrafterConfig(num_layers=5, block_size=16, mask_token_id=get_geometry(geometry).mask_token_id,
+                            architecture="lilicorr", sections={"lilicorr": pkg.LiLiCorrFields(**fields)})
+    with torch.device("meta"):
+        drafter = DFlashDrafter(drafter_shape(target_config(geometry), section))
+    assert not [(n, p.numel()) for n, p in drafter.named_parameters() if p.numel() % 8]
+    assert {n: tuple(t.shape) for n, t in drafter.state_dict().items()} == \
+        {n: t.shape for n, t in drafter.config.tensors().items()}
+
+
+def test_the_convolution_at_init_leaves_the_backbone_unchanged(pkg):
+    """The block convolution starts as the identity and every head draws on its own stream: the backbone of
+    a fresh LiLiCorr+conv drafter computes what a fresh LiLiCorr drafter's does, from the same seed."""
+    from dflash_ds.model.attention import build_mask
+
+    outs = []
+    for fields in ({}, CONV):
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(make_shape(pkg, **fields)).double()
+        g = torch.Generator().manual_seed(1)
+        ctx = torch.randn(1, 12, D, generator=g, dtype=torch.float64)
+        block = torch.randn(1, 2 * B, D, generator=g, dtype=torch.float64)
+        anchors = torch.tensor([[4, 8]])
+        positions = (anchors[..., None] + torch.arange(B)).reshape(1, -1)
+        mask = build_mask(anchors, torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 12, dtype=torch.int32), B,
+                          kind="dense")
+        outs.append(drafter(block, ctx, positions, torch.arange(12)[None], mask))
+    assert torch.equal(outs[0], outs[1])
