@@ -13,7 +13,7 @@ from torch import nn
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.resolve.quantization import refusal
 from dflash_ds.resolve.run import resolve_run
-from dflash_ds.target_model import fp8
+from dflash_ds.quantization import fp8
 from dflash_ds.target_model.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
 
 TINY = "recipes/tiny.yaml"

@@ -724,7 +724,7 @@ def test_fp8_scaled_mm_matches_the_dequantized_product(record, blocks):
     """torch._scaled_mm (rows: fast accumulation; blocks: 1x128 x 128x128) against the float64
     product of the same e4m3 operands, at the 27B MLP's up-projection shape; the compiled input
     quantization against the eager one."""
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3072, 5120, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -763,7 +763,7 @@ def test_fp8_taps_error_at_the_27b_geometry(record):
     from dflash_ds.bench.quantized import layer_io
     from dflash_ds.model.taps import build_target_layer_ids
     from dflash_ds.runtime.engines import speed_up_target_kernels
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
     from dflash_ds.target_model.model import TapCapture, forward_taps, truncate_after
     from dflash_ds.target_model.presets import target_config
 
@@ -805,7 +805,7 @@ def test_fp8_checkpoint_runs_as_stored_on_the_gpu(record, tmp_path):
     GPU) runs through the blockwise FP8 GEMM, and its taps match the dequantized checkpoint's."""
     from tests.test_fp8 import random_target, taps_of, write_fp8_checkpoint
 
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
     from dflash_ds.target_model.model import decoder_layers, load_target
 
     # 512 wide: most projections take the block GEMM (fp8.block_gemm_shape); out_proj / o_proj (128
@@ -1081,8 +1081,8 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
     """The FP8 lm_head's two GEMMs through _scaled_mm against the float64 product of the same e4m3
     operands (the chunk's rows quantized by the compiled front end, W in its two layouts), and the
     fused loss through it against the float64 emulation of the same quantization."""
-    from dflash_ds.target_model.fp8 import dequantize, quantize_rows
-    from dflash_ds.target_model.fp8_head import Fp8Head
+    from dflash_ds.quantization.fp8 import dequantize, quantize_rows
+    from dflash_ds.quantization.fp8_head import Fp8Head
 
     g = torch.Generator(device="cuda").manual_seed(0)
     m, v, d = 1000, 32768, 1024  # 1000 rows: the head pads them to a multiple of 16
@@ -1120,7 +1120,7 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
 def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
     """torchao float8 layers inside the compiled drafter layers: forward and gradients near the bf16 drafter's."""
     pytest.importorskip("torchao")
-    from dflash_ds.runtime.fp8_drafter import convert_layers
+    from dflash_ds.quantization.fp8_drafter import convert_layers
 
     cfg = DrafterShape(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,

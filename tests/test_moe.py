@@ -210,7 +210,7 @@ def test_unsupported_expert_layout_is_refused():
 
 
 def test_fp8_experts_equal_a_per_token_reference():
-    from dflash_ds.target_model.fp8 import dequantize, quantize_rows
+    from dflash_ds.quantization.fp8 import dequantize, quantize_rows
 
     model = tiny_moe(dtype=torch.float32)
     mod = moe.experts_modules(model)[0][1]

@@ -15,7 +15,7 @@
   (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
   string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
   architecture's `logs` view instead);
-- model/ and target_model/ speak no recipe vocabulary: no message (a string that is not documentation)
+- model/, target_model/ and quantization/ speak no recipe vocabulary: no message (a string that is not documentation)
   names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
 - one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
   stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
@@ -193,13 +193,13 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 
 
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
-# (recipe -> rows -> drafter model -> target -> export/eval -> run spec -> distributed run -> how it
+# (recipe -> rows and the FP8 mechanism -> drafter model -> target -> export -> eval -> run spec -> distributed run -> how it
 # starts and stops -> entry points).
 LAYERS = [
-    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries"),
-    ("dflash_ds.data", "dflash_ds.metrics"),
+    ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries", "dflash_ds.compile"),
+    ("dflash_ds.data", "dflash_ds.metrics", "dflash_ds.quantization"),
     ("dflash_ds.model",),
-    ("dflash_ds.model_card", "dflash_ds.target_model"),
+    ("dflash_ds.target_model",),
     ("dflash_ds.export",),
     ("dflash_ds.eval", "dflash_ds.report"),
     ("dflash_ds.resolve",),
@@ -293,7 +293,7 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     return names, attributes, fields, logs
 
 
-MECHANISM_FOLDERS = ("model", "target_model")
+MECHANISM_FOLDERS = ("model", "target_model", "quantization")
 
 
 def recipe_keys() -> set[str]:
@@ -517,7 +517,7 @@ def test_model_code_names_no_recipe_key():
     assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls",
             "drafter.dspark.markov_rank", "objective.dflash2.selector_alpha"} <= keys
     found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
-    assert not found, ("messages in dflash_ds/model/ or dflash_ds/target_model/ that name a recipe key (raise a "
+    assert not found, ("messages in dflash_ds/model/, target_model/ or quantization/ that name a recipe key (raise a "
                        "neutral error there and name the setting at the boundary, config/checks.py or "
                        "resolve/):\n  " + "\n  ".join(found))
 def test_messages_go_through_one_channel():

@@ -15,7 +15,7 @@ from .setup import Setup, setup_rows
 
 def count_linear_params(module: nn.Module) -> int:
     """Weights of every nn.Linear (or FP8 linear) under `module` (the matmuls of a forward)."""
-    from dflash_ds.target_model.fp8 import Fp8Linear
+    from dflash_ds.quantization.fp8 import Fp8Linear
 
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Fp8Linear)))
 

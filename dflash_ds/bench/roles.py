@@ -89,8 +89,7 @@ def build_drafter(setup: Setup, group, matrices: tuple[torch.Tensor, torch.Tenso
     lm_head quantized). Returns (DraftModel, engine, the engine's JSON)."""
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.runtime.engines import build_drafter_engine
-    from dflash_ds.runtime.fp8_drafter import loss_head
+    from dflash_ds.runtime.engines import build_drafter_engine, loss_head
 
     torch.manual_seed(seed)
     drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
@@ -108,9 +107,8 @@ def drafter_step(setup: Setup, engine, model, source, group):
     """One optimizer step of a drafter rank: `DrafterTrainer.train_step` itself (payloads -> unpack
     -> make_blocks -> step-wide weight all-reduce -> per micro-batch drafter_loss, engine.backward,
     engine.step -> acceptance proxy bookkeeping). Only the logging done at log steps is left out."""
-    from dflash_ds.guard.control import NullControl
+    from dflash_ds.bench.stand_ins import NoSyncTimer, NullControl
     from dflash_ds.runtime.trainer import DrafterParts, DrafterTrainer
-    from dflash_ds.runtime.profiling import NoSyncTimer
 
     trainer = DrafterTrainer(setup.run, 0, DrafterParts(engine, model, source, group, NoSyncTimer()), NullControl())
 

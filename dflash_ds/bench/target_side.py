@@ -29,7 +29,7 @@ def build_target_model(setup: Setup, use_engine: bool):
     if moe.experts_modules(model):
         moe.use_experts(model, setup.recipe.target.experts_implementation)
     if setup.recipe.target.quantization == "fp8" and getattr(setup.args, "fp8_blocks", False):
-        from dflash_ds.target_model.fp8 import BLOCKS, quantize_model
+        from dflash_ds.quantization.fp8 import BLOCKS, quantize_model
 
         quantize_model(model, BLOCKS)  # as a published FP8 checkpoint stores it; the engine keeps these
     kind = "none"

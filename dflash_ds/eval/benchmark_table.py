@@ -182,7 +182,7 @@ def run_recipe(recipe) -> list[dict] | None:
 def after_training(recipe) -> int:
     """The benchmark table of a finished run: printed, written to benchmarks.json and into the card.
     (The report, a layer above, is redrawn by the caller: train.py, or `python -m dflash_ds.report`.)"""
-    from dflash_ds.model_card import add_benchmarks_to_card
+    from dflash_ds.export.card import add_benchmarks_to_card
 
     e = recipe.eval
     say(f"benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="

@@ -21,7 +21,7 @@ from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model_card import trained_thinking
+from dflash_ds.export.card import trained_thinking
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.safety import Exit, say
 

@@ -148,17 +148,6 @@ class RunControl:
             self.lock.release()
 
 
-class NullControl:
-    """A control for code that runs a role's loop outside a launched run (the bench): it starts at
-    step 0 and is never asked to stop."""
-
-    start: dict | None = None
-    start_step = 0
-
-    def should_stop(self) -> bool:
-        return False
-
-
 def _exit(control: RunControl, code: Exit | int, line: str | None) -> int:
     if line:
         say(line)

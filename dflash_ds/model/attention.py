@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 
 FLEX_BLOCK = 128
 

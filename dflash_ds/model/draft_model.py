@@ -23,7 +23,7 @@ class DraftModel:
     drafter: DFlashDrafter
     embed: torch.Tensor  # [V, D] the target's input embedding, frozen
     lm_head: torch.Tensor  # [V, D] the target's output projection, frozen (never exported)
-    # The training loss's lm_head matmuls in FP8 (target_model/fp8_head.Fp8Head of lm_head,
+    # The training loss's lm_head matmuls in FP8 (quantization/fp8_head.Fp8Head of lm_head,
     # drafter.fp8.lm_head); None: bf16. Drafting and evaluation always read `lm_head`.
     loss_head: HeadGemms | None = None
 

@@ -116,7 +116,7 @@ def _swiglu_groups(gate_up):
 
 def _front(fn, x: torch.Tensor, compiled: bool):
     if compiled:
-        from dflash_ds.model.compile import compile_once
+        from dflash_ds.compile import compile_once
 
         return compile_once(fn, dynamic=False)(x)
     return fn(x)
@@ -332,9 +332,3 @@ def checkpoint_fp8(config) -> bool:
                                 "dynamic activations are supported")
     return True
 
-
-def check_device(device: torch.device) -> None:
-    """At load, on the rank: the GPU must have FP8 tensor cores."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-        raise QuantizationError(f"FP8 matmuls need compute capability 8.9+ but this rank has {name}")

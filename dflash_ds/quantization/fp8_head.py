@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_ds.target_model.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
+from dflash_ds.quantization.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
 
 _CHUNK_ELEMENTS = 1 << 26  # quantized at a time while W is converted: bounds the float32 temporaries
 
@@ -35,7 +35,7 @@ def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
-        from dflash_ds.model.compile import compile_once
+        from dflash_ds.compile import compile_once
 
         return compile_once(quantize_rows, dynamic=False)(x)
     return quantize_rows(x)

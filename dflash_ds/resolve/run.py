@@ -30,7 +30,7 @@ from dflash_ds.resolve.objective import check_objective
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_parts, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
-from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization
+from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization, check_target_device
 from dflash_ds.safety import say
 from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
@@ -126,6 +126,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *,
         notes += (f"the target's config ({recipe.target.path}) cannot be read here (no hub, not in the HF cache): "
                   "planned with its published geometry (dflash_ds/target_model/presets.py)",)
     check_quantization(recipe.target, device.type, target_kind, tcfg)
+    check_target_device(recipe.target, device)
     check_moe(recipe, tcfg, target_kind, layout)
     geo = target_geometry(tcfg)
     try:

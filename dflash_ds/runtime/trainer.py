@@ -24,11 +24,11 @@ from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.blocks import make_blocks
 from dflash_ds.model.objective import acceptance_proxy, drafter_loss
-from dflash_ds.model_card import card_info
+from dflash_ds.export.card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.profiling import NoSyncTimer, StepProfiler, SyncStallTimer
+from dflash_ds.runtime.profiling import StepProfiler, SyncStallTimer
 from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped, say
@@ -82,7 +82,8 @@ class DrafterParts:
     model: DraftModel
     source: Any  # Receiver (split) or LocalSource (colocated): get / release / close, wait_seconds
     group: Any  # the drafter process group (the step-wide weight and metrics all-reduces)
-    syncs: SyncStallTimer | NoSyncTimer  # idle time in device-wide synchronisations
+    # Idle time in device-wide synchronisations (.seconds, close()); the bench passes a stand-in.
+    syncs: SyncStallTimer
     start: int = 0  # the first step (the run control's decision; the metrics continue from it)
     eval_set: list[torch.Tensor] = field(default_factory=list)  # held-out payloads (host memory), lead only
 
@@ -98,7 +99,7 @@ class LogWindow:
 
 class DrafterTrainer:
     def __init__(self, spec: RunSpec, rank: int, parts: DrafterParts, control):
-        """`control`: guard.control.RunControl (stop votes); the bench passes control.NullControl."""
+        """`control`: guard.control.RunControl (stop votes); the bench passes bench.stand_ins.NullControl."""
         self.spec, self.rank, self.control = spec, rank, control
         self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
@@ -114,8 +115,7 @@ class DrafterTrainer:
         """A drafter (or colocated) rank's trainer: the target's embedding and lm_head, the drafter
         (fresh or drafter.init_from) under its engine, resumed at the step `control` decided, the
         held-out payloads, and the payload source."""
-        from dflash_ds.runtime.engines import build_drafter_engine
-        from dflash_ds.runtime.fp8_drafter import loss_head
+        from dflash_ds.runtime.engines import build_drafter_engine, loss_head
         from dflash_ds.target_model.model import embed_and_head
 
         r, lay = spec.recipe, spec.layout

@@ -119,7 +119,7 @@ def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16
     dequantized weights (transformers dequantizes them itself when no GPU is present)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
 
     config = load_config(path)
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
@@ -251,7 +251,7 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
             w = f.get_tensor(name)
         scale_name = name + "_scale_inv"  # an FP8 checkpoint that quantized it too: dequantize
         if scale_name in weight_map:
-            from dflash_ds.target_model.fp8 import dequantize
+            from dflash_ds.quantization.fp8 import dequantize
 
             with safe_open(str(weight_map[scale_name]), "pt", device="cpu") as f:
                 w = dequantize(w, f.get_tensor(scale_name))

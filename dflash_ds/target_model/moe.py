@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 
 OWN = "dflash_grouped"  # the name `grouped_experts_forward` is registered under
 IMPLEMENTATIONS = (OWN, "grouped_mm", "batched_mm", "eager")
@@ -145,7 +145,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 def quantize_rows_3d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[G, N, K] -> e4m3 [G, N, K] and one float32 scale per output row [G, N]: w ~ q * scale."""
-    from dflash_ds.target_model.fp8 import quantize_rows
+    from dflash_ds.quantization.fp8 import quantize_rows
 
     g, n, k = w.shape
     q, scale = quantize_rows(w.reshape(g * n, k))
@@ -154,7 +154,7 @@ def quantize_rows_3d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def grouped_linear_fp8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grouped_linear with e4m3 weights [G, N, K] and row scales [G, N]; x [P, K] is quantized per row."""
-    from dflash_ds.target_model.fp8 import quantize_rows
+    from dflash_ds.quantization.fp8 import quantize_rows
 
     xq, x_scale = quantize_rows(x)
     return scaled_grouped_mm(xq, x_scale, wq, w_scale, offsets, x.dtype)
@@ -167,7 +167,7 @@ def scaled_grouped_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
 
     FP8 tensor cores (torch._scaled_grouped_mm) on CUDA; elsewhere the product of the dequantized
     operands through grouped_linear, so both paths share the routing and are tested on CPU."""
-    from dflash_ds.target_model.fp8 import dequantize
+    from dflash_ds.quantization.fp8 import dequantize
 
     if xq.is_cuda:
         return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), scale_a=x_scale.reshape(-1), scale_b=w_scale,

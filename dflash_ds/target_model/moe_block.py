@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 from dflash_ds.target_model.moe import CHUNK_TOKENS, OWN, silu_experts
 
 
