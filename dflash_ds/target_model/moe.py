@@ -14,8 +14,9 @@ one more implementation there, `grouped_experts_forward`:
     the down projection, so it scales the narrower [P, I] activations);
   - each token gathers its k pairs' outputs through the inverse of the sort and sums them in float32
     (a gather, not a scatter: deterministic, unlike index_add_'s atomic adds, and on CUDA one
-    compiled kernel that reads the pairs once and writes the [T, D] sum in the output dtype, 9x faster
-    than an index copy back into token order followed by a sum: docs/performance.md);
+    compiled kernel that reads the pairs once and writes the [T, D] sum in the output dtype, faster
+    than an index copy back into token order followed by a sum: docs/performance.md, "Figures behind
+    the code");
   - the SwiGLU and the routing weight are one compiled kernel on CUDA as well (three elementwise
     passes over [P, 2I] and [P, I] otherwise);
   - tokens run in chunks of at most `chunk_tokens`, which bounds the transient memory to a few
@@ -204,8 +205,8 @@ def _token_sum(pairs_out: torch.Tensor, inverse: torch.Tensor, kept: torch.Tenso
     # Token t's output: the sum over its slots j of the pair output at inverse[t * k + j] (a pair not
     # kept, another rank's expert, adds nothing), added slot by slot in at least float32. Written as
     # k gathers rather than one gather and a sum over a [T, k, D] view: compiled, that is one pointwise
-    # kernel reading each pair row once at full bandwidth (4.0 TB/s on an H200), where the reduction
-    # form compiled to a kernel 4x slower.
+    # kernel reading each pair row once at full bandwidth, where the reduction form compiled to a much
+    # slower kernel (docs/performance.md, "Figures behind the code").
     acc_dtype = torch.promote_types(pairs_out.dtype, torch.float32)
     slots = inverse.view(-1, k)
     keep = kept.view(-1, k) if kept is not None else None
