@@ -75,8 +75,9 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
     for seed, prompt in enumerate(world["prompts"][:4]):
         responder = Responder(target, world["model"], SAMPLING, BenchOptions(NEW, seed=seed))
         response = responder.respond(prompt.tolist())
-        ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
-                                                         torch.Generator().manual_seed(seed), max_new_tokens=NEW)
+        generator = torch.Generator().manual_seed(seed)
+        ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING, generator=generator,
+                                                         max_new_tokens=NEW)
         assert ids.tolist() == response and counts == responder.result.report.cycles[0]
         accepted += [c - 1 for c in counts]
     return accepted

@@ -57,7 +57,7 @@ class Fp8Head:
     def _gemm(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, fast: bool) -> torch.Tensor:
         m = x.shape[0]
         xq, x_scale = _quantize_input(pad_rows(x))
-        return scaled_matmul(xq, x_scale, wq, w_scale, False, x.dtype, fast)[:m]
+        return scaled_matmul(xq, x_scale, wq, w_scale, blocks=False, out_dtype=x.dtype, fast_accum=fast)[:m]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, D] -> [n, V] in hidden's dtype."""

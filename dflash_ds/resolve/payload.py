@@ -75,7 +75,7 @@ def final_hidden(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor |
     return payload[..., layout.num_taps * layout.hidden: layout.tap_cols] if layout.final_norm else None
 
 
-def write_meta(payload: torch.Tensor, layout: PayloadLayout, input_ids, loss_mask, doc_ids) -> None:
+def write_meta(payload: torch.Tensor, layout: PayloadLayout, input_ids, loss_mask, *, doc_ids) -> None:
     meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
     meta = torch.nn.functional.pad(meta, (0, layout.meta_cols * layout.itemsize // 4 - META_FIELDS))  # the padding
     payload[..., layout.tap_cols:] = meta.view(layout.dtype).to(payload.device)

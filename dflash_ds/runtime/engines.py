@@ -92,7 +92,7 @@ def payload_group(layout: Layout, ctas: int) -> dist.ProcessGroup | None:
     return dist.new_group(list(range(dist.get_world_size())), pg_options=opts)
 
 
-def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, device: torch.device):
+def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, *, rank: int, device: torch.device):
     import deepspeed
 
     cfg = drafter_ds_config(recipe, plan.layout.num_drafters)
@@ -153,7 +153,7 @@ def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn
     return model.to(device=device, dtype=getattr(torch, name) if name else None)
 
 
-def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, experts=None):
+def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, *, experts=None):
     """The frozen target from target.path under the engine target.ds_config asks for.
 
     A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the

@@ -202,7 +202,7 @@ class TapCapture:
 
 @torch.no_grad()
 def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                 out: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 *, out: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run the base model over input_ids and write the tapped states into out [b, S, T*D].
 
     position_ids restarting per document make transformers mask attention across packed documents.

@@ -158,11 +158,11 @@ def grouped_linear_fp8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     from dflash_ds.quantization.fp8 import quantize_rows
 
     xq, x_scale = quantize_rows(x)
-    return scaled_grouped_mm(xq, x_scale, wq, w_scale, offsets, x.dtype)
+    return scaled_grouped_mm(xq, x_scale, wq, w_scale, offsets=offsets, out_dtype=x.dtype)
 
 
 def scaled_grouped_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                      offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                      *, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """grouped_linear of e4m3 operands: rows xq [P, K] with scales [P, 1], weights wq [G, N, K] with
     row scales [G, N] -> [P, N] in out_dtype.
 
@@ -200,7 +200,7 @@ def _inverse(order: torch.Tensor, pairs: int) -> torch.Tensor:
     return inverse
 
 
-def _token_sum(pairs_out: torch.Tensor, inverse: torch.Tensor, kept: torch.Tensor | None, k: int,
+def _token_sum(pairs_out: torch.Tensor, inverse: torch.Tensor, kept: torch.Tensor | None, k: int, *,
                out_dtype: torch.dtype) -> torch.Tensor:
     # Token t's output: the sum over its slots j of the pair output at inverse[t * k + j] (a pair not
     # kept, another rank's expert, adds nothing), added slot by slot in at least float32. Written as
@@ -251,7 +251,7 @@ def _check_layout(module: nn.Module) -> None:
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The routed experts' output [T, D] (the registered `dflash_grouped` experts implementation)."""
-    return routed_sum(self, hidden_states, top_k_index, top_k_weights, hidden_states.dtype)
+    return routed_sum(self, hidden_states, top_k_index, top_k_weights, out_dtype=hidden_states.dtype)
 
 
 class Pairs(NamedTuple):
@@ -266,8 +266,32 @@ class Pairs(NamedTuple):
     num_experts: int
     drops: bool = False
 
+    def routed_sum(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, *, chunk: int,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """The routed sum [T, D] in out_dtype, `chunk` tokens at a time (bounding the [P, 2I] activations)."""
+        parts = [self._chunk_sum(hidden[a:a + chunk], index[a:a + chunk], weights[a:a + chunk], out_dtype)
+                 for a in range(0, hidden.shape[0], chunk)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    def _chunk_sum(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """One chunk's routed sum [t, D] in out_dtype (summed in float32, float64 for float64 inputs)."""
+        t, k = index.shape
+        r = route(index, self.num_experts, self.drops)
+        if r.kept == 0:  # every pair is another rank's
+            return hidden.new_zeros(t, hidden.shape[-1], dtype=out_dtype)
+        token = torch.div(r.order, k, rounding_mode="floor")
+        h = self.gate_up(hidden[token], r.offsets)
+        # The routing weight scales the [P, I] activations: down(w * a) = w * down(a), one pass narrower.
+        y = self.down(self.act(h, weights.reshape(-1)[r.order]), r.offsets)
+        kept = None
+        if r.kept is not None:
+            kept = torch.zeros(t * k, dtype=torch.bool, device=r.order.device)
+            kept[r.order] = True
+        return self.token_sum(y, _inverse(r.order, t * k), kept, k, out_dtype=out_dtype)
+
+
+def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                out_dtype: torch.dtype) -> torch.Tensor:
     """sum over slots of weight * expert(hidden) for hidden [T, D], in `out_dtype` [T, D]; ids past
     the module's experts contribute nothing (with module.drops set, as expert parallelism does)."""
@@ -276,11 +300,11 @@ def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tenso
                   lambda h, w: _activation(module, h, w),
                   lambda x, offsets: _project(module, "down_proj", x, offsets),
                   _fused(_token_sum, hidden), int(module.num_experts), bool(getattr(module, "drops", False)))
-    return _chunked(hidden, top_k_index, top_k_weights, pairs, int(getattr(module, "chunk_tokens", CHUNK_TOKENS)),
-                    out_dtype)
+    chunk = int(getattr(module, "chunk_tokens", CHUNK_TOKENS))
+    return pairs.routed_sum(hidden, top_k_index, top_k_weights, chunk=chunk, out_dtype=out_dtype)
 
 
-def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, *,
                  down: torch.Tensor, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
     """The routed sum [T, D] of SwiGLU (silu) experts gate_up [E, 2I, D], down [E, D, I] for hidden [T, D],
     as a function of tensors alone (no module, no host synchronisation on CUDA): what the compiled MoE
@@ -288,31 +312,7 @@ def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     the `dflash_grouped` forward, returned in hidden's dtype."""
     pairs = Pairs(lambda x, offsets: grouped_linear(x, gate_up, offsets), _silu_weighted,
                   lambda x, offsets: grouped_linear(x, down, offsets), _token_sum, gate_up.shape[0])
-    return _chunked(hidden, index, weights, pairs, chunk, hidden.dtype)
-
-
-def _chunked(hidden, index, weights, pairs: Pairs, chunk: int, out_dtype: torch.dtype) -> torch.Tensor:
-    parts = [_pairs_sum(hidden[a:a + chunk], index[a:a + chunk], weights[a:a + chunk], pairs, out_dtype)
-             for a in range(0, hidden.shape[0], chunk)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _pairs_sum(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, pairs: Pairs,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """One chunk's routed sum [t, D] in out_dtype (summed in float32, float64 for float64 inputs)."""
-    t, k = index.shape
-    r = route(index, pairs.num_experts, pairs.drops)
-    if r.kept == 0:  # every pair is another rank's
-        return hidden.new_zeros(t, hidden.shape[-1], dtype=out_dtype)
-    token = torch.div(r.order, k, rounding_mode="floor")
-    h = pairs.gate_up(hidden[token], r.offsets)
-    # The routing weight scales the [P, I] activations: down(w * a) = w * down(a), one pass narrower.
-    y = pairs.down(pairs.act(h, weights.reshape(-1)[r.order]), r.offsets)
-    kept = None
-    if r.kept is not None:
-        kept = torch.zeros(t * k, dtype=torch.bool, device=r.order.device)
-        kept[r.order] = True
-    return pairs.token_sum(y, _inverse(r.order, t * k), kept, k, out_dtype)
+    return pairs.routed_sum(hidden, index, weights, chunk=chunk, out_dtype=hidden.dtype)
 
 
 # ---------------------------------------------------------------------------- FP8 experts

@@ -65,7 +65,7 @@ class Shared(NamedTuple):
 
 def _routed_sum(h: torch.Tensor, routed: Routed, renormalise: bool) -> torch.Tensor:
     weights, index = route_tokens(h, routed.router, routed.top_k, renormalise)
-    return silu_experts(h, index, weights, routed.gate_up, routed.down, routed.chunk)
+    return silu_experts(h, index, weights, routed.gate_up, down=routed.down, chunk=routed.chunk)
 
 
 def qwen35_block(x: torch.Tensor, routed: Routed, shared: Shared) -> torch.Tensor:

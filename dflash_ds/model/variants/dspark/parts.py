@@ -179,7 +179,7 @@ def greedy_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor
 
 
 def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                         anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                         anchors: torch.Tensor, *, valid: torch.Tensor, block_size: int,
                          gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels `[b, N, B]` (slot k: the token at a + k + 1) and float32 weights `[b, N, B]` of the
     anchor-first block, DeepSpec's rule: `exp(-k / gamma)` times a mask that is 1 on the longest
