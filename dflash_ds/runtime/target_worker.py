@@ -88,7 +88,7 @@ class TargetWorker:
                                         cache=cache, write=eval_lead)
         if not spec.payload.final_norm:  # the KL term's final-norm tap needs every layer
             truncate_after(model, max(spec.drafter.target_layer_ids))  # after generating, which needs every layer
-        return cls(spec, model, data.rows, rank, seqs)
+        return cls(spec, model, data.rows, rank, eval_sequences=seqs)
 
     def fill(self, buf: torch.Tensor, micro_index: int) -> torch.Tensor:
         idx = self.spec.plan.rows_of(micro_index, self.spec.recipe.run.seed)
