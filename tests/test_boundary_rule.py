@@ -106,20 +106,20 @@ def _decorator_names(node: ast.ClassDef) -> set[str]:
     return {ast.unparse(d.func if isinstance(d, ast.Call) else d).rpartition(".")[2] for d in node.decorator_list}
 
 
-def record_types(root: Path) -> dict[str, tuple[str, ast.ClassDef]]:
-    """Every dataclass and NamedTuple class of the package: name -> (module, class node)."""
-    out = {}
+def record_types(root: Path) -> list[tuple[str, ast.ClassDef]]:
+    """Every dataclass and NamedTuple class of the package, as (module, class node)."""
+    out = []
     for name, (_, tree) in sources(root).items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 bases = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
                 if "dataclass" in _decorator_names(node) or "NamedTuple" in bases:
-                    out.setdefault(node.name, (name, node))
+                    out.append((name, node))
     return out
 
 
 def named_tuples(root: Path) -> set[str]:
-    return {n for n, (_, node) in record_types(root).items()
+    return {node.name for _, node in record_types(root)
             if "NamedTuple" in {ast.unparse(b).rpartition(".")[2] for b in node.bases}}
 
 
@@ -258,7 +258,8 @@ def unearned_types(root: Path) -> list[str]:
     modules = sources(root)
     used = {m: _identifiers(tree) for m, (_, tree) in modules.items()}
     found = []
-    for tname, (module, node) in record_types(root).items():
+    for module, node in record_types(root):
+        tname = node.name
         path, tree = modules[module]
         if _exempt(path, root) or any(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body):
             continue
@@ -381,7 +382,7 @@ def test_no_named_tuple_is_unpacked_by_position():
 
 def test_every_type_crosses_a_module_boundary_or_carries_behaviour():
     types = record_types(ROOT)
-    assert len(types) > 50 and {"DrafterShape", "RunSpec", "Pin"} <= set(types)  # the walk saw them
+    assert len(types) > 50 and {"DrafterShape", "RunSpec", "Pin"} <= {node.name for _, node in types}  # seen
     found = unearned_types(ROOT)
     assert not found, ("dataclasses / NamedTuples used inside one module only and without a method (pass "
                        "the values themselves, or give the type its behaviour):\n  " + "\n  ".join(found))
