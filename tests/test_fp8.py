@@ -290,6 +290,23 @@ def test_refusals_name_the_setting():
         assert "\n" not in msg and "target." in msg
 
 
+def test_a_gpu_without_fp8_tensor_cores_is_refused_before_launch(monkeypatch):
+    """The rank's GPU is checked with the other refusals, before anything loads (a plan drawn without a
+    GPU has no capability to check)."""
+    from dflash_ds.resolve import quantization
+
+    a100 = quantization.Machine("cuda", (8, 0), "NVIDIA A100-SXM4-80GB", True)
+    monkeypatch.setattr(quantization, "machine", lambda device: a100)
+    with pytest.raises(RecipeError, match=r"^target.quantization: fp8 needs FP8 tensor cores .*\(NVIDIA A100-SXM4-80GB\) "
+                                          r"has compute capability 8.0: set target.quantization=none$"):
+        quantization.check_target_device(section(), torch.device("cuda", 0))
+    quantization.check_target_device(section(quantization="none"), torch.device("cuda", 0))  # bf16: any GPU
+    monkeypatch.setattr(quantization, "machine", lambda device: quantization.Machine("cuda", (9, 0), "NVIDIA H200"))
+    quantization.check_target_device(section(), torch.device("cuda", 0))
+    monkeypatch.setattr(quantization, "machine", lambda device: quantization.Machine("cuda"))  # planned, no GPU here
+    quantization.check_target_device(section(), torch.device("cuda", 0))
+
+
 def test_cpu_run_with_fp8_stops_before_launch_in_one_line(tmp_path):
     wide_config().save_pretrained(tmp_path)
     r = load_recipe(TINY, [f"target.path={tmp_path}", "target.quantization=fp8"])
