@@ -78,7 +78,7 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
         responder = Responder(target, world["model"], SAMPLING, BenchOptions(world["new"], seed=seed))
         response = responder.respond(prompt.tolist())
         ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
-                                                         torch.Generator().manual_seed(seed),
+                                                         generator=torch.Generator().manual_seed(seed),
                                                          max_new_tokens=world["new"])
         assert ids.tolist() == response and counts == responder.result.report.cycles[0]
         accepted += [c - 1 for c in counts]

@@ -351,12 +351,12 @@ def test_selector_loss_and_gradient_match_a_float64_reference(inject_gold):
 
 def test_selector_weight_schedule():
     # 1000 steps, warm-up 0.1 (100 steps at 0), ramp 0.2 (200 steps up to alpha).
-    a = [selector_alpha(s, 1000, 2.0, 0.1, 0.2) for s in range(1000)]
+    a = [selector_alpha(s, 1000, 2.0, 0.1, ramp_ratio=0.2) for s in range(1000)]
     assert a[:100] == [0.0] * 100
     assert a[100] == pytest.approx(2.0 / 200) and a[199] == pytest.approx(1.0)
     assert a[299] == 2.0 and a[999] == 2.0
     assert all(x <= y for x, y in zip(a, a[1:]))
-    assert selector_alpha(0, 10, 1.0, 0.0, 0.0) == 1.0
+    assert selector_alpha(0, 10, 1.0, 0.0, ramp_ratio=0.0) == 1.0
 
 
 def micro_batch(model, seed=0):
@@ -370,8 +370,8 @@ def micro_batch(model, seed=0):
     anchors = torch.tensor([[4, 7, 12, 18, 21]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
     pos = torch.arange(S)[None]
-    block_ids, block_pos = block_inputs(ids, pos, anchors, B, VOCAB - 1)
-    labels, weights = block_targets(ids, loss_mask, doc_ids, anchors, valid, B, None)
+    block_ids, block_pos = block_inputs(ids, pos, anchors, B, mask_token_id=VOCAB - 1)
+    labels, weights = block_targets(ids, loss_mask, doc_ids, anchors, valid=valid, block_size=B, gamma=None)
     mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
     return mb, Blocks(anchors, valid, block_ids, block_pos, pos, labels.reshape(1, -1), weights.reshape(1, -1), mask)
 

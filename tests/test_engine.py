@@ -147,9 +147,10 @@ def project_rounds(served, tiny, x: torch.Tensor, p: int, p_min: float = 0.0):
     accepted a drafts, both loops anchor at p + a: with a = 0 these are the response's tau cycles."""
     model = served["model"]
     taps = target_taps(tiny["target"], x, model.layer_ids)
-    proposals = anchor_proposals(model, taps, x, p - 1, x.numel(), p_min=p_min)
-    rounds = engine_rounds(proposals.tokens, x, p - 1, x.numel(), p + BUDGET, tiny["stop"], served=proposals.served)
-    return rounds, tau_from_taps(model, taps, x, p + rounds[0].accepted, x.numel()), proposals
+    proposals = anchor_proposals(model, taps, x, p - 1, end=x.numel(), p_min=p_min)
+    rounds = engine_rounds(proposals.tokens, x, p - 1, x.numel(), budget_end=p + BUDGET, stop=tiny["stop"],
+                           served=proposals.served)
+    return rounds, tau_from_taps(model, taps, x, p + rounds[0].accepted, end=x.numel()), proposals
 
 
 def in_project_unit(rounds: list[int], start: int, end: int) -> list[int]:

@@ -37,7 +37,7 @@ def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
     x = w["sequences"][1]
     taps = target_taps(w["target"], x, LAYER_IDS)
     end = x.numel()
-    a = accept_lengths(model, taps, x, PROMPT_LEN, end, batch_anchors=7)
+    a = accept_lengths(model, taps, x, PROMPT_LEN, end=end, batch_anchors=7)
     expected, differs = [], 0
     drafter, p = model.drafter, next(model.drafter.parameters())
     for t in range(PROMPT_LEN, end):

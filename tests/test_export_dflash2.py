@@ -204,7 +204,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
     assert type(model).__name__ == "DFlash2DraftModel"
     ours = load_drafter(out, dtype=torch.float32)
     case = block_case(D, B, seq=S, two_docs=False, all_valid=True, generator=torch.Generator().manual_seed(0))
-    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, ours.config.layer_attentions())
+    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, attentions=ours.config.layer_attentions())
     training = build_mask(case.anchors, case.valid, case.doc_ids, B)
     got, want = training_call(model, ours, case, masks, training.dense)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

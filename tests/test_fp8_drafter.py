@@ -19,8 +19,8 @@ from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.resolve import quantization
 from dflash_ds.resolve.quantization import Machine
 from dflash_ds.resolve.run import resolve_run
-from dflash_ds.target_model import fp8_head
-from dflash_ds.target_model.fp8_head import Fp8Head
+from dflash_ds.quantization import fp8_head
+from dflash_ds.quantization.fp8_head import Fp8Head
 from tests.test_dflash2 import D, VOCAB, drafter, micro_batch
 
 TINY = "recipes/tiny.yaml"
@@ -103,7 +103,7 @@ def test_the_layers_projections_become_float8_and_nothing_else():
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    from dflash_ds.runtime.fp8_drafter import PROJECTIONS, convert_layers, fp8_layer_names
+    from dflash_ds.quantization.fp8_drafter import PROJECTIONS, convert_layers, fp8_layer_names
 
     for arch in ("dflash", "dflash2"):
         m = drafter(arch).float()
@@ -124,7 +124,7 @@ def test_the_layers_projections_become_float8_and_nothing_else():
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_float8_layers_train_close_to_the_high_precision_drafter(recipe):
     pytest.importorskip("torchao")
-    from dflash_ds.runtime.fp8_drafter import convert_layers
+    from dflash_ds.quantization.fp8_drafter import convert_layers
 
     ref, m = drafter("dflash").float(), drafter("dflash").float()
     convert_layers(m, recipe)

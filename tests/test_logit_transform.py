@@ -114,7 +114,8 @@ def test_greedy_walk_uses_transformed_unary_scores():
         return torch.stack(out, 1)
 
     with torch.no_grad():
-        capped, plain = greedy_path(sel, hidden, lm_head, anchors, TRANSFORM), greedy_path(sel, hidden, lm_head, anchors)
+        capped, plain = greedy_path(sel, hidden, lm_head, anchors, transform=TRANSFORM), greedy_path(sel, hidden,
+                                                                                                     lm_head, anchors)
         assert torch.equal(capped, brute(TRANSFORM)) and torch.equal(plain, brute(IDENTITY))
     assert not torch.equal(capped, plain)
 

@@ -29,7 +29,7 @@ from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model_card import model_card
+from dflash_ds.export.card import model_card
 from tests.toy_variant import markov_bias, markov_term, predecessors, register
 
 D, VOCAB, B, S = 32, 96, 4, 40

@@ -77,7 +77,7 @@ def _stop_ids(target_path: str, tokenizer) -> set[int]:
 class HFGenerator:
     """Batched `generate` with left padding; returns (new token ids without the stop token, finished)."""
 
-    def __init__(self, target_path: str, tokenizer, settings, device=None, batch_size: int = 32):
+    def __init__(self, target_path: str, tokenizer, settings, device=None, *, batch_size: int = 32):
         import torch
         from transformers import AutoModelForCausalLM
 

@@ -7,7 +7,7 @@ handed (`DraftModel.loss_head`):
   beside them (`[h | f] @ [W | table].T`, the bias folded in) and, below them, the target's states of
   the chunk (its distinct positions, with zero features): fewer, larger matmuls than three, and no
   `[c, V]` bias. It keeps the folded weight `[W | table]` between calls.
-- a head with `logits(h)` and `input_grad(g)` of a frozen weight (target_model/fp8_head.Fp8Head:
+- a head with `logits(h)` and `input_grad(g)` of a frozen weight (quantization/fp8_head.Fp8Head:
   FP8), through `SeparateMatmuls`: the drafter's logits through it, the bias and the target's
   logits matmuls of their own (the target's stay `torch.mm` with the weight).
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 
 

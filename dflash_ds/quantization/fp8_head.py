@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dflash_ds.model.head_matmuls import SeparateMatmuls
-from dflash_ds.target_model.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
+from dflash_ds.quantization.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
 
 _CHUNK_ELEMENTS = 1 << 26  # quantized at a time while W is converted: bounds the float32 temporaries
 
@@ -36,7 +36,7 @@ def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
-        from dflash_ds.model.compile import compile_once
+        from dflash_ds.compile import compile_once
 
         return compile_once(quantize_rows, dynamic=False)(x)
     return quantize_rows(x)
@@ -58,7 +58,7 @@ class Fp8Head:
     def _gemm(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, fast: bool) -> torch.Tensor:
         m = x.shape[0]
         xq, x_scale = _quantize_input(pad_rows(x))
-        return scaled_matmul(xq, x_scale, wq, w_scale, False, x.dtype, fast)[:m]
+        return scaled_matmul(xq, x_scale, wq, w_scale, blocks=False, out_dtype=x.dtype, fast_accum=fast)[:m]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, D] -> [n, V] in hidden's dtype."""
