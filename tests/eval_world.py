@@ -52,7 +52,7 @@ def trained_world(section, arch_loss, gamma: float | None, steps: int = 120, *, 
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(steps):
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, steps))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, term=settings.step_term(step, steps))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

@@ -99,7 +99,7 @@ def train(tiny, recipe_path: str) -> DraftModel:
         rows = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(step))[:ROWS]
         mb = MicroBatch(taps[rows], ids[rows], loss_mask[rows], doc_ids[rows], None if final is None else final[rows])
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, STEPS))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, term=settings.step_term(step, STEPS))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

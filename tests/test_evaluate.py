@@ -107,7 +107,7 @@ def train_drafter(target, sequences, steps, seed=0):
         block_ids, block_pos = block_inputs(x, positions, anchors, B, mask_token_id=MASK)
         labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid=valid, block_size=B, gamma=None)
         mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
-        hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
+        hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask=mask)
         out = ChunkedLoss([CrossEntropy()], head, chunks=2).blocks(hidden, labels, weights, weights.sum())
         opt.zero_grad()
         out.loss.backward()

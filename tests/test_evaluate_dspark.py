@@ -35,7 +35,7 @@ def block_states(model, taps, token, t):
     mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
     with torch.no_grad():
         return drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]), torch.arange(t, t + B)[None],
-                       torch.arange(t)[None], mask)
+                       torch.arange(t)[None], mask=mask)
 
 
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")

@@ -161,7 +161,7 @@ def test_automodel_loads_dflash2_and_equals_the_drafter(tmp_path):
         for layer in ours.layers:
             layer.attention_conv.reset_parameters()
             layer.mlp_conv.reset_parameters()
-        bare = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, mask)
+        bare = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, mask=mask)
     assert not torch.allclose(bare, want, rtol=1e-3, atol=1e-3)
     ours = load_drafter(out, dtype=torch.float32)
 

@@ -122,7 +122,7 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
         model.zero_grad()
         masks = build_layer_masks(anchors, valid, doc_ids, 16, attentions=cfg.layer_attentions(), kind=kind)
         assert all((m.block_mask is not None) is (kind == "flex") for m in masks)
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, mask=masks)
         (h.double() * probe).sum().backward()
         out[kind] = h.detach()
         grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
@@ -279,7 +279,7 @@ def _drafter_output_and_grads(model, inputs, kind):
     model.zero_grad()
     masks = build_layer_masks(inputs["anchors"], inputs["valid"], inputs["doc_ids"], model.config.block_size,
                               attentions=model.config.layer_attentions(), kind=kind)
-    h = model(inputs["embeds"].to(dtype), model.fuse(inputs["taps"].to(dtype)), inputs["block_pos"], inputs["pos"], masks)
+    h = model(inputs["embeds"].to(dtype), model.fuse(inputs["taps"].to(dtype)), inputs["block_pos"], inputs["pos"], mask=masks)
     (h.double() * inputs["probe"]).sum().backward()
     return h.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -1148,7 +1148,7 @@ def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
             convert_layers(model, recipe)
         for layer in model.layers:
             layer.compile(dynamic=False)
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, mask=masks)
         (h.double() * probe).sum().backward()
         out[name] = h.detach()
         grads[name] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}

@@ -152,7 +152,7 @@ def test_drafter_refuses_a_mask_built_for_another_attention():
         model(block, ctx, bpos, pos, build_mask(anchors, valid, doc_ids, B))
     masks = build_layer_masks(anchors, valid, doc_ids, B, attentions=model.config.layer_attentions())
     assert masks[0] is not masks[1] and masks[0].attention == LayerAttention(8, True)
-    out = model(block, ctx, bpos, pos, masks)
+    out = model(block, ctx, bpos, pos, mask=masks)
     assert torch.isfinite(out).all()
     shared = build_layer_masks(anchors, valid, doc_ids, B, attentions=attention_layout((S_, S_, F_, S_), 8, None))
     assert shared[0] is shared[1] is shared[3] and shared[2] is not shared[0]
@@ -180,7 +180,7 @@ def test_context_outside_the_window_never_reaches_a_block(is_causal):
         masks = build_layer_masks(anchors.expand(n, -1), valid.expand(n, -1), doc_ids.expand(n, -1), B,
                                   attentions=model.config.layer_attentions(), kind=kind)
         with torch.no_grad():
-            out = model(block.expand(n, -1, -1), torch.cat(variants), bpos.expand(n, -1), pos.expand(n, -1), masks)
+            out = model(block.expand(n, -1, -1), torch.cat(variants), bpos.expand(n, -1), pos.expand(n, -1), mask=masks)
         assert torch.equal(out[1], out[0]), kind
         assert not torch.allclose(out[2], out[0]), kind
 
@@ -206,7 +206,7 @@ def test_batched_training_masks_equal_the_serving_view(layer_types, is_causal):
     masks = build_layer_masks(anchors, torch.ones(1, n, dtype=torch.bool), torch.zeros(1, S, dtype=torch.int32), B,
                               attentions=model.config.layer_attentions())
     with torch.no_grad():
-        batched = model(block, ctx, bpos, pos, masks).view(n, B, -1)
+        batched = model(block, ctx, bpos, pos, mask=masks).view(n, B, -1)
         for i, a in enumerate(anchors[0].tolist()):
             one = model(block[:, i * B:(i + 1) * B], ctx[:, :a], bpos[:, i * B:(i + 1) * B], pos[:, :a],
                         serving_masks(dm, a, torch.device("cpu")))

@@ -146,9 +146,9 @@ def time_modes(setup: Setup, ceiling: dict, group, source_factory, *, row_doc_id
         record_rates(result, setup.plan.grad_accum * setup.payload.rows * a.seq_len, counted["per_step"]["total"],
                      ceiling)
         add_useful(result, row_doc_ids)
-        from dflash_ds.quantization.fp8_head import Fp8Head
+        from dflash_ds.model.head_matmuls import GemmHead
 
-        head = model.loss_head if isinstance(model.loss_head, Fp8Head) else None
+        head = model.loss_head.gemms if isinstance(model.loss_head, GemmHead) else None
         result.update(fp8_layers=float8_layers(model.drafter, mode), lm_head_fp8=head is not None,
                       lm_head_fp8_gib=head.nbytes() / 2**30 if head is not None else 0.0,
                       allocated_before_gib=before, drafter_flops=counted)

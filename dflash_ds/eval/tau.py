@@ -113,7 +113,7 @@ def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Ten
         mask = build_layer_masks(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device),
                                  doc_ids[:, :s_ctx], B, attentions=drafter.config.layer_attentions(), kind="dense")
         embeds = model.embed_tokens(block_ids, p)
-        hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
+        hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask=mask)
         # The path the engines propose: the architecture's walk and its cut (DraftModel.propose).
         parts.append(model.propose(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0], p_min))
     if not parts:

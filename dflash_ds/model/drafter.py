@@ -225,6 +225,7 @@ class DFlashDrafter(nn.Module):
         ctx: torch.Tensor,
         block_positions: torch.Tensor,
         ctx_positions: torch.Tensor,
+        *,
         mask: DFlashMask | Sequence[DFlashMask],
     ) -> torch.Tensor:
         """block_embeds `[b, Q, D]`, ctx `[b, S, D]` (from `fuse`) -> hidden `[b, Q, D]`.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from dflash_ds.model.head_matmuls import SeparateMatmuls
 from dflash_ds.quantization.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
 
 _CHUNK_ELEMENTS = 1 << 26  # quantized at a time while W is converted: bounds the float32 temporaries
@@ -67,10 +66,6 @@ class Fp8Head:
     def input_grad(self, grad_logits: torch.Tensor) -> torch.Tensor:
         """[n, V] -> [n, D] in the gradient's dtype."""
         return self._gemm(grad_logits, self.w_cols, self.w_cols_scale, self.fast_accum_grad)
-
-    def matmuls(self, rows):
-        """The loss's chunk matmuls through this head (a loss strategy: model/head_matmuls.py)."""
-        return SeparateMatmuls(rows, self)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w_rows, self.w_rows_scale, self.w_cols,

@@ -40,9 +40,10 @@ def apply_layers(recipe: Recipe, drafter: torch.nn.Module) -> list[str]:
 
 def loss_head(recipe: Recipe, lm_head: torch.Tensor):
     """The FP8 lm_head matmuls of the loss (drafter.fp8.lm_head: quantization.fp8_head.Fp8Head), or None."""
+    from dflash_ds.model.head_matmuls import GemmHead
     from dflash_ds.quantization.fp8_head import Fp8Head
 
-    return Fp8Head(lm_head) if recipe.drafter.fp8.lm_head else None
+    return GemmHead(Fp8Head(lm_head)) if recipe.drafter.fp8.lm_head else None
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:

@@ -171,7 +171,7 @@ class DrafterTrainer:
         ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_names(s.shape))
         term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(self.model, mb, bl, weight / scale, s, term, loss_class=self.loss_class)
+            out = drafter_loss(self.model, mb, bl, weight / scale, settings=s, term=term, loss_class=self.loss_class)
             self.engine.backward(out.loss)
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)

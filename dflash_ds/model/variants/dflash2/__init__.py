@@ -104,7 +104,7 @@ class SelectorLoss(OutputTerm):
         predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
         rows = SelectorRows(slot_rows(self.hidden, b), out.candidates, slot_rows(blocks.labels, b),
                             slot_rows(predecessors, b), slot_rows(blocks.weights, b), out.candidate_logits)
-        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, model.config.logit_transform)
+        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, transform=model.config.logit_transform)
         return (term.alpha / normaliser) * stats.loss_sum, {
             "selector_loss_sum": stats.loss_sum.detach(), "selector_covered": stats.covered,
             "selector_correct": stats.correct}

@@ -229,7 +229,7 @@ def candidate_logits(hidden: torch.Tensor, lm_head: torch.Tensor, candidates: to
 
 
 def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: SelectorRows,
-                  term: SelectorTerm, transform: LogitTransform = IDENTITY) -> SelectorStats:
+                  term: SelectorTerm, *, transform: LogitTransform = IDENTITY) -> SelectorStats:
     """sum over rows of w * CE(selector scores over the k candidates, the gold's index).
 
     The candidates are those of the base loss (no second lm_head pass), and so, when
