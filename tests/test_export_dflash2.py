@@ -216,5 +216,5 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
         plain = DFlashDrafter(ours.config.replace(layer_types=("full_attention",) * 2, sliding_window=None,
                                                   is_causal=None))
         plain.load_state_dict(ours.state_dict())
-        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, training)
+        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, mask=training)
         assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)

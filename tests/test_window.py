@@ -149,7 +149,7 @@ def test_drafter_refuses_a_mask_built_for_another_attention():
     pos = torch.arange(37).expand(2, -1)
     bpos = (anchors[..., None] + torch.arange(B)).view(2, -1)
     with pytest.raises(ValueError, match="layer 0 attends"):
-        model(block, ctx, bpos, pos, build_mask(anchors, valid, doc_ids, B))
+        model(block, ctx, bpos, pos, mask=build_mask(anchors, valid, doc_ids, B))
     masks = build_layer_masks(anchors, valid, doc_ids, B, attentions=model.config.layer_attentions())
     assert masks[0] is not masks[1] and masks[0].attention == LayerAttention(8, True)
     out = model(block, ctx, bpos, pos, mask=masks)
@@ -209,7 +209,7 @@ def test_batched_training_masks_equal_the_serving_view(layer_types, is_causal):
         batched = model(block, ctx, bpos, pos, mask=masks).view(n, B, -1)
         for i, a in enumerate(anchors[0].tolist()):
             one = model(block[:, i * B:(i + 1) * B], ctx[:, :a], bpos[:, i * B:(i + 1) * B], pos[:, :a],
-                        serving_masks(dm, a, torch.device("cpu")))
+                        mask=serving_masks(dm, a, torch.device("cpu")))
             torch.testing.assert_close(one[0], batched[i], rtol=1e-10, atol=1e-10)
 
 
@@ -271,7 +271,7 @@ def test_automodel_applies_the_windows(tmp_path, layer_types, is_causal):
     with torch.no_grad():
         plain = DFlashDrafter(ours.config.replace(layer_types=(F_, F_), sliding_window=None, is_causal=None))
         plain.load_state_dict(ours.state_dict())
-        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, training)
+        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, mask=training)
         assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)
     assert json.loads((out / "config.json").read_text())["layer_types"] == list(layer_types)
 
