@@ -3,7 +3,7 @@
 transformers imports torchao at its own import whenever torchao is installed (its quantizers check
 for it), and torchao's import prints a "Failed to load ..." line for each GPU kernel library it cannot
 load on a CPU machine, and makes torch log two deprecation warnings for the enums it registers. Only
-the FP8 drafter layers use torchao (runtime/fp8_drafter.py, which imports it itself), so without them
+the FP8 drafter layers use torchao (quantization/fp8_drafter.py, which imports it itself), so without them
 transformers is told torchao is absent before it is imported; the warnings torchao's import causes are
 filtered either way.
 """

@@ -14,7 +14,7 @@ from dflash_ds.safety import SettingError, say
 
 
 class Metrics:
-    def __init__(self, run_dir: str | Path, recipe_dict: dict, wandb_cfg, run_name: str, enabled: bool = True,
+    def __init__(self, run_dir: str | Path, recipe_dict: dict, wandb_cfg, run_name: str, *, enabled: bool = True,
                  start_step: int = 0):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -165,7 +165,7 @@ def read_status(run_dir: str | Path) -> list[dict]:
     return out
 
 
-def target_counters(rank: int, step: int, start: float, tokens: int, send_wait_s: float, in_flight: int,
+def target_counters(rank: int, step: int, start: float, tokens: int, *, send_wait_s: float, in_flight: int,
                     now: float | None = None) -> dict:
     """What a target rank publishes: counters since `start` (its loop start), so the reader can take any window."""
     return {"rank": rank, "step": step, "start": start, "time": time.perf_counter() if now is None else now,

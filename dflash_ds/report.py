@@ -60,7 +60,7 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _draw_series(ax, recs: list[dict], series, title: str, ylabel: str, yscale: str) -> bool:
+def _draw_series(ax, recs: list[dict], series, title: str, *, ylabel: str, yscale: str) -> bool:
     drawn = False
     for key, label in series:
         pts = [(r["step"], r[key]) for r in recs if _num(r.get(key))]
@@ -161,10 +161,10 @@ def _panels(steps, taus, view: LogView = LogView()):
     """(stem, draw function) for every panel, in page order."""
     panels = [(stem, title, ylabel, series + [(key, label) for on, key, label in view.series if on == stem], scale)
               for stem, title, ylabel, series, scale in STEP_PANELS]
-    out = [(stem, lambda ax, s=series, t=title, y=ylabel, sc=scale: _draw_series(ax, steps, s, t, y, sc))
+    out = [(stem, lambda ax, s=series, t=title, y=ylabel, sc=scale: _draw_series(ax, steps, s, t, ylabel=y, yscale=sc))
            for stem, title, ylabel, series, scale in panels[:2]]
     out += [("tau", lambda ax: _draw_tau(ax, taus)), ("position_acceptance", lambda ax: _draw_positions(ax, taus))]
-    out += [(stem, lambda ax, s=series, t=title, y=ylabel, sc=scale: _draw_series(ax, steps, s, t, y, sc))
+    out += [(stem, lambda ax, s=series, t=title, y=ylabel, sc=scale: _draw_series(ax, steps, s, t, ylabel=y, yscale=sc))
             for stem, title, ylabel, series, scale in panels[2:]]
     out.append(("accepted_histogram", lambda ax: _draw_histogram(ax, taus)))
     return out

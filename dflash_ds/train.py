@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     # No barrier on failure: the launcher tears every rank down when one exits non-zero, while a
     # barrier would leave the failed rank waiting for peers that wait for it.
     if spec.layout.role(rank) == "target":
-        code = run_guarded(lambda: run_target(spec, data, rank, groups, control.start_step), control)
+        code = run_guarded(lambda: run_target(spec, data, rank, groups, start=control.start_step), control)
     else:
-        code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control), control)
+        code = run_guarded(lambda: run_drafter(spec, data, rank, groups, control=control), control)
     control.leaving()  # before the barrier: past it, peers exit in any order
     run_guarded(dist.barrier, control)  # a peer failing in its last steps ends this rank with its code
     control.release()

@@ -55,8 +55,8 @@ def main() -> None:
         first.append(rounds[0])
         later += rounds[1:]
         taps = target_taps(target, x, model.layer_ids)
-        cycles.append(tau_from_taps(model, taps, x, p, x.numel()))
-        a += accept_lengths(model, taps, x, p, x.numel()).tolist()
+        cycles.append(tau_from_taps(model, taps, x, p, end=x.numel()))
+        a += accept_lengths(model, taps, x, p, end=x.numel()).tolist()
     print(json.dumps(dict(recipe=name, anchor_last_prompt_token=flag, seed=seed, responses=len(heldout),
                           first_round=sum(first) / len(first), first_round_none=first.count(0),
                           later_rounds=sum(later) / len(later), tau_pooled=sum(map(sum, cycles)) / sum(map(len, cycles)),

@@ -48,7 +48,7 @@ def main(repeats: int = 20) -> None:
             mb = unpack(workers[k].fill(payload.empty("cpu"), i), payload, torch.float32)
             t1 = time.perf_counter()
             blocks = make_blocks(mb, settings[k], i)
-            out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings[k])
+            out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings[k])
             out.loss.backward()
             model.drafter.zero_grad(set_to_none=True)
             t2 = time.perf_counter()

@@ -52,7 +52,7 @@ def trained_world(section, arch_loss, gamma: float | None, steps: int = 120, *, 
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(steps):
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, steps))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, term=settings.step_term(step, steps))
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -78,7 +78,7 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
         responder = Responder(target, world["model"], SAMPLING, BenchOptions(world["new"], seed=seed))
         response = responder.respond(prompt.tolist())
         ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
-                                                         torch.Generator().manual_seed(seed),
+                                                         generator=torch.Generator().manual_seed(seed),
                                                          max_new_tokens=world["new"])
         assert ids.tolist() == response and counts == responder.result.report.cycles[0]
         accepted += [c - 1 for c in counts]

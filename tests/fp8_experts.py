@@ -38,8 +38,8 @@ def record_fp8_gemms(monkeypatch) -> list[Fp8Gemm]:
     """Every FP8 grouped GEMM the experts forward runs from now on, in call order (gate_up, down per chunk)."""
     calls, real = [], moe.scaled_grouped_mm
 
-    def recording(xq, x_scale, wq, w_scale, offsets, out_dtype):
-        out = real(xq, x_scale, wq, w_scale, offsets, out_dtype)
+    def recording(xq, x_scale, wq, w_scale, *, offsets, out_dtype):
+        out = real(xq, x_scale, wq, w_scale, offsets=offsets, out_dtype=out_dtype)
         calls.append(Fp8Gemm(xq, x_scale, wq, w_scale, offsets, out))
         return out
 

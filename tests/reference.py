@@ -48,7 +48,7 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         total = 0.0
         term = settings.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(model, mb, bl, weight, settings, term)
+            out = drafter_loss(model, mb, bl, weight, settings=settings, term=term)
             out.loss.backward()
             total += float(out.sums["ce"])
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)

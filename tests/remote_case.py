@@ -46,7 +46,7 @@ def block_case(width: int, block_size: int, *, seq: int = 24, two_docs: bool = T
 def training_call(remote, ours, case: BlockCase, ours_masks, remote_mask: torch.Tensor):
     """(remote output, drafter output) of the packed rows: the drafter under `ours_masks` (a mask or
     per-layer masks), the remote code under the dense `remote_mask`, which it narrows per layer itself."""
-    want = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, ours_masks)
+    want = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, mask=ours_masks)
     got = remote(case.embeds, case.taps, torch.cat([case.ctx_pos, case.block_pos], 1), attention_mask=remote_mask)
     return got, want
 
@@ -61,6 +61,6 @@ def serving_call(remote, ours, case: BlockCase, block_size: int, ours_masks=None
         ours_masks = DFlashMask(query_len=block_size, kv_len=seq + block_size,
                                 dense=torch.ones(1, 1, block_size, seq + block_size, dtype=torch.bool))
     embeds = case.embeds[:1, :block_size]
-    want = ours(embeds, ours.fuse(case.taps[:1]), bp, torch.arange(seq)[None], ours_masks)
+    want = ours(embeds, ours.fuse(case.taps[:1]), bp, torch.arange(seq)[None], mask=ours_masks)
     got = remote(embeds, case.taps[:1], torch.cat([torch.arange(seq)[None], bp], 1))
     return got, want

@@ -100,12 +100,15 @@ def test_no_block_runs_past_its_document(anchor):
     doc_ids, loss_mask = packed([10, 10], 24)
     input_ids = torch.arange(100, 124).unsqueeze(0)
     anchors = torch.tensor([[anchor]])
-    labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, torch.ones(1, 1, dtype=torch.bool), b, None)
+    labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, valid=torch.ones(1, 1, dtype=torch.bool),
+                                    block_size=b,
+                                    gamma=None)
     inside = 10 - anchor  # slots 0 .. inside-1 are in document 0
     assert (weights[0, 0, 1:inside] > 0).all() and (weights[0, 0, inside:] == 0).all()
     assert labels[0, 0, :inside].tolist() == list(range(100 + anchor, 100 + 10))
     assert (labels[0, 0, inside:] == 0).all()
     # And at the end of the row (the block would leave the row): the same rule.
     labels, weights = block_targets(input_ids, torch.ones(1, 24, dtype=torch.bool), torch.zeros(1, 24, dtype=torch.int32),
-                                    torch.tensor([[21]]), torch.ones(1, 1, dtype=torch.bool), b, None)
+                                    torch.tensor([[21]]), valid=torch.ones(1, 1, dtype=torch.bool), block_size=b,
+                                    gamma=None)
     assert (weights[0, 0, 3:] == 0).all() and (labels[0, 0, 3:] == 0).all() and (weights[0, 0, 1:3] > 0).all()

@@ -161,8 +161,8 @@ def test_flex_attention_matches_sdpa_through_the_drafter():
     model = tiny_model(B)
     ctx, block, block_pos, ctx_pos = drafter_inputs(model, anchors, doc_ids)
     with torch.no_grad():
-        dense = model(block, ctx, block_pos, ctx_pos, build_mask(anchors, valid, doc_ids, B, kind="dense"))
-        flex = model(block, ctx, block_pos, ctx_pos, build_mask(anchors, valid, doc_ids, B, kind="flex"))
+        dense = model(block, ctx, block_pos, ctx_pos, mask=build_mask(anchors, valid, doc_ids, B, kind="dense"))
+        flex = model(block, ctx, block_pos, ctx_pos, mask=build_mask(anchors, valid, doc_ids, B, kind="flex"))
     assert torch.isfinite(dense).all()
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
@@ -219,7 +219,7 @@ def test_no_leakage(kind):
     mask = build_mask(anchors.expand(n, -1), valid.expand(n, -1), doc_ids.expand(n, -1), B, kind=kind)
     with torch.no_grad():
         out = model(torch.cat([variants[k][1] for k in names]), torch.cat([variants[k][0] for k in names]),
-                    block_pos.expand(n, -1), ctx_pos.expand(n, -1), mask)
+                    block_pos.expand(n, -1), ctx_pos.expand(n, -1), mask=mask)
     out = dict(zip(names, out.view(n, anchors.shape[1], B, -1)))
     assert torch.isfinite(torch.stack(list(out.values()))).all()
 

@@ -76,7 +76,7 @@ def test_target_flops_by_hand():
     truncate_after(model, 5)
     layers = model.model.layers
     assert bench.count_linear_params(layers) == tiny_linear_params(cfg, 6)
-    f = bench.target_forward_flops(tiny_linear_params(cfg, 6), 1, 4, 32, ROWS, SEQ)
+    f = bench.target_forward_flops(tiny_linear_params(cfg, 6), 1, 4, 32, rows=ROWS, seq_len=SEQ)
     assert f["linear"] == 2 * tiny_linear_params(cfg, 6) * ROWS * SEQ
     assert f["attention"] == ROWS * 2 * SEQ * SEQ * 4 * 32  # 2*2*S^2*h*d/2 per row, one full layer
 
@@ -95,7 +95,7 @@ def test_visible_pairs_equals_dense_mask_count():
     assert bench.visible_pairs(anchors, valid, doc_ids, block) == int(dense.sum())
     for att in (LayerAttention(5, True), LayerAttention(9, False), LayerAttention(None, True)):
         dense = build_mask(anchors, valid, doc_ids, block, kind="dense", attention=att).dense
-        assert bench.visible_pairs(anchors, valid, doc_ids, block, att) == int(dense.sum()), att
+        assert bench.visible_pairs(anchors, valid, doc_ids, block, attention=att) == int(dense.sum()), att
 
 
 def test_drafter_flops_by_hand():

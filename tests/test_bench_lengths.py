@@ -30,7 +30,7 @@ def test_chat_mix_has_the_documented_median():
 
 
 def test_packed_rows_hold_whole_documents_and_little_padding():
-    rows = length_rows(16, 3072, 3072, 1000, "chat", pack=True, seed=0)
+    rows = length_rows(16, 3072, 3072, 1000, spec="chat", pack=True, seed=0)
     share = useful_share(rows["doc_ids"])
     assert share["padding_share"] < 0.03 and share["docs_per_row"] > 2
     for row, lm in zip(rows["doc_ids"], rows["loss_mask"]):
@@ -41,7 +41,7 @@ def test_packed_rows_hold_whole_documents_and_little_padding():
 
 
 def test_one_document_per_row_unpacked():
-    rows = length_rows(32, 3072, 3072, 1000, "chat", pack=False, seed=0)
+    rows = length_rows(32, 3072, 3072, 1000, spec="chat", pack=False, seed=0)
     assert (rows["doc_ids"].max(axis=1) == 0).all()
     lengths = [d[0] for d in doc_lengths(rows["doc_ids"])]
     assert useful_share(rows["doc_ids"])["padding_share"] == pytest.approx(1 - sum(lengths) / (32 * 3072))
@@ -50,7 +50,7 @@ def test_one_document_per_row_unpacked():
 def test_lengths_file_and_errors(tmp_path):
     f = tmp_path / "lengths.json"
     f.write_text(json.dumps({"lengths": [7, 7, 7]}))
-    rows = length_rows(4, 64, 64, 100, str(f), pack=True, seed=1)
+    rows = length_rows(4, 64, 64, 100, spec=str(f), pack=True, seed=1)
     assert all(set(d.values()) == {7} for d in doc_lengths(rows["doc_ids"]))
     assert useful_share(rows["doc_ids"])["padding_share"] == pytest.approx(1 - 63 / 64)
     f.write_text("[1]")

@@ -66,7 +66,7 @@ def test_a_drafter_step_of_every_architecture_is_the_same_with_either_loss(name)
     for cls in (ChunkedLoss, PerChunkBackwardLoss):
         model, mb, settings = world(name)
         blocks = make_blocks(mb, settings, 0)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, loss_class=cls)
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, loss_class=cls)
         out.loss.backward()
         runs.append((out, [p.grad for p in model.drafter.parameters() if p.requires_grad]))
     (fused, fused_grads), (plain, plain_grads) = runs

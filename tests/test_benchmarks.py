@@ -10,7 +10,7 @@ from dflash_ds.eval.benchmarks import BENCHMARKS, MATH_SUFFIX, load_conversation
 from dflash_ds.eval.benchmark_table import table_lines
 from dflash_ds.eval.cli import main
 from dflash_ds.export import save_drafter
-from dflash_ds.model_card import add_benchmarks_to_card, model_card, trained_thinking
+from dflash_ds.export.card import add_benchmarks_to_card, model_card, trained_thinking
 from tests.test_evaluate import make_tokenizer, world  # noqa: F401 - the module fixture
 
 
@@ -186,7 +186,7 @@ def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
 def test_the_card_names_the_vllm_runner_an_export_needs():
     from dataclasses import replace
 
-    from dflash_ds.model_card import vllm_runner_rows
+    from dflash_ds.export.card import vllm_runner_rows
     from tests.test_conformance import small_shape
 
     def row(shape):
@@ -226,7 +226,7 @@ def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tm
     from dflash_ds.config import load_recipe
     from dflash_ds.eval.benchmark_table import after_training
     from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.model_card import card_info
+    from dflash_ds.export.card import card_info
     from dflash_ds.resolve.run import resolve_run
 
     recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}", "eval.benchmarks=[gsm8k,mt_bench]",

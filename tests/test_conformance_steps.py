@@ -95,7 +95,7 @@ def train(name: str) -> list[dict]:
     for step in range(STEPS):
         blocks = make_blocks(mb, settings, step)
         weight = blocks.weights.sum()
-        out = drafter_loss(model, mb, blocks, weight, settings, settings.step_term(step, STEPS))
+        out = drafter_loss(model, mb, blocks, weight, settings=settings, term=settings.step_term(step, STEPS))
         opt.zero_grad()
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), float("inf"))

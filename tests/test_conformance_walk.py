@@ -57,7 +57,7 @@ def in_training_tau(world: dict, sequences: list[torch.Tensor]):
     ids = torch.cat(sequences)
     doc_ids = torch.cat([torch.full((x.numel(),), d) for d, x in enumerate(sequences)])
     loss_mask = torch.cat([torch.arange(x.numel()) >= PROMPT_LEN for x in sequences])
-    write_meta(payload, layout, ids[None], loss_mask[None], doc_ids[None])
+    write_meta(payload, layout, ids[None], loss_mask[None], doc_ids=doc_ids[None])
     return tau_of_payloads(model, [payload], layout, torch.float64)
 
 

@@ -143,13 +143,13 @@ def test_conv_is_an_exact_no_op_at_init_and_the_v1_drafter_is_reproduced_bit_for
                              for n in extra)
         with torch.no_grad():
             args = inputs(v1)
-            out1 = v1(args[0].to(dtype), *args[1:])
-            out2 = v2(args[0].to(dtype), *args[1:])
+            out1 = v1(args[0].to(dtype), *args[1:4], mask=args[4])
+            out2 = v2(args[0].to(dtype), *args[1:4], mask=args[4])
         assert torch.equal(out1, out2)
         # A non-zero projection moves the output: the comparison can fail.
         with torch.no_grad():
             v2.layers[1].mlp_conv.kernel_projection.weight.normal_(0, 0.1)
-            out3 = v2(args[0].to(dtype), *args[1:])
+            out3 = v2(args[0].to(dtype), *args[1:4], mask=args[4])
         assert not torch.equal(out1, out3)
 
 
@@ -160,7 +160,7 @@ def test_conv_parameters_receive_gradients_and_the_layer_uses_both_sides():
             layer.attention_conv.kernel_projection.weight.normal_(0, 0.05)
             layer.mlp_conv.kernel_projection.weight.normal_(0, 0.05)
     args = inputs(m)
-    m(*args).square().sum().backward()
+    m(*args[:4], mask=args[4]).square().sum().backward()
     for layer in m.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
             assert conv.base_kernel.grad[0].abs().sum() > 0 and conv.base_kernel.grad[1].abs().sum() > 0
@@ -261,7 +261,7 @@ def test_selection_equals_sglang_lattice_walk_on_held_out_anchors():
     # Held-out anchors: drafter states of blocks the selector never saw.
     args = inputs(m, seed=3)
     with torch.no_grad():
-        hidden = m(*args).view(3, B, D)[:, 1:]
+        hidden = m(*args[:4], mask=args[4]).view(3, B, D)[:, 1:]
     anchors = torch.tensor([5, 17, 230])
     ours = model.draft(hidden, anchors)
     with torch.no_grad():
@@ -351,12 +351,12 @@ def test_selector_loss_and_gradient_match_a_float64_reference(inject_gold):
 
 def test_selector_weight_schedule():
     # 1000 steps, warm-up 0.1 (100 steps at 0), ramp 0.2 (200 steps up to alpha).
-    a = [selector_alpha(s, 1000, 2.0, 0.1, 0.2) for s in range(1000)]
+    a = [selector_alpha(s, 1000, 2.0, 0.1, ramp_ratio=0.2) for s in range(1000)]
     assert a[:100] == [0.0] * 100
     assert a[100] == pytest.approx(2.0 / 200) and a[199] == pytest.approx(1.0)
     assert a[299] == 2.0 and a[999] == 2.0
     assert all(x <= y for x, y in zip(a, a[1:]))
-    assert selector_alpha(0, 10, 1.0, 0.0, 0.0) == 1.0
+    assert selector_alpha(0, 10, 1.0, 0.0, ramp_ratio=0.0) == 1.0
 
 
 def micro_batch(model, seed=0):
@@ -370,8 +370,8 @@ def micro_batch(model, seed=0):
     anchors = torch.tensor([[4, 7, 12, 18, 21]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
     pos = torch.arange(S)[None]
-    block_ids, block_pos = block_inputs(ids, pos, anchors, B, VOCAB - 1)
-    labels, weights = block_targets(ids, loss_mask, doc_ids, anchors, valid, B, None)
+    block_ids, block_pos = block_inputs(ids, pos, anchors, B, mask_token_id=VOCAB - 1)
+    labels, weights = block_targets(ids, loss_mask, doc_ids, anchors, valid=valid, block_size=B, gamma=None)
     mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
     return mb, Blocks(anchors, valid, block_ids, block_pos, pos, labels.reshape(1, -1), weights.reshape(1, -1), mask)
 
@@ -394,12 +394,12 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(inject, kl):
     settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
                             kl_weight=kl)
     w = float(bl.weights.sum())
-    out = drafter_loss(model, mb, bl, w, settings, SelectorTerm(0.7, inject, False))
-    base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings)
+    out = drafter_loss(model, mb, bl, w, settings=settings, term=SelectorTerm(0.7, inject, False))
+    base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings=settings)
     # Reference: the states of every supervised slot, float64, full-vocabulary top-k.
     with torch.no_grad():
         ctx = m.fuse(mb.taps)
-        hidden = m(F.embedding(bl.block_ids, embed), ctx, bl.block_positions, bl.ctx_positions, bl.mask)
+        hidden = m(F.embedding(bl.block_ids, embed), ctx, bl.block_positions, bl.ctx_positions, mask=bl.mask)
         blocks = hidden.view(-1, B, D)[:, 1:].reshape(-1, D)
         labels = bl.labels.view(-1, B)
         prev = labels[:, :-1].reshape(-1)
@@ -427,7 +427,7 @@ def test_selector_adds_no_lm_head_pass_and_no_vocab_by_rank_tensor():
         mb, bl = micro_batch(m)
         settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0)
         with HeadMatmuls(head) as counter, PeakOutput() as peak:
-            out = drafter_loss(DraftModel(m, embed, head), mb, bl, float(bl.weights.sum()), settings)
+            out = drafter_loss(DraftModel(m, embed, head), mb, bl, float(bl.weights.sum()), settings=settings)
             out.loss.backward()
         counts[arch], peaks[arch] = counter.count, peak.peak
         rows = bl.weights.numel() // B * (B - 1)

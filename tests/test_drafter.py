@@ -343,7 +343,7 @@ def test_forward_matches_float64_per_block_reference():
     with torch.no_grad():
         ctx = model.fuse(x["taps"])
         torch.testing.assert_close(ctx, _rms(x["taps"] @ model.fc.weight.T, model.hidden_norm.weight))
-        out = model(x["block_embeds"], ctx, x["block_pos"], x["ctx_pos"], mask)
+        out = model(x["block_embeds"], ctx, x["block_pos"], x["ctx_pos"], mask=mask)
     ref = reference_forward(model, x["block_embeds"], ctx, x["block_pos"], x["ctx_pos"], x["anchors"], x["valid"],
                             x["doc_ids"])
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
@@ -354,9 +354,9 @@ def test_bf16_forward_close_to_float64():
     x = packed_batch(model)
     mask = build_mask(x["anchors"], x["valid"], x["doc_ids"], 4, kind="dense")
     with torch.no_grad():
-        ref = model(x["block_embeds"], model.fuse(x["taps"]), x["block_pos"], x["ctx_pos"], mask)
+        ref = model(x["block_embeds"], model.fuse(x["taps"]), x["block_pos"], x["ctx_pos"], mask=mask)
         m16 = model.to(torch.bfloat16)
-        out = m16(x["block_embeds"].bfloat16(), m16.fuse(x["taps"].bfloat16()), x["block_pos"], x["ctx_pos"], mask)
+        out = m16(x["block_embeds"].bfloat16(), m16.fuse(x["taps"].bfloat16()), x["block_pos"], x["ctx_pos"], mask=mask)
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max() < 0.1 * ref.abs().max()
 
@@ -366,7 +366,7 @@ def test_bf16_forward_close_to_float64():
 def _loss_and_grads(model, x, lm_head):
     model.zero_grad(set_to_none=True)
     mask = build_mask(x["anchors"], x["valid"], x["doc_ids"], model.config.block_size, kind="dense")
-    hidden = model(x["block_embeds"], model.fuse(x["taps"]), x["block_pos"], x["ctx_pos"], mask)
+    hidden = model(x["block_embeds"], model.fuse(x["taps"]), x["block_pos"], x["ctx_pos"], mask=mask)
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, VOCAB, hidden.shape[:2], generator=g)
     weights = torch.rand(hidden.shape[:2], generator=g, dtype=torch.float64)

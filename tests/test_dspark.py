@@ -237,7 +237,7 @@ def test_anchor_first_targets_hand_worked():
     doc_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 1, 1]], dtype=torch.int32)
     anchors = torch.tensor([[2, 4, 7, 8, 0]])
     valid = torch.tensor([[True, True, True, True, False]])
-    labels, weights = anchor_first_targets(ids, loss_mask, doc_ids, anchors, valid, block, gamma)
+    labels, weights = anchor_first_targets(ids, loss_mask, doc_ids, anchors, valid=valid, block_size=block, gamma=gamma)
     e1, e2 = math.exp(-0.5), math.exp(-1.0)
     assert labels.tolist() == [[[103, 104, 105], [105, 0, 0], [0, 0, 0], [109, 0, 0], [0, 0, 0]]]
     # anchor 2: all three supervised; 4: the unsupervised token at 6 ends the block's supervision;
@@ -246,8 +246,8 @@ def test_anchor_first_targets_hand_worked():
     torch.testing.assert_close(weights, expected)
     # A loss-mask hole inside a block stops it even when the later slots are supervised.
     hole = torch.tensor([[0, 0, 1, 0, 1, 1, 1, 1, 1, 1]])
-    _, w = anchor_first_targets(ids, hole, torch.zeros_like(doc_ids), torch.tensor([[2]]), torch.tensor([[True]]),
-                                block, gamma)
+    _, w = anchor_first_targets(ids, hole, torch.zeros_like(doc_ids), torch.tensor([[2]]), valid=torch.tensor([[True]]),
+                                block_size=block, gamma=gamma)
     assert w.tolist() == [[[0.0, 0.0, 0.0]]]
 
 

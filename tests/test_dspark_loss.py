@@ -71,7 +71,7 @@ def test_a_drafter_without_a_confidence_head_logs_no_confidence_field():
     records = []
     for model, mb, settings in (with_head, bare):
         blocks = make_blocks(mb, settings, 0)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings)
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings)
         assert len(extra_of(model, out)) == len(model.config.variant.log_names(model.config))
         records.append(model.config.variant.log_record(named(model, extra_of(model, out)), float(blocks.weights.sum())))
     assert {k for k in records[0] if k.startswith("confidence")} >= {"confidence_loss", "confidence_mae", "confidence_bias"}
@@ -122,7 +122,7 @@ def dense_hidden(model, mb, blocks):
     drafter = model.drafter
     ctx = drafter.fuse(mb.taps)
     return drafter(model.embed_tokens(blocks.block_ids, ctx), ctx, blocks.block_positions, blocks.ctx_positions,
-                   blocks.mask)
+                   mask=blocks.mask)
 
 
 @pytest.mark.parametrize("kl_weight", [0.0, 0.3])
@@ -134,7 +134,7 @@ def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
     normaliser = 1.7 * blocks.weights.sum()
     drafter = model.drafter
     params = [p for p in drafter.parameters()]
-    out = drafter_loss(model, mb, blocks, normaliser, settings)
+    out = drafter_loss(model, mb, blocks, normaliser, settings=settings)
     got = torch.autograd.grad(out.loss, params)
     # The reference recomputes the forward under autograd, every term dense.
     hidden = dense_hidden(model, mb, blocks)
@@ -172,8 +172,8 @@ def test_the_ce_weight_scales_only_the_ce_term():
     model, mb, settings = world(0.0)
     blocks = make_blocks(mb, settings, 0)
     norm = blocks.weights.sum()
-    a = drafter_loss(model, mb, blocks, norm, settings, DSparkTerms(ce=1.0, l1=0.0, confidence=0.0))
-    b = drafter_loss(model, mb, blocks, norm, settings, DSparkTerms(ce=0.25, l1=0.0, confidence=0.0))
+    a = drafter_loss(model, mb, blocks, norm, settings=settings, term=DSparkTerms(ce=1.0, l1=0.0, confidence=0.0))
+    b = drafter_loss(model, mb, blocks, norm, settings=settings, term=DSparkTerms(ce=0.25, l1=0.0, confidence=0.0))
     torch.testing.assert_close(a.loss, a.sums["ce"] / norm, rtol=1e-12, atol=0)
     torch.testing.assert_close(b.loss, 0.25 * a.sums["ce"] / norm, rtol=1e-12, atol=0)
     assert torch.equal(a.sums["ce"], b.sums["ce"])  # the logged "loss" is the unweighted CE
@@ -185,7 +185,7 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
     model, mb, settings = world(0.0)
     blocks = make_blocks(mb, settings, 0)
     norm = blocks.weights.sum()
-    out = drafter_loss(model, mb, blocks, norm, settings)
+    out = drafter_loss(model, mb, blocks, norm, settings=settings)
     with torch.no_grad():
         _, _, accept, prob, _ = reference(model, mb, blocks, dense_hidden(model, mb, blocks), norm, (0.0, 1.5))
     weights = blocks.weights.view(2, -1, B).double()

@@ -21,7 +21,7 @@ CUDA = torch.device("cuda", 0)  # only a name here: nothing is allocated on it
 def dtype_for(overrides, device):
     r = load_recipe(TINY, overrides)
     kind, tcfg = target_ds_config(r, 1)
-    return payload_dtype(r, kind, tcfg, drafter_ds_config(r, 1), device)
+    return payload_dtype(r, kind, tcfg, drafter_ds_config(r, 1), device=device)
 
 
 @pytest.mark.parametrize("overrides, device, want", [

@@ -99,7 +99,7 @@ def train(tiny, recipe_path: str) -> DraftModel:
         rows = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(step))[:ROWS]
         mb = MicroBatch(taps[rows], ids[rows], loss_mask[rows], doc_ids[rows], None if final is None else final[rows])
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings, settings.step_term(step, STEPS))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, term=settings.step_term(step, STEPS))
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -147,9 +147,10 @@ def project_rounds(served, tiny, x: torch.Tensor, p: int, p_min: float = 0.0):
     accepted a drafts, both loops anchor at p + a: with a = 0 these are the response's tau cycles."""
     model = served["model"]
     taps = target_taps(tiny["target"], x, model.layer_ids)
-    proposals = anchor_proposals(model, taps, x, p - 1, x.numel(), p_min=p_min)
-    rounds = engine_rounds(proposals.tokens, x, p - 1, x.numel(), p + BUDGET, tiny["stop"], served=proposals.served)
-    return rounds, tau_from_taps(model, taps, x, p + rounds[0].accepted, x.numel()), proposals
+    proposals = anchor_proposals(model, taps, x, p - 1, end=x.numel(), p_min=p_min)
+    rounds = engine_rounds(proposals.tokens, x, p - 1, x.numel(), budget_end=p + BUDGET, stop=tiny["stop"],
+                           served=proposals.served)
+    return rounds, tau_from_taps(model, taps, x, p + rounds[0].accepted, end=x.numel()), proposals
 
 
 def in_project_unit(rounds: list[int], start: int, end: int) -> list[int]:

@@ -166,7 +166,7 @@ def llama_cpp_walk(count: VllmCounts, model, taps, x, p, budget) -> list[int]:
     """The same drafts walked by llama.cpp's rules (the count stops at a confirmed end token that is
     not in the last slot, the draft is cut to the room the budget leaves)."""
     k, stop, end = count.num_speculative_tokens, count.stop, x.numel()
-    drafts = anchor_drafts(model, taps, x, p, end - 1)[:, :k]
+    drafts = anchor_drafts(model, taps, x, p, end=end - 1)[:, :k]
     rounds, t = [], p
     while t < end - 1:
         room = min(k, p + budget - t - 2)

@@ -47,7 +47,7 @@ def sequences(vocab: int, n: int = 9):
 
 
 def payloads(spec, target, seqs):
-    worker = TargetWorker(spec, target, {}, 0, seqs)
+    worker = TargetWorker(spec, target, {}, 0, eval_sequences=seqs)
     try:
         return [p.clone() for p in worker.eval_payloads(lambda: spec.payload.empty(torch.device("cpu")))]
     finally:

@@ -104,10 +104,10 @@ def train_drafter(target, sequences, steps, seed=0):
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     for _ in range(steps):
         anchors, valid = sample_anchors(loss_mask, doc_ids, 24, gen)
-        block_ids, block_pos = block_inputs(x, positions, anchors, B, MASK)
-        labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid, B, None)
+        block_ids, block_pos = block_inputs(x, positions, anchors, B, mask_token_id=MASK)
+        labels, weights = block_targets(x, loss_mask, doc_ids, anchors, valid=valid, block_size=B, gamma=None)
         mask = build_mask(anchors, valid, doc_ids, B, kind="dense")
-        hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask)
+        hidden = drafter(embed[block_ids], drafter.fuse(taps), block_pos, positions, mask=mask)
         out = ChunkedLoss([CrossEntropy()], head, chunks=2).blocks(hidden, labels, weights, weights.sum())
         opt.zero_grad()
         out.loss.backward()
@@ -151,7 +151,7 @@ def test_accept_lengths_match_one_block_at_a_time(world):
     x = w["sequences"][1]
     taps = target_taps(w["target"], x, LAYER_IDS)
     end = x.numel()
-    a = accept_lengths(w["model"], taps, x, PROMPT_LEN, end, batch_anchors=7)
+    a = accept_lengths(w["model"], taps, x, PROMPT_LEN, end=end, batch_anchors=7)
     expected = []
     for t in range(PROMPT_LEN, end):
         drafts = draft_block(w["model"], taps[:t], int(x[t]))
@@ -304,7 +304,7 @@ def test_greedy_generation_leaves_compiled_target_kernels_alone():
     assert calls["n"] > 0 and torch._dynamo.utils.counters["frames"]["ok"] == frames  # ran, never compiled
     # The training shape still compiles.
     out = torch.empty(1, 7, 32)
-    forward_taps(model, TapCapture(model, [1]), torch.arange(7)[None], None, out)
+    forward_taps(model, TapCapture(model, [1]), torch.arange(7)[None], None, out=out)
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames
     assert all(p.numel() == n + 4 for p, n in zip(plain, (1, 2, 3)))
     torch._dynamo.reset()

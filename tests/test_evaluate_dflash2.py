@@ -37,7 +37,7 @@ def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
     x = w["sequences"][1]
     taps = target_taps(w["target"], x, LAYER_IDS)
     end = x.numel()
-    a = accept_lengths(model, taps, x, PROMPT_LEN, end, batch_anchors=7)
+    a = accept_lengths(model, taps, x, PROMPT_LEN, end=end, batch_anchors=7)
     expected, differs = [], 0
     drafter, p = model.drafter, next(model.drafter.parameters())
     for t in range(PROMPT_LEN, end):
@@ -52,7 +52,7 @@ def test_offline_acceptance_follows_the_selector_path_not_the_argmax(world):
         mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
         with torch.no_grad():
             hidden = drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]),
-                             torch.arange(t, t + B)[None], torch.arange(t)[None], mask)
+                             torch.arange(t, t + B)[None], torch.arange(t)[None], mask=mask)
         differs += int(not torch.equal(argmax_tokens(hidden[0, 1:], model.lm_head), drafts))
     assert a.tolist() == expected
     assert differs > 0
@@ -77,7 +77,7 @@ def test_trained_selection_equals_sglang_walk_on_held_out_prompts(world):
             mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
             with torch.no_grad():
                 hidden = drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]),
-                                 torch.arange(t, t + B)[None], torch.arange(t)[None], mask)[:, 1:]
+                                 torch.arange(t, t + B)[None], torch.arange(t)[None], mask=mask)[:, 1:]
                 ours = model.draft(hidden, x[t:t + 1])
                 theirs = sglang_lattice_walk(drafter.candidate_selector, hidden, model.lm_head, x[t:t + 1])
             assert torch.equal(ours, theirs), t

@@ -35,7 +35,7 @@ def block_states(model, taps, token, t):
     mask = DFlashMask(query_len=B, kv_len=t + B, dense=torch.ones(1, 1, B, t + B, dtype=torch.bool))
     with torch.no_grad():
         return drafter(model.embed_tokens(block, p), drafter.fuse(taps[None, :t]), torch.arange(t, t + B)[None],
-                       torch.arange(t)[None], mask)
+                       torch.arange(t)[None], mask=mask)
 
 
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
@@ -49,7 +49,7 @@ def test_offline_acceptance_follows_the_markov_chain_from_slot_0(world):
     x = w["sequences"][1]
     taps = target_taps(w["target"], x, LAYER_IDS)
     end = x.numel()
-    a = accept_lengths(model, taps, x, PROMPT_LEN, end, batch_anchors=7)
+    a = accept_lengths(model, taps, x, PROMPT_LEN, end=end, batch_anchors=7)
     w1, w2 = model.drafter.markov_head.markov_w1.weight, model.drafter.markov_head.markov_w2.weight
     expected, differs = [], 0
     for t in range(PROMPT_LEN, end):
@@ -85,7 +85,8 @@ def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
         x = greedy_continuation(world["target"], prompt, max_new_tokens=NEW)
         taps = target_taps(world["target"], x, LAYER_IDS)
         # The batched pass over every anchor that the engine count reads (tau.anchor_proposals).
-        batched = {p_min: anchor_proposals(model, taps, x, PROMPT_LEN, x.numel(), p_min=p_min) for p_min in (0.0, 0.5)}
+        batched = {p_min: anchor_proposals(model, taps, x, PROMPT_LEN, end=x.numel(), p_min=p_min) for p_min in (0.0,
+                                                                                                                 0.5)}
         for t in range(PROMPT_LEN, x.numel() - 1, 5):
             hidden = block_states(model, taps, int(x[t]), t)
             ours = model.draft(hidden, x[t:t + 1])

@@ -93,7 +93,7 @@ def test_one_rank_group_gives_the_whole_targets_taps(tmp_path):
     for model in (full, shard):
         out = torch.empty(2, 19, 4 * 64)
         cap = TapCapture(model, taps)
-        forward_taps(model, cap, ids, None, out)
+        forward_taps(model, cap, ids, None, out=out)
         cap.remove()
         outs.append(out)
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)

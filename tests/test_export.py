@@ -10,13 +10,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-import dflash_ds.export as export
+import dflash_ds.export.drafter as export
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.model.variants import VARIANTS
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model_card import TauFacts
+from dflash_ds.export.card import TauFacts
 from tests.remote_case import block_case, serving_call, training_call
 
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 128

@@ -161,7 +161,7 @@ def test_automodel_loads_dflash2_and_equals_the_drafter(tmp_path):
         for layer in ours.layers:
             layer.attention_conv.reset_parameters()
             layer.mlp_conv.reset_parameters()
-        bare = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, mask)
+        bare = ours(case.embeds, ours.fuse(case.taps), case.block_pos, case.ctx_pos, mask=mask)
     assert not torch.allclose(bare, want, rtol=1e-3, atol=1e-3)
     ours = load_drafter(out, dtype=torch.float32)
 
@@ -204,7 +204,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
     assert type(model).__name__ == "DFlash2DraftModel"
     ours = load_drafter(out, dtype=torch.float32)
     case = block_case(D, B, seq=S, two_docs=False, all_valid=True, generator=torch.Generator().manual_seed(0))
-    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, ours.config.layer_attentions())
+    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, attentions=ours.config.layer_attentions())
     training = build_mask(case.anchors, case.valid, case.doc_ids, B)
     got, want = training_call(model, ours, case, masks, training.dense)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -216,5 +216,5 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
         plain = DFlashDrafter(ours.config.replace(layer_types=("full_attention",) * 2, sliding_window=None,
                                                   is_causal=None))
         plain.load_state_dict(ours.state_dict())
-        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, training)
+        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, mask=training)
         assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)

@@ -13,7 +13,7 @@ from torch import nn
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.resolve.quantization import refusal
 from dflash_ds.resolve.run import resolve_run
-from dflash_ds.target_model import fp8
+from dflash_ds.quantization import fp8
 from dflash_ds.target_model.model import TapCapture, TargetError, decoder_layers, forward_taps, load_target
 
 TINY = "recipes/tiny.yaml"
@@ -51,7 +51,7 @@ def taps_of(model, ids, layers=(0, 1, 2, 3), doc_ids=None):
         from dflash_ds.model.blocks import position_ids_from_doc_ids
 
         positions = position_ids_from_doc_ids(doc_ids)
-    forward_taps(model, cap, ids, positions, out, doc_ids=doc_ids)
+    forward_taps(model, cap, ids, positions, out=out, doc_ids=doc_ids)
     cap.remove()
     return out
 
@@ -94,7 +94,7 @@ def test_scaled_matmul_is_the_product_of_the_dequantized_operands(blocks):
     xq, xs = fp8.quantize_groups(x) if blocks else fp8.quantize_rows(x)
     wq, ws = fp8.quantize_blocks(w) if blocks else fp8.quantize_rows(w)
     ws = ws if blocks else ws.reshape(1, -1)
-    out = fp8.scaled_matmul(xq, xs, wq, ws, blocks, torch.float32)
+    out = fp8.scaled_matmul(xq, xs, wq, ws, blocks=blocks, out_dtype=torch.float32)
     x64 = xq.double() * (xs.t().double().repeat_interleave(128, 1) if blocks else xs.double())
     w64 = fp8.dequantize(wq, ws if blocks else ws.t()).double()
     torch.testing.assert_close(out.double(), x64 @ w64.t(), rtol=1e-5, atol=1e-6)
@@ -105,7 +105,8 @@ def test_scaled_matmul_is_the_product_of_the_dequantized_operands(blocks):
 def test_fp8_linear_pads_odd_token_counts_and_keeps_the_leading_shape():
     torch.manual_seed(3)
     w = torch.randn(256, 128)
-    lin = fp8.Fp8Linear(*fp8.quantize_rows(w), torch.randn(256), False, torch.float32)
+    q, scale = fp8.quantize_rows(w)
+    lin = fp8.Fp8Linear(q, scale, torch.randn(256), False, out_dtype=torch.float32)
     x = torch.randn(2, 7, 128)
     y = lin(x)
     assert y.shape == (2, 7, 256)
@@ -289,6 +290,23 @@ def test_refusals_name_the_setting():
         assert "\n" not in msg and "target." in msg
 
 
+def test_a_gpu_without_fp8_tensor_cores_is_refused_before_launch(monkeypatch):
+    """The rank's GPU is checked with the other refusals, before anything loads (a plan drawn without a
+    GPU has no capability to check)."""
+    from dflash_ds.resolve import quantization
+
+    a100 = quantization.Machine("cuda", (8, 0), "NVIDIA A100-SXM4-80GB", True)
+    monkeypatch.setattr(quantization, "machine", lambda device: a100)
+    with pytest.raises(RecipeError, match=r"^target.quantization: fp8 needs FP8 tensor cores .*\(NVIDIA A100-SXM4-80GB\) "
+                                          r"has compute capability 8.0: set target.quantization=none$"):
+        quantization.check_target_device(section(), torch.device("cuda", 0))
+    quantization.check_target_device(section(quantization="none"), torch.device("cuda", 0))  # bf16: any GPU
+    monkeypatch.setattr(quantization, "machine", lambda device: quantization.Machine("cuda", (9, 0), "NVIDIA H200"))
+    quantization.check_target_device(section(), torch.device("cuda", 0))
+    monkeypatch.setattr(quantization, "machine", lambda device: quantization.Machine("cuda"))  # planned, no GPU here
+    quantization.check_target_device(section(), torch.device("cuda", 0))
+
+
 def test_cpu_run_with_fp8_stops_before_launch_in_one_line(tmp_path):
     wide_config().save_pretrained(tmp_path)
     r = load_recipe(TINY, [f"target.path={tmp_path}", "target.quantization=fp8"])
@@ -304,7 +322,7 @@ def test_zero3_with_fp8_stops_before_launch(tmp_path, monkeypatch):
 
     wide_config().save_pretrained(tmp_path)
     monkeypatch.setattr(run, "resolve_device", lambda name, setting: torch.device("cuda"))
-    monkeypatch.setattr(run, "payload_dtype", lambda *a: torch.bfloat16)
+    monkeypatch.setattr(run, "payload_dtype", lambda *a, **k: torch.bfloat16)
     r = load_recipe(TINY, [f"target.path={tmp_path}", "target.quantization=fp8", "data.pack=false",
                            "target.ds_config=ds_configs/target_zero3_cpu.json"])
     with pytest.raises(RecipeError, match="needs a full target replica per GPU.*target_replica.json"):
@@ -330,8 +348,8 @@ def test_dry_run_memory_counts_fp8_weights_at_one_byte():
     q = load_recipe(TINY, ["target.quantization=fp8"])
     plan = resolve(r, 2, 64)
     t_params, hidden, vocab = 26_000_000_000, 5120, 248320
-    bf16 = memory_estimate(r, plan, 10**9, t_params, hidden, vocab, 5)["target"]
-    fp8_ = memory_estimate(q, plan, 10**9, t_params, hidden, vocab, 5)["target"]
+    bf16 = memory_estimate(r, plan, 10**9, t_params, hidden=hidden, vocab=vocab, taps=5)["target"]
+    fp8_ = memory_estimate(q, plan, 10**9, t_params, hidden=hidden, vocab=vocab, taps=5)["target"]
     saved = (t_params - vocab * hidden) / 1024 ** 3
     assert abs((bf16 - fp8_) - saved) < 1e-6 and fp8_ < bf16
 

@@ -13,14 +13,14 @@ from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.head_matmuls import SeparateMatmuls
+from dflash_ds.model.head_matmuls import GemmHead, SeparateMatmuls
 from tests.reference import chunked
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.resolve import quantization
 from dflash_ds.resolve.quantization import Machine
 from dflash_ds.resolve.run import resolve_run
-from dflash_ds.target_model import fp8_head
-from dflash_ds.target_model.fp8_head import Fp8Head
+from dflash_ds.quantization import fp8_head
+from dflash_ds.quantization.fp8_head import Fp8Head
 from tests.test_dflash2 import D, VOCAB, drafter, micro_batch
 
 TINY = "recipes/tiny.yaml"
@@ -103,7 +103,7 @@ def test_the_layers_projections_become_float8_and_nothing_else():
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    from dflash_ds.runtime.fp8_drafter import PROJECTIONS, convert_layers, fp8_layer_names
+    from dflash_ds.quantization.fp8_drafter import PROJECTIONS, convert_layers, fp8_layer_names
 
     for arch in ("dflash", "dflash2"):
         m = drafter(arch).float()
@@ -124,7 +124,7 @@ def test_the_layers_projections_become_float8_and_nothing_else():
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_float8_layers_train_close_to_the_high_precision_drafter(recipe):
     pytest.importorskip("torchao")
-    from dflash_ds.runtime.fp8_drafter import convert_layers
+    from dflash_ds.quantization.fp8_drafter import convert_layers
 
     ref, m = drafter("dflash").float(), drafter("dflash").float()
     convert_layers(m, recipe)
@@ -137,7 +137,7 @@ def test_float8_layers_train_close_to_the_high_precision_drafter(recipe):
 
     def run(model):
         model.zero_grad()
-        out = model(x, model.fuse(mb.taps), bl.block_positions, bl.ctx_positions, bl.mask)
+        out = model(x, model.fuse(mb.taps), bl.block_positions, bl.ctx_positions, mask=bl.mask)
         (out * probe).sum().backward()
         return out.detach(), model.layers[0].mlp.down_proj.weight.grad.clone(), model.fc.weight.grad.clone()
 
@@ -212,7 +212,7 @@ def test_fused_loss_through_the_fp8_head_equals_the_emulated_reference(chunks):
     weights = torch.rand(45, generator=g)
     weights[::4] = 0
     h = hidden.clone().requires_grad_(True)
-    out = chunked(h, weight, labels, weights, 30.0, chunks, top_k=5, head=Fp8Head(weight))
+    out = chunked(h, weight, labels, weights, 30.0, chunks, top_k=5, head=GemmHead(Fp8Head(weight)))
     loss, ce_sum, correct, top = out.loss, out.sums["ce"], out.correct, out.candidates
     ref_loss, ref_grad = emulated_loss(hidden, weight, labels, weights, 30.0)
     assert rel(loss, ref_loss) < 1e-6 and rel(ce_sum / 30.0, ref_loss) < 1e-6
@@ -230,7 +230,7 @@ def test_fused_loss_through_the_fp8_head_equals_the_emulated_reference(chunks):
 def test_the_head_is_for_a_frozen_weight_only():
     hidden, weight = lm_case()
     labels, weights = torch.zeros(40, dtype=torch.long), torch.ones(40)
-    head = Fp8Head(weight)
+    head = GemmHead(Fp8Head(weight))
     with pytest.raises(ValueError, match="frozen weight"):
         chunked(hidden, weight.requires_grad_(True), labels, weights, 1.0, 2, head=head)
 
@@ -268,11 +268,11 @@ def test_drafter_loss_reaches_the_draft_models_loss_head(architecture, kl):
                             kl_weight=kl)
     spy = Spy(head)
     w = float(bl.weights.sum())
-    plain = drafter_loss(DraftModel(m, embed, head), mb, bl, w, settings)
+    plain = drafter_loss(DraftModel(m, embed, head), mb, bl, w, settings=settings)
     plain.loss.backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     m.zero_grad()
-    out = drafter_loss(DraftModel(m, embed, head, spy), mb, bl, w, settings)
+    out = drafter_loss(DraftModel(m, embed, head, spy), mb, bl, w, settings=settings)
     out.loss.backward()
     assert spy.calls == ["logits", "input_grad"] * 3
     torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-12)

@@ -113,16 +113,16 @@ def test_flex_drafter_matches_dense_forward_and_backward(record, dtype, fwd_tol,
     assert 0 < int(valid.sum()) < b * n
     ids = torch.randint(0, 999, (b, s), generator=g).to(device)
     pos = position_ids_from_doc_ids(doc_ids)
-    block_ids, block_pos = block_inputs(ids, pos, anchors, 16, 999)
+    block_ids, block_pos = block_inputs(ids, pos, anchors, 16, mask_token_id=999)
     taps = torch.randn(b, s, 3 * 512, generator=g).to(device, dtype)
     emb = torch.randn(1000, 512, generator=g).to(device, dtype)
     probe = probe_like(b, n * 16, 512, device)
     out, grads = {}, {}
     for kind in ("dense", "flex"):
         model.zero_grad()
-        masks = build_layer_masks(anchors, valid, doc_ids, 16, cfg.layer_attentions(), kind=kind)
+        masks = build_layer_masks(anchors, valid, doc_ids, 16, attentions=cfg.layer_attentions(), kind=kind)
         assert all((m.block_mask is not None) is (kind == "flex") for m in masks)
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, mask=masks)
         (h.double() * probe).sum().backward()
         out[kind] = h.detach()
         grads[kind] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
@@ -157,12 +157,12 @@ def test_blockmask_builds_fast_at_the_real_size(record, s, n):
     k = torch.randn(1, 8, s + n * bsz, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     t = time.perf_counter()
-    attend(q, k, v, mask, 128 ** -0.5).sum().backward()
+    attend(q, k, v, mask, scale=128 ** -0.5).sum().backward()
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(10):
-        attend(q, k, v, mask, 128 ** -0.5).sum().backward()
+        attend(q, k, v, mask, scale=128 ** -0.5).sum().backward()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t) / 10 * 1e3
     sparsity = float(mask.block_mask.sparsity())
@@ -208,7 +208,7 @@ def test_window_skips_work_at_long_rows(record):
     def step_ms(mask) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        attend(q, k, v, mask, 128 ** -0.5).sum().backward()
+        attend(q, k, v, mask, scale=128 ** -0.5).sum().backward()
         torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
 
@@ -257,7 +257,7 @@ def _dflash2_drafter_and_inputs(device):
     anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
     ids = torch.randint(0, 999, (b, s), generator=g).to(device)
     pos = position_ids_from_doc_ids(doc_ids)
-    block_ids, block_pos = block_inputs(ids, pos, anchors.to(device), B, 999)
+    block_ids, block_pos = block_inputs(ids, pos, anchors.to(device), B, mask_token_id=999)
     inputs = {"embeds": torch.randn(1000, 512, generator=g).to(device)[block_ids], "taps": torch.randn(b, s, 3 * 512, generator=g).to(device),
               "block_pos": block_pos, "pos": pos, "anchors": anchors.to(device), "valid": valid.to(device), "doc_ids": doc_ids,
               "probe": probe_like(b, n * B, 512, device)}
@@ -278,8 +278,8 @@ def _drafter_output_and_grads(model, inputs, kind):
     dtype = next(model.parameters()).dtype
     model.zero_grad()
     masks = build_layer_masks(inputs["anchors"], inputs["valid"], inputs["doc_ids"], model.config.block_size,
-                              model.config.layer_attentions(), kind=kind)
-    h = model(inputs["embeds"].to(dtype), model.fuse(inputs["taps"].to(dtype)), inputs["block_pos"], inputs["pos"], masks)
+                              attentions=model.config.layer_attentions(), kind=kind)
+    h = model(inputs["embeds"].to(dtype), model.fuse(inputs["taps"].to(dtype)), inputs["block_pos"], inputs["pos"], mask=masks)
     (h.double() * inputs["probe"]).sum().backward()
     return h.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -634,10 +634,10 @@ def _all_layer_taps(model, ids, doc_ids, mode: str, docs=PACKED_DOCS):
             for r, lengths in enumerate(docs):
                 at = 0
                 for length in lengths:
-                    forward_taps(model, cap, ids[r:r + 1, at:at + length], None, out[r:r + 1, at:at + length])
+                    forward_taps(model, cap, ids[r:r + 1, at:at + length], None, out=out[r:r + 1, at:at + length])
                     at += length
         else:
-            forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), out,
+            forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), out=out,
                          doc_ids=doc_ids if mode == "packed" else None)
     finally:
         cap.remove()
@@ -702,7 +702,7 @@ def test_packed_dense_target_runs_varlen_attention_and_matches_documents_alone(r
     docs = rows[1]
     calls = []
     kernel = packed_mod.flash_varlen
-    monkeypatch.setattr(packed_mod, "flash_varlen", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(packed_mod, "flash_varlen", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     t = _modes_and_fp32_reference(model, ids, doc_ids, docs)  # "stock": position ids alone, transformers' mask
     assert len(calls) == 4, calls  # one kernel call per layer, only in the packed forward
     alone, varlen, masked, alone32 = t["alone"], t["packed"], t["stock"], t["alone32"]
@@ -725,7 +725,7 @@ def test_fp8_scaled_mm_matches_the_dequantized_product(record, blocks):
     """torch._scaled_mm (rows: fast accumulation; blocks: 1x128 x 128x128) against the float64
     product of the same e4m3 operands, at the 27B MLP's up-projection shape; the compiled input
     quantization against the eager one."""
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3072, 5120, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -736,7 +736,7 @@ def test_fp8_scaled_mm_matches_the_dequantized_product(record, blocks):
     compiled_err = rel(fp8.dequantize(cq, cs.t() if blocks else cs), fp8.dequantize(xq, xs.t() if blocks else xs))
     wq, ws = fp8.quantize_blocks(w) if blocks else fp8.quantize_rows(w)
     ws = ws if blocks else ws.reshape(1, -1).contiguous()
-    out = fp8.scaled_matmul(xq, xs, wq, ws, blocks, torch.bfloat16)
+    out = fp8.scaled_matmul(xq, xs, wq, ws, blocks=blocks, out_dtype=torch.bfloat16)
     x64 = fp8.dequantize(xq, xs.t() if blocks else xs).double()
     w64 = fp8.dequantize(wq, ws if blocks else ws.t()).double()
     gemm_err = rel(out, x64 @ w64.t())
@@ -764,7 +764,7 @@ def test_fp8_taps_error_at_the_27b_geometry(record):
     from dflash_ds.bench.quantized import layer_io
     from dflash_ds.model.taps import build_target_layer_ids
     from dflash_ds.runtime.engines import speed_up_target_kernels
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
     from dflash_ds.target_model.model import TapCapture, forward_taps, truncate_after
     from dflash_ds.target_model.presets import target_config
 
@@ -782,7 +782,7 @@ def test_fp8_taps_error_at_the_27b_geometry(record):
     out = torch.empty(1, 3072, len(taps) * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def forward():
-        forward_taps(model, cap, ids, positions, out)
+        forward_taps(model, cap, ids, positions, out=out)
 
     ref_in, ref_out = layer_io(model, forward)
     ref_taps = out.clone()
@@ -806,7 +806,7 @@ def test_fp8_checkpoint_runs_as_stored_on_the_gpu(record, tmp_path):
     GPU) runs through the blockwise FP8 GEMM, and its taps match the dequantized checkpoint's."""
     from tests.test_fp8 import random_target, taps_of, write_fp8_checkpoint
 
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
     from dflash_ds.target_model.model import decoder_layers, load_target
 
     # 512 wide: most projections take the block GEMM (fp8.block_gemm_shape); out_proj / o_proj (128
@@ -878,7 +878,7 @@ def test_compiled_token_sum_with_dropped_pairs_matches_the_eager_sum(record):
     want = eager_experts(mod, hidden, index, weights * ~dropped)
     mod.drops = True
     try:
-        got = moe.routed_sum(mod, hidden, torch.where(dropped, mod.num_experts, index), weights, torch.float32)
+        got = moe.routed_sum(mod, hidden, torch.where(dropped, mod.num_experts, index), weights, out_dtype=torch.float32)
     finally:
         mod.drops = False
     e = rel(got, want)
@@ -903,7 +903,7 @@ def test_fla_grouped_value_heads_match_repeated_query_and_key(record):
     doc_ids = torch.zeros(1, s, dtype=torch.int32, device="cuda")
     doc_ids[:, 2500:] = 1
     pack = Packing(doc_ids, 4)
-    got = gated_delta_rule(q, k, v, decay, beta, pack)
+    got = gated_delta_rule(q, k, v, decay, beta=beta, pack=pack)
 
     def repeated(qq, kk):
         out, _ = chunk_gated_delta_rule(qq, kk, v, decay, beta, initial_state=None, output_final_state=False,
@@ -1047,15 +1047,15 @@ def test_moe_target_taps_with_grouped_experts_match_eager(record, monkeypatch):
         moe.use_experts(model, impl)
         out = torch.empty(2, 1024, 4 * 2048, device="cuda", dtype=torch.bfloat16)
         cap = TapCapture(model, [0, 1, 2, 3])
-        forward_taps(model, cap, ids, None, out)
+        forward_taps(model, cap, ids, None, out=out)
         cap.remove()
         return out.view(2, 1024, 4, 2048)
 
     grouped_calls, seen, real = [], [], moe.routed_sum
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         grouped_calls.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
     def keep(module, args, out):
         seen.append((module, [a.clone() for a in args], out.clone()))
@@ -1082,8 +1082,8 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
     """The FP8 lm_head's two GEMMs through _scaled_mm against the float64 product of the same e4m3
     operands (the chunk's rows quantized by the compiled front end, W in its two layouts), and the
     fused loss through it against the float64 emulation of the same quantization."""
-    from dflash_ds.target_model.fp8 import dequantize, quantize_rows
-    from dflash_ds.target_model.fp8_head import Fp8Head
+    from dflash_ds.quantization.fp8 import dequantize, quantize_rows
+    from dflash_ds.quantization.fp8_head import Fp8Head
 
     g = torch.Generator(device="cuda").manual_seed(0)
     m, v, d = 1000, 32768, 1024  # 1000 rows: the head pads them to a multiple of 16
@@ -1121,7 +1121,7 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
 def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
     """torchao float8 layers inside the compiled drafter layers: forward and gradients near the bf16 drafter's."""
     pytest.importorskip("torchao")
-    from dflash_ds.runtime.fp8_drafter import convert_layers
+    from dflash_ds.quantization.fp8_drafter import convert_layers
 
     cfg = DrafterShape(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, rope_scaling=None,
@@ -1134,10 +1134,11 @@ def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
     anchors, valid = sample_anchors(loss_mask.cpu(), doc_ids.cpu(), n, g)
     anchors, valid = anchors.cuda(), valid.cuda()
     pos = position_ids_from_doc_ids(doc_ids)
-    block_ids, block_pos = block_inputs(torch.randint(0, 1000, (b, s), generator=g).cuda(), pos, anchors, 16, 1000)
+    block_ids, block_pos = block_inputs(torch.randint(0, 1000, (b, s), generator=g).cuda(), pos, anchors, 16,
+                                        mask_token_id=1000)
     taps = torch.randn(b, s, 3 * 1024, generator=g).cuda().bfloat16()
     emb = torch.randn(1024, 1024, generator=g).cuda().bfloat16()
-    masks = build_layer_masks(anchors, valid, doc_ids, 16, cfg.layer_attentions(), kind="flex")
+    masks = build_layer_masks(anchors, valid, doc_ids, 16, attentions=cfg.layer_attentions(), kind="flex")
     probe = probe_like(b, n * 16, 1024, "cuda")
     out, grads = {}, {}
     for name in ("bf16", recipe):
@@ -1147,7 +1148,7 @@ def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
             convert_layers(model, recipe)
         for layer in model.layers:
             layer.compile(dynamic=False)
-        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, masks)
+        h = model(emb[block_ids], model.fuse(taps), block_pos, pos, mask=masks)
         (h.double() * probe).sum().backward()
         out[name] = h.detach()
         grads[name] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}

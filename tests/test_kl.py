@@ -38,7 +38,7 @@ def test_target_final_norm_tap_equals_transformers_last_hidden_state():
     layout = PayloadLayout(2, 12, 2, 32, torch.float64, final_norm=True)
     buf = layout.empty("cpu")
     capture = TapCapture(model, [0, 2], final_norm=True)
-    forward_taps(model, capture, ids, None, buf[..., :layout.tap_cols])
+    forward_taps(model, capture, ids, None, out=buf[..., :layout.tap_cols])
     ref = model(ids, output_hidden_states=True)
     hs = ref.hidden_states
     torch.testing.assert_close(layer_taps(buf, layout), torch.cat([hs[1], hs[3]], -1))

@@ -82,7 +82,7 @@ def test_loss_applies_the_transform_to_the_drafter_and_the_target_logits(with_kl
 def test_selector_scores_transformed_logits(inject_gold):
     sel, lm_head, hidden, top, labels, prev, w = selector_case(1, head_scale=2.0)
     stats = selector_loss(sel, lm_head, SelectorRows(hidden, top.indices, labels, prev, w, top.values),
-                          SelectorTerm(1.0, inject_gold), TRANSFORM)
+                          SelectorTerm(1.0, inject_gold), transform=TRANSFORM)
     (grad,) = torch.autograd.grad(stats.loss_sum, hidden)
     # Reference: the candidates' transformed logits from the full logits, autograd through everything.
     href = hidden.detach().clone().requires_grad_()
@@ -114,7 +114,8 @@ def test_greedy_walk_uses_transformed_unary_scores():
         return torch.stack(out, 1)
 
     with torch.no_grad():
-        capped, plain = greedy_path(sel, hidden, lm_head, anchors, TRANSFORM), greedy_path(sel, hidden, lm_head, anchors)
+        capped, plain = greedy_path(sel, hidden, lm_head, anchors, transform=TRANSFORM), greedy_path(sel, hidden,
+                                                                                                     lm_head, anchors)
         assert torch.equal(capped, brute(TRANSFORM)) and torch.equal(plain, brute(IDENTITY))
     assert not torch.equal(capped, plain)
 

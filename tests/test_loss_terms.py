@@ -61,7 +61,7 @@ def world(name: str, dtype=torch.float64):
 
 def fused(model, mb, blocks, normaliser, settings):
     """The project's loss: (loss, the logged sums by name)."""
-    out = drafter_loss(model, mb, blocks, normaliser, settings)
+    out = drafter_loss(model, mb, blocks, normaliser, settings=settings)
     return out.loss, out.sums
 
 
@@ -73,7 +73,7 @@ def dense(model, mb, blocks, normaliser, settings):
     term = variant.step_term(settings.arch_loss)
     ctx = model.drafter.fuse(mb.taps)
     hidden = model.drafter(model.embed_tokens(blocks.block_ids, ctx), ctx, blocks.block_positions,
-                           blocks.ctx_positions, blocks.mask)
+                           blocks.ctx_positions, mask=blocks.mask)
     first = shape.first_draft_slot
     h = slot_rows(hidden, B, first).double()
     w = slot_rows(blocks.weights, B, first).double()

@@ -43,16 +43,17 @@ def test_target_rates_are_windowed_like_the_drafter_figure(tmp_path):
     from dflash_ds.metrics import TargetWindow, target_counters
 
     win = TargetWindow()
-    write_status(tmp_path, 1, target_counters(1, 0, 100.0, 0, 0.0, 0, now=100.0))  # the loop-start report
+    write_status(tmp_path, 1, target_counters(1, 0, 100.0, 0, send_wait_s=0.0, in_flight=0,
+                                              now=100.0))  # the loop-start report
     assert win.update(read_status(tmp_path)) == {}  # nothing measured yet
     # First window: 20 s of warm-up producing 20K tokens while waiting 5 s to send.
     tokens, wait, now = 20_000, 5.0, 120.0
-    write_status(tmp_path, 1, target_counters(1, 10, 100.0, tokens, wait, 3, now=now))
+    write_status(tmp_path, 1, target_counters(1, 10, 100.0, tokens, send_wait_s=wait, in_flight=3, now=now))
     first = win.update(read_status(tmp_path))
     assert first["target_tok_per_s"] == 1000.0 and first["target_send_wait_share"] == 0.25 and first["in_flight"] == 3
     for _ in range(4):  # then 10 s windows of 100K tokens, waiting 1 s each
         tokens, wait, now = tokens + 100_000, wait + 1.0, now + 10.0
-        write_status(tmp_path, 1, target_counters(1, 0, 100.0, tokens, wait, 2, now=now))
+        write_status(tmp_path, 1, target_counters(1, 0, 100.0, tokens, send_wait_s=wait, in_flight=2, now=now))
         got = win.update(read_status(tmp_path))
         assert got["target_tok_per_s"] == 10_000.0 and abs(got["target_send_wait_share"] - 0.1) < 1e-12
     assert tokens / (now - 100.0) < 7_500  # what the since-start average would have shown
@@ -60,8 +61,8 @@ def test_target_rates_are_windowed_like_the_drafter_figure(tmp_path):
     assert win.update(read_status(tmp_path))["target_tok_per_s"] == 10_000.0
     # Two target ranks: the per-GPU mean of their windows; a new run in the same directory
     # (another start) is measured from its own start, not against the old run's counters.
-    write_status(tmp_path, 2, target_counters(2, 0, 500.0, 30_000, 0.0, 1, now=510.0))
+    write_status(tmp_path, 2, target_counters(2, 0, 500.0, 30_000, send_wait_s=0.0, in_flight=1, now=510.0))
     tokens, now = tokens + 50_000, now + 10.0
-    write_status(tmp_path, 1, target_counters(1, 0, 100.0, tokens, wait, 2, now=now))
+    write_status(tmp_path, 1, target_counters(1, 0, 100.0, tokens, send_wait_s=wait, in_flight=2, now=now))
     got = win.update(read_status(tmp_path))
     assert got["target_tok_per_s"] == (5_000.0 + 3_000.0) / 2 and got["in_flight"] == 3

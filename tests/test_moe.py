@@ -184,9 +184,9 @@ def test_silu_experts_equal_the_module_forward_with_chunks():
     hidden, index, weights = routed_inputs(mod)
     want = eager(mod, hidden, index, weights)
     for chunk in (moe.CHUNK_TOKENS, 5):
-        got = moe.silu_experts(hidden, index, weights, mod.gate_up_proj, mod.down_proj, chunk)
+        got = moe.silu_experts(hidden, index, weights, mod.gate_up_proj, down=mod.down_proj, chunk=chunk)
         assert torch.allclose(got, want, atol=1e-12, rtol=0)
-    swapped = moe.silu_experts(hidden, index.flip(1), weights, mod.gate_up_proj, mod.down_proj)
+    swapped = moe.silu_experts(hidden, index.flip(1), weights, mod.gate_up_proj, down=mod.down_proj)
     assert not torch.allclose(swapped, want, atol=1e-6)  # the weights follow their own slot
 
 
@@ -210,7 +210,7 @@ def test_unsupported_expert_layout_is_refused():
 
 
 def test_fp8_experts_equal_a_per_token_reference():
-    from dflash_ds.target_model.fp8 import dequantize, quantize_rows
+    from dflash_ds.quantization.fp8 import dequantize, quantize_rows
 
     model = tiny_moe(dtype=torch.float32)
     mod = moe.experts_modules(model)[0][1]
@@ -275,7 +275,8 @@ def test_fp8_grouped_gemms_equal_the_float64_product_of_their_operands(monkeypat
     shifted = calls[0].offsets.clone()
     shifted[5] += 1
     c = calls[0]
-    bad = replace(c, out=moe.scaled_grouped_mm(c.xq, c.x_scale, c.wq, c.w_scale, shifted, torch.bfloat16))
+    bad = replace(c, out=moe.scaled_grouped_mm(c.xq, c.x_scale, c.wq, c.w_scale, offsets=shifted,
+                                               out_dtype=torch.bfloat16))
     assert gemm_errors(bad)["worst_row"] > 0.5
 
 

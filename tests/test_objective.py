@@ -65,7 +65,7 @@ def test_block_inputs_hand_worked():
 def test_block_targets_hand_worked():
     anchors = torch.tensor([[2, 3, 8, 0]])
     valid = torch.tensor([[True, True, True, False]])
-    labels, weights = block_targets(INPUT_IDS, LOSS_MASK, DOC_IDS, anchors, valid, 5, gamma=2.0)
+    labels, weights = block_targets(INPUT_IDS, LOSS_MASK, DOC_IDS, anchors, valid=valid, block_size=5, gamma=2.0)
     # same-position labels: slot k is the token at a + k
     assert labels[0, 0].tolist() == [102, 103, 104, 105, 106]
     assert labels[0, 1].tolist() == [103, 104, 105, 106, 0]  # pos 7 is another document: label 0
@@ -78,7 +78,7 @@ def test_block_targets_hand_worked():
     ]], dtype=torch.float32)
     assert weights.dtype == torch.float32
     torch.testing.assert_close(weights, expected)
-    _, w_default = block_targets(INPUT_IDS, LOSS_MASK, DOC_IDS, anchors, valid, 5, gamma=None)
+    _, w_default = block_targets(INPUT_IDS, LOSS_MASK, DOC_IDS, anchors, valid=valid, block_size=5, gamma=None)
     torch.testing.assert_close(w_default[0, 0, 2], torch.tensor(E(-1 / default_gamma(5))))
 
 
@@ -240,7 +240,7 @@ def pipeline(device, generator=None, kl=False):
             anchors = torch.arange(n, device=device).expand(b, n) * 5
             valid = torch.ones(b, n, dtype=torch.bool, device=device)
         block_inputs(input_ids, positions, anchors, B, mask_token_id=1)
-        labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, valid, B, None)
+        labels, weights = block_targets(input_ids, loss_mask, doc_ids, anchors, valid=valid, block_size=B, gamma=None)
         terms = [CrossEntropy(), *([Distillation(0.5, 1.0)] if kl else [])]
         target = TargetRows(slot_target_states(final, anchors, B)) if kl else None
         out = ChunkedLoss(terms, head, chunks=3).blocks(hidden, labels, weights, weights.sum(), target=target)

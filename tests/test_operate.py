@@ -152,11 +152,11 @@ def one_rank_group(tmp_path):
 
 def test_full_disk_removes_the_partial_checkpoint_and_keeps_the_previous(tmp_path, one_rank_group):
     run = tmp_path / "run"
-    assert checkpoint.save(FakeEngine(), run, 3, one_rank_group, True, keep_last=2) == "step00000003"
+    assert checkpoint.save(FakeEngine(), run, 3, one_rank_group, is_lead=True, keep_last=2) == "step00000003"
     assert checkpoint.verify(run / "checkpoints" / "step00000003") is None
     before = (run / "checkpoints" / checkpoint.LATEST).read_text()
     with pytest.raises(checkpoint.CheckpointError) as exc:
-        checkpoint.save(FakeEngine(fail=True), run, 4, one_rank_group, True, keep_last=2)
+        checkpoint.save(FakeEngine(fail=True), run, 4, one_rank_group, is_lead=True, keep_last=2)
     msg = str(exc.value)
     assert "could not write checkpoint" in msg and "step00000004" in msg and "No space left on device" in msg
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in msg and "step00000003 is untouched" in msg
@@ -191,7 +191,7 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path, one_rank_group):
     fake_checkpoint(run, 400)
     fake_checkpoint(run, 500)
     for step in (1, 2, 3):
-        checkpoint.save(FakeEngine(), run, step, one_rank_group, True, keep_last=2)
+        checkpoint.save(FakeEngine(), run, step, one_rank_group, is_lead=True, keep_last=2)
         assert checkpoint.verify(run / "checkpoints" / checkpoint.tag_of(step)) is None
     assert checkpoint.tags(run / "checkpoints") == ["step00000002", "step00000003", "step00000400", "step00000500"]
 
@@ -219,7 +219,7 @@ def test_restart_moves_the_previous_runs_checkpoints_aside(tmp_path, one_rank_gr
     assert len(lines) == 1 and str(aside) in lines[0] and "checkpoint.resume=restart" in lines[0]
     # The new run's checkpoints are its own: pruned among themselves, resumed from, never the old ones.
     for step in (1, 2, 3):
-        checkpoint.save(FakeEngine(), run, step, one_rank_group, True, keep_last=2)
+        checkpoint.save(FakeEngine(), run, step, one_rank_group, is_lead=True, keep_last=2)
     assert checkpoint.tags(ck) == ["step00000002", "step00000003"]
     assert checkpoint.resolve(run, "auto") == {"tag": "step00000003", "step": 3}
     assert checkpoint.resolve(run, "fallback") == {"tag": "step00000003", "step": 3}
@@ -240,7 +240,7 @@ class EngineLikeDeepSpeed(FakeEngine):
 def test_a_checkpoint_directory_that_cannot_be_written_says_not_writable(one_rank_group):
     run = Path("/sys/dflash-test-run")  # no one, root included, creates directories in /sys
     with pytest.raises(checkpoint.CheckpointError) as exc:
-        checkpoint.save(EngineLikeDeepSpeed(), run, 3, one_rank_group, True, keep_last=2)
+        checkpoint.save(EngineLikeDeepSpeed(), run, 3, one_rank_group, is_lead=True, keep_last=2)
     msg = str(exc.value)
     assert "\n" not in msg and "is not writable" in msg and str(run / "checkpoints") in msg, msg
     assert "does not exist" not in msg

@@ -39,7 +39,7 @@ def taps_packed(model, taps, ids, doc_ids, width):
                      device=ids.device)
     cap = TapCapture(model, taps)
     try:
-        forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), out, doc_ids=doc_ids)
+        forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), out=out, doc_ids=doc_ids)
     finally:
         cap.remove()
     return out
@@ -57,7 +57,7 @@ def taps_alone(model, taps, ids, doc_ids, width):
                 where = (doc_ids[r] == d).nonzero().squeeze(1)
                 a, b = int(where[0]), int(where[-1]) + 1
                 view = out[r:r + 1, a:b]
-                forward_taps(model, cap, ids[r:r + 1, a:b], None, view)
+                forward_taps(model, cap, ids[r:r + 1, a:b], None, out=view)
     finally:
         cap.remove()
     return out
@@ -73,7 +73,7 @@ def test_masked_conv_equals_conv_per_document():
     doc_ids = torch.tensor([[0] * 5 + [1] * 2 + [2] * 6 + [-1] * 3])
     x = torch.randn(1, 16, 6, dtype=torch.float64)
     w = torch.randn(6, 4, dtype=torch.float64)
-    got = masked_causal_conv(x, w, None, "silu", Packing(doc_ids, 4))
+    got = masked_causal_conv(x, w, None, "silu", pack=Packing(doc_ids, 4))
     for d in range(-1, 3):
         idx = (doc_ids[0] == d).nonzero().squeeze(1)
         seg = x[:, idx].transpose(1, 2)
@@ -104,7 +104,7 @@ def test_without_document_boundaries_the_recurrent_state_leaks():
     width = model.config.hidden_size
     stock = torch.zeros(1, 48, width)
     cap = TapCapture(model, taps)
-    forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), stock)
+    forward_taps(model, cap, ids, position_ids_from_doc_ids(doc_ids), out=stock)
     cap.remove()
     want = taps_alone(model, taps, ids, doc_ids, width)
     assert torch.allclose(stock[:, :10], want[:, :10], atol=1e-5)
@@ -118,7 +118,7 @@ def test_forward_is_restored_after_a_packed_call():
     assert all("forward" not in vars(layer.linear_attn) for layer in decoder_layers(model) if hasattr(layer, "linear_attn"))
 
 
-def segment_attention(q, k, v, cu_seqlens, longest, scale):
+def segment_attention(q, k, v, cu_seqlens, *, longest, scale):
     """Stand-in for FlashAttention varlen on CPU: causal SDPA over each segment, grouped heads repeated."""
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
@@ -156,7 +156,7 @@ def test_varlen_attention_route_equals_each_document_alone(monkeypatch, make):
 
     monkeypatch.setattr(packed, "varlen_usable", lambda config, dtype, device: True)
     monkeypatch.setattr(packed, "varlen_attention", spy)
-    monkeypatch.setattr(packed, "flash_varlen", lambda *a: calls.append(1) or segment_attention(*a))
+    monkeypatch.setattr(packed, "flash_varlen", lambda *a, **k: calls.append(1) or segment_attention(*a, **k))
     model = make()
     taps = list(range(len(decoder_layers(model))))
     ids, doc_ids = packed_rows([[13, 1, 20, 6], [7, 25]], 48, model.config.vocab_size)

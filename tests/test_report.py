@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model_card import TauFacts
+from dflash_ds.export.card import TauFacts
 from dflash_ds.report import finish_run, main, page_html, report_contents, split_records, write_report
 
 

@@ -65,20 +65,20 @@ def test_long_mix_is_mostly_between_half_and_one_row():
 
 
 def test_long_answers_waste_a_fifth_of_short_rows_and_almost_nothing_of_long_ones():
-    short = useful_share(length_rows(64, 3072, 3072, 1000, "long", pack=True, seed=0)["doc_ids"])
-    long = useful_share(length_rows(16, 12288, 3072, 1000, "long", pack=True, seed=0)["doc_ids"])
+    short = useful_share(length_rows(64, 3072, 3072, 1000, spec="long", pack=True, seed=0)["doc_ids"])
+    long = useful_share(length_rows(16, 12288, 3072, 1000, spec="long", pack=True, seed=0)["doc_ids"])
     assert short["padding_share"] > 0.12, short
     assert long["padding_share"] <= 0.03 and long["docs_per_row"] > 4, long
-    chat = useful_share(length_rows(16, 12288, 3072, 1000, "chat", pack=True, seed=0)["doc_ids"])
+    chat = useful_share(length_rows(16, 12288, 3072, 1000, spec="chat", pack=True, seed=0)["doc_ids"])
     assert chat["padding_share"] <= 0.03, chat
-    rows = length_rows(8, 12288, 3072, 1000, "long", pack=True, seed=1)
+    rows = length_rows(8, 12288, 3072, 1000, spec="long", pack=True, seed=1)
     for row in rows["doc_ids"]:  # whole documents, none longer than the longest conversation
         assert np.bincount(row[row >= 0]).max() <= 3072
 
 
 def test_lengths_above_the_row_are_refused():
     with pytest.raises(ValueError, match="exceeds the row length"):
-        length_rows(2, 1024, 3072, 100, "chat", pack=True, seed=0)
+        length_rows(2, 1024, 3072, 100, spec="chat", pack=True, seed=0)
 
 
 # ----------------------------------------------------------------------------- preparation
@@ -130,7 +130,7 @@ def test_anchor_quotas_in_a_long_row_match_the_density_of_full_short_rows():
     """A 12,288-token row of whole documents with 2,048 anchors gives every document its proportional
     share of the row's anchors (within one), all drawn inside it: 2,048 / C per supervised token, as a
     full 3,072-token row gives at 512."""
-    rows = length_rows(4, 12288, 3072, 100, "long", pack=True, seed=3)
+    rows = length_rows(4, 12288, 3072, 100, spec="long", pack=True, seed=3)
     doc_ids = torch.as_tensor(rows["doc_ids"])
     loss_mask = torch.as_tensor(rows["loss_mask"]).bool()
     valid = valid_anchor_mask(loss_mask, doc_ids)

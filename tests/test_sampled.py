@@ -66,7 +66,7 @@ def offline_walk(x: tuple, first: int):
                             for k, d in enumerate(toy_drafts(x[:t + 1]), 1)] for t in range(first, end)],
                           dtype=torch.float64)
     # slot k of anchor t proposes position t + k, drawn from p(. | x[:t + k]) on the trajectory
-    return walk_with_probs(drafts, slot_p, torch.tensor(x), first, end)
+    return walk_with_probs(drafts, slot_p, torch.tensor(x), first, end=end)
 
 
 def online_outcomes(ctx: tuple, budget: int, prob: float, counts: tuple):
@@ -141,7 +141,7 @@ def test_draft_probabilities_index_the_slot_positions():
     logits = torch.randn(12, 9, generator=gen, dtype=torch.float64)
     first, end, s = 3, 12, Sampling(0.8, top_p=0.9)
     drafts = torch.randint(0, 9, (end - first, 4), generator=gen)
-    got = draft_probabilities(logits, drafts, first, end, s, chunk=2)
+    got = draft_probabilities(logits, drafts, first, end, sampling=s, chunk=2)
     for i, t in enumerate(range(first, end)):
         for k in range(1, 5):  # slot k of anchor t proposes position t + k: logits row t + k - 1
             want = target_probs(logits[t + k - 1], s)[drafts[i, k - 1]] if t + k < end else 0.0
@@ -173,7 +173,7 @@ def test_online_sampled_loop_agrees_with_offline_within_error(world):
     on = TauReport(block_size=model.block_size)
     for prompt in prompts:
         for _ in range(SAMPLES):
-            ids, counts = speculative_sample(target, model, prompt, SAMPLING, gen, max_new_tokens=NEW)
+            ids, counts = speculative_sample(target, model, prompt, SAMPLING, generator=gen, max_new_tokens=NEW)
             assert sum(counts) == ids.numel() - 1
             on.cycles.append(counts)
     off_mean, off_se = mean_se(off.report.per_response)
@@ -222,7 +222,8 @@ def test_online_loop_with_coupled_draws_reproduces_the_offline_walk_exactly(worl
     for seed, prompt in enumerate(w["trained_on"] * 2):
         responder = Responder(target, w["model"], SAMPLING, BenchOptions(NEW, seed=seed))
         response = responder.respond(prompt.tolist())
-        ids, counts = speculative_sample(target, w["model"], prompt, SAMPLING, torch.Generator().manual_seed(seed),
+        ids, counts = speculative_sample(target, w["model"], prompt, SAMPLING,
+                                         generator=torch.Generator().manual_seed(seed),
                                          max_new_tokens=NEW)
         assert ids.tolist() == response
         assert counts == responder.result.report.cycles[0]

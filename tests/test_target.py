@@ -42,7 +42,7 @@ def test_tap_k_is_hidden_states_k_plus_1(make):
     taps = [0, 1, n - 2]
     out = torch.full((2, 11, len(taps) * 32), float("nan"))
     cap = TapCapture(model, taps)
-    forward_taps(model, cap, ids, None, out)
+    forward_taps(model, cap, ids, None, out=out)
     for i, k in enumerate(taps):
         assert torch.equal(out[..., i * 32:(i + 1) * 32], hs[k + 1]), k
     # Truncating after the last tap changes no tap.
@@ -50,7 +50,7 @@ def test_tap_k_is_hidden_states_k_plus_1(make):
     truncate_after(model, n - 2)
     assert len(decoder_layers(model)) == n - 1
     again = torch.full_like(out, float("nan"))
-    forward_taps(model, TapCapture(model, taps), ids, None, again)
+    forward_taps(model, TapCapture(model, taps), ids, None, out=again)
     assert torch.equal(again, out)
 
 

@@ -22,7 +22,7 @@ def test_meta_round_trip_is_exact(dtype):
     docs = torch.randint(-1, 5, (2, 7), generator=g).int()
     taps = torch.randn(2, 7, 12, generator=g).to(dtype)
     taps_view(buf, layout).copy_(taps)
-    write_meta(buf, layout, ids, lm, docs)
+    write_meta(buf, layout, ids, lm, doc_ids=docs)
     i2, l2, d2 = read_meta(buf, layout)
     assert torch.equal(i2, ids) and torch.equal(l2, lm) and torch.equal(d2, docs)
     assert torch.equal(taps_view(buf, layout), taps)  # metadata never overwrites the taps
@@ -39,7 +39,7 @@ def test_payload_rows_are_16_byte_aligned(dtype, hidden, taps, final):
     assert buf.stride(1) * buf.element_size() % 16 == 0
     assert taps_view(buf, layout).stride(1) == buf.shape[-1] and layout.meta_cols * buf.element_size() >= 12
     ids = torch.arange(6).view(2, 3) + 248_000
-    write_meta(buf, layout, ids, torch.ones(2, 3), torch.full((2, 3), 7))
+    write_meta(buf, layout, ids, torch.ones(2, 3), doc_ids=torch.full((2, 3), 7))
     i2, l2, d2 = read_meta(buf, layout)
     assert torch.equal(i2, ids) and bool(l2.all()) and bool((d2 == 7).all())
 
@@ -53,7 +53,7 @@ def _worker(rank, port, n, depth, q):
         for i in range(n):
             buf = tx.buffer()
             taps_view(buf, layout).fill_(float(i))
-            write_meta(buf, layout, torch.full((1, 5), 1000 + i), torch.ones(1, 5), torch.zeros(1, 5))
+            write_meta(buf, layout, torch.full((1, 5), 1000 + i), torch.ones(1, 5), doc_ids=torch.zeros(1, 5))
             tx.send(buf, dst=0)
             assert tx.in_flight <= depth
         tx.flush()

@@ -29,7 +29,7 @@ from dflash_ds.model.blocks import MicroBatch, make_blocks
 from dflash_ds.model.objective import StepSettings, drafter_loss
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model_card import model_card
+from dflash_ds.export.card import model_card
 from tests.toy_variant import markov_bias, markov_term, predecessors, register
 
 D, VOCAB, B, S = 32, 96, 4, 40
@@ -69,7 +69,7 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     mb = micro_batch(g)
     blocks = make_blocks(mb, settings, 0)
     weight = blocks.weights.sum()
-    out = drafter_loss(model, mb, blocks, weight, settings, settings.step_term(0, 1))
+    out = drafter_loss(model, mb, blocks, weight, settings=settings, term=settings.step_term(0, 1))
     assert toy.log_names(shape) == ("tv_sum",) and float(out.sums["tv_sum"]) > 0
     record = toy.log_record({"tv_sum": float(out.sums["tv_sum"])}, float(weight))
     assert 0 < record["tv"] < 1

@@ -149,12 +149,12 @@ def test_drafter_refuses_a_mask_built_for_another_attention():
     pos = torch.arange(37).expand(2, -1)
     bpos = (anchors[..., None] + torch.arange(B)).view(2, -1)
     with pytest.raises(ValueError, match="layer 0 attends"):
-        model(block, ctx, bpos, pos, build_mask(anchors, valid, doc_ids, B))
-    masks = build_layer_masks(anchors, valid, doc_ids, B, model.config.layer_attentions())
+        model(block, ctx, bpos, pos, mask=build_mask(anchors, valid, doc_ids, B))
+    masks = build_layer_masks(anchors, valid, doc_ids, B, attentions=model.config.layer_attentions())
     assert masks[0] is not masks[1] and masks[0].attention == LayerAttention(8, True)
-    out = model(block, ctx, bpos, pos, masks)
+    out = model(block, ctx, bpos, pos, mask=masks)
     assert torch.isfinite(out).all()
-    shared = build_layer_masks(anchors, valid, doc_ids, B, attention_layout((S_, S_, F_, S_), 8, None))
+    shared = build_layer_masks(anchors, valid, doc_ids, B, attentions=attention_layout((S_, S_, F_, S_), 8, None))
     assert shared[0] is shared[1] is shared[3] and shared[2] is not shared[0]
 
 
@@ -178,9 +178,9 @@ def test_context_outside_the_window_never_reaches_a_block(is_causal):
     n = len(variants)
     for kind in ("dense", "flex"):
         masks = build_layer_masks(anchors.expand(n, -1), valid.expand(n, -1), doc_ids.expand(n, -1), B,
-                                  model.config.layer_attentions(), kind=kind)
+                                  attentions=model.config.layer_attentions(), kind=kind)
         with torch.no_grad():
-            out = model(block.expand(n, -1, -1), torch.cat(variants), bpos.expand(n, -1), pos.expand(n, -1), masks)
+            out = model(block.expand(n, -1, -1), torch.cat(variants), bpos.expand(n, -1), pos.expand(n, -1), mask=masks)
         assert torch.equal(out[1], out[0]), kind
         assert not torch.allclose(out[2], out[0]), kind
 
@@ -204,12 +204,12 @@ def test_batched_training_masks_equal_the_serving_view(layer_types, is_causal):
     pos = torch.arange(S)[None]
     bpos = (anchors[..., None] + torch.arange(B)).view(1, -1)
     masks = build_layer_masks(anchors, torch.ones(1, n, dtype=torch.bool), torch.zeros(1, S, dtype=torch.int32), B,
-                              model.config.layer_attentions())
+                              attentions=model.config.layer_attentions())
     with torch.no_grad():
-        batched = model(block, ctx, bpos, pos, masks).view(n, B, -1)
+        batched = model(block, ctx, bpos, pos, mask=masks).view(n, B, -1)
         for i, a in enumerate(anchors[0].tolist()):
             one = model(block[:, i * B:(i + 1) * B], ctx[:, :a], bpos[:, i * B:(i + 1) * B], pos[:, :a],
-                        serving_masks(dm, a, torch.device("cpu")))
+                        mask=serving_masks(dm, a, torch.device("cpu")))
             torch.testing.assert_close(one[0], batched[i], rtol=1e-10, atol=1e-10)
 
 
@@ -260,7 +260,7 @@ def test_automodel_applies_the_windows(tmp_path, layer_types, is_causal):
     ours = load_drafter(out, dtype=torch.float32)  # the export is bf16: compare the same weights
     assert ours.config == windowed_drafter(layer_types, window=W, is_causal=is_causal).config
     case = block_case(32, B, seq=S, generator=torch.Generator().manual_seed(0))
-    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, ours.config.layer_attentions())
+    masks = build_layer_masks(case.anchors, case.valid, case.doc_ids, B, attentions=ours.config.layer_attentions())
     training = build_mask(case.anchors, case.valid, case.doc_ids, B)  # the un-windowed bidirectional mask
     got, want = training_call(remote, ours, case, masks, training.dense)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -271,7 +271,7 @@ def test_automodel_applies_the_windows(tmp_path, layer_types, is_causal):
     with torch.no_grad():
         plain = DFlashDrafter(ours.config.replace(layer_types=(F_, F_), sliding_window=None, is_causal=None))
         plain.load_state_dict(ours.state_dict())
-        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, training)
+        other = plain(case.embeds, plain.fuse(case.taps), case.block_pos, case.ctx_pos, mask=training)
         assert not torch.allclose(other, want, rtol=1e-3, atol=1e-3)
     assert json.loads((out / "config.json").read_text())["layer_types"] == list(layer_types)
 

@@ -42,7 +42,7 @@ def _text(rng, lo: int, hi: int) -> str:
     return " ".join(out)
 
 
-def iter_chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], seed: int = 0):
+def iter_chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], *, seed: int = 0):
     rng = np.random.default_rng(seed)
     for _ in range(n):
         msgs = [{"role": "system", "content": _text(rng, 30, 120)}] if rng.random() < 0.5 else []
@@ -52,8 +52,8 @@ def iter_chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tu
         yield msgs
 
 
-def chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], seed: int = 0):
-    return list(iter_chats(n, turns, user, answer, seed))
+def chats(n: int, turns: tuple[int, int], user: tuple[int, int], answer: tuple[int, int], *, seed: int = 0):
+    return list(iter_chats(n, turns, user, answer, seed=seed))
 
 
 def _time(fn, convs) -> tuple[float, int]:

@@ -15,12 +15,12 @@ from .setup import Setup, setup_rows
 
 def count_linear_params(module: nn.Module) -> int:
     """Weights of every nn.Linear (or FP8 linear) under `module` (the matmuls of a forward)."""
-    from dflash_ds.target_model.fp8 import Fp8Linear
+    from dflash_ds.quantization.fp8 import Fp8Linear
 
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Fp8Linear)))
 
 
-def target_forward_flops(linear_params: int, full_attention_layers: int, heads: int, head_dim: int, rows: int,
+def target_forward_flops(linear_params: int, full_attention_layers: int, heads: int, head_dim: int, *, rows: int,
                          seq_len: int) -> dict[str, int]:
     """2 x linear params x tokens + causal attention 2*2*S^2*heads*head_dim/2 per full layer per row."""
     linear = 2 * linear_params * rows * seq_len
@@ -29,7 +29,7 @@ def target_forward_flops(linear_params: int, full_attention_layers: int, heads: 
 
 
 def visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int,
-                  attention: LayerAttention = FULL) -> int:
+                  *, attention: LayerAttention = FULL) -> int:
     """(query, key) pairs the DFlash mask allows under one layer attention, counted from the mask's definition.
 
     Per block: for each slot k, the context keys strictly before the anchor in its document (and,
@@ -114,7 +114,7 @@ def target_flops_per_micro(setup: Setup, model) -> dict[str, int]:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     params = active_linear_params(layers)
     out = target_forward_flops(params["active"], full, tc.num_attention_heads, head_dim,
-                               setup.payload.rows, setup.payload.seq_len)
+                               rows=setup.payload.rows, seq_len=setup.payload.seq_len)
     out["layers_run"] = len(layers)
     out["full_attention_layers_run"] = full
     out["linear_params_run"] = params["active"]
@@ -142,10 +142,11 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     for step in steps:
         for g in range(plan.grad_accum):
             m = plan.layout.micro_index(step, g, plan.grad_accum, 0)
-            anchors, valid = sample_anchors(loss_mask, doc_ids, r.objective.num_anchors,
-                                            anchor_generator(r.run.seed, m), r.objective.anchor_last_prompt_token)
+            anchors, valid = sample_anchors(loss_mask, doc_ids, r.objective.num_anchors, anchor_generator(r.run.seed, m),
+                                            prompt_end=r.objective.anchor_last_prompt_token)
             layers = setup.drafter_config.layer_attentions()
-            counts = {att: visible_pairs(anchors, valid, doc_ids, r.drafter.block_size, att) for att in set(layers)}
+            counts = {att: visible_pairs(anchors, valid, doc_ids, r.drafter.block_size,
+                                         attention=att) for att in set(layers)}
             p = sum(counts[att] for att in layers) / len(layers)  # mean over the layers
             f = drafter_step_flops(setup.drafter_config, ctx_tokens, block_tokens, p)
             total = f if total is None else {k: total[k] + f[k] for k in f}

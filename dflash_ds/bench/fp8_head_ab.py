@@ -6,7 +6,7 @@ One chunk as the fused loss cuts it at the recipe's rows (rows x anchors x (bloc
 over objective.loss_chunks), the geometry's lm_head [V, D] (random bf16 weights), timed in one process:
 
 - bf16: torch.mm(h, W.T) and torch.mm(dlogits, W), what the fused loss runs without drafter.fp8.lm_head;
-- fp8: target_model/fp8_head.Fp8Head (W quantized once per layout, each chunk's rows and logits'
+- fp8: quantization/fp8_head.Fp8Head (W quantized once per layout, each chunk's rows and logits'
   gradient per row, compiled), the input gradient accumulated exactly (the default);
 - fp8 fast-accum grad: the same with the input gradient on the tensor cores' fast accumulator;
 - torchao: two nn.Linear holding the same W and W.T, through torchao's inference quantization
@@ -68,7 +68,7 @@ def _torchao_pair(weight: torch.Tensor):
 
 
 def variants(weight: torch.Tensor, with_torchao: bool) -> dict:
-    from dflash_ds.target_model.fp8_head import Fp8Head
+    from dflash_ds.quantization.fp8_head import Fp8Head
 
     head = Fp8Head(weight)
     fast = copy.copy(head)  # the same quantized W, the other accumulator

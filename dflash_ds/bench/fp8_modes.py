@@ -117,10 +117,10 @@ def run_drafter_modes(setup: Setup, ceiling: dict) -> dict:
     group = init_single_process(setup.device)
     rows = setup_rows(setup, payload_count(setup) * setup.payload.rows)
     payloads = synthetic_payloads(setup, payload_count(setup), rows)
-    return time_modes(setup, ceiling, group, lambda: SyntheticSource(payloads), rows["doc_ids"])
+    return time_modes(setup, ceiling, group, lambda: SyntheticSource(payloads), row_doc_ids=rows["doc_ids"])
 
 
-def time_modes(setup: Setup, ceiling: dict, group, source_factory, row_doc_ids) -> dict:
+def time_modes(setup: Setup, ceiling: dict, group, source_factory, *, row_doc_ids) -> dict:
     """Every mode of --fp8-modes timed as the drafter role times one; `source_factory()` gives a
     fresh payload source per mode."""
     from .flops import drafter_flops_of_steps
@@ -140,15 +140,15 @@ def time_modes(setup: Setup, ceiling: dict, group, source_factory, row_doc_ids) 
         before = allocated_gib(setup.device)
         t_build = time.perf_counter()
         model, engine, _ = build_drafter(s, group, matrices, s.args.seed)
-        step = drafter_step(s, engine, model, source_factory(), group)
+        step = drafter_step(s, engine, model, source_factory(), group=group)
         synchronize(setup.device)
-        result = drive(step, setup.device, a.warmup, a.steps, t_build, None)
+        result = drive(step, setup.device, a.warmup, a.steps, t_build=t_build, profile=None)
         record_rates(result, setup.plan.grad_accum * setup.payload.rows * a.seq_len, counted["per_step"]["total"],
                      ceiling)
         add_useful(result, row_doc_ids)
-        from dflash_ds.target_model.fp8_head import Fp8Head
+        from dflash_ds.model.head_matmuls import GemmHead
 
-        head = model.loss_head if isinstance(model.loss_head, Fp8Head) else None
+        head = model.loss_head.gemms if isinstance(model.loss_head, GemmHead) else None
         result.update(fp8_layers=float8_layers(model.drafter, mode), lm_head_fp8=head is not None,
                       lm_head_fp8_gib=head.nbytes() / 2**30 if head is not None else 0.0,
                       allocated_before_gib=before, drafter_flops=counted)
@@ -177,6 +177,6 @@ def float8_layers(drafter, mode: Mode) -> int:
     """torchao float8 linears in `drafter` (torchao is imported only for a mode that converts)."""
     if mode.layers == "none":
         return 0
-    from dflash_ds.runtime.fp8_drafter import float8_layer_count
+    from torchao.float8.float8_linear import Float8Linear
 
-    return float8_layer_count(drafter)
+    return sum(isinstance(m, Float8Linear) for m in drafter.modules())

@@ -60,7 +60,7 @@ def quality_setup(setup: Setup) -> tuple[Setup, dict]:
     return dataclasses.replace(setup, run=run), rows
 
 
-def train_mode(setup: Setup, group, worker, matrices, out: dict) -> Iterator[None]:
+def train_mode(setup: Setup, group, worker, matrices, *, out: dict) -> Iterator[None]:
     """One mode's --steps steps into `out` (its curves), yielding after every SAVE_EVERY steps (the
     caller writes what there is); its engine is freed at the end."""
     from dflash_ds.runtime.trainer import LocalSource
@@ -70,7 +70,7 @@ def train_mode(setup: Setup, group, worker, matrices, out: dict) -> Iterator[Non
 
     model, engine, _ = build_drafter(setup, group, matrices, setup.args.seed)
     worker.spec = setup.run  # its run.seed orders the rows
-    step = drafter_step(setup, engine, model, LocalSource(worker, 0, 0), group)
+    step = drafter_step(setup, engine, model, LocalSource(worker, 0, 0), group=group)
     pending = []
     t0 = time.perf_counter()
     for i in range(setup.args.steps):
@@ -117,7 +117,7 @@ def run_quality(setup: Setup, ceiling: dict) -> dict:
         entry = result["modes"][mode.name] = {"seed": s.args.seed, "layers": mode.layers, "lm_head": mode.lm_head,
                                               "loss": [], "accept": [], "steps_done": 0,
                                               "save_s": []}
-        for _ in train_mode(s, group, worker, matrices, entry):
+        for _ in train_mode(s, group, worker, matrices, out=entry):
             if a.out:  # what has been trained so far survives a run cut short
                 Path(a.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(a.out).write_text(json.dumps({"role": "quality", "partial": True, "result": result}) + "\n")

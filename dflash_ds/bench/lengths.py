@@ -75,7 +75,7 @@ def length_sampler(spec: str, max_length: int):
     return draw
 
 
-def length_rows(num_rows: int, seq_len: int, max_length: int, vocab: int, spec: str, pack: bool,
+def length_rows(num_rows: int, seq_len: int, max_length: int, vocab: int, *, spec: str, pack: bool,
                 seed: int) -> dict[str, np.ndarray]:
     """`num_rows` rows of `seq_len` random ids holding whole documents of at most `max_length` tokens
     with lengths from `spec`.

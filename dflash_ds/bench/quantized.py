@@ -77,7 +77,7 @@ def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def run_target_compared(setup: Setup, ceiling: dict) -> dict:
     from dflash_ds.target_model import moe
-    from dflash_ds.target_model.fp8 import BLOCKS, ROWS, compile_for, quantize_model
+    from dflash_ds.quantization.fp8 import BLOCKS, ROWS, compile_for, quantize_model
 
     from .target_side import build_target_model, target_worker, time_target
 

@@ -69,7 +69,8 @@ def synthetic_payloads(setup: Setup, count: int = 2, rows: dict | None = None) -
         buf = layout.empty(setup.device)
         taps_view(buf, layout).normal_(generator=g)
         sl = slice(k * layout.rows, (k + 1) * layout.rows)
-        write_meta(buf, layout, *(torch.from_numpy(rows[f][sl]) for f in ("input_ids", "loss_mask", "doc_ids")))
+        ids, loss_mask, doc_ids = (torch.from_numpy(rows[f][sl]) for f in ("input_ids", "loss_mask", "doc_ids"))
+        write_meta(buf, layout, ids, loss_mask, doc_ids=doc_ids)
         out.append(buf)
     return out
 
@@ -89,12 +90,11 @@ def build_drafter(setup: Setup, group, matrices: tuple[torch.Tensor, torch.Tenso
     lm_head quantized). Returns (DraftModel, engine, the engine's JSON)."""
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.runtime.engines import build_drafter_engine
-    from dflash_ds.runtime.fp8_drafter import loss_head
+    from dflash_ds.runtime.engines import build_drafter_engine, loss_head
 
     torch.manual_seed(seed)
     drafter = DFlashDrafter(setup.drafter_config).to(setup.device)
-    engine, ds_cfg = build_drafter_engine(setup.recipe, drafter, setup.plan, group, 0, setup.device)
+    engine, ds_cfg = build_drafter_engine(setup.recipe, drafter, setup.plan, group, rank=0, device=setup.device)
     embed, head = matrices
     return DraftModel(drafter, embed, head, loss_head(setup.recipe, head)), engine, ds_cfg
 
@@ -104,13 +104,12 @@ def build_drafter_side(setup: Setup, group):
     return build_drafter(setup, group, frozen_matrices(setup), setup.args.seed)
 
 
-def drafter_step(setup: Setup, engine, model, source, group):
+def drafter_step(setup: Setup, engine, model, source, *, group):
     """One optimizer step of a drafter rank: `DrafterTrainer.train_step` itself (payloads -> unpack
     -> make_blocks -> step-wide weight all-reduce -> per micro-batch drafter_loss, engine.backward,
     engine.step -> acceptance proxy bookkeeping). Only the logging done at log steps is left out."""
-    from dflash_ds.guard.control import NullControl
+    from dflash_ds.bench.stand_ins import NoSyncTimer, NullControl
     from dflash_ds.runtime.trainer import DrafterParts, DrafterTrainer
-    from dflash_ds.runtime.profiling import NoSyncTimer
 
     trainer = DrafterTrainer(setup.run, 0, DrafterParts(engine, model, source, group, NoSyncTimer()), NullControl())
     if setup.args.loss_impl == "autograd":
@@ -142,13 +141,13 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
     s = setup.run.settings
     mb = micro_batch_of(setup, payload)
     anchors, valid = sample_anchors(mb.loss_mask.cpu(), mb.doc_ids.cpu(), s.num_anchors, anchor_generator(s.seed, 0),
-                                    s.anchor_prompt_end)
+                                    prompt_end=s.anchor_prompt_end)
     anchors, valid = anchors.to(setup.device), valid.to(setup.device)
     times = []
     for _ in range(repeats + 1):
         synchronize(setup.device)
         t0 = time.perf_counter()
-        build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
+        build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, attentions=s.attentions, kind=s.mask_kind)
         synchronize(setup.device)
         times.append(time.perf_counter() - t0)
     synchronize(setup.device)
@@ -195,12 +194,12 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
         row_doc_ids = rows["doc_ids"]
         source = SyntheticSource(payloads)
         probe = payloads[0]
-    step_fn = drafter_step(setup, engine, draft_model, source, group)
+    step_fn = drafter_step(setup, engine, draft_model, source, group=group)
     synchronize(setup.device)
     build_s = time.perf_counter() - t_build
     mask = time_mask(setup, probe)
     del probe
-    result = drive(step_fn, setup.device, a.warmup, a.steps, t_build, a.profile)
+    result = drive(step_fn, setup.device, a.warmup, a.steps, t_build=t_build, profile=a.profile)
     counted = drafter_flops_of_steps(setup, range(a.warmup, a.warmup + a.steps))
     flops = counted["per_step"]["total"]
     if colocated:
@@ -216,7 +215,7 @@ def run_drafter(setup: Setup, ceiling: dict, colocated: bool = False) -> dict:
     return result
 
 
-def _transport_worker(rank: int, port: int, layout, args: dict, queue) -> None:
+def _transport_worker(rank: int, port: int, layout, args: dict, *, queue) -> None:
     import torch.distributed as dist
 
     from dflash_ds.resolve.payload import write_meta
@@ -234,7 +233,7 @@ def _transport_worker(rank: int, port: int, layout, args: dict, queue) -> None:
             tx = Sender(layout, device, args["in_flight"])
             zeros = torch.zeros(layout.rows, layout.seq_len, dtype=torch.long)
             for buf in tx.free:
-                write_meta(buf, layout, zeros, zeros, zeros)
+                write_meta(buf, layout, zeros, zeros, doc_ids=zeros)
             for _ in range(total):
                 tx.send(tx.buffer(), dst=0)
             tx.flush()
@@ -273,7 +272,8 @@ def run_transport(setup: Setup, ceiling: dict) -> dict:
     port = free_port()
     wargs = {"backend": a.transport_backend, "warmup": a.warmup, "steps": a.steps, "in_flight": a.in_flight,
              "depth": a.recv_depth}
-    procs = [ctx.Process(target=_transport_worker, args=(r, port, layout, wargs, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_transport_worker, args=(r, port, layout, wargs),
+                         kwargs={"queue": queue}) for r in range(2)]
     for p in procs:
         p.start()
     reports = {}

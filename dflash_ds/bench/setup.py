@@ -161,7 +161,7 @@ def resolve_setup(args: argparse.Namespace, device: torch.device) -> Setup:
         quantization.check_drafter_quantization(recipe.drafter.fp8, device, dcfg)
     o = recipe.optim
     geo = target_geometry(tcfg)
-    plan, memory = plan_and_memory(recipe, 1, dcfg, geo, total_steps * o.grad_accum * o.rows_per_micro_batch)
+    plan, memory = plan_and_memory(recipe, 1, dcfg, geo, num_rows=total_steps * o.grad_accum * o.rows_per_micro_batch)
     # The bench's dtype: target.dtype on a GPU, float32 on CPU (its drafter JSON agrees with it);
     # training runs take the payload dtype from resolve.dtypes.payload_dtype (resolve_run).
     dtype = DTYPES[recipe.target.dtype] if cuda else torch.float32
@@ -189,7 +189,7 @@ def init_single_process(device: torch.device):
     return dist.new_group([0])
 
 
-def synthetic_rows(num_rows: int, seq_len: int, vocab: int, prompt_tokens: int, seed: int) -> dict[str, np.ndarray]:
+def synthetic_rows(num_rows: int, seq_len: int, vocab: int, prompt_tokens: int, *, seed: int) -> dict[str, np.ndarray]:
     """One document per row: random ids, loss mask off on the prompt prefix and on after it."""
     if not 0 <= prompt_tokens < seq_len - 1:
         raise ValueError(f"--prompt-tokens must be in [0, seq_len - 1), got {prompt_tokens} for --seq-len {seq_len}")
@@ -212,6 +212,6 @@ def setup_rows(setup: Setup, num_rows: int) -> dict[str, np.ndarray]:
     if getattr(a, "lengths", None):
         from .lengths import length_rows
 
-        return length_rows(num_rows, a.seq_len, setup.recipe.data.max_length, setup.drafter_config.vocab_size, a.lengths,
-                           setup.recipe.data.pack, a.seed)
-    return synthetic_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, prompt_tokens(a), a.seed)
+        return length_rows(num_rows, a.seq_len, setup.recipe.data.max_length, setup.drafter_config.vocab_size,
+                           spec=a.lengths, pack=setup.recipe.data.pack, seed=a.seed)
+    return synthetic_rows(num_rows, a.seq_len, setup.drafter_config.vocab_size, prompt_tokens(a), seed=a.seed)

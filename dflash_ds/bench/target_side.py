@@ -29,7 +29,7 @@ def build_target_model(setup: Setup, use_engine: bool):
     if moe.experts_modules(model):
         moe.use_experts(model, setup.recipe.target.experts_implementation)
     if setup.recipe.target.quantization == "fp8" and getattr(setup.args, "fp8_blocks", False):
-        from dflash_ds.target_model.fp8 import BLOCKS, quantize_model
+        from dflash_ds.quantization.fp8 import BLOCKS, quantize_model
 
         quantize_model(model, BLOCKS)  # as a published FP8 checkpoint stores it; the engine keeps these
     kind = "none"
@@ -69,7 +69,7 @@ def time_target(setup: Setup, worker, ceiling: dict, t_build: float, **extra) ->
         for g in range(plan.grad_accum):
             worker.fill(buf, plan.layout.micro_index(s, g, plan.grad_accum, 0))
 
-    result = drive(step, setup.device, a.warmup, a.steps, t_build, a.profile)
+    result = drive(step, setup.device, a.warmup, a.steps, t_build=t_build, profile=a.profile)
     flops = target_flops_per_micro(setup, worker.model)
     result.update(taps=setup.tap_ids, flops_per_micro=flops, payload_bytes=setup.payload.nbytes, **extra)
     record_rates(result, plan.grad_accum * setup.payload.rows * a.seq_len, plan.grad_accum * flops["total"], ceiling)

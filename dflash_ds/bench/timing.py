@@ -185,7 +185,8 @@ def profile_steps(step_fn, first: int, count: int, path: str) -> None:
     Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
 
 
-def drive(step_fn, device: torch.device, warmup: int, steps: int, t_build: float, profile: str | None = None) -> dict:
+def drive(step_fn, device: torch.device, warmup: int, steps: int, *, t_build: float,
+          profile: str | None = None) -> dict:
     """First step (alone, synchronised), the rest of the warmup, then `steps` timed steps."""
     out = {}
     c0 = dynamo_counters()

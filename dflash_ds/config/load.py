@@ -93,6 +93,13 @@ class Moved(NamedTuple):
     new: str
     architecture: str
 
+    def note(self, arch: str) -> str:
+        """The line the launch says about it, for a recipe whose drafter is `arch`."""
+        unread = "" if self.architecture == arch else (
+            f", a {self.architecture} setting: this drafter is drafter.architecture: {arch} and trains without it "
+            f"(remove it, or set drafter.architecture: {self.architecture})")
+        return f"recipe key '{self.old}' moved to '{self.new}'{unread}; read there for now: move it in the recipe"
+
 
 def _sections(kind: str, cls, raw: dict, moves: list[Moved]) -> dict:
     """`raw` (the drafter or objective section) with the architectures' sections typed into
@@ -225,12 +232,7 @@ def _notes(recipe: Recipe, moves: list[Moved]) -> list[str]:
     """One line per flat key an older recipe set (where it is read now) and per other architecture whose
     sections the recipe sets (this drafter trains without them); the launch prints them once."""
     arch = recipe.drafter.architecture
-    lines = []
-    for m in moves:
-        unread = "" if m.architecture == arch else (
-            f", a {m.architecture} setting: this drafter is drafter.architecture: {arch} and trains without it "
-            f"(remove it, or set drafter.architecture: {m.architecture})")
-        lines.append(f"recipe key '{m.old}' moved to '{m.new}'{unread}; read there for now: move it in the recipe")
+    lines = [m.note(arch) for m in moves]
     moved = {m.architecture for m in moves}
     drafter = dataclasses.replace(recipe.drafter, sections={k: v for k, v in recipe.drafter.sections.items()
                                                             if k not in moved})

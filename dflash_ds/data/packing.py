@@ -54,7 +54,7 @@ def first_fit_rows(lengths, capacity: int) -> list[list[int]]:
     return rows
 
 
-def pack_documents(docs, max_length: int, pad_id: int, pack: bool = True, out_dir: str | None = None,
+def pack_documents(docs, max_length: int, pad_id: int, pack: bool = True, *, out_dir: str | None = None,
                    lengths=None) -> dict:
     """docs: sequence of (input_ids, loss_mask) with len <= max_length -> rows dict of [R, S] arrays
     (`lengths`: their lengths, any int sequence, when already known).

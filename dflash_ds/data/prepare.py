@@ -109,7 +109,7 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def _encode_batch(batch: dict, encoder: ChatEncoder, schema: str, max_length: int, truncation: str) -> dict:
+def _encode_batch(batch: dict, encoder: ChatEncoder, schema: str, max_length: int, *, truncation: str) -> dict:
     out = {"input_ids": [], "loss_mask": [], "drop": [], "turns": [], "probe": [], "truncated": []}
     for i in range(len(next(iter(batch.values())))):
         ids, mask, drop, turns, probe, cut = [], [], "", 0, 0, 0
@@ -155,7 +155,7 @@ def encode_processes(setting: int | None, num_rows: int) -> int:
     return max(1, min(cores, num_rows // 64))
 
 
-def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, fp: str,
+def _encode_docs(encoder: ChatEncoder, rows, schema: str, cfg, *, fp: str,
                  work_dir: Path) -> tuple[_Docs, Counter, Counter]:
     """The kept documents, the encoding counts (assistant turns, probe-located turns, truncated) and
     the dropped samples by reason."""
@@ -334,7 +334,7 @@ def prepare(cfg, tokenizer, *, verbose: bool = True, recipe: str | None = None) 
     with replace_dir_atomic(final, keep_existing=True) as tmp:
         work = tmp / "_work"  # encoded Arrow files; removed before the directory becomes the cache
         work.mkdir()
-        docs, stats, dropped = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp, work)
+        docs, stats, dropped = _encode_docs(encoder, ds.select(train_idx), schema, cfg, fp=fp, work_dir=work)
         prompts, refs = _eval_set(encoder, ev, ev_schema, eval_dropped)
         lengths = np.zeros(len(docs), dtype=np.int64)  # 8 bytes per document, the only per-sample state
         supervised = 0

@@ -77,7 +77,7 @@ def _stop_ids(target_path: str, tokenizer) -> set[int]:
 class HFGenerator:
     """Batched `generate` with left padding; returns (new token ids without the stop token, finished)."""
 
-    def __init__(self, target_path: str, tokenizer, settings, device=None, batch_size: int = 32):
+    def __init__(self, target_path: str, tokenizer, settings, device=None, *, batch_size: int = 32):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -145,7 +145,7 @@ def regenerate_conversations(convs: list[list[dict]], encoder: ChatEncoder, gene
     """Regenerate all assistant turns, turn by turn; returns (kept conversations, unfinished count).
     An unfinished turn is dropped with what follows it, or with `keep_unfinished` kept as a truncated
     answer (the conversation's last message)."""
-    out, unfinished = _regenerate_turns(convs, encoder, generate, seed, keep_unfinished)
+    out, unfinished = _regenerate_turns(convs, encoder, generate, seed, keep_unfinished=keep_unfinished)
     return _kept(out), sum(unfinished)
 
 
@@ -153,7 +153,7 @@ def _kept(convs: list[list[dict]]) -> list[list[dict]]:
     return [c for c in convs if any(m["role"] == "assistant" for m in c)]
 
 
-def _regenerate_turns(convs, encoder: ChatEncoder, generate, seed: int, keep_unfinished: bool):
+def _regenerate_turns(convs, encoder: ChatEncoder, generate, seed: int, *, keep_unfinished: bool):
     """-> (every conversation regenerated or cut, unfinished turns per conversation), in input order."""
     convs = [list(c) for c in convs]
     alive = list(range(len(convs)))
@@ -265,12 +265,12 @@ def regenerate(cfg, target_path: str, *, shards: Shards = Shards(), generator=No
     keep = getattr(rs, "keep_unfinished", False)
     for g in range(0, len(mine), max(1, shards.per_call)):
         group, t0 = mine[g:g + max(1, shards.per_call)], time.time()
-        batches = [_read_shard(ds, i, n, schema, summary) for i in group]
+        batches = [_read_shard(ds, i, n, schema, summary=summary) for i in group]
         seeds = [cfg.seed * 100_003 + i for i in group]
         if client is not None:
             results = [client.shard(convs, seed) for convs, seed in zip(batches, seeds)]
         else:
-            results = _regenerate_group(batches, encoder, generator, seeds[0], keep)
+            results = _regenerate_group(batches, encoder, generator, seeds[0], keep_unfinished=keep)
         for i, convs, (kept, unfinished, failed) in zip(group, batches, results):
             summary["samples_in"] += len(convs)
             summary["failed_samples"] += failed
@@ -299,7 +299,7 @@ def regenerate(cfg, target_path: str, *, shards: Shards = Shards(), generator=No
     return summary
 
 
-def _read_shard(ds, i: int, n: int, schema: str, summary: dict) -> list[list[dict]]:
+def _read_shard(ds, i: int, n: int, schema: str, *, summary: dict) -> list[list[dict]]:
     convs = []
     for row in ds.select(range(i * SHARD_SIZE, min(n, (i + 1) * SHARD_SIZE))):
         try:
@@ -309,10 +309,10 @@ def _read_shard(ds, i: int, n: int, schema: str, summary: dict) -> list[list[dic
     return convs
 
 
-def _regenerate_group(batches, encoder, generator, seed: int, keep_unfinished: bool) -> list[tuple]:
+def _regenerate_group(batches, encoder, generator, seed: int, *, keep_unfinished: bool) -> list[tuple]:
     """Several shards' conversations regenerated as one list, split back -> [(kept, unfinished, 0)]."""
     flat = [c for b in batches for c in b]
-    done, cut = _regenerate_turns(flat, encoder, generator, seed, keep_unfinished)
+    done, cut = _regenerate_turns(flat, encoder, generator, seed, keep_unfinished=keep_unfinished)
     results, pos = [], 0
     for b in batches:
         results.append((_kept(done[pos:pos + len(b)]), sum(cut[pos:pos + len(b)]), 0))

@@ -60,19 +60,20 @@ class Responder:
         if self.sampling.greedy:
             x = greedy_continuation(self.target, prompt, max_new_tokens=o.max_new_tokens)
             taps = target_taps(self.target, x, self.model.layer_ids)
-            cycles = tau_from_taps(self.model, taps, x, n, x.numel(), batch_anchors=o.batch_anchors)
+            cycles = tau_from_taps(self.model, taps, x, n, end=x.numel(), batch_anchors=o.batch_anchors)
             probs = []
             self.count_engines(taps, x, n)
         else:
             x = sampled_continuation(self.target, prompt, self.sampling, self.gen, max_new_tokens=o.max_new_tokens)
-            cycles, probs = tau_of_trajectory(self.target, self.model, x, n, self.sampling, o.batch_anchors)
+            cycles, probs = tau_of_trajectory(self.target, self.model, x, n, sampling=self.sampling,
+                                              batch_anchors=o.batch_anchors)
         self.result.report.cycles.append(cycles)
         self.result.slot_probs.append(probs)
         return x[n:].tolist()
 
     def count_engines(self, taps: torch.Tensor, x: torch.Tensor, prompt_len: int) -> None:
         stop = eos_ids(self.target)
-        self.llama_cpp.add(self.model, taps, x, prompt_len, self.opts.max_new_tokens, stop)
+        self.llama_cpp.add(self.model, taps, x, prompt_len, budget=self.opts.max_new_tokens, stop=stop)
         self.vllm.add(self.model, taps, x, prompt_len=prompt_len, budget=self.opts.max_new_tokens)
         self.result.engines = {"llama_server": self.llama_cpp.server.mean_accept_length,
                                "vllm": self.vllm.mean_accept_length}
@@ -182,7 +183,7 @@ def run_recipe(recipe) -> list[dict] | None:
 def after_training(recipe) -> int:
     """The benchmark table of a finished run: printed, written to benchmarks.json and into the card.
     (The report, a layer above, is redrawn by the caller: train.py, or `python -m dflash_ds.report`.)"""
-    from dflash_ds.model_card import add_benchmarks_to_card
+    from dflash_ds.export.card import add_benchmarks_to_card
 
     e = recipe.eval
     say(f"benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="

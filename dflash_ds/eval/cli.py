@@ -21,7 +21,7 @@ from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model_card import trained_thinking
+from dflash_ds.export.card import trained_thinking
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.safety import Exit, say
 
@@ -146,7 +146,7 @@ def _run(args) -> int:
               "max_new_tokens": args.max_new_tokens, "enable_thinking": thinking}
     rows = []
     if args.prompts:
-        report = _prompts_tau(args, target, tokenizer, model, kwargs, result)
+        report = _prompts_tau(args, target, tokenizer, model, kwargs=kwargs, result=result)
         rows.append(bench_row("prompts", SampledTau(Sampling(), report)))
         for sampling in settings[1:]:
             prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
@@ -177,12 +177,12 @@ def engine_counts(target, model, prompts, sequences, *, budget: int) -> tuple[Ll
     for prompt, x in zip(prompts, sequences):
         taps = target_taps(target, x, model.layer_ids)
         if llama_cpp is not None:
-            llama_cpp.add(model, taps, x, len(prompt), budget, eos_ids(target))
+            llama_cpp.add(model, taps, x, len(prompt), budget=budget, stop=eos_ids(target))
         vllm.add(model, taps, x, prompt_len=len(prompt), budget=budget)
     return llama_cpp, vllm
 
 
-def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauReport:
+def _prompts_tau(args, target, tokenizer, model, *, kwargs, result: dict) -> TauReport:
     """The exact greedy tau of --prompts, printed as before (and checked online with --online)."""
     prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)
     sequences: list = []
@@ -200,14 +200,15 @@ def _prompts_tau(args, target, tokenizer, model, kwargs, result: dict) -> TauRep
     print("accepted drafts per cycle: " + " ".join(f"{j}:{n}" for j, n in enumerate(report.histogram)))
     print(report.position_line())
     if args.online:
-        result["online"] = online = _online(target, model, prompts, sequences, report, args.max_new_tokens)
+        result["online"] = online = _online(target, model, prompts, sequences, report=report,
+                                            max_new_tokens=args.max_new_tokens)
         print(f"online: tau_mean {_fmt(online['tau_mean'])} tau_pooled {_fmt(online['tau_pooled'])}, "
               f"{online['responses_matching_offline']}/{len(prompts)} responses identical to the offline walk "
               "(in bf16, recomputing the target over other lengths can flip near-ties)")
     return report
 
 
-def _online(target, model: DraftModel, prompts, sequences, report: TauReport, max_new_tokens: int) -> dict:
+def _online(target, model: DraftModel, prompts, sequences, *, report: TauReport, max_new_tokens: int) -> dict:
     """The reference loop on every prompt, compared response by response with the offline walk."""
     from dflash_ds.eval.specdec import speculative_generate
 

@@ -37,8 +37,8 @@ class Round(NamedTuple):
     drafted: int  # drafts it verified (the block's, less the budget's and the confidence cut's)
 
 
-def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int, budget_end: int,
-                  stop: Collection[int], *, served: torch.Tensor | None = None) -> list[Round]:
+def engine_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, end: int, *, budget_end: int,
+                  stop: Collection[int], served: torch.Tensor | None = None) -> list[Round]:
     """Every llama.cpp round over the response `ids[P:end]`.
 
     drafts [end - first, L]: the drafter's tokens at anchors first .. end-1 (`tau.anchor_drafts`);
@@ -94,14 +94,15 @@ class LlamaCppCounts:
     speculative_simple: EngineCount = field(default_factory=EngineCount)
     draft_max: int = 0  # the --spec-draft-n-max they assume (B - 1, or B anchor-first)
 
-    def add(self, model: DraftModel, taps: torch.Tensor, ids: torch.Tensor, prompt_len: int, budget: int,
+    def add(self, model: DraftModel, taps: torch.Tensor, ids: torch.Tensor, prompt_len: int, *, budget: int,
             stop: Collection[int]) -> None:
         """One response `ids[prompt_len:]` (taps [S, T*D] teacher-forced over ids) of at most `budget` tokens."""
         p, end = prompt_len, ids.numel()
-        drafts = anchor_drafts(model, taps, ids, p - 1, end)
+        drafts = anchor_drafts(model, taps, ids, p - 1, end=end)
         self.draft_max = drafts.shape[1]
-        self.speculative_simple.rounds.append(accepted(engine_rounds(drafts, ids, p - 1, end, p + budget, stop)))
-        self.server.rounds.append(accepted(engine_rounds(drafts[1:], ids, p, end, p + budget, stop)))
+        self.speculative_simple.rounds.append(accepted(engine_rounds(drafts, ids, p - 1, end, budget_end=p + budget,
+                                                                     stop=stop)))
+        self.server.rounds.append(accepted(engine_rounds(drafts[1:], ids, p, end, budget_end=p + budget, stop=stop)))
 
     def line(self) -> str:
         return (f"llama.cpp mean acc len (--spec-draft-n-max {self.draft_max}): llama-server "

@@ -55,7 +55,7 @@ def target_taps(target, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> to
     out = torch.empty(1, ids.shape[1], len(layer_ids) * d, dtype=p.dtype, device=p.device)
     capture = TapCapture(target, layer_ids)
     try:
-        forward_taps(target, capture, ids, None, out)
+        forward_taps(target, capture, ids, None, out=out)
     finally:
         capture.remove()
     return out[0]
@@ -74,5 +74,5 @@ def offline_tau(target, model: DraftModel, prompts: Sequence[torch.Tensor | Sequ
         if sequences is not None:
             sequences.append(x)
         taps = target_taps(target, x, model.layer_ids)
-        report.cycles.append(tau_from_taps(model, taps, x, prompt.numel(), x.numel(), batch_anchors=batch_anchors))
+        report.cycles.append(tau_from_taps(model, taps, x, prompt.numel(), end=x.numel(), batch_anchors=batch_anchors))
     return report

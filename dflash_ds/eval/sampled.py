@@ -113,7 +113,7 @@ def sampled_continuation(target, prompt_ids: torch.Tensor, sampling: Sampling, g
     return torch.tensor(out_ids, dtype=torch.long)
 
 
-def draft_probabilities(logits: torch.Tensor, drafts: torch.Tensor, first: int, end: int, sampling: Sampling, *,
+def draft_probabilities(logits: torch.Tensor, drafts: torch.Tensor, first: int, end: int, *, sampling: Sampling,
                         chunk: int = 64) -> torch.Tensor:
     """p(d_k) for every anchor t in [first, end) and slot k: [end - first, B-1] float64 on the CPU.
 
@@ -169,17 +169,18 @@ def slots_reached(emitted: int, last: bool, observable: int, block_size: int) ->
     return min(reached, observable, block_size - 1)
 
 
-def tau_of_trajectory(target, model: DraftModel, x: torch.Tensor, first: int, sampling: Sampling,
+def tau_of_trajectory(target, model: DraftModel, x: torch.Tensor, first: int, *, sampling: Sampling,
                       batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> tuple[list[int], list[list[float]]]:
     """The walk's cycles over one sampled response and the reached slots' acceptance probabilities."""
     end = x.numel()
     logits, taps = logits_and_taps(target, x, model.layer_ids)
-    drafts = anchor_drafts(model, taps, x, first, end, batch_anchors=batch_anchors)
-    return walk_with_probs(drafts, draft_probabilities(logits, drafts, first, end, sampling), x, first, end)
+    drafts = anchor_drafts(model, taps, x, first, end=end, batch_anchors=batch_anchors)
+    return walk_with_probs(drafts, draft_probabilities(logits, drafts, first, end, sampling=sampling), x, first,
+                           end=end)
 
 
 def walk_with_probs(drafts: torch.Tensor, slot_p: torch.Tensor, x: torch.Tensor, first: int,
-                    end: int) -> tuple[list[int], list[list[float]]]:
+                    *, end: int) -> tuple[list[int], list[list[float]]]:
     """Cycles of the walk over x[first:end] and, per cycle, p(d_k) of the slots it reached.
 
     drafts, slot_p: [end - first, B-1], the drafts of every anchor and their acceptance probabilities.

@@ -88,7 +88,7 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     embeds = model.embed_tokens(block[None], p)
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
-    hidden = drafter(embeds, ctx, block_pos, ctx_pos, serving_masks(model, t, p.device))
+    hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask=serving_masks(model, t, p.device))
     return model.draft(model.drafting_states(hidden), block[:1]).cpu()[0]
 
 

@@ -45,7 +45,7 @@ def verify_block(logits: torch.Tensor, drafts: torch.Tensor, sampling: Sampling,
 
 @torch.no_grad()
 def speculative_sample(target, model: DraftModel, prompt_ids: torch.Tensor | Sequence[int], sampling: Sampling,
-                       generator: torch.Generator, *, max_new_tokens: int,
+                       *, generator: torch.Generator, max_new_tokens: int,
                        eos_token_id=None) -> tuple[torch.Tensor, list[int]]:
     """Sampled speculative decoding of one prompt: (generated ids [n], tokens emitted per cycle).
 

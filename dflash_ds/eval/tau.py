@@ -49,14 +49,14 @@ DEFAULT_BATCH_ANCHORS = 64
 
 
 @torch.no_grad()
-def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
+def accept_lengths(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, *, end: int,
                    batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
     """a(t) for every anchor t in [start, end) of one sequence (see the module docstring).
 
     taps [S, T*D]: the target's tapped states of `input_ids` [S] (teacher-forced), S >= end - 1.
     Returns a LongTensor [end - start] on the CPU.
     """
-    drafts = anchor_drafts(model, taps, input_ids, start, end, batch_anchors=batch_anchors)
+    drafts = anchor_drafts(model, taps, input_ids, start, end=end, batch_anchors=batch_anchors)
     return matched_prefix(drafts, input_ids, start, end)
 
 
@@ -73,15 +73,15 @@ def matched_prefix(drafts: torch.Tensor, input_ids: torch.Tensor, start: int, en
     return torch.minimum(a, (end - 2 - anchors).clamp(min=0))
 
 
-def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
+def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, *, end: int,
                   batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> torch.Tensor:
     """The drafter's greedy tokens at every anchor t in [start, end): LongTensor [end - start, L]
     (L = B - 1 drafts per block, B anchor-first; draft j proposes the token at t + 1 + j)."""
-    return anchor_proposals(model, taps, input_ids, start, end, batch_anchors=batch_anchors).tokens
+    return anchor_proposals(model, taps, input_ids, start, end=end, batch_anchors=batch_anchors).tokens
 
 
 @torch.no_grad()
-def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, end: int, *,
+def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, *, end: int,
                      p_min: float = 0.0, batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> Proposal:
     """`anchor_drafts`'s tokens, how many of each anchor's llama.cpp verifies under `--spec-draft-p-min
     p_min` and the confidences its cut reads (`DraftModel.propose`), on the CPU.
@@ -109,11 +109,11 @@ def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Ten
         n = anchors.numel()
         # Context columns at or after the last anchor are masked for every block of the chunk.
         s_ctx = min(int(anchors[-1]) + 1, s_all)
-        block_ids, block_pos = block_inputs(y[None], positions, anchors[None], B, mask_id)
+        block_ids, block_pos = block_inputs(y[None], positions, anchors[None], B, mask_token_id=mask_id)
         mask = build_layer_masks(anchors[None], torch.ones(1, n, dtype=torch.bool, device=device),
-                                 doc_ids[:, :s_ctx], B, drafter.config.layer_attentions(), kind="dense")
+                                 doc_ids[:, :s_ctx], B, attentions=drafter.config.layer_attentions(), kind="dense")
         embeds = model.embed_tokens(block_ids, p)
-        hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask)
+        hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask=mask)
         # The path the engines propose: the architecture's walk and its cut (DraftModel.propose).
         parts.append(model.propose(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0], p_min))
     if not parts:
@@ -140,10 +140,10 @@ def walk(a: Sequence[int] | torch.Tensor, first: int, end: int) -> list[int]:
     return cycles
 
 
-def tau_from_taps(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, first: int, end: int, *,
+def tau_from_taps(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, first: int, *, end: int,
                   batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> list[int]:
     """Per-cycle emitted tokens of one response: `first` = prompt length, `end` = sequence length."""
-    a = accept_lengths(model, taps, input_ids, first, end, batch_anchors=batch_anchors)
+    a = accept_lengths(model, taps, input_ids, first, end=end, batch_anchors=batch_anchors)
     return walk(a, first, end)
 
 

@@ -45,7 +45,7 @@ class NeedsMoreTokens(Exception):
 
 
 def vllm_rounds(drafts: torch.Tensor, ids: torch.Tensor, first: int, budget_end: int,
-                stop: Collection[int]) -> list[Round]:
+                *, stop: Collection[int]) -> list[Round]:
     """Every vLLM round of one greedy response whose first generated token is at `first` (= P).
 
     drafts [n, K]: the drafts at anchors first .. first + n - 1 with vLLM's block (`with_block`);
@@ -126,7 +126,7 @@ class VllmCounts:
         """One greedy response `ids[prompt_len:]` (taps [S, T*D] teacher-forced over ids) of at most
         `budget` tokens. Returns its rounds."""
         p, end = prompt_len, ids.numel()
-        drafts = anchor_drafts(with_block(model, self.num_speculative_tokens), taps, ids, p, max(end - 1, p))
+        drafts = anchor_drafts(with_block(model, self.num_speculative_tokens), taps, ids, p, end=max(end - 1, p))
         rounds = self.walk(drafts, ids, prompt_len=p, budget=budget)
         self.rounds.append([r.accepted for r in rounds])
         return rounds
@@ -136,7 +136,7 @@ class VllmCounts:
         target's greedy tokens as far as a round verifies."""
         while True:
             try:
-                return vllm_rounds(drafts, ids, prompt_len, prompt_len + budget, self.stop)
+                return vllm_rounds(drafts, ids, prompt_len, prompt_len + budget, stop=self.stop)
             except NeedsMoreTokens as e:
                 if self.extend is None:
                     raise

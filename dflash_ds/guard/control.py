@@ -59,7 +59,7 @@ class RunControl:
         peers: list = [None] * dist.get_world_size()
         dist.all_gather_object(peers, c.me)
         t = recipe.topology
-        c.dog = Watchdog(c.me, {p.rank: p for p in peers}, t.peer_timeout_s, t.peer_report_s, c.stop,
+        c.dog = Watchdog(c.me, {p.rank: p for p in peers}, t.peer_timeout_s, t.peer_report_s, stop=c.stop,
                          left_dir=Path(recipe.run.output_dir) / LEFT_DIR).start()
         c.stop.peer_failed = c.peer_failed
         watchdog.install(c.dog)
@@ -146,17 +146,6 @@ class RunControl:
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
-
-
-class NullControl:
-    """A control for code that runs a role's loop outside a launched run (the bench): it starts at
-    step 0 and is never asked to stop."""
-
-    start: dict | None = None
-    start_step = 0
-
-    def should_stop(self) -> bool:
-        return False
 
 
 def _exit(control: RunControl, code: Exit | int, line: str | None) -> int:

@@ -87,7 +87,7 @@ def _target(args) -> dict:
                 deadline=args.deadline - (time.monotonic() - STARTED),
                 pretrain=Phase(seconds=args.seconds, steps=args.steps, lr=args.lr, rows=args.rows),
                 sft=Phase(seconds=args.sft_seconds, steps=args.sft_steps, lr=args.lr / 3, rows=args.rows))
-    return train_target(plan, tok, docs, convs, Path(args.out), log=_log)
+    return train_target(plan, tok, docs, convs, out=Path(args.out), log=_log)
 
 
 def _regenerate(args) -> dict:

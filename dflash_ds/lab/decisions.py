@@ -100,7 +100,7 @@ def run_shape(name: str, summary: dict):
 # ---------------------------------------------------------------------------- comparisons
 
 
-def _row(measure: str, bench: str, sampling: str, base, base_se, value, se) -> dict | None:
+def _row(measure: str, bench: str, sampling: str, base, *, base_se, value, se) -> dict | None:
     d = _diff(base, base_se, value, se)
     if d is None:
         return None
@@ -114,8 +114,8 @@ def _tau_rows(mine: dict, base: dict, *, measure: str = "tau", scale: tuple[floa
         a, b = base[key], mine[key]
         if a.get("tau_mean") is None or b.get("tau_mean") is None:
             continue
-        out.append(_row(measure, *key, a["tau_mean"] * scale[0], (a.get("tau_mean_se") or 0.0) * scale[0],
-                        b["tau_mean"] * scale[1], (b.get("tau_mean_se") or 0.0) * scale[1]))
+        out.append(_row(measure, *key, a["tau_mean"] * scale[0], base_se=(a.get("tau_mean_se") or 0.0) * scale[0],
+                        value=b["tau_mean"] * scale[1], se=(b.get("tau_mean_se") or 0.0) * scale[1]))
     return out
 
 
@@ -127,7 +127,8 @@ def _round_rows(mine: dict, base: dict) -> list[dict]:
     out = []
     for part in ("first_round", "later_rounds"):
         r = _row(f"{LLAMA_PROGRAM} {part.replace('_', ' ')} accepted", "heldout", "greedy",
-                 a.get(f"{part}_accepted"), a.get(f"{part}_se"), b.get(f"{part}_accepted"), b.get(f"{part}_se"))
+                 a.get(f"{part}_accepted"), base_se=a.get(f"{part}_se"), value=b.get(f"{part}_accepted"),
+                 se=b.get(f"{part}_se"))
         if r is not None:
             out.append(r)
     return out

@@ -223,7 +223,7 @@ def eval_loss(model, rows, flags, *, device, batch: int = 8, limit: int = 64) ->
     return total / count
 
 
-def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], out: Path, *, log) -> dict:
+def train_target(plan: Plan, tokenizer, docs: list[dict], convs: list[dict], *, out: Path, log) -> dict:
     """Pretrain, fine-tune, save to `out`; returns the record (also written to out/lab_target.json)."""
     import torch
 

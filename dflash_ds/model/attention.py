@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 
 FLEX_BLOCK = 128
 
@@ -97,7 +97,7 @@ def _window_start(anchor_eff, block_size: int, att: LayerAttention) -> torch.Ten
     return anchor_eff.unsqueeze(-1) + slot - (att.window - 1)
 
 
-def _dense_mask(anchors, anchor_valid, doc_ids, block_size, att: LayerAttention) -> torch.Tensor:
+def _dense_mask(anchors, anchor_valid, doc_ids, block_size, *, att: LayerAttention) -> torch.Tensor:
     b, n = anchors.shape
     q_len = n * block_size
     device = doc_ids.device
@@ -113,7 +113,7 @@ def _dense_mask(anchors, anchor_valid, doc_ids, block_size, att: LayerAttention)
     return torch.cat([ctx, own.expand(b, q_len, q_len)], dim=2).unsqueeze(1)
 
 
-def _tile_counts(anchor_eff, doc_a, doc_ids, block_size, att: LayerAttention, n_kb: int) -> torch.Tensor:
+def _tile_counts(anchor_eff, doc_a, doc_ids, block_size, *, att: LayerAttention, n_kb: int) -> torch.Tensor:
     """int32 `[b, Q, KB]`: how many keys of each key tile every query row may see.
 
     Exact and without a `[Q, S]` grid: per block, `F[x]` counts the visible context positions
@@ -144,7 +144,7 @@ def _tile_counts(anchor_eff, doc_a, doc_ids, block_size, att: LayerAttention, n_
     return (counts + overlap).reshape(b, n * block_size, n_kb)
 
 
-def _flex_mask(anchors, anchor_valid, doc_ids, block_size, att: LayerAttention) -> BlockMask:
+def _flex_mask(anchors, anchor_valid, doc_ids, block_size, *, att: LayerAttention) -> BlockMask:
     b, n = anchors.shape
     s = doc_ids.shape[1]
     q_len, kv_len = n * block_size, s + n * block_size
@@ -156,7 +156,7 @@ def _flex_mask(anchors, anchor_valid, doc_ids, block_size, att: LayerAttention) 
     # Allowed keys per (query row, key tile); padding queries (>= Q) allow nothing. Counting (not
     # any/all on the grid) gives both "partial" (count > 0) and "full" (count == tile size).
     row_counts = torch.zeros(b, q_pad, n_kb, dtype=torch.int32, device=device)
-    row_counts[:, :q_len] = _tile_counts(anchor_eff, doc_a, doc_ids, block_size, att, n_kb)
+    row_counts[:, :q_len] = _tile_counts(anchor_eff, doc_a, doc_ids, block_size, att=att, n_kb=n_kb)
     row_counts = row_counts.view(b, n_qb, FLEX_BLOCK, n_kb)
     any_allowed = (row_counts > 0).any(2)  # [b, QB, KB]
     full = (row_counts == FLEX_BLOCK).all(2)
@@ -230,7 +230,7 @@ def build_mask(
     anchor_valid: torch.Tensor,
     doc_ids: torch.Tensor,
     block_size: int,
-    kind: str = "dense",
+    *, kind: str = "dense",
     attention: LayerAttention = FULL,
 ) -> DFlashMask:
     """The DFlash mask for `anchors[b, N]` (sorted or not), `anchor_valid[b, N]`, `doc_ids[b, S]`
@@ -242,10 +242,10 @@ def build_mask(
     kv_len = doc_ids.shape[1] + q_len
     anchor_valid = anchor_valid.bool()
     if kind == "dense":
-        dense = _dense_mask(anchors, anchor_valid, doc_ids, block_size, attention)
+        dense = _dense_mask(anchors, anchor_valid, doc_ids, block_size, att=attention)
         return DFlashMask(q_len, kv_len, dense=dense, attention=attention)
     if kind == "flex":
-        block_mask = _flex_mask(anchors, anchor_valid, doc_ids, block_size, attention)
+        block_mask = _flex_mask(anchors, anchor_valid, doc_ids, block_size, att=attention)
         return DFlashMask(q_len, kv_len, block_mask=block_mask, attention=attention)
     raise ValueError(f"mask kind must be 'dense' or 'flex', got {kind!r}")
 
@@ -255,7 +255,7 @@ def build_layer_masks(
     anchor_valid: torch.Tensor,
     doc_ids: torch.Tensor,
     block_size: int,
-    attentions: Sequence[LayerAttention],
+    *, attentions: Sequence[LayerAttention],
     kind: str = "dense",
 ) -> tuple[DFlashMask, ...]:
     """One mask per layer for the layers' `attentions`; layers with the same attention share one
@@ -277,7 +277,7 @@ def _flex_fn(device: torch.device):
     return compile_once(flex_attention, dynamic=False)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DFlashMask, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DFlashMask, *, scale: float) -> torch.Tensor:
     """q `[b, h, Q, d]`, k/v `[b, hk, S+Q, d]` -> `[b, h, Q, d]` under the DFlash mask."""
     gqa = q.shape[1] != k.shape[1]
     if mask.dense is not None:

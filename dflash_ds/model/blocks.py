@@ -106,7 +106,7 @@ def sample_anchors(
     doc_ids: torch.Tensor,
     num_anchors: int,
     generator: torch.Generator,
-    prompt_end: bool = False,
+    *, prompt_end: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, min(N, #valid) distinct valid anchors, shared out per document, sorted.
 
@@ -152,7 +152,7 @@ def block_inputs(
     position_ids: torch.Tensor,
     anchors: torch.Tensor,
     block_size: int,
-    mask_token_id: int,
+    *, mask_token_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block token ids `[b, N*B]` ([anchor token, MASK x (B-1)] per block) and their positions.
 
@@ -173,7 +173,7 @@ def block_targets(
     loss_mask: torch.Tensor,
     doc_ids: torch.Tensor,
     anchors: torch.Tensor,
-    valid: torch.Tensor,
+    *, valid: torch.Tensor,
     block_size: int,
     gamma: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,11 +265,12 @@ def make_blocks(mb: MicroBatch, s, micro_index: int) -> Blocks:
     mask kind; the labels and weights are the architecture's, `DrafterVariant.block_targets`)."""
     device = mb.input_ids.device
     anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
-                                    anchor_generator(s.seed, micro_index, device), s.anchor_prompt_end)
+                                    anchor_generator(s.seed, micro_index, device), prompt_end=s.anchor_prompt_end)
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
-    block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size, s.mask_token_id)
-    labels, weights = s.shape.variant.block_targets(mb, anchors, valid, s.block_size, s.gamma)
-    mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, s.attentions, kind=s.mask_kind)
+    block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size,
+                                              mask_token_id=s.mask_token_id)
+    labels, weights = s.shape.variant.block_targets(mb, anchors, valid, s.block_size, gamma=s.gamma)
+    mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, attentions=s.attentions, kind=s.mask_kind)
     r = anchors.shape[0]
     return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,
                   labels.reshape(r, -1), weights.reshape(r, -1).float(), mask)

@@ -24,7 +24,7 @@ class DraftModel:
     drafter: DFlashDrafter
     embed: torch.Tensor  # [V, D] the target's input embedding, frozen
     lm_head: torch.Tensor  # [V, D] the target's output projection, frozen (never exported)
-    # The training loss's lm_head matmul strategy (model/head_matmuls.py): target_model/fp8_head.Fp8Head
+    # The training loss's lm_head matmul strategy (model/head_matmuls.py): a GemmHead of quantization/fp8_head.Fp8Head
     # of lm_head in FP8 (drafter.fp8.lm_head), or None for a DenseHead of its own (torch.mm; it keeps
     # the folded weight of a logit bias between steps). Drafting and evaluation always read `lm_head`.
     loss_head: Any = None

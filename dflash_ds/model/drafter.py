@@ -70,6 +70,10 @@ class LayerInputs(NamedTuple):
     sin_k: torch.Tensor
     mask: DFlashMask
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the block queries and on the keys (context then block), `[b, h, L, d]` each."""
+        return _apply_rope(q, self.cos_q, self.sin_q), _apply_rope(k, self.cos_k, self.sin_k)
+
 
 def _run_layer(layer: "DFlashLayer", mask: DFlashMask, x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
     # The checkpointed form of `layer(x, inputs)`: the mask may be a BlockMask (not a tensor), so it
@@ -103,8 +107,7 @@ class DFlashAttention(nn.Module):
         kv_len = k.shape[1]
         k = self.k_norm(k.view(b, kv_len, self.num_kv_heads, d)).transpose(1, 2)
         v = v.view(b, kv_len, self.num_kv_heads, d).transpose(1, 2)
-        q = _apply_rope(q, inputs.cos_q, inputs.sin_q)
-        k = _apply_rope(k, inputs.cos_k, inputs.sin_k)
+        q, k = inputs.rotate(q, k)
         out = attend(q, k, v, inputs.mask, scale=1.0 / math.sqrt(d))
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * d))
 
@@ -222,6 +225,7 @@ class DFlashDrafter(nn.Module):
         ctx: torch.Tensor,
         block_positions: torch.Tensor,
         ctx_positions: torch.Tensor,
+        *,
         mask: DFlashMask | Sequence[DFlashMask],
     ) -> torch.Tensor:
         """block_embeds `[b, Q, D]`, ctx `[b, S, D]` (from `fuse`) -> hidden `[b, Q, D]`.

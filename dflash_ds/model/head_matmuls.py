@@ -7,7 +7,7 @@ handed (`DraftModel.loss_head`):
   beside them (`[h | f] @ [W | table].T`, the bias folded in) and, below them, the target's states of
   the chunk (its distinct positions, with zero features): fewer, larger matmuls than three, and no
   `[c, V]` bias. It keeps the folded weight `[W | table]` between calls.
-- a head with `logits(h)` and `input_grad(g)` of a frozen weight (target_model/fp8_head.Fp8Head:
+- `GemmHead`: a head with `logits(h)` and `input_grad(g)` of a frozen weight (quantization/fp8_head.Fp8Head:
   FP8), through `SeparateMatmuls`: the drafter's logits through it, the bias and the target's
   logits matmuls of their own (the target's stay `torch.mm` with the weight).
 
@@ -168,6 +168,18 @@ class SeparateMatmuls(_Matmuls):
             if self.g_features is not None:
                 self.g_features[at] = torch.mm(g_logits, self.table.to(g_logits.dtype))
         self._table_grad(g_logits, lo, hi)
+
+
+class GemmHead:
+    """The strategy of a head of the frozen weight that computes the chunk's two lm_head matmuls its own
+    way (`gemms.logits(h)`, `gemms.input_grad(g)`: quantization/fp8_head.Fp8Head in FP8), through
+    `SeparateMatmuls`."""
+
+    def __init__(self, gemms):
+        self.gemms = gemms
+
+    def matmuls(self, rows: ChunkRows) -> SeparateMatmuls:
+        return SeparateMatmuls(rows, self.gemms)
 
 
 class DenseHead:

@@ -108,8 +108,8 @@ class ChunkedLoss:
         call = _Call(loss=self, normaliser=normaliser, target=target, grad_hidden=grad_on and hidden.requires_grad,
                      grad_weight=grad_weight)
         if not (call.grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
-            out, _ = _run(hidden.detach(), weight.detach(), labels, weights, call=call,
-                          bias_tensors=tuple(t.detach() for t in tensors))
+            out, _ = call.run(hidden.detach(), weight.detach(), labels, weights,
+                              bias_tensors=tuple(t.detach() for t in tensors))
         else:
             loss, correct, top, top_logits, sum_values, kept_values = _Fused.apply(
                 hidden, weight, labels, weights, call, *tensors)
@@ -175,77 +175,76 @@ class _Call(NamedTuple):
     grad_hidden: bool
     grad_weight: bool
 
-
-def _run(hidden, weight, labels, weights, *, call: _Call, bias_tensors=()):
-    """The chunk loop: (the output of the vocabulary terms, whose loss is sum_t weight_t * loss_scale_t *
-    sum(w * values_t) / normaliser, and its gradients (d hidden, d weight, the bias's), those the
-    terms' directions give; None where not wanted)."""
-    owner, normaliser = call.loss, call.normaliser
-    terms, top_k = owner.vocab_terms, owner.top_k
-    n = hidden.shape[0]
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    w = weights.to(acc_dtype)
-    # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their values finite and lets
-    # their labels be anything (padding, out-of-vocabulary ids).
-    lab = torch.where(w > 0, labels, torch.zeros_like(labels))
-    bias = LogitBias(features=bias_tensors[0], table=bias_tensors[1]) if bias_tensors else None
-    want_grad = call.grad_hidden or call.grad_weight or any(t.requires_grad for t in bias_tensors)
-    if want_grad:
-        scale = w / normaliser
-        scales = tuple(scale * (t.weight * t.grad_scale) for t in terms)
-    size = max(1, -(-n // owner.chunks))
-    chunks = -(-n // size)
-    totals = [hidden.new_zeros((), dtype=acc_dtype) for _ in terms]
-    hits = []
-    g_weight = torch.zeros_like(weight) if call.grad_weight else None
-    # DFlash2's selector rescores these: taken here, from logits that exist anyway.
-    top = hidden.new_empty(chunks * size, top_k, dtype=torch.long)
-    top_logits = hidden.new_empty(chunks * size, top_k)
-    kept = {t.name: hidden.new_empty(chunks * size, dtype=acc_dtype) for t in terms if t.keep_rows}
-    project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=call.target, size=size,
-                                           chunks=chunks, grad_hidden=call.grad_hidden))
-    how = Pass(terms, owner.transform)
-    fn = chunk_pass(hidden.device, how)
-    for i in range(chunks):
-        lo, hi = i * size, min(n, (i + 1) * size)
-        lc, wc = lab[lo:hi], w[lo:hi]
-        sc = tuple(t[lo:hi] for t in scales) if want_grad else None
-        pad = size - (hi - lo)
-        if pad:
-            lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
-            sc = tuple(F.pad(t, (0, pad)) for t in sc) if want_grad else None
-        # The target is frozen, so its logits are a constant of the loss; only this chunk's exist.
-        logits, t_logits = project.logits(i, lo, hi)
-        if top_k:
-            top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
-        sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, scales=sc, how=how)
-        del logits, t_logits
-        totals = [a + b for a, b in zip(totals, sums)]
-        hits.append(hit)
-        for term, v in zip(terms, values):
-            if term.keep_rows:
-                kept[term.name][i * size:(i + 1) * size] = v
-        if g_logits is not None:
-            project.backward(g_logits, i, lo, hi)
-        if call.grad_weight:
-            # Accumulates in the weight's dtype, as autograd would across chunks.
-            g_weight.addmm_(g_logits.t(), project.rows(hidden, lo, hi))
-        del g_logits
-    correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    g_hidden, g_bias = project.grads(n)
-    loss = None
-    for term, total in zip(terms, totals):
-        part = (term.weight * term.loss_scale) * total
-        loss = part if loss is None else loss + part
-    out = LossOutput(loss=loss / normaliser, sums={t.name: total for t, total in zip(terms, totals)}, correct=correct,
-                     candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()})
-    return out, (g_hidden if call.grad_hidden else None, g_weight, g_bias)
+    def run(self, hidden, weight, labels, weights, *, bias_tensors=()):
+        """The chunk loop: (the output of the vocabulary terms, whose loss is sum_t weight_t * loss_scale_t *
+        sum(w * values_t) / normaliser, and its gradients (d hidden, d weight, the bias's), those the
+        terms' directions give; None where not wanted)."""
+        owner, normaliser = self.loss, self.normaliser
+        terms, top_k = owner.vocab_terms, owner.top_k
+        n = hidden.shape[0]
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        w = weights.to(acc_dtype)
+        # Zero-weight rows add exactly 0; a fixed in-vocabulary label keeps their values finite and lets
+        # their labels be anything (padding, out-of-vocabulary ids).
+        lab = torch.where(w > 0, labels, torch.zeros_like(labels))
+        bias = LogitBias(features=bias_tensors[0], table=bias_tensors[1]) if bias_tensors else None
+        want_grad = self.grad_hidden or self.grad_weight or any(t.requires_grad for t in bias_tensors)
+        if want_grad:
+            scale = w / normaliser
+            scales = tuple(scale * (t.weight * t.grad_scale) for t in terms)
+        size = max(1, -(-n // owner.chunks))
+        chunks = -(-n // size)
+        totals = [hidden.new_zeros((), dtype=acc_dtype) for _ in terms]
+        hits = []
+        g_weight = torch.zeros_like(weight) if self.grad_weight else None
+        # DFlash2's selector rescores these: taken here, from logits that exist anyway.
+        top = hidden.new_empty(chunks * size, top_k, dtype=torch.long)
+        top_logits = hidden.new_empty(chunks * size, top_k)
+        kept = {t.name: hidden.new_empty(chunks * size, dtype=acc_dtype) for t in terms if t.keep_rows}
+        project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=self.target, size=size,
+                                               chunks=chunks, grad_hidden=self.grad_hidden))
+        how = Pass(terms, owner.transform)
+        fn = chunk_pass(hidden.device, how)
+        for i in range(chunks):
+            lo, hi = i * size, min(n, (i + 1) * size)
+            lc, wc = lab[lo:hi], w[lo:hi]
+            sc = tuple(t[lo:hi] for t in scales) if want_grad else None
+            pad = size - (hi - lo)
+            if pad:
+                lc, wc = F.pad(lc, (0, pad)), F.pad(wc, (0, pad))
+                sc = tuple(F.pad(t, (0, pad)) for t in sc) if want_grad else None
+            # The target is frozen, so its logits are a constant of the loss; only this chunk's exist.
+            logits, t_logits = project.logits(i, lo, hi)
+            if top_k:
+                top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
+            sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, scales=sc, how=how)
+            del logits, t_logits
+            totals = [a + b for a, b in zip(totals, sums)]
+            hits.append(hit)
+            for term, v in zip(terms, values):
+                if term.keep_rows:
+                    kept[term.name][i * size:(i + 1) * size] = v
+            if g_logits is not None:
+                project.backward(g_logits, i, lo, hi)
+            if self.grad_weight:
+                # Accumulates in the weight's dtype, as autograd would across chunks.
+                g_weight.addmm_(g_logits.t(), project.rows(hidden, lo, hi))
+            del g_logits
+        correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+        g_hidden, g_bias = project.grads(n)
+        loss = None
+        for term, total in zip(terms, totals):
+            part = (term.weight * term.loss_scale) * total
+            loss = part if loss is None else loss + part
+        out = LossOutput(loss=loss / normaliser, sums={t.name: total for t, total in zip(terms, totals)}, correct=correct,
+                         candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()})
+        return out, (g_hidden if self.grad_hidden else None, g_weight, g_bias)
 
 
 class _Fused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, call: _Call, *bias_tensors):
-        out, (g_hidden, g_weight, g_bias) = _run(hidden, weight, labels, weights, call=call, bias_tensors=bias_tensors)
+        out, (g_hidden, g_weight, g_bias) = call.run(hidden, weight, labels, weights, bias_tensors=bias_tensors)
         g_bias = g_bias[:len(bias_tensors)]
         ctx.save_for_backward(g_hidden, g_weight, *(g if g is not None else torch.zeros(0) for g in g_bias))
         ctx.bias_grads = tuple(g is not None for g in g_bias)

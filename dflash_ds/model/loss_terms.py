@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 
 
@@ -66,6 +66,10 @@ class Softmax(NamedTuple):
     labels: torch.Tensor
     tz: torch.Tensor | None
 
+    def label_nll(self) -> torch.Tensor:
+        """-log q[label] per row, from the logits' maxima and exp-sums (no log of q itself)."""
+        return (self.m + self.s.log() - self.z.gather(1, self.labels.unsqueeze(1))).squeeze(1)
+
 
 class VocabTerm:
     """A term computed in the pass over a chunk's vocabulary. `rows(sm, grad)` -> (values [c], the
@@ -95,7 +99,7 @@ class CrossEntropy(VocabTerm):
     name: str = "ce"
 
     def rows(self, sm: Softmax, grad: bool):
-        ce = (sm.m + sm.s.log() - sm.z.gather(1, sm.labels.unsqueeze(1))).squeeze(1)
+        ce = sm.label_nll()
         if not grad:
             return ce, None
         onehot = torch.arange(sm.z.shape[-1], device=sm.z.device) == sm.labels.unsqueeze(1)

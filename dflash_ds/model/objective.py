@@ -66,8 +66,8 @@ class StepSettings:
         return self.shape.variant.step_term(self.arch_loss, step, total_steps)
 
 
-def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, settings: StepSettings,
-                 term: Any = None, *, loss_class: type = ChunkedLoss) -> LossOutput:
+def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, *, settings: StepSettings,
+                 term: Any = None, loss_class: type = ChunkedLoss) -> LossOutput:
     """(ce_weight * sum(w * CE) [+ kl_weight * T^2 * sum(w * KL)] + the architecture's terms) / normaliser for
     one micro-batch (the caller supplies the whole step's weight). `term`: StepSettings.step_term of this
     step (None = the architecture's full weights, no warm-up). The output's `sums` holds every term's
@@ -78,7 +78,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
         term = variant.step_term(settings.arch_loss)
     ctx = model.drafter.fuse(mb.taps)
     block_embeds = model.embed_tokens(blocks.block_ids, ctx)
-    hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, blocks.mask)
+    hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, mask=blocks.mask)
     terms = [CrossEntropy(variant.ce_weight(term))]
     if settings.kl_weight > 0:
         terms.append(Distillation(settings.kl_weight, settings.kl_temperature))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 
 GROUP = 128
 

@@ -29,7 +29,7 @@ def load_json(path: str, setting: str) -> dict:
     return cfg
 
 
-def _inject(cfg: dict, key: str, value, setting: str, source: str, recipe_key: str) -> None:
+def _inject(cfg: dict, key: str, value, setting: str, *, source: str, recipe_key: str) -> None:
     if key in cfg and cfg[key] != "auto" and cfg[key] != value:
         raise RecipeError(
             f"{setting} ({source}) sets {key}={cfg[key]!r} but the recipe gives {value!r} (from {recipe_key}); "
@@ -52,11 +52,12 @@ def drafter_ds_config(recipe: Recipe, num_drafters: int) -> dict:
         raise RecipeError(f"{setting} ({path}): zero_optimization.stage {zero_stage(cfg)} is not supported for the "
                           "drafter (its 1.7B parameters fit every GPU); use stage 2 (or 0/1)")
     o = recipe.optim
-    _inject(cfg, "train_micro_batch_size_per_gpu", o.rows_per_micro_batch, setting, path, "optim.rows_per_micro_batch")
-    _inject(cfg, "gradient_accumulation_steps", o.grad_accum, setting, path, "optim.grad_accum")
-    _inject(cfg, "train_batch_size", o.rows_per_micro_batch * o.grad_accum * num_drafters, setting, path,
-            "optim.rows_per_micro_batch x optim.grad_accum x drafter ranks")
-    _inject(cfg, "gradient_clipping", o.grad_clip, setting, path, "optim.grad_clip")
+    _inject(cfg, "train_micro_batch_size_per_gpu", o.rows_per_micro_batch, setting, source=path,
+            recipe_key="optim.rows_per_micro_batch")
+    _inject(cfg, "gradient_accumulation_steps", o.grad_accum, setting, source=path, recipe_key="optim.grad_accum")
+    _inject(cfg, "train_batch_size", o.rows_per_micro_batch * o.grad_accum * num_drafters, setting, source=path,
+            recipe_key="optim.rows_per_micro_batch x optim.grad_accum x drafter ranks")
+    _inject(cfg, "gradient_clipping", o.grad_clip, setting, source=path, recipe_key="optim.grad_clip")
     # Checkpoint tag validation all-reduces over WORLD, which the target ranks never join.
     cfg.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
     ac = cfg.get("activation_checkpointing")
@@ -97,9 +98,11 @@ def target_ds_config(recipe: Recipe, num_targets: int) -> tuple[str, dict]:
     kind = target_engine_kind(cfg, path)
     if kind == "zero3":
         r = recipe.optim.rows_per_micro_batch
-        _inject(cfg, "train_micro_batch_size_per_gpu", r, setting, path, "optim.rows_per_micro_batch")
-        _inject(cfg, "gradient_accumulation_steps", 1, setting, path, "(fixed: the target does not train)")
-        _inject(cfg, "train_batch_size", r * num_targets, setting, path, "optim.rows_per_micro_batch x target ranks")
+        _inject(cfg, "train_micro_batch_size_per_gpu", r, setting, source=path, recipe_key="optim.rows_per_micro_batch")
+        _inject(cfg, "gradient_accumulation_steps", 1, setting, source=path,
+                recipe_key="(fixed: the target does not train)")
+        _inject(cfg, "train_batch_size", r * num_targets, setting, source=path,
+                recipe_key="optim.rows_per_micro_batch x target ranks")
         t = recipe.topology
         if (t.drafters_per_node * recipe.optim.grad_accum) % max(t.targets_per_node, 1):
             raise RecipeError(

@@ -58,7 +58,8 @@ def check_target_dtype(recipe: Recipe, kind: str, target_cfg: dict) -> torch.dty
     return want
 
 
-def payload_dtype(recipe: Recipe, kind: str, target_cfg: dict, drafter_cfg: dict, device: torch.device) -> torch.dtype:
+def payload_dtype(recipe: Recipe, kind: str, target_cfg: dict, drafter_cfg: dict, *,
+                  device: torch.device) -> torch.dtype:
     """Checks both sides and returns the dtype of the tapped states in every payload."""
     check_target_dtype(recipe, kind, target_cfg)
     return drafter_compute_dtype(recipe, drafter_cfg, device)

@@ -3,9 +3,9 @@
 One micro-batch travels as ONE tensor `[R, S, T*D + M]` in the tap dtype: the tapped hidden states
 followed by M columns that reinterpret an int32 `[R, S, 3]` block (input_ids, loss_mask, doc_ids),
 zero-padded so that a row is a multiple of 16 bytes. The drafter's `fc` reads the taps as a strided
-view of the payload, and cuBLAS takes its fast kernels only when the row stride is 16-byte aligned:
-with 3 int32 columns (12 bytes) the 5 x 5,120-wide fc ran on a fallback kernel at a third of the
-GEMM rate, ~18 ms of every flagship step.
+view of the payload, and cuBLAS takes its fast kernels only when the row stride is 16-byte aligned
+(with 3 int32 columns, 12 bytes, the fc ran on a slow fallback kernel: docs/performance.md, "Figures
+behind the code").
 The target's tap hooks write straight into the payload, so nothing is concatenated or copied, and
 one send per micro-batch keeps NCCL/gloo overheads to a minimum. The transport that moves it is
 runtime/transport.py.
@@ -75,7 +75,7 @@ def final_hidden(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor |
     return payload[..., layout.num_taps * layout.hidden: layout.tap_cols] if layout.final_norm else None
 
 
-def write_meta(payload: torch.Tensor, layout: PayloadLayout, input_ids, loss_mask, doc_ids) -> None:
+def write_meta(payload: torch.Tensor, layout: PayloadLayout, input_ids, loss_mask, *, doc_ids) -> None:
     meta = torch.stack([input_ids.to(torch.int32), loss_mask.to(torch.int32), doc_ids.to(torch.int32)], dim=-1)
     meta = torch.nn.functional.pad(meta, (0, layout.meta_cols * layout.itemsize // 4 - META_FIELDS))  # the padding
     payload[..., layout.tap_cols:] = meta.view(layout.dtype).to(payload.device)

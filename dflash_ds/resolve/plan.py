@@ -99,7 +99,7 @@ def receive_depth(grad_accum: int) -> int:
     return 2 * grad_accum
 
 
-def memory_parts(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
+def memory_parts(recipe: Recipe, plan: Plan, d_params: int, t_params: int, *, hidden: int, vocab: int,
                  taps: int) -> dict[str, dict[str, float]]:
     """Rough bytes per rank by role and by what holds them (weights, optimizer, payload buffers,
     activations), so that a plan that cannot fit names the part, and the settings, at fault."""
@@ -120,10 +120,10 @@ def memory_parts(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidde
     return {"drafter": drafter, "target": target}
 
 
-def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, hidden: int, vocab: int,
+def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, *, hidden: int, vocab: int,
                     taps: int) -> dict[str, float]:
     """Rough GiB per rank by role (the sum of `memory_parts`)."""
-    parts = memory_parts(recipe, plan, d_params, t_params, hidden, vocab, taps)
+    parts = memory_parts(recipe, plan, d_params, t_params, hidden=hidden, vocab=vocab, taps=taps)
     return {role: sum(p.values()) / 1024 ** 3 for role, p in parts.items()}
 
 

@@ -1,10 +1,10 @@
 """Which recipes with FP8 matmuls (the target's, the drafter's) are refused before launch, in one line
 naming the setting (a mixture-of-experts target's routed experts included: `experts_refusal`).
 
-The mechanisms (Fp8Linear, quantizing, reading FP8 checkpoints: target_model/fp8.py; the drafter's
-float8 layers and FP8 lm_head: runtime/fp8_drafter.py, target_model/fp8_head.py) are elsewhere; the
-policy, what the recipe may combine them with on this machine, is here, at the resolve step that knows
-the device, the target's engine and the drafter's shape. drafter.fp8's recipe-only values are
+The mechanisms (Fp8Linear, quantizing, reading FP8 checkpoints, the drafter's float8 layers and FP8
+lm_head) are dflash_ds/quantization/'s; the policy, what the recipe may combine them with on this
+machine (this rank's GPU included: `check_target_device`), is here, at the resolve step that knows the
+device, the target's engine and the drafter's shape, so the rank that builds the engines only applies it. drafter.fp8's recipe-only values are
 config/checks.py's.
 """
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from dflash_ds.config import RecipeError
-from dflash_ds.target_model.fp8 import QuantizationError, checkpoint_fp8
+from dflash_ds.quantization.fp8 import QuantizationError, checkpoint_fp8
 from dflash_ds.target_model.moe import OWN, moe_shape
 
 FP8_GPU = "compute capability 8.9+: H100, H200, L40S, ..."  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
@@ -84,6 +84,18 @@ def machine(device: torch.device) -> Machine:
         return Machine(device.type, torchao=torchao)
     return Machine("cuda", tuple(torch.cuda.get_device_capability(device)), torch.cuda.get_device_name(device), torchao)
 
+
+
+def check_target_device(target, device: torch.device) -> None:
+    """RecipeError when target.quantization: fp8 meets this rank's GPU without FP8 tensor cores (the
+    GPU is queried only then; a plan drawn without a GPU has no capability to check)."""
+    if target.quantization != "fp8":
+        return
+    m = machine(device)
+    if m.capability is not None and m.capability < FP8_CAPABILITY:
+        raise RecipeError(f"target.quantization: fp8 needs FP8 tensor cores ({FP8_GPU}), but this rank's GPU "
+                          f"({m.gpu_name}) has compute capability {m.capability[0]}.{m.capability[1]}: set "
+                          "target.quantization=none")
 
 def _drafter_parts(fp8) -> str:
     on = ([f"drafter.fp8.layers={fp8.layers}"] if fp8.layers != "none" else []) + \

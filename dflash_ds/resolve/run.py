@@ -30,7 +30,7 @@ from dflash_ds.resolve.objective import check_objective
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_parts, resolve
 from dflash_ds.resolve.topology import Layout, TopologyError
-from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization
+from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization, check_target_device
 from dflash_ds.safety import say
 from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 
@@ -59,7 +59,8 @@ class RunSpec:
 
     def with_rows(self, num_rows: int) -> "RunSpec":
         """The same run once the prepared data's row count is known (exact step counts)."""
-        plan, memory = plan_and_memory(self.recipe, self.layout.world_size, self.drafter, self.geometry, num_rows)
+        plan, memory = plan_and_memory(self.recipe, self.layout.world_size, self.drafter, self.geometry,
+                                       num_rows=num_rows)
         return dataclasses.replace(self, plan=plan, memory=memory, rows_known=True, notes=())
 
 
@@ -110,7 +111,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *,
     no_gpu_here = bool(notes)  # a plan drawn for GPUs on a machine without one
     # Decided once: the drafter's compute dtype; a target of another dtype casts its taps into it
     # as they are written into the payload (the sender), so the drafter side never converts.
-    dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device)
+    dtype = payload_dtype(recipe, target_kind, target_json, drafter_json, device=device)
     check_files(recipe)
     if recipe.target.adapter and not (Path(recipe.target.adapter) / "adapter_config.json").is_file() \
             and Path(recipe.target.adapter).exists():
@@ -126,6 +127,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *,
         notes += (f"the target's config ({recipe.target.path}) cannot be read here (no hub, not in the HF cache): "
                   "planned with its published geometry (dflash_ds/target_model/presets.py)",)
     check_quantization(recipe.target, device.type, target_kind, tcfg)
+    check_target_device(recipe.target, device)
     check_moe(recipe, tcfg, target_kind, layout)
     geo = target_geometry(tcfg)
     try:
@@ -153,7 +155,7 @@ def resolve_run(recipe: Recipe, world_size: int, num_rows: int | None = None, *,
         rows = o.rows_per_micro_batch * o.grad_accum * layout.num_drafters
         notes += ("data not prepared yet: step counts assume one step per epoch "
                   "(run python -m dflash_ds.data prepare RECIPE for exact numbers)",)
-    plan, parts = plan_and_parts(recipe, world_size, dcfg, geo, rows)
+    plan, parts = plan_and_parts(recipe, world_size, dcfg, geo, num_rows=rows)
     check_fits(parts, layout, device, dcfg, zero3_target=target_kind == "zero3")
     return RunSpec(recipe, device, dtype, geo, dcfg, payload, plan, gib(parts), num_rows is not None, notes)
 
@@ -201,14 +203,14 @@ def gib(parts: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def plan_and_memory(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetShape,
-                    num_rows: int) -> tuple[Plan, dict[str, float]]:
+                    *, num_rows: int) -> tuple[Plan, dict[str, float]]:
     """The plan for `num_rows` prepared rows and the rough memory per rank (GiB by role) it implies."""
-    plan, parts = plan_and_parts(recipe, world_size, c, g, num_rows)
+    plan, parts = plan_and_parts(recipe, world_size, c, g, num_rows=num_rows)
     return plan, gib(parts)
 
 
 def plan_and_parts(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetShape,
-                   num_rows: int) -> tuple[Plan, dict[str, dict[str, float]]]:
+                   *, num_rows: int) -> tuple[Plan, dict[str, dict[str, float]]]:
     """The plan for `num_rows` prepared rows and the rough bytes per rank by role and part."""
     plan = resolve(recipe, world_size, num_rows)
     dp = c.num_parameters
@@ -217,4 +219,4 @@ def plan_and_parts(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetSh
     kl = wants_target_logits(recipe, c)
     last = g.num_layers if kl else max(c.target_layer_ids) + 1
     tp = target_params(g, last, recipe.target.expert_parallel)
-    return plan, memory_parts(recipe, plan, dp, tp, g.hidden_size, g.vocab_size, c.num_taps + int(kl))
+    return plan, memory_parts(recipe, plan, dp, tp, hidden=g.hidden_size, vocab=g.vocab_size, taps=c.num_taps + int(kl))

@@ -230,7 +230,7 @@ def _any(flag: bool, group, device) -> bool:
     return bool(t.item())
 
 
-def save(engine, run_dir: str | Path, step: int, group, is_lead: bool, keep_last: int) -> str:
+def save(engine, run_dir: str | Path, step: int, group, *, is_lead: bool, keep_last: int) -> str:
     """Collective over the drafter group. Returns the tag written.
 
     A failed write on any drafter rank (disk full, permissions, I/O error) removes the partial tag
@@ -284,7 +284,8 @@ def prune(ck: Path, keep_last: int, step: int) -> None:
         shutil.rmtree(ck / old, ignore_errors=True)
 
 
-def load(engine, run_dir: str | Path, group, info: dict | None, universal: bool = False, is_lead: bool = False) -> int:
+def load(engine, run_dir: str | Path, group, info: dict | None, *, universal: bool = False,
+         is_lead: bool = False) -> int:
     """Restore the checkpoint `info` chose (resolve() on the lead, shared with every rank).
 
     Returns the step to continue from (0 when `info` is None).

@@ -14,7 +14,6 @@ from dflash_ds.config import Recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
 from dflash_ds.resolve.plan import Plan, lr_factor
 from dflash_ds.resolve.topology import Layout
-from dflash_ds.runtime.fp8_drafter import apply_layers
 from dflash_ds.safety import say
 
 
@@ -27,6 +26,24 @@ class Groups:
     target: dist.ProcessGroup
     payload: dist.ProcessGroup | None = None
     experts: dist.ProcessGroup | None = None  # the target ranks holding this rank's target (target.expert_parallel)
+
+
+def apply_layers(recipe: Recipe, drafter: torch.nn.Module) -> list[str]:
+    """drafter.fp8.layers on a freshly built drafter (before its engine); [] when off."""
+    fp8 = recipe.drafter.fp8
+    if fp8.layers == "none":
+        return []
+    from dflash_ds.quantization.fp8_drafter import convert_layers  # torchao: only when the layers ask for it
+
+    return convert_layers(drafter, fp8.layers)
+
+
+def loss_head(recipe: Recipe, lm_head: torch.Tensor):
+    """The FP8 lm_head matmuls of the loss (drafter.fp8.lm_head: quantization.fp8_head.Fp8Head), or None."""
+    from dflash_ds.model.head_matmuls import GemmHead
+    from dflash_ds.quantization.fp8_head import Fp8Head
+
+    return GemmHead(Fp8Head(lm_head)) if recipe.drafter.fp8.lm_head else None
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
@@ -76,7 +93,7 @@ def payload_group(layout: Layout, ctas: int) -> dist.ProcessGroup | None:
     return dist.new_group(list(range(dist.get_world_size())), pg_options=opts)
 
 
-def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, rank: int, device: torch.device):
+def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, *, rank: int, device: torch.device):
     import deepspeed
 
     cfg = drafter_ds_config(recipe, plan.layout.num_drafters)
@@ -137,7 +154,7 @@ def replica(model: torch.nn.Module, cfg: dict, device: torch.device) -> torch.nn
     return model.to(device=device, dtype=getattr(torch, name) if name else None)
 
 
-def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, experts=None):
+def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, *, experts=None):
     """The frozen target from target.path under the engine target.ds_config asks for.
 
     A full replica per rank when it fits, else ZeRO-Inference: weights partitioned over the
@@ -145,7 +162,6 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, 
     with target.expert_parallel > 1 is split over the `experts` group instead (kind
     "expert_parallel"): every rank reads its share of the experts and the rest of the model.
     """
-    from dflash_ds.target_model import fp8 as fp8_target
     from dflash_ds.target_model.model import load_target
     from dflash_ds.runtime.zero_inference import load_target_zero3
 
@@ -155,12 +171,7 @@ def load_target_engine(recipe: Recipe, plan: Plan, group, device: torch.device, 
     if kind == "zero3":
         return load_target_zero3(t.path, cfg, group, dtype=t.dtype, attn_implementation=t.attn_implementation,
                                  adapter=t.adapter), kind
-    fp8 = t.quantization == "fp8"
-    if fp8:
-        try:
-            fp8_target.check_device(device)
-        except fp8_target.QuantizationError as exc:
-            raise fp8_target.QuantizationError(f"target.quantization: fp8: {exc}; set target.quantization=none") from None
+    fp8 = t.quantization == "fp8"  # may run on this rank's GPU: resolve/quantization.py checked it
     if t.expert_parallel > 1:
         from dflash_ds.runtime.expert_group import GroupComm
         from dflash_ds.target_model.expert_parallel import load_expert_shard
@@ -179,7 +190,7 @@ def quantized_replica(recipe: Recipe, model: torch.nn.Module, cfg: dict, device:
     device, after the move; an FP8 checkpoint's layers already are), compiled for the micro-batch
     shape. The replica JSON's dtype equals target.dtype (checked before launch), which the model was
     loaded in, so the FP8 weights are never cast."""
-    from dflash_ds.target_model import fp8 as fp8_target
+    from dflash_ds.quantization import fp8 as fp8_target
     from dflash_ds.target_model import moe
     from dflash_ds.target_model.model import TargetError
 

@@ -190,15 +190,6 @@ class SyncStallTimer:
         self.accelerator.synchronize = self.original
 
 
-class NoSyncTimer:
-    """A sync-stall timer that measures nothing: for code that steps a trainer outside a run (the bench)."""
-
-    seconds = 0.0
-
-    def close(self) -> None:
-        pass
-
-
 class StepProfiler:
     """Call `before(n)` and `after(n)` around step n (1-based); inactive unless log.profile_start > 0."""
 

@@ -58,7 +58,7 @@ class TargetWorker:
     """The frozen target and the rows; fills payloads by micro-batch id."""
 
     def __init__(self, spec: RunSpec, model, rows: dict[str, np.ndarray], rank: int = 0,
-                 eval_sequences: list[dict] | None = None):
+                 *, eval_sequences: list[dict] | None = None):
         self.spec, self.model, self.rows, self.rank = spec, model, rows, rank
         # Greedy continuations of the held-out prompts (prompt + response ids), made before truncation.
         self.eval_sequences = eval_sequences
@@ -66,14 +66,14 @@ class TargetWorker:
         self.tokens = 0
 
     @classmethod
-    def load(cls, spec: RunSpec, data: PreparedData, rank: int, group, eval_lead: bool,
+    def load(cls, spec: RunSpec, data: PreparedData, rank: int, group, *, eval_lead: bool,
              experts=None) -> "TargetWorker":
         """The target from target.path under its engine; the held-out continuations when this rank
         produces the evaluation payloads (`eval_lead`), or must join their forwards (ZeRO-3; the
         eval lead's expert group)."""
         from dflash_ds.runtime.engines import load_target_engine
 
-        model, kind = load_target_engine(spec.recipe, spec.plan, group, spec.device, experts)
+        model, kind = load_target_engine(spec.recipe, spec.plan, group, spec.device, experts=experts)
         seqs = None
         # Under ZeRO-3 every forward gathers weights from all target ranks, and the ranks of one
         # expert-parallel target gather each other's tokens, so they all generate the (identical,
@@ -85,10 +85,10 @@ class TargetWorker:
             same = model.expert_comm.same_inputs() if kind == "expert_parallel" else contextlib.nullcontext()
             with same:  # every rank of the group generates from the same prompts
                 seqs = greedy_sequences(model, data.eval_prompts, spec.recipe.eval.max_new_tokens, spec.device,
-                                        cache, write=eval_lead)
+                                        cache=cache, write=eval_lead)
         if not spec.payload.final_norm:  # the KL term's final-norm tap needs every layer
             truncate_after(model, max(spec.drafter.target_layer_ids))  # after generating, which needs every layer
-        return cls(spec, model, data.rows, rank, seqs)
+        return cls(spec, model, data.rows, rank, eval_sequences=seqs)
 
     def fill(self, buf: torch.Tensor, micro_index: int) -> torch.Tensor:
         idx = self.spec.plan.rows_of(micro_index, self.spec.recipe.run.seed)
@@ -101,9 +101,9 @@ class TargetWorker:
         return buf
 
     def _forward(self, buf, ids, loss_mask, doc_ids) -> None:
-        write_meta(buf, self.spec.payload, ids, loss_mask, doc_ids)
+        write_meta(buf, self.spec.payload, ids, loss_mask, doc_ids=doc_ids)
         positions = position_ids_from_doc_ids(doc_ids)
-        forward_taps(self.model, self.capture, ids, positions, taps_view(buf, self.spec.payload), doc_ids=doc_ids)
+        forward_taps(self.model, self.capture, ids, positions, out=taps_view(buf, self.spec.payload), doc_ids=doc_ids)
 
     def eval_payloads(self, new_buffer: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
         """Yield the held-out (prompt + greedy continuation) sequences packed into R rows per payload
@@ -151,7 +151,7 @@ class TargetWorker:
         t0, tokens0, wait0 = time.perf_counter(), self.tokens, sender.wait_seconds
         # Cumulative counters (the lead drafter differences them over its log window); this first
         # report replaces any left by an earlier run in the directory before the drafter reads one.
-        write_status(r.run.output_dir, rank, target_counters(rank, start, t0, 0, 0.0, 0, now=t0))
+        write_status(r.run.output_dir, rank, target_counters(rank, start, t0, 0, send_wait_s=0.0, in_flight=0, now=t0))
         profiler = StepProfiler(r, rank, "target", spec.device)
         for step in range(start, plan.total_steps):
             profiler.before(step + 1)
@@ -159,12 +159,13 @@ class TargetWorker:
                 sender.send(self.fill(sender.buffer(), m), dst=dst, group=group)
             profiler.after(step + 1, drain=sender.flush)  # no send started in the window outlives it
             if (step + 1) % r.log.every_steps == 0 or step + 1 == plan.total_steps:
-                write_status(r.run.output_dir, rank, target_counters(rank, step + 1, t0, self.tokens - tokens0,
-                                                                     sender.wait_seconds - wait0, sender.in_flight))
+                counters = target_counters(rank, step + 1, t0, self.tokens - tokens0,
+                                           send_wait_s=sender.wait_seconds - wait0, in_flight=sender.in_flight)
+                write_status(r.run.output_dir, rank, counters)
         sender.flush()
 
 
-def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, cache: Path,
+def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, device, *, cache: Path,
                      write: bool = True) -> list[dict]:
     """The target's greedy continuations of the held-out prompts, cached in the run directory."""
     if cache.is_file():
@@ -182,7 +183,7 @@ def greedy_sequences(model, prompts: list[list[int]], max_new_tokens: int, devic
     return out
 
 
-def run_target(spec: RunSpec, data: PreparedData, rank: int, groups, start: int) -> None:
+def run_target(spec: RunSpec, data: PreparedData, rank: int, groups, *, start: int) -> None:
     """A target rank from `start` (the run control's decision) to the end."""
     is_eval_rank = rank == spec.layout.eval_target()
     TargetWorker.load(spec, data, rank, groups.target, eval_lead=is_eval_rank,

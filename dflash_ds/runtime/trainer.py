@@ -25,11 +25,11 @@ from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.blocks import make_blocks
 from dflash_ds.model.loss import ChunkedLoss
 from dflash_ds.model.objective import acceptance_proxy, drafter_loss
-from dflash_ds.model_card import card_info
+from dflash_ds.export.card import card_info
 from dflash_ds.report import finish_run
 from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
-from dflash_ds.runtime.profiling import NoSyncTimer, StepProfiler, SyncStallTimer
+from dflash_ds.runtime.profiling import StepProfiler, SyncStallTimer
 from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped, say
@@ -83,7 +83,8 @@ class DrafterParts:
     model: DraftModel
     source: Any  # Receiver (split) or LocalSource (colocated): get / release / close, wait_seconds
     group: Any  # the drafter process group (the step-wide weight and metrics all-reduces)
-    syncs: SyncStallTimer | NoSyncTimer  # idle time in device-wide synchronisations
+    # Idle time in device-wide synchronisations (.seconds, close()); the bench passes a stand-in.
+    syncs: SyncStallTimer
     start: int = 0  # the first step (the run control's decision; the metrics continue from it)
     eval_set: list[torch.Tensor] = field(default_factory=list)  # held-out payloads (host memory), lead only
 
@@ -96,10 +97,17 @@ class LogWindow:
     sync_before: float = 0.0
     targets: TargetWindow = field(default_factory=TargetWindow)
 
+    def advance(self, wait: float, sync: float) -> tuple[float, float]:
+        """The data-wait and sync-stall seconds since the previous log step, from their running totals
+        (which it keeps for the next one)."""
+        waited, synced = wait - self.wait_before, sync - self.sync_before
+        self.wait_before, self.sync_before = wait, sync
+        return waited, synced
+
 
 class DrafterTrainer:
     def __init__(self, spec: RunSpec, rank: int, parts: DrafterParts, control):
-        """`control`: guard.control.RunControl (stop votes); the bench passes control.NullControl."""
+        """`control`: guard.control.RunControl (stop votes); the bench passes bench.stand_ins.NullControl."""
         self.spec, self.rank, self.control = spec, rank, control
         self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
@@ -113,23 +121,24 @@ class DrafterTrainer:
         self.profiler = StepProfiler(spec.recipe, rank, spec.layout.role(rank), spec.device)
 
     @classmethod
-    def load(cls, spec: RunSpec, data: PreparedData, rank: int, groups, control) -> "DrafterTrainer":
+    def load(cls, spec: RunSpec, data: PreparedData, rank: int, groups, *, control) -> "DrafterTrainer":
         """A drafter (or colocated) rank's trainer: the target's embedding and lm_head, the drafter
         (fresh or drafter.init_from) under its engine, resumed at the step `control` decided, the
         held-out payloads, and the payload source."""
-        from dflash_ds.runtime.engines import build_drafter_engine
-        from dflash_ds.runtime.fp8_drafter import loss_head
+        from dflash_ds.runtime.engines import build_drafter_engine, loss_head
         from dflash_ds.target_model.model import embed_and_head
 
         r, lay = spec.recipe, spec.layout
         lead = rank == lay.drafter_ranks[0]
         embed, head = embed_and_head(r.target.path, spec.dtype, spec.device)
         drafter = build_drafter(spec)
-        engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank, spec.device)
-        start = checkpoint.load(engine, r.run.output_dir, groups.drafter, control.start, r.checkpoint.universal, lead)
+        engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank=rank, device=spec.device)
+        start = checkpoint.load(engine, r.run.output_dir, groups.drafter, control.start,
+                                universal=r.checkpoint.universal, is_lead=lead)
         if lead:  # the run's contract: recorded once the drafter is built and resumed, never from a failed start
             contract.record(r, control.start_step)
-        source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups, start)
+        source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups,
+                                                                                    start=start)
         from deepspeed.accelerator import get_accelerator
 
         parts = DrafterParts(engine, DraftModel(drafter, embed, head, loss_head(r, head)), source, groups.drafter,
@@ -162,7 +171,7 @@ class DrafterTrainer:
         ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_names(s.shape))
         term = s.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(self.model, mb, bl, weight / scale, s, term, loss_class=self.loss_class)
+            out = drafter_loss(self.model, mb, bl, weight / scale, settings=s, term=term, loss_class=self.loss_class)
             self.engine.backward(out.loss)
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
@@ -190,7 +199,7 @@ class DrafterTrainer:
             window_steps += 1
             done = step + 1
             if done % r.log.every_steps == 0 or done == plan.total_steps:
-                self.log_step(done, stats, time.perf_counter() - window_t, window_steps, t0, start)
+                self.log_step(done, stats, time.perf_counter() - window_t, window_steps, t0=t0, start=start)
                 window_t, window_steps = time.perf_counter(), 0
             if r.eval.every_steps and done % r.eval.every_steps == 0 and self.lead and done != plan.total_steps:
                 self.log_tau(done, eval_set, "")
@@ -205,7 +214,7 @@ class DrafterTrainer:
         if self.lead:
             finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
 
-    def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, t0: float, start: int) -> None:
+    def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, *, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
                            for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.extra)])
@@ -217,10 +226,12 @@ class DrafterTrainer:
         ce, acc, anchors, kl, *extra = vec.tolist()
         tokens = steps * plan.tokens_per_step
         elapsed = time.perf_counter() - t0
+        # Rates over each log window (the drafter's own and the targets'), not since the start.
+        waited, synced = self.window.advance(self.source.wait_seconds, self.syncs.seconds)
         rec = {"step": step, "loss": ce / float(stats.weight), "accept_proxy": acc / max(anchors, 1.0),
                "lr": self.engine.get_lr()[0], "tok_per_s": tokens / seconds,
                "drafter_tok_per_s": tokens / seconds / plan.layout.num_drafters,
-               "drafter_wait_share": (self.source.wait_seconds - self.window.wait_before) / max(seconds, 1e-9),
+               "drafter_wait_share": waited / max(seconds, 1e-9),
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
@@ -229,9 +240,7 @@ class DrafterTrainer:
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
-        rec["drafter_sync_share"] = (self.syncs.seconds - self.window.sync_before) / max(seconds, 1e-9)
-        # Rates over each log window (the drafter's own and the targets'), not since the start.
-        self.window.wait_before, self.window.sync_before = self.source.wait_seconds, self.syncs.seconds
+        rec["drafter_sync_share"] = synced / max(seconds, 1e-9)
         rec.update(self.window.targets.update(read_status(self.spec.recipe.run.output_dir)))
         self.metrics.log(rec)
         if self.spec.recipe.log.progress:
@@ -252,7 +261,8 @@ class DrafterTrainer:
         t0 = time.perf_counter()
         if self.lead and step == self.spec.plan.total_steps:
             say(f"step {step}: writing the final checkpoint and export")
-        checkpoint.save(self.engine, r.run.output_dir, step, self.group, self.lead, r.checkpoint.keep_last)
+        checkpoint.save(self.engine, r.run.output_dir, step, self.group, is_lead=self.lead,
+                        keep_last=r.checkpoint.keep_last)
         if self.lead:
             t1 = time.perf_counter()
             try:
@@ -296,7 +306,7 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], layout: Pay
                     resp = torch.nonzero(mb.loss_mask[j, a:b]).flatten()
                     if resp.numel() == 0:
                         continue
-                    cycles.append(tau_from_taps(model, mb.taps[j, a:b], mb.input_ids[j, a:b], int(resp[0]), b - a))
+                    cycles.append(tau_from_taps(model, mb.taps[j, a:b], mb.input_ids[j, a:b], int(resp[0]), end=b - a))
     drafter.train(was_training)
     return TauReport(block_size=model.max_emitted, cycles=cycles)
 
@@ -313,7 +323,7 @@ def build_drafter(spec: RunSpec):
     return DFlashDrafter(spec.drafter).to(spec.device)
 
 
-def colocated_source(spec: RunSpec, data: PreparedData, rank: int, groups, start: int):
+def colocated_source(spec: RunSpec, data: PreparedData, rank: int, groups, *, start: int):
     """Colocated mode: the target in this process fills the payloads; it also makes the held-out ones."""
     lead = rank == spec.layout.drafter_ranks[0]
     worker = TargetWorker.load(spec, data, rank, groups.target, eval_lead=lead)
@@ -324,26 +334,26 @@ def colocated_source(spec: RunSpec, data: PreparedData, rank: int, groups, start
     return LocalSource(worker, rank, start), eval_set
 
 
-def received_source(spec: RunSpec, data: PreparedData, rank: int, groups, start: int):
+def received_source(spec: RunSpec, data: PreparedData, rank: int, groups, *, start: int):
     """Split mode: the held-out payloads first (lead only), then a Receiver in schedule order from `start`."""
     plan, lay = spec.plan, spec.layout
     # Evaluation payloads are held on the host: 64 held-out rows of a 27B target are ~10 GB.
     eval_set: list[torch.Tensor] = []
     if wants_eval(spec, data) and rank == lay.drafter_ranks[0]:
         n = eval_payload_count(spec, data)
-        rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n, groups.payload)
+        rx = Receiver(spec.payload, spec.device, 2, [lay.eval_target()] * n, group=groups.payload)
         for _ in range(n):
             buf = rx.get()
             eval_set.append(buf.cpu())
             rx.release(buf)
     sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                for g in range(plan.grad_accum))
-    return Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, groups.payload), eval_set
+    return Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, group=groups.payload), eval_set
 
 
-def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, control) -> None:
+def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, *, control) -> None:
     """A drafter (or colocated) rank from start to end."""
-    trainer = DrafterTrainer.load(spec, data, rank, groups, control)
+    trainer = DrafterTrainer.load(spec, data, rank, groups, control=control)
     try:
         trainer.train()
     finally:

@@ -70,7 +70,7 @@ class Receiver:
     `depth` receives are posted ahead so the next payload lands while the current one is used.
     """
 
-    def __init__(self, layout: PayloadLayout, device, depth: int, sources, group=None):
+    def __init__(self, layout: PayloadLayout, device, depth: int, sources, *, group=None):
         self.layout = layout
         self.sources = iter(sources)
         self.group = group

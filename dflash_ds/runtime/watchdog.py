@@ -42,7 +42,7 @@ class Peer:
 
 
 class Watchdog:
-    def __init__(self, me: Peer, peers: dict[int, Peer], timeout_s: float, report_s: float, stop=None,
+    def __init__(self, me: Peer, peers: dict[int, Peer], timeout_s: float, report_s: float, *, stop=None,
                  left_dir: str | Path | None = None):
         self.me, self.peers = me, peers
         self.timeout_s, self.report_s = timeout_s, report_s

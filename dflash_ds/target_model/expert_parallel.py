@@ -73,12 +73,12 @@ def sharded_experts_forward(module: nn.Module, comm: ExpertComm, hidden_states: 
     """The routed experts' output for this rank's tokens, from every rank's share of the experts."""
     lo, hi = module.expert_range
     if comm.replicated:
-        part = routed_sum(module, hidden_states, local_ids(top_k_index, lo, hi), top_k_weights, torch.float32)
+        part = routed_sum(module, hidden_states, local_ids(top_k_index, lo, hi), top_k_weights, out_dtype=torch.float32)
         return comm.all_reduce(part).to(hidden_states.dtype)
     hidden = comm.all_gather(hidden_states)
     index = comm.all_gather(top_k_index)
     weights = comm.all_gather(top_k_weights)
-    part = routed_sum(module, hidden, local_ids(index, lo, hi), weights, torch.float32)
+    part = routed_sum(module, hidden, local_ids(index, lo, hi), weights, out_dtype=torch.float32)
     return comm.reduce_scatter(part).to(hidden_states.dtype)
 
 

@@ -47,7 +47,7 @@ def use_fla_short_conv() -> bool:
 # decoder layers instead was slower (graph breaks around the linear-attention kernels). The math is exactly transformers', so only rounding order moves.
 
 def _compile(fn):
-    from dflash_ds.model.compile import compile_once
+    from dflash_ds.compile import compile_once
 
     return compile_once(fn, dynamic=False)
 

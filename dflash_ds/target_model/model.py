@@ -119,7 +119,7 @@ def load_target(path: str, *, adapter: str | None = None, dtype: str = "bfloat16
     dequantized weights (transformers dequantizes them itself when no GPU is present)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_ds.target_model import fp8
+    from dflash_ds.quantization import fp8
 
     config = load_config(path)
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
@@ -202,7 +202,7 @@ class TapCapture:
 
 @torch.no_grad()
 def forward_taps(model: nn.Module, capture: TapCapture, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                 out: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 *, out: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run the base model over input_ids and write the tapped states into out [b, S, T*D].
 
     position_ids restarting per document make transformers mask attention across packed documents.
@@ -251,7 +251,7 @@ def embed_and_head(path: str, dtype: torch.dtype, device="cpu") -> tuple[torch.T
             w = f.get_tensor(name)
         scale_name = name + "_scale_inv"  # an FP8 checkpoint that quantized it too: dequantize
         if scale_name in weight_map:
-            from dflash_ds.target_model.fp8 import dequantize
+            from dflash_ds.quantization.fp8 import dequantize
 
             with safe_open(str(weight_map[scale_name]), "pt", device="cpu") as f:
                 w = dequantize(w, f.get_tensor(scale_name))

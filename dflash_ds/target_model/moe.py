@@ -14,8 +14,9 @@ one more implementation there, `grouped_experts_forward`:
     the down projection, so it scales the narrower [P, I] activations);
   - each token gathers its k pairs' outputs through the inverse of the sort and sums them in float32
     (a gather, not a scatter: deterministic, unlike index_add_'s atomic adds, and on CUDA one
-    compiled kernel that reads the pairs once and writes the [T, D] sum in the output dtype, 9x faster
-    than an index copy back into token order followed by a sum: docs/performance.md);
+    compiled kernel that reads the pairs once and writes the [T, D] sum in the output dtype, faster
+    than an index copy back into token order followed by a sum: docs/performance.md, "Figures behind
+    the code");
   - the SwiGLU and the routing weight are one compiled kernel on CUDA as well (three elementwise
     passes over [P, 2I] and [P, I] otherwise);
   - tokens run in chunks of at most `chunk_tokens`, which bounds the transient memory to a few
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 
 OWN = "dflash_grouped"  # the name `grouped_experts_forward` is registered under
 IMPLEMENTATIONS = (OWN, "grouped_mm", "batched_mm", "eager")
@@ -145,7 +146,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 def quantize_rows_3d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[G, N, K] -> e4m3 [G, N, K] and one float32 scale per output row [G, N]: w ~ q * scale."""
-    from dflash_ds.target_model.fp8 import quantize_rows
+    from dflash_ds.quantization.fp8 import quantize_rows
 
     g, n, k = w.shape
     q, scale = quantize_rows(w.reshape(g * n, k))
@@ -154,20 +155,20 @@ def quantize_rows_3d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def grouped_linear_fp8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grouped_linear with e4m3 weights [G, N, K] and row scales [G, N]; x [P, K] is quantized per row."""
-    from dflash_ds.target_model.fp8 import quantize_rows
+    from dflash_ds.quantization.fp8 import quantize_rows
 
     xq, x_scale = quantize_rows(x)
-    return scaled_grouped_mm(xq, x_scale, wq, w_scale, offsets, x.dtype)
+    return scaled_grouped_mm(xq, x_scale, wq, w_scale, offsets=offsets, out_dtype=x.dtype)
 
 
 def scaled_grouped_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                      offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                      *, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """grouped_linear of e4m3 operands: rows xq [P, K] with scales [P, 1], weights wq [G, N, K] with
     row scales [G, N] -> [P, N] in out_dtype.
 
     FP8 tensor cores (torch._scaled_grouped_mm) on CUDA; elsewhere the product of the dequantized
     operands through grouped_linear, so both paths share the routing and are tested on CPU."""
-    from dflash_ds.target_model.fp8 import dequantize
+    from dflash_ds.quantization.fp8 import dequantize
 
     if xq.is_cuda:
         return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), scale_a=x_scale.reshape(-1), scale_b=w_scale,
@@ -199,13 +200,13 @@ def _inverse(order: torch.Tensor, pairs: int) -> torch.Tensor:
     return inverse
 
 
-def _token_sum(pairs_out: torch.Tensor, inverse: torch.Tensor, kept: torch.Tensor | None, k: int,
+def _token_sum(pairs_out: torch.Tensor, inverse: torch.Tensor, kept: torch.Tensor | None, k: int, *,
                out_dtype: torch.dtype) -> torch.Tensor:
     # Token t's output: the sum over its slots j of the pair output at inverse[t * k + j] (a pair not
     # kept, another rank's expert, adds nothing), added slot by slot in at least float32. Written as
     # k gathers rather than one gather and a sum over a [T, k, D] view: compiled, that is one pointwise
-    # kernel reading each pair row once at full bandwidth (4.0 TB/s on an H200), where the reduction
-    # form compiled to a kernel 4x slower.
+    # kernel reading each pair row once at full bandwidth, where the reduction form compiled to a much
+    # slower kernel (docs/performance.md, "Figures behind the code").
     acc_dtype = torch.promote_types(pairs_out.dtype, torch.float32)
     slots = inverse.view(-1, k)
     keep = kept.view(-1, k) if kept is not None else None
@@ -250,7 +251,7 @@ def _check_layout(module: nn.Module) -> None:
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The routed experts' output [T, D] (the registered `dflash_grouped` experts implementation)."""
-    return routed_sum(self, hidden_states, top_k_index, top_k_weights, hidden_states.dtype)
+    return routed_sum(self, hidden_states, top_k_index, top_k_weights, out_dtype=hidden_states.dtype)
 
 
 class Pairs(NamedTuple):
@@ -265,8 +266,32 @@ class Pairs(NamedTuple):
     num_experts: int
     drops: bool = False
 
+    def routed_sum(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, *, chunk: int,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """The routed sum [T, D] in out_dtype, `chunk` tokens at a time (bounding the [P, 2I] activations)."""
+        parts = [self._chunk_sum(hidden[a:a + chunk], index[a:a + chunk], weights[a:a + chunk], out_dtype)
+                 for a in range(0, hidden.shape[0], chunk)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    def _chunk_sum(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """One chunk's routed sum [t, D] in out_dtype (summed in float32, float64 for float64 inputs)."""
+        t, k = index.shape
+        r = route(index, self.num_experts, self.drops)
+        if r.kept == 0:  # every pair is another rank's
+            return hidden.new_zeros(t, hidden.shape[-1], dtype=out_dtype)
+        token = torch.div(r.order, k, rounding_mode="floor")
+        h = self.gate_up(hidden[token], r.offsets)
+        # The routing weight scales the [P, I] activations: down(w * a) = w * down(a), one pass narrower.
+        y = self.down(self.act(h, weights.reshape(-1)[r.order]), r.offsets)
+        kept = None
+        if r.kept is not None:
+            kept = torch.zeros(t * k, dtype=torch.bool, device=r.order.device)
+            kept[r.order] = True
+        return self.token_sum(y, _inverse(r.order, t * k), kept, k, out_dtype=out_dtype)
+
+
+def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                out_dtype: torch.dtype) -> torch.Tensor:
     """sum over slots of weight * expert(hidden) for hidden [T, D], in `out_dtype` [T, D]; ids past
     the module's experts contribute nothing (with module.drops set, as expert parallelism does)."""
@@ -275,11 +300,11 @@ def routed_sum(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tenso
                   lambda h, w: _activation(module, h, w),
                   lambda x, offsets: _project(module, "down_proj", x, offsets),
                   _fused(_token_sum, hidden), int(module.num_experts), bool(getattr(module, "drops", False)))
-    return _chunked(hidden, top_k_index, top_k_weights, pairs, int(getattr(module, "chunk_tokens", CHUNK_TOKENS)),
-                    out_dtype)
+    chunk = int(getattr(module, "chunk_tokens", CHUNK_TOKENS))
+    return pairs.routed_sum(hidden, top_k_index, top_k_weights, chunk=chunk, out_dtype=out_dtype)
 
 
-def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, *,
                  down: torch.Tensor, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
     """The routed sum [T, D] of SwiGLU (silu) experts gate_up [E, 2I, D], down [E, D, I] for hidden [T, D],
     as a function of tensors alone (no module, no host synchronisation on CUDA): what the compiled MoE
@@ -287,31 +312,7 @@ def silu_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     the `dflash_grouped` forward, returned in hidden's dtype."""
     pairs = Pairs(lambda x, offsets: grouped_linear(x, gate_up, offsets), _silu_weighted,
                   lambda x, offsets: grouped_linear(x, down, offsets), _token_sum, gate_up.shape[0])
-    return _chunked(hidden, index, weights, pairs, chunk, hidden.dtype)
-
-
-def _chunked(hidden, index, weights, pairs: Pairs, chunk: int, out_dtype: torch.dtype) -> torch.Tensor:
-    parts = [_pairs_sum(hidden[a:a + chunk], index[a:a + chunk], weights[a:a + chunk], pairs, out_dtype)
-             for a in range(0, hidden.shape[0], chunk)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _pairs_sum(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, pairs: Pairs,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """One chunk's routed sum [t, D] in out_dtype (summed in float32, float64 for float64 inputs)."""
-    t, k = index.shape
-    r = route(index, pairs.num_experts, pairs.drops)
-    if r.kept == 0:  # every pair is another rank's
-        return hidden.new_zeros(t, hidden.shape[-1], dtype=out_dtype)
-    token = torch.div(r.order, k, rounding_mode="floor")
-    h = pairs.gate_up(hidden[token], r.offsets)
-    # The routing weight scales the [P, I] activations: down(w * a) = w * down(a), one pass narrower.
-    y = pairs.down(pairs.act(h, weights.reshape(-1)[r.order]), r.offsets)
-    kept = None
-    if r.kept is not None:
-        kept = torch.zeros(t * k, dtype=torch.bool, device=r.order.device)
-        kept[r.order] = True
-    return pairs.token_sum(y, _inverse(r.order, t * k), kept, k, out_dtype)
+    return pairs.routed_sum(hidden, index, weights, chunk=chunk, out_dtype=hidden.dtype)
 
 
 # ---------------------------------------------------------------------------- FP8 experts

@@ -1,11 +1,11 @@
 """The sparse MoE block of the Qwen MoE targets as one compiled function on the GPU.
 
-Once the experts' own work was fast (target_model/moe.py), a 35B-A3B forward on one H200 was bound by
-the host: each MoE layer issued some thirty small operations (the router's softmax, top-k and
+Why: once the experts' own work was fast (target_model/moe.py), a large MoE target's forward was bound
+by the host: each MoE layer issued some thirty small operations (the router's softmax, top-k and
 renormalisation, the shared expert and its sigmoid gate, the sort, the two grouped GEMMs and the
-gathers), and the GPU waited on their launches (on 8 layers of a packed 12,288-token row: 47.1 ms a
-forward against 38.3 ms of GPU work). Traced as one function of tensors, the block becomes a few
-fused kernels and the two grouped GEMMs behind a single guard check: 42.9 ms on the same layers.
+gathers), and the GPU waited on their launches. Traced as one function of tensors, the block becomes a
+few fused kernels and the two grouped GEMMs behind a single guard check (the measurement:
+docs/performance.md, "Figures behind the code").
 
 The function is transformers' block, written over the module's tensors so that every layer of a model
 shares one compiled graph (a module argument would be guarded on and recompile per layer): the same
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.compile import compile_once
+from dflash_ds.compile import compile_once
 from dflash_ds.target_model.moe import CHUNK_TOKENS, OWN, silu_experts
 
 
@@ -65,7 +65,7 @@ class Shared(NamedTuple):
 
 def _routed_sum(h: torch.Tensor, routed: Routed, renormalise: bool) -> torch.Tensor:
     weights, index = route_tokens(h, routed.router, routed.top_k, renormalise)
-    return silu_experts(h, index, weights, routed.gate_up, routed.down, routed.chunk)
+    return silu_experts(h, index, weights, routed.gate_up, down=routed.down, chunk=routed.chunk)
 
 
 def qwen35_block(x: torch.Tensor, routed: Routed, shared: Shared) -> torch.Tensor:

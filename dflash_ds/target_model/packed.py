@@ -101,7 +101,7 @@ class Packing:
         return self._varlen
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, pack: Packing) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, *, pack: Packing) -> torch.Tensor:
     """The Gated DeltaNet short convolution per segment: fla's varlen kernel on CUDA, else masked_causal_conv."""
     if x.is_cuda and fla_available():
         from fla.modules.causal_conv1d import causal_conv1d
@@ -111,11 +111,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | No
                             cu_seqlens=pack.cu_seqlens)
         out = out[0] if isinstance(out, tuple) else out
         return out.reshape(r, s, -1)
-    return masked_causal_conv(x, weight, bias, activation, pack)
+    return masked_causal_conv(x, weight, bias, activation, pack=pack)
 
 
 def masked_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None,
-                       pack: Packing) -> torch.Tensor:
+                       *, pack: Packing) -> torch.Tensor:
     """Depthwise causal convolution of x [R, S, C] with weight [C, K] that never reads another document.
 
     Equals F.conv1d(x, weight, padding=K-1)[..., :S] run on each document alone: output t sums
@@ -142,7 +142,7 @@ def _reference_rule():
     return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
 
 
-def gated_delta_rule(q, k, v, g, beta, pack: Packing) -> torch.Tensor:
+def gated_delta_rule(q, k, v, g, *, beta, pack: Packing) -> torch.Tensor:
     """Chunked gated delta rule, state reset at every segment start. q, k [R, S, H, K], v [R, S, HV, V],
     g and beta [R, S, HV]; HV a multiple of H (value head i reads query/key head i // (HV / H), as
     transformers' repeat_interleave lays them out) -> [R, S, HV, V]."""
@@ -182,14 +182,14 @@ def packed_gdn_forward(self, pack: Packing, hidden_states: torch.Tensor, cache_p
     z = self.in_proj_z(hidden_states).reshape(batch, seq_len, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
-    mixed_qkv = short_conv(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, pack)
+    mixed_qkv = short_conv(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, pack=pack)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch, seq_len, -1, self.head_k_dim)
     key = key.reshape(batch, seq_len, -1, self.head_k_dim)
     value = value.reshape(batch, seq_len, -1, self.head_v_dim)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-    core = gated_delta_rule(query, key, value, g, beta, pack)
+    core = gated_delta_rule(query, key, value, g, beta=beta, pack=pack)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(batch, seq_len, -1))
 
@@ -212,10 +212,10 @@ def varlen_attention(module, query, key, value, attention_mask, **kwargs):
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
     cu, longest = pack.varlen_bounds
-    return flash_varlen(q, k, v, cu, longest, kwargs.get("scaling")).view(b, s, h, d), None
+    return flash_varlen(q, k, v, cu, longest=longest, scale=kwargs.get("scaling")).view(b, s, h, d), None
 
 
-def flash_varlen(q, k, v, cu_seqlens, longest: int, scale) -> torch.Tensor:
+def flash_varlen(q, k, v, cu_seqlens, *, longest: int, scale) -> torch.Tensor:
     """Causal attention within each segment of packed q [T, H, d], k/v [T, Hkv, d] -> [T, H, d].
 
     The aten op behind torch.nn.attention.varlen, whose Python signature changed across releases."""

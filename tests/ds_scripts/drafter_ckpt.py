@@ -56,7 +56,7 @@ def run_drafter(ctx) -> None:
 
     for step in range(2):
         common.train_step(engine, step, dp_rank, ROWS)
-    tag = checkpoint.save(engine, run_dir, 2, ctx.drafter_group, is_lead, keep_last=2)
+    tag = checkpoint.save(engine, run_dir, 2, ctx.drafter_group, is_lead=is_lead, keep_last=2)
     saved = snapshot(engine)
     first = [common.train_step(engine, step, dp_rank, ROWS) for step in (2, 3)]
     after_first = snapshot(engine)

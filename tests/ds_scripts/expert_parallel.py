@@ -36,7 +36,7 @@ def rows_of(rank: int, vocab: int):
 def taps(model, ids, doc_ids, hidden: int) -> torch.Tensor:
     capture = TapCapture(model, TAPS)
     out = torch.full((ROWS, SEQ, len(TAPS) * hidden), float("nan"))
-    forward_taps(model, capture, ids, position_ids_from_doc_ids(doc_ids), out, doc_ids=doc_ids)
+    forward_taps(model, capture, ids, position_ids_from_doc_ids(doc_ids), out=out, doc_ids=doc_ids)
     capture.remove()
     return out
 

@@ -47,7 +47,7 @@ def inputs(i: int, vocab: int):
 
 def taps(model, batches, hidden: int) -> list[torch.Tensor]:
     capture = TapCapture(model, LAYER_IDS)
-    out = [forward_taps(model, capture, ids, pos, torch.full((ROWS, SEQ, len(LAYER_IDS) * hidden), float("nan")))
+    out = [forward_taps(model, capture, ids, pos, out=torch.full((ROWS, SEQ, len(LAYER_IDS) * hidden), float("nan")))
            for ids, pos in batches]
     capture.remove()
     return out

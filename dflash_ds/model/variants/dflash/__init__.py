@@ -148,10 +148,11 @@ class DFlash:
         return blocks.default_gamma(shape.block_size)
 
     def block_targets(self, mb: MicroBatch, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                      gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      *, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Labels and float32 weights `[b, N, B]` of micro-batch `mb`'s blocks (model.blocks.block_targets:
         same-position labels, slot 0 weight 0)."""
-        return blocks.block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
+        return blocks.block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid=valid, block_size=block_size,
+                                    gamma=gamma)
 
     def loss_settings(self, objective: Any) -> Any:
         """Its loss settings from the recipe's objective section (config.ObjectiveConfig): its

@@ -104,7 +104,7 @@ class SelectorLoss(OutputTerm):
         predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten(1)
         rows = SelectorRows(slot_rows(self.hidden, b), out.candidates, slot_rows(blocks.labels, b),
                             slot_rows(predecessors, b), slot_rows(blocks.weights, b), out.candidate_logits)
-        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, model.config.logit_transform)
+        stats = selector_loss(model.drafter.candidate_selector, model.lm_head, rows, term, transform=model.config.logit_transform)
         return (term.alpha / normaliser) * stats.loss_sum, {
             "selector_loss_sum": stats.loss_sum.detach(), "selector_covered": stats.covered,
             "selector_correct": stats.correct}
@@ -186,7 +186,7 @@ class DFlash2(DFlash):
             raise ValueError("llama.cpp's --spec-draft-p-min cut of a DFlash2 draft is not modelled; predict its "
                              "rounds with p_min 0")
         tokens = greedy_path(model.drafter.candidate_selector, hidden, model.lm_head, anchors.to(hidden.device),
-                             model.config.logit_transform)
+                             transform=model.config.logit_transform)
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
 
     # --------------------------------------------------------------------------------- the loss
@@ -201,7 +201,8 @@ class DFlash2(DFlash):
         """The selector term at optimizer step `step` of `total_steps` (warm-up, then ramp); step None:
         the full weight."""
         s = settings or SelectorSchedule()
-        alpha = s.alpha if step is None else selector_alpha(step, total_steps, s.alpha, s.warmup_ratio, s.ramp_ratio)
+        alpha = s.alpha if step is None else selector_alpha(step, total_steps, s.alpha, s.warmup_ratio,
+                                                            ramp_ratio=s.ramp_ratio)
         return SelectorTerm(alpha, s.inject_gold, s.detach)
 
     def term_weights(self, shape: DrafterShape, term: SelectorTerm) -> dict[str, float]:

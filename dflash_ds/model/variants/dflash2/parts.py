@@ -136,7 +136,7 @@ def unary_top_k(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int, *, chun
 
 @torch.no_grad()
 def greedy_path(selector: CandidateSelector, hidden: torch.Tensor, lm_head: torch.Tensor,
-                anchors: torch.Tensor, transform: LogitTransform = IDENTITY) -> torch.Tensor:
+                anchors: torch.Tensor, *, transform: LogitTransform = IDENTITY) -> torch.Tensor:
     """The drafted tokens `[n, L]` of blocks whose drafting slots have final states `[n, L, D]`
     (L = B - 1), each block following the token `anchors[n]`: the walk the engines run at
     temperature 0 (slot 1's predecessor is the anchor, slot k's the token chosen at slot k - 1).
@@ -229,7 +229,7 @@ def candidate_logits(hidden: torch.Tensor, lm_head: torch.Tensor, candidates: to
 
 
 def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: SelectorRows,
-                  term: SelectorTerm, transform: LogitTransform = IDENTITY) -> SelectorStats:
+                  term: SelectorTerm, *, transform: LogitTransform = IDENTITY) -> SelectorStats:
     """sum over rows of w * CE(selector scores over the k candidates, the gold's index).
 
     The candidates are those of the base loss (no second lm_head pass), and so, when
@@ -267,7 +267,7 @@ def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: Sele
     return SelectorStats((ce * use).sum(), (w * covered.to(work)).sum().detach(), (w * hit.to(work)).sum().detach())
 
 
-def selector_alpha(step: int, total_steps: int, alpha: float, warmup_ratio: float, ramp_ratio: float) -> float:
+def selector_alpha(step: int, total_steps: int, alpha: float, warmup_ratio: float, *, ramp_ratio: float) -> float:
     """The selector weight at optimizer step `step` (0-based): 0 during the first warmup_ratio of
     the steps, then linear up to `alpha` over the next ramp_ratio, then `alpha` (SpecForge's schedule)."""
     warm, ramp = warmup_ratio * total_steps, ramp_ratio * total_steps

@@ -221,8 +221,9 @@ class DSpark(DFlash):
         return default_gamma(shape.block_size + 1)
 
     def block_targets(self, mb: MicroBatch, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                      gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return anchor_first_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid, block_size, gamma)
+                      *, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return anchor_first_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid=valid,
+                                    block_size=block_size, gamma=gamma)
 
     def loss_settings(self, objective: ObjectiveConfig) -> DSparkTerms:
         o = section_of(objective, self.name, DSparkObjective)

@@ -75,8 +75,8 @@ class Projection(nn.Module):
 
     Why: ZeRO-2 copies the gradients back to back into one buffer, in the order they arrive, and the
     bias's arrives first in the backward; one element would shift every later gradient 2 bytes off the
-    16-byte alignment that the copies, the flatten and the optimizer's vectorised loads need (at the
-    flagship sizes this cost ~10 ms a step). The padding's gradient is always zero, so AdamW keeps it
+    16-byte alignment that the copies, the flatten and the optimizer's vectorised loads need (its cost:
+    docs/performance.md, "Figures behind the code"). The padding's gradient is always zero, so AdamW keeps it
     at zero. The state dict holds `weight` `[1, width]` and `bias` `[1]`: the names and shapes that
     the engines, the export and `init_from` read."""
 
@@ -179,7 +179,7 @@ def greedy_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor
 
 
 def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                         anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                         anchors: torch.Tensor, *, valid: torch.Tensor, block_size: int,
                          gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels `[b, N, B]` (slot k: the token at a + k + 1) and float32 weights `[b, N, B]` of the
     anchor-first block, DeepSpec's rule: `exp(-k / gamma)` times a mask that is 1 on the longest

@@ -81,7 +81,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
-def scaled_matmul(xq, x_scale, wq, w_scale, blocks: bool, out_dtype: torch.dtype,
+def scaled_matmul(xq, x_scale, wq, w_scale, *, blocks: bool, out_dtype: torch.dtype,
                   fast_accum: bool = True) -> torch.Tensor:
     """x @ w.T from their e4m3 forms: x_scale [M, 1] (rows) or [K/128, M] (groups); w_scale [1, N]
     (rows) or [N/128, K/128] (blocks). FP8 tensor cores on CUDA; elsewhere the same product from
@@ -116,7 +116,7 @@ def _swiglu_groups(gate_up):
 
 def _front(fn, x: torch.Tensor, compiled: bool):
     if compiled:
-        from dflash_ds.model.compile import compile_once
+        from dflash_ds.compile import compile_once
 
         return compile_once(fn, dynamic=False)(x)
     return fn(x)
@@ -132,7 +132,7 @@ class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in e4m3 (row or 128 x 128 block scales) and x quantized on the fly."""
 
     def __init__(self, weight_q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, blocks: bool,
-                 out_dtype: torch.dtype):
+                 *, out_dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = weight_q.shape
         self.blocks, self.out_dtype = blocks, out_dtype
@@ -153,7 +153,7 @@ class Fp8Linear(nn.Module):
         return _front(front, x2, self.compiled_for(x2))
 
     def matmul(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        out = scaled_matmul(xq, x_scale, self.weight, self.weight_scale, self.blocks, self.out_dtype)
+        out = scaled_matmul(xq, x_scale, self.weight, self.weight_scale, blocks=self.blocks, out_dtype=self.out_dtype)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +228,7 @@ def quantize_model(model: nn.Module, scheme: str = ROWS) -> Quantized:
             w = mod.weight.data
             q, s = quantize_blocks(w) if scheme == BLOCKS else quantize_rows(w)
             bias = None if mod.bias is None else mod.bias.data
-            _replace(layer, name, Fp8Linear(q, s, bias, scheme == BLOCKS, w.dtype))
+            _replace(layer, name, Fp8Linear(q, s, bias, scheme == BLOCKS, out_dtype=w.dtype))
             report.fp8.append(full)
             del w, mod
     fuse_mlps(model, report)
@@ -261,7 +261,7 @@ def convert_checkpoint_linears(model: nn.Module, keep_fp8: bool, dtype: torch.dt
             new = _linear(w.to(dtype), bias)  # a layer the checkpoint kept in high precision
             report.kept.append(name)
         elif keep_fp8 and list(mod.block_size or ()) == [BLOCK, BLOCK] and block_gemm_shape(*w.shape):
-            new = Fp8Linear(w, s, bias, True, dtype)
+            new = Fp8Linear(w, s, bias, True, out_dtype=dtype)
             report.fp8.append(name)
         else:
             new = _linear(dequantize(w, s.reshape(1, 1) if s.numel() == 1 else s).to(dtype), bias)
@@ -291,7 +291,8 @@ def fuse_mlps(model: nn.Module, report: Quantized) -> None:
             continue
         q = torch.cat([gate.weight, up.weight])
         s = torch.cat([gate.weight_scale, up.weight_scale], dim=0 if gate.blocks else 1)
-        mlp.gate_up_proj = Fp8Linear(q, s if gate.blocks else s.reshape(-1, 1), None, gate.blocks, gate.out_dtype)
+        mlp.gate_up_proj = Fp8Linear(q, s if gate.blocks else s.reshape(-1, 1), None, gate.blocks,
+                                     out_dtype=gate.out_dtype)
         del mlp.gate_proj, mlp.up_proj
         # An instance attribute shadows the class's forward (patched or not); hooks still run.
         mlp.forward = functools.partial(fused_mlp_forward, mlp)
@@ -332,9 +333,3 @@ def checkpoint_fp8(config) -> bool:
                                 "dynamic activations are supported")
     return True
 
-
-def check_device(device: torch.device) -> None:
-    """At load, on the rank: the GPU must have FP8 tensor cores."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-        raise QuantizationError(f"FP8 matmuls need compute capability 8.9+ but this rank has {name}")

@@ -1,4 +1,5 @@
-"""`drafter.fp8` applied as a drafter rank builds its model (whether it may run is resolve/quantization.py's).
+"""The drafter's float8 training layers (`drafter.fp8.layers`): the mechanism. runtime/engines.py applies the
+recipe's setting as a drafter rank builds its model; whether it may run is resolve/quantization.py's.
 
 layers: the attention and MLP projections of every drafter layer become torchao `Float8Linear`s
 (float8 training: the weight, its gradient and the fp32 master copy stay as they were; each matmul
@@ -10,15 +11,12 @@ Left in bf16, on purpose: `fc`, which fuses the taps (the target's raw residual 
 very large channels would set every row's FP8 scale) and runs on the context tokens only, a
 small share of the step's FLOPs; DFlash2's block convolutions and selector (small, and read by the selector's
 exact scores); the frozen embedding and lm_head, which are not modules of the drafter (the lm_head
-has its own FP8 path: lm_head, target_model/fp8_head.py).
+has its own FP8 path: lm_head, quantization/fp8_head.py).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-
-from dflash_ds.target_model.fp8_head import Fp8Head
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -40,19 +38,3 @@ def convert_layers(drafter: nn.Module, recipe_name: str) -> list[str]:
                                config=Float8LinearConfig.from_recipe_name(recipe_name))
     return sorted(names)
 
-
-def float8_layer_count(drafter: nn.Module) -> int:
-    from torchao.float8.float8_linear import Float8Linear
-
-    return sum(isinstance(m, Float8Linear) for m in drafter.modules())
-
-
-def apply_layers(recipe, drafter: nn.Module) -> list[str]:
-    """drafter.fp8.layers on a freshly built drafter (before its engine); [] when off."""
-    fp8 = recipe.drafter.fp8
-    return convert_layers(drafter, fp8.layers) if fp8.layers != "none" else []
-
-
-def loss_head(recipe, lm_head: torch.Tensor) -> Fp8Head | None:
-    """The FP8 lm_head matmuls of the loss (drafter.fp8.lm_head), or None."""
-    return Fp8Head(lm_head) if recipe.drafter.fp8.lm_head else None

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_ds.model.head_matmuls import SeparateMatmuls
-from dflash_ds.target_model.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
+from dflash_ds.quantization.fp8 import FP8, pad_rows, quantize_rows, scaled_matmul
 
 _CHUNK_ELEMENTS = 1 << 26  # quantized at a time while W is converted: bounds the float32 temporaries
 
@@ -36,7 +35,7 @@ def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
-        from dflash_ds.model.compile import compile_once
+        from dflash_ds.compile import compile_once
 
         return compile_once(quantize_rows, dynamic=False)(x)
     return quantize_rows(x)
@@ -58,7 +57,7 @@ class Fp8Head:
     def _gemm(self, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, fast: bool) -> torch.Tensor:
         m = x.shape[0]
         xq, x_scale = _quantize_input(pad_rows(x))
-        return scaled_matmul(xq, x_scale, wq, w_scale, False, x.dtype, fast)[:m]
+        return scaled_matmul(xq, x_scale, wq, w_scale, blocks=False, out_dtype=x.dtype, fast_accum=fast)[:m]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, D] -> [n, V] in hidden's dtype."""
@@ -67,10 +66,6 @@ class Fp8Head:
     def input_grad(self, grad_logits: torch.Tensor) -> torch.Tensor:
         """[n, V] -> [n, D] in the gradient's dtype."""
         return self._gemm(grad_logits, self.w_cols, self.w_cols_scale, self.fast_accum_grad)
-
-    def matmuls(self, rows):
-        """The loss's chunk matmuls through this head (a loss strategy: model/head_matmuls.py)."""
-        return SeparateMatmuls(rows, self)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w_rows, self.w_rows_scale, self.w_cols,

@@ -28,7 +28,7 @@ from dflash_ds.io import replace_dir_atomic, write_text_atomic
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.model.variants import class_names
-from dflash_ds.model_card import model_card
+from dflash_ds.export.card import model_card
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
