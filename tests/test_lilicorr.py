@@ -324,5 +324,5 @@ def test_the_convolution_at_init_leaves_the_backbone_unchanged(pkg):
         positions = (anchors[..., None] + torch.arange(B)).reshape(1, -1)
         mask = build_mask(anchors, torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 12, dtype=torch.int32), B,
                           kind="dense")
-        outs.append(drafter(block, ctx, positions, torch.arange(12)[None], mask))
+        outs.append(drafter(block, ctx, positions, torch.arange(12)[None], mask=mask))
     assert torch.equal(outs[0], outs[1])
