@@ -18,7 +18,7 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.loss import ChunkedLoss
 from dflash_ds.model.loss_terms import CrossEntropy
 from dflash_ds.model.objective import StepSettings
-from dflash_ds.model.variants.lilicorr.loss import LatticeInputs, lattice_loss_terms
+from dflash_ds.model.variants.lilicorr.loss import LatticeInputs, lattice_inputs, lattice_loss_terms
 from dflash_ds.model.variants.lilicorr.terms import Weights, lattice_terms, nodes, oracle
 from dflash_ds.model.variants.lilicorr.walk import candidates
 from dflash_ds.resolve.drafter import drafter_shape
@@ -59,7 +59,7 @@ def forward(model, mb, settings):
     blocks = make_blocks(mb, settings, 0)
     ctx = model.drafter.fuse(mb.taps)
     hidden = model.drafter(model.embed_tokens(blocks.block_ids, ctx), ctx, blocks.block_positions,
-                           blocks.ctx_positions, blocks.mask)
+                           blocks.ctx_positions, mask=blocks.mask)
     r, n = blocks.anchors.shape
     before = (blocks.anchors - 1).clamp(min=0)
     context = ctx.gather(1, before[..., None].expand(-1, -1, ctx.shape[-1])).reshape(r * n, -1)
@@ -109,9 +109,10 @@ def test_the_lattice_terms_alone_reach_the_head_and_the_backbone(monkeypatch):
     blocks, hidden, inputs = forward(model, mb, settings)
     rows = slot_rows(hidden, B)
     q = torch.softmax(rows.detach() @ model.lm_head.T, -1)
-    inputs = inputs._replace(expected=q @ model.lm_head)
     out = chunked(model, blocks, hidden, [CrossEntropy(0.0), *lattice_loss_terms(model, blocks, inputs, MARGIN)],
                   float(blocks.weights.sum()))
+    # The soft value's q @ W comes from the chunk loop's logits, equal to the dense product.
+    torch.testing.assert_close(out.expected, q @ model.lm_head, rtol=1e-12, atol=1e-12)
     out.loss.backward()
     for name, p in model.drafter.lilicorr.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
@@ -142,3 +143,25 @@ def test_the_log_names_are_the_sums_and_the_record_is_made_of_them(monkeypatch):
     # Nothing to report without a valid block: the fields are left out, not NaN.
     empty = {k: 0.0 for k in sums}
     assert variant.log_record(empty, 1.0) == {}
+
+
+def test_lattice_inputs_take_the_context_row_before_each_anchor_in_its_document(monkeypatch):
+    pkg = registered(monkeypatch)
+    model, mb, settings = world(pkg, seed=4)
+    mb.doc_ids[0, 20:] = 1  # a second document: an anchor at its first token has no context row
+    blocks = make_blocks(mb, settings, 0)
+    blocks.anchors[0, 0] = 20
+    ctx = model.drafter.fuse(mb.taps)
+    got = lattice_inputs(blocks, ctx, ctx=ctx, mb=mb)
+    r, n = blocks.anchors.shape
+    for i in range(r):
+        for j in range(n):
+            a = int(blocks.anchors[i, j])
+            want_valid = a >= 1 and int(mb.doc_ids[i, a - 1]) == int(mb.doc_ids[i, a])
+            assert bool(got.context_valid[i * n + j]) == want_valid
+            if a >= 1:
+                assert torch.equal(got.context[i * n + j], ctx[i, a - 1])
+    assert not got.context_valid[0]
+    torch.testing.assert_close(got.target_states, slot_target_states(mb.final_hidden, blocks.anchors, B))
+    with pytest.raises(ValueError, match="target final-norm states"):
+        lattice_inputs(blocks, ctx, ctx=ctx, mb=MicroBatch(mb.taps, mb.input_ids, mb.loss_mask, mb.doc_ids))

@@ -92,7 +92,7 @@ def dense(model, mb, blocks, normaliser, settings):
     sums = {"ce": (w * ce).sum(), "kl": (w * kl).sum()}
     loss = variant.ce_weight(term) * sums["ce"] + KL_WEIGHT * TEMPERATURE ** 2 * sums["kl"]
     rows = {}
-    terms = variant.loss_terms(model, blocks, term, hidden)
+    terms = variant.loss_terms(model, blocks, term, hidden, ctx=ctx, mb=mb)
     for t in terms:
         if isinstance(t, RowTerm):
             values, _ = t.values(z.softmax(-1), tz, False)

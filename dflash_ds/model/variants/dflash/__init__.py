@@ -175,11 +175,14 @@ class DFlash:
         DFlash's cross-entropy is always on."""
         return {"the cross-entropy (always on)": self.ce_weight(term)}
 
-    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor) -> tuple:
+    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor, *, ctx: torch.Tensor,
+                   mb: MicroBatch) -> tuple:
         """This architecture's terms of the loss under `term` (a `step_term`), after the cross-entropy and
         the KL (model/loss_terms.py): `VocabTerm`s run on each chunk's logits (and the target's, when
         they read them; `needs_target_logits` then), `OutputTerm`s after the chunk loop on what it
-        returned. Their sums' names are `log_names`. `hidden` `[R, N*B, D]`: the drafter's final states."""
+        returned. Their sums' names are `log_names`. `hidden` `[R, N*B, D]`: the drafter's final states;
+        `ctx` `[R, S, D]`: the context rows (drafter.fuse of the taps); `mb`: the micro-batch (its
+        documents, the target's states)."""
         return ()
 
     def logit_bias(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor) -> LogitBias | None:

@@ -18,15 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_ds.config.architectures import section_of
 from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, Serving, Tensor, Wrappers
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.dflash2.parts import BlockConv
 from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
 from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
+from dflash_ds.model.variants.lilicorr.loss import lattice_inputs, lattice_loss_terms
+from dflash_ds.model.variants.lilicorr.terms import Weights
 from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score
 from dflash_ds.model.variants.registry import register
 
 if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
+    from dflash_ds.model.blocks import Blocks, MicroBatch
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.shape import DrafterShape
 
@@ -298,6 +302,27 @@ class LiLiCorr(DFlash):
             found, factors = score(model, hidden, context.to(hidden.device), context_valid.to(hidden.device))
             tokens = chosen(found, greedy_path(factors))
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
+
+    # ------------------------------------------------------------------------------- the loss
+
+    def loss_settings(self, objective: Any) -> Weights:
+        o = section_of(objective, self.name, LiLiCorrObjective)
+        o.check()
+        return Weights(o.w_ce, o.w_margin, o.w_pen, o.margin, o.soft_value)
+
+    def step_term(self, settings: Weights | None, step: int | None = None, total_steps: int = 0) -> Weights:
+        o = LiLiCorrObjective()  # Model-Optimizer's weights are constant over the run
+        return settings or Weights(o.w_ce, o.w_margin, o.w_pen, o.margin, o.soft_value)
+
+    def term_weights(self, shape: DrafterShape, term: Weights | None) -> dict[str, float]:
+        t = self.step_term(term)
+        return {**super().term_weights(shape, t), "w_ce": float(t.ce), "w_margin": float(t.margin_weight),
+                "w_pen": float(t.penalty)}
+
+    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Weights | None, hidden: torch.Tensor, *,
+                   ctx: torch.Tensor, mb: MicroBatch) -> tuple:
+        """The lattice terms (loss.py) after the DFlash cross-entropy, whose weight stays 1."""
+        return lattice_loss_terms(model, blocks, lattice_inputs(blocks, hidden, ctx=ctx, mb=mb), self.step_term(term))
 
     # ----------------------------------------------------------------------------------- the logs
 

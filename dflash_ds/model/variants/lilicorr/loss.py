@@ -4,9 +4,9 @@ lattice terms (terms.py) are added after the loop as an output term. No second p
 the candidates' log-probs are their raw logits minus the row's log-normaliser, and the target's logits at
 the candidates are the target's states times the candidates' lm_head rows (k rows a slot).
 
-Not yet reached from a recipe: the anchors' context rows and, for `soft_value`, each row's expected
-lm_head row under the drafter's distribution must come from drafter_loss and the fused loss (the
-architecture's spec, section 7.4); `lattice_loss_terms` takes them as arguments.
+`lattice_inputs` takes from drafter_loss what the head reads besides the loss's output: each anchor's
+context row and the target's states at every slot's label; with `soft_value` the loop also returns each
+row's q @ W (`LossOutput.expected`), the rest of a candidate log-prob's gradient.
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.blocks import slot_rows, slot_target_states
 from dflash_ds.model.loss_terms import OutputTerm, RowTerm
 from dflash_ds.model.variants.lilicorr.logs import TOP_LOG_Q
 from dflash_ds.model.variants.lilicorr.terms import Weights, lattice_logs, lattice_terms, nodes, oracle, soft_log_probs
 
 if TYPE_CHECKING:
-    from dflash_ds.model.blocks import Blocks
+    from dflash_ds.model.blocks import Blocks, MicroBatch
     from dflash_ds.model.draft_model import DraftModel
 
 # TOP_LOG_Q: the row term whose per-row values are log q of each row's argmax: the row's log-normaliser is
@@ -43,7 +43,22 @@ class LatticeInputs(NamedTuple):
     context: torch.Tensor  # [R*N, D] each anchor's context row, hidden_norm(fc(taps)) at anchor - 1
     context_valid: torch.Tensor  # [R*N] bool: that row exists (in the sequence and the anchor's document)
     target_states: torch.Tensor  # [R, N*B, D] the target's final-norm states of every slot's label position
-    expected: torch.Tensor | None = None  # [rows, D] q @ W per drafted row, for soft_value; None: detached log-probs
+
+
+def lattice_inputs(blocks: Blocks, hidden: torch.Tensor, *, ctx: torch.Tensor, mb: MicroBatch) -> LatticeInputs:
+    """What the head reads of micro-batch `mb` besides the loss's output: the context row before each
+    anchor (ctx `[R, S, D]`, drafter.fuse of the taps) where it is in the anchor's document, as the
+    engines have it (none before a request's first token), and the target's state at every slot's label."""
+    if mb.final_hidden is None:
+        raise ValueError("LiLiCorr's penalty reads the target's logits at the candidates, but the payload carries no "
+                         "target final-norm states")
+    r, n = blocks.anchors.shape
+    before = (blocks.anchors - 1).clamp(min=0)
+    context = ctx.gather(1, before[..., None].expand(-1, -1, ctx.shape[-1])).reshape(r * n, -1)
+    same_doc = mb.doc_ids.gather(1, before) == mb.doc_ids.gather(1, blocks.anchors)
+    valid = ((blocks.anchors >= 1) & same_doc).reshape(-1)
+    b = blocks.labels.shape[1] // n  # the block size
+    return LatticeInputs(hidden, context, valid, slot_target_states(mb.final_hidden, blocks.anchors, b))
 
 
 class LatticeLoss(OutputTerm):
@@ -56,6 +71,7 @@ class LatticeLoss(OutputTerm):
         self.model, self.blocks, self.inputs, self.weights = model, blocks, inputs, weights
         self.weight = weights.ce  # the term's headline weight (OutputTerm); the three are in `weights`
         self.top_k = model.drafter.lilicorr.geometry.top_k
+        self.reads_expected = weights.soft_value
 
     def contribute(self, out, normaliser):
         model, blocks, inputs = self.model, self.blocks, self.inputs
@@ -68,8 +84,11 @@ class LatticeLoss(OutputTerm):
         raw = out.candidate_logits.to(torch.promote_types(out.candidate_logits.dtype, torch.float32))
         lse = raw[:, 0] - out.rows[TOP_LOG_Q].to(raw.dtype)
         log_probs = raw - lse[:, None]
-        if inputs.expected is not None:  # the soft-value channel into the drafted states
-            log_probs = soft_log_probs(hidden, log_probs, out.candidates, model.lm_head, expected=inputs.expected)
+        if self.reads_expected:  # the soft-value channel into the drafted states
+            if out.expected is None:
+                raise ValueError("LiLiCorr's soft_value needs each row's q @ W from the loss (LossOutput.expected), "
+                                 "and this loss returned none")
+            log_probs = soft_log_probs(hidden, log_probs, out.candidates, model.lm_head, expected=out.expected)
         with torch.no_grad():
             w_rows = model.lm_head.to(hidden.dtype)
             target = slot_rows(inputs.target_states, b).to(hidden.dtype)

@@ -40,6 +40,7 @@ class Weights(NamedTuple):
     margin_weight: float
     penalty: float
     margin: float
+    soft_value: bool = True  # the candidates' log-probs carry the head's gradient into the backbone
 
 
 def oracle(candidates: torch.Tensor, gold: torch.Tensor, slot_weights: torch.Tensor) -> Oracle:
