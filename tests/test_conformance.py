@@ -102,5 +102,7 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     embed, head = (torch.randn(VOCAB, D, generator=g) for _ in range(2))
     hidden = torch.randn(6, shape.num_drafts, D, generator=g)
     anchors = torch.randint(0, VOCAB, (6,), generator=g)
-    want = DraftModel(drafter, embed, head).draft(hidden, anchors)
-    assert want.shape == (6, shape.num_drafts) and torch.equal(DraftModel(back, embed, head).draft(hidden, anchors), want)
+    context = torch.randn(6, D, generator=g)  # each anchor's context row, for an architecture that reads it
+    want = DraftModel(drafter, embed, head).draft(hidden, anchors, context=context)
+    assert want.shape == (6, shape.num_drafts)
+    assert torch.equal(DraftModel(back, embed, head).draft(hidden, anchors, context=context), want)

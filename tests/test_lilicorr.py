@@ -2,11 +2,7 @@
 tensors (the inventory equals the state dict, every parameter a multiple of 8 elements, padded storage
 that loads and saves under the engines' names), Model-Optimizer's initialisation, the head's scores, and
 an export held against the readers' rules (tests/fixtures/lilicorr_reader_rules.json) with a bit-exact
-round trip.
-
-The architecture is not in model/variants/__init__.py's list yet (its loss terms are not wired into the
-fused loss): each test registers it for its own duration only, so no other test sees it
-(tests/lilicorr_unlisted.py)."""
+round trip."""
 
 import json
 import math
@@ -22,7 +18,7 @@ from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
-from tests.lilicorr_unlisted import registered
+from dflash_ds.model.variants import lilicorr
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "lilicorr_reader_rules.json").read_text())
 D, VOCAB, B = 64, 128, 4
@@ -30,9 +26,9 @@ TINY = {"candidate_topk": 4, "head_hidden_size": 16, "factor_dim": 16, "num_laye
 
 
 @pytest.fixture
-def pkg(monkeypatch):
-    """The lilicorr package, registered for this test only (tests/lilicorr_unlisted.py)."""
-    return registered(monkeypatch)
+def pkg():
+    """The lilicorr package (registered by model/variants/__init__.py's list)."""
+    return lilicorr
 
 
 def target_config(**kw):

@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
-import tests.lilicorr_unlisted  # noqa: F401  (first: the package imported without its registration)
-
 from dflash_ds.config import DrafterConfig
 from dflash_ds.model.blocks import MicroBatch, make_blocks, slot_rows, slot_target_states
 from dflash_ds.model.draft_model import DraftModel
@@ -18,11 +16,11 @@ from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.model.loss import ChunkedLoss
 from dflash_ds.model.loss_terms import CrossEntropy
 from dflash_ds.model.objective import StepSettings
+from dflash_ds.model.variants import lilicorr
 from dflash_ds.model.variants.lilicorr.loss import LatticeInputs, lattice_inputs, lattice_loss_terms
 from dflash_ds.model.variants.lilicorr.terms import Weights, lattice_terms, nodes, oracle
 from dflash_ds.model.variants.lilicorr.walk import candidates
 from dflash_ds.resolve.drafter import drafter_shape
-from tests.lilicorr_unlisted import registered
 
 D, VOCAB, B, S_LEN = 32, 16, 4, 40
 BASE, MARGIN = Weights(0.25, 0.0, 0.25, 2.0), Weights(0.125, 0.125, 0.25, 2.0)
@@ -75,8 +73,8 @@ def chunked(model, blocks, hidden, terms, normaliser):
 
 
 @pytest.mark.parametrize("weights", [BASE, MARGIN], ids=["base", "margin"])
-def test_the_fused_loss_is_the_dflash_loss_plus_the_lattice_terms(monkeypatch, weights):
-    pkg = registered(monkeypatch)
+def test_the_fused_loss_is_the_dflash_loss_plus_the_lattice_terms(weights):
+    pkg = lilicorr
     model, mb, settings = world(pkg)
     blocks, hidden, inputs = forward(model, mb, settings)
     normaliser = float(blocks.weights.sum())
@@ -103,8 +101,8 @@ def test_the_fused_loss_is_the_dflash_loss_plus_the_lattice_terms(monkeypatch, w
         assert float(sums.hinge.detach()) > 0
 
 
-def test_the_lattice_terms_alone_reach_the_head_and_the_backbone(monkeypatch):
-    pkg = registered(monkeypatch)
+def test_the_lattice_terms_alone_reach_the_head_and_the_backbone():
+    pkg = lilicorr
     model, mb, settings = world(pkg, seed=2)
     blocks, hidden, inputs = forward(model, mb, settings)
     rows = slot_rows(hidden, B)
@@ -121,8 +119,8 @@ def test_the_lattice_terms_alone_reach_the_head_and_the_backbone(monkeypatch):
     assert model.drafter.layers[-1].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
-def test_the_log_names_are_the_sums_and_the_record_is_made_of_them(monkeypatch):
-    pkg = registered(monkeypatch)
+def test_the_log_names_are_the_sums_and_the_record_is_made_of_them():
+    pkg = lilicorr
     model, mb, settings = world(pkg, seed=3)
     blocks, hidden, inputs = forward(model, mb, settings)
     out = chunked(model, blocks, hidden, [CrossEntropy(), *lattice_loss_terms(model, blocks, inputs, MARGIN)],
@@ -145,8 +143,8 @@ def test_the_log_names_are_the_sums_and_the_record_is_made_of_them(monkeypatch):
     assert variant.log_record(empty, 1.0) == {}
 
 
-def test_lattice_inputs_take_the_context_row_before_each_anchor_in_its_document(monkeypatch):
-    pkg = registered(monkeypatch)
+def test_lattice_inputs_take_the_context_row_before_each_anchor_in_its_document():
+    pkg = lilicorr
     model, mb, settings = world(pkg, seed=4)
     mb.doc_ids[0, 20:] = 1  # a second document: an anchor at its first token has no context row
     blocks = make_blocks(mb, settings, 0)

@@ -10,8 +10,6 @@ import math
 import pytest
 import torch
 
-import tests.lilicorr_unlisted  # noqa: F401  (first: the package imported without its registration)
-
 from dflash_ds.model.variants.lilicorr.head import Factors
 from dflash_ds.model.variants.lilicorr.terms import (Weights, lattice_logs, lattice_terms, nodes, oracle,
                                                      soft_log_probs)

@@ -6,8 +6,6 @@ on held-out anchors of a tiny drafter run on its own states, and the lowest-inde
 import pytest
 import torch
 
-import tests.lilicorr_unlisted  # noqa: F401  (first: the package imported without its registration)
-
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.variants.lilicorr.head import Factors
 from dflash_ds.model.variants.lilicorr.walk import greedy_path

@@ -89,7 +89,8 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
     hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask=serving_masks(model, t, p.device))
-    return model.draft(model.drafting_states(hidden), block[:1]).cpu()[0]
+    # The anchor's context row, the fused state before it (t >= 1: the prompt's last token at least).
+    return model.draft(model.drafting_states(hidden), block[:1], context=ctx[:, t - 1]).cpu()[0]
 
 
 @torch.no_grad()

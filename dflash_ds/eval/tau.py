@@ -115,7 +115,9 @@ def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Ten
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask=mask)
         # The path the engines propose: the architecture's walk and its cut (DraftModel.propose).
-        parts.append(model.propose(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0], p_min))
+        # Each anchor's context row (the fused state before it, start >= 1): LiLiCorr's head reads it.
+        parts.append(model.propose(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0], p_min,
+                                   context=ctx[0, anchors - 1]))
     if not parts:
         return Proposal(torch.zeros(0, model.num_drafts, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     confidence = None if parts[0].confidence is None else torch.cat([q.confidence.cpu() for q in parts])

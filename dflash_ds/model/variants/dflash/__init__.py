@@ -64,6 +64,8 @@ class DFlash:
     """Published taps that differ from build_target_layer_ids: (target layers, taps) -> layer ids."""
     needs_target_logits: bool = False
     """Payloads carry the target's final-norm states, so the chunk term sees the target's logits."""
+    reads_context: bool = False
+    """`propose` reads each anchor's context row (`context=`, the fused state before the anchor)."""
     label_offset: int = 0
     """Slot k of the block at anchor a is trained on, and drafts, the token at a + k + label_offset.
     0 (DFlash): slot 0 is the anchor itself and drafts nothing, B - 1 drafts per block. 1

@@ -142,6 +142,7 @@ class LiLiCorr(DFlash):
     fields = LiLiCorrFields
     objective_keys = LiLiCorrObjective
     needs_target_logits = True  # the penalty reads the target's logits at the candidates
+    reads_context = True  # the head's anchor factor reads the context row before the anchor
     logs = LogView(
         progress=("lattice CE {lilicorr_ce:.3f}",
                   "prefix sel/top1/oracle {lilicorr_selected_prefix:.2f}/{lilicorr_top1_prefix:.2f}/"
