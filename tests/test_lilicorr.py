@@ -322,3 +322,29 @@ def test_the_convolution_at_init_leaves_the_backbone_unchanged(pkg):
                           kind="dense")
         outs.append(drafter(block, ctx, positions, torch.arange(12)[None], mask=mask))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["objective.lilicorr.w_ce=0", "objective.lilicorr.w_pen=0"], "objective.lilicorr.w_ce"),
+    (["objective.lilicorr.w_margin=0.125", "objective.lilicorr.margin=0"], "objective.lilicorr.w_margin"),
+    (["drafter.lilicorr.candidate_topk=6"], "candidate_topk"),
+])
+def test_the_tiny_recipe_refuses_mistaken_settings_before_launch_naming_them(overrides, named):
+    from dflash_ds.config import load_recipe
+    from dflash_ds.config.errors import RecipeError
+    from dflash_ds.resolve.run import resolve_run
+
+    with pytest.raises(RecipeError) as err:
+        resolve_run(load_recipe("recipes/tiny-lilicorr.yaml", overrides), 2)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_tiny_recipe_resolves_with_the_target_states_sent_and_the_margin_variant():
+    from dflash_ds.config import load_recipe
+    from dflash_ds.resolve.run import resolve_run, wants_target_logits
+
+    spec = resolve_run(load_recipe("recipes/tiny-lilicorr.yaml", ["objective.lilicorr.w_ce=0.125",
+                                                                 "objective.lilicorr.w_margin=0.125"]), 2)
+    assert spec.drafter.architecture == "lilicorr" and wants_target_logits(spec.recipe, spec.drafter)
+    assert spec.drafter.variant.loss_settings(spec.recipe.objective) == \
+        lilicorr.terms.Weights(0.125, 0.125, 0.25, 2.0, True)
