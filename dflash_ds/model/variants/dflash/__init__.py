@@ -122,6 +122,12 @@ class DFlash:
         """Every tensor the wrappers and heads hold, by export name (the layers' under `layers.{i}.`)."""
         return {}
 
+    def backbone_from(self, shape: DrafterShape, exported: DrafterShape) -> str | None:
+        """Why an export of another architecture, `exported`, cannot start the backbone (layers, fc,
+        norms and wrappers) of a drafter of `shape`, its heads fresh (`drafter.init_from`); None when it
+        can. By default none can."""
+        return f"is a {exported.architecture} export and the drafter a {shape.architecture}"
+
     def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         """Matmul FLOPs of a step that no tensor of `tensors` accounts for (e.g. gathered lm_head rows),
         `draft_tokens` being the drafting slots' rows of the loss (DrafterShape.num_drafts a block)."""

@@ -272,6 +272,23 @@ class LiLiCorr(DFlash):
             head |= {f"{name}.weight": (g.factor_dim, h), f"{name}.bias": (g.factor_dim,)}
         return {**out, **{f"lilicorr.{n}": Tensor(t) for n, t in head.items()}}
 
+    def backbone_from(self, shape: DrafterShape, exported: DrafterShape) -> str | None:
+        # Model-Optimizer trains the head on a DFlash backbone: a v1 export's, or with the block
+        # convolution a DFlash2 export's (its selector left behind), the head starting fresh.
+        f = shape.arch_fields
+        want = "dflash2" if f.conv else "dflash"
+        if exported.architecture != want:
+            return (f"is a {exported.architecture} export; a LiLiCorr backbone starts from a dflash export, or from a "
+                    "dflash2 export with block_conv_kernel_size / block_conv_group_size set to its conv_kernel_size / "
+                    "conv_group_size")
+        if f.conv:
+            theirs = (exported.arch_fields.conv_kernel_size, exported.arch_fields.conv_group_size)
+            if theirs != (f.block_conv_kernel_size, f.block_conv_group_size):
+                return (f"has conv_kernel_size / conv_group_size {theirs[0]} / {theirs[1]} but the drafter's "
+                        f"block_conv_kernel_size / block_conv_group_size are {f.block_conv_kernel_size} / "
+                        f"{f.block_conv_group_size}")
+        return None
+
     def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         # Per drafted slot: its k lattice positions through the token projection, the feature MLP, the
         # layers (q, k, v, out and the MLP; the k*S-long attention itself is left out) and the
