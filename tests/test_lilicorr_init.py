@@ -69,3 +69,25 @@ def test_a_backbone_of_another_width_is_refused_naming_the_setting(pkg, tmp_path
         check_init_from(str(path), drafter_shape(target_config(), DrafterConfig(
             num_layers=2, block_size=B + 4, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5], architecture="lilicorr",
             sections={"lilicorr": make_shape(pkg).arch_fields})))
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "lilicorr"])
+def test_a_run_starts_from_a_backbone_or_continues_a_lilicorr_export_whole(pkg, tmp_path, architecture):
+    from types import SimpleNamespace
+
+    from dflash_ds.runtime.trainer import build_drafter
+
+    shape = make_shape(pkg)
+    if architecture == "lilicorr":
+        torch.manual_seed(5)
+        source = DFlashDrafter(shape)
+        path = save_drafter(source, tmp_path / "lilicorr", dtype=torch.float32)
+    else:
+        path, source = export_of(tmp_path, architecture)
+    recipe = SimpleNamespace(drafter=SimpleNamespace(init_from=str(path)), run=SimpleNamespace(seed=11))
+    got = build_drafter(SimpleNamespace(recipe=recipe, drafter=shape, device=torch.device("cpu"))).state_dict()
+    torch.manual_seed(11)
+    fresh = DFlashDrafter(shape).state_dict()
+    for n, t in got.items():
+        want = source.state_dict()[n] if architecture == "lilicorr" or not n.startswith("lilicorr.") else fresh[n]
+        assert torch.equal(t, want), n
