@@ -94,7 +94,7 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
     remote = shape.variant.remote()  # its own remote code beside the weights, or none
     assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "README.md"} | \
-        ({remote.name} if remote else set())
+        ({remote.name, *(p.name for p in remote.beside)} if remote else set())
     back = load_drafter(path, dtype=torch.float32)
     assert back.config == shape
     assert all(torch.equal(back.state_dict()[n], t) for n, t in state.items())

@@ -131,6 +131,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
             if remote is not None:
                 shutil.copyfile(remote.source, tmp / remote.name)
                 written.append(remote.name)
+                for source in remote.beside:
+                    shutil.copyfile(source, tmp / source.name)
+                    written.append(source.name)
             (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
             for name in written:
                 os.chmod(tmp / name, FILE_MODE)

@@ -106,11 +106,14 @@ class LogView(NamedTuple):
 
 class RemoteCode(NamedTuple):
     """The transformers remote code an export carries: `source`, the file copied into it as `name`,
-    and config.json's `auto_map` (the classes of that file AutoConfig / AutoModel load)."""
+    config.json's `auto_map` (the classes of that file AutoConfig / AutoModel load), and `beside`, files
+    copied next to it under their own names that it imports relatively (transformers' remote-code loader
+    copies a local directory's relative imports along)."""
 
     source: Path
     name: str
     auto_map: dict[str, str]
+    beside: tuple[Path, ...] = ()
 
 
 class Card(NamedTuple):

@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, Serving, Tensor, Wrappers
-from dflash_ds.model.variants.dflash import DFlash
+from dflash_ds.model.variants.base import (Card, FieldError, LogView, Proposal, RemoteCode, Serving, Tensor,
+                                           Wrappers)
+from dflash_ds.model.variants.dflash import MODELING as DFLASH_MODELING, DFlash
 from dflash_ds.model.variants.dflash2.parts import BlockConv
 from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
 from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
@@ -34,6 +36,8 @@ if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
     from dflash_ds.model.draft_model import DraftModel
     from dflash_ds.model.shape import DrafterShape
 
+MODELING = Path(__file__).parent / "modeling_lilicorr.py"
+"""The export's remote code: the head and its walk on modeling_dflash.py's backbone, copied beside it."""
 MAX_TOPK = 16
 """vLLM's and SGLang's fused candidate kernels take a power of two up to 16 candidates a slot."""
 PROJECTOR = "lilicorr"
@@ -138,7 +142,9 @@ class LiLiCorr(DFlash):
     name = "lilicorr"
     class_name = "LiLiCorrDraftModel"
     title = "LiLiCorr"
-    remote_code = None
+    remote_code = RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_lilicorr.LiLiCorrConfig",
+                                                        "AutoModel": "modeling_lilicorr.LiLiCorrDraftModel"},
+                             beside=(DFLASH_MODELING,))
     fields = LiLiCorrFields
     objective_keys = LiLiCorrObjective
     needs_target_logits = True  # the penalty reads the target's logits at the candidates
@@ -366,6 +372,8 @@ class LiLiCorr(DFlash):
             "`LiLiCorrDraftModel`, vLLM's Model Runner V2 (`spec_decode/lilicorr`). The head reranks the",
             f"backbone's top {g.top_k} of every slot over all {b - 1} drafted slots: a shorter draft count",
             "builds a smaller lattice whose scores differ. No llama.cpp release on the package registries",
-            "loads it, so no llama.cpp command is given.",
+            "loads it, so no llama.cpp command is given. With transformers (trust_remote_code),",
+            "`drafter.propose(hidden, anchor_taps, lm_head, embed_tokens)` gives the reranked draft of a",
+            "block's drafting slots (modeling_lilicorr.py).",
             "",
         ))
