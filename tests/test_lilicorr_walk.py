@@ -101,3 +101,38 @@ def test_the_sampled_walk_equals_sglangs_inverse_cdf_walk(pkg, temperature):
     assert torch.allclose(path.rows.sum(-1), torch.ones_like(path.rows[..., 0]))
     with pytest.raises(ValueError, match="use greedy_path"):
         sampled_path(factors, 0.0, uniforms)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 2.0])
+def test_the_text_probabilities_are_the_sampled_walks_own(pkg, temperature):
+    """q_s of the text (walk.text_probabilities) along a sampled walk's own tokens is the q row it drew
+    from at the index it took; over every path of a block the products sum to 1 (a distribution), and
+    a token outside its slot's candidates zeroes its slot and every later one."""
+    from dflash_ds.model.variants.lilicorr.walk import chosen, sampled_path, text_probabilities
+
+    model, states, context, _ = world(pkg, 15)
+    found, factors = pkg.walk.score(model, states, context, torch.ones(states.shape[0], dtype=torch.bool))
+    uniforms = torch.rand(states.shape[0], B - 1, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    path = sampled_path(factors, temperature, uniforms)
+    got = text_probabilities(found, factors, chosen(found, path), temperature)
+    want = path.rows.gather(-1, path.index[..., None]).squeeze(-1)
+    assert torch.equal(got, want)
+    # Every path of block 0 (k ** S of them), its probability the product of its slots' q.
+    k, slots = found.ids.shape[-1], B - 1
+    grid = torch.cartesian_prod(*[torch.arange(k)] * slots)
+    paths = found.ids[0].gather(1, grid.T).T  # [k ** S, S] tokens
+    n = paths.shape[0]
+    rep = lambda t: t[:1].expand(n, *t.shape[1:])  # noqa: E731
+    block = type(found)(rep(found.ids), rep(found.log_probs))
+    q = text_probabilities(block, type(factors)(rep(factors.start), rep(factors.pair)), paths, temperature)
+    total = q.prod(-1).sum()
+    assert torch.allclose(total, torch.ones_like(total), atol=1e-10, rtol=0)
+    assert (q > 0).all()
+    # A token no candidate holds at slot 1: slot 1 and every later slot get 0; the slots before keep theirs.
+    text = chosen(found, path).clone()
+    outside = next(v for v in range(VOCAB) if v not in found.ids[0, 1].tolist())
+    text[0, 1] = outside
+    cut = text_probabilities(found, factors, text, temperature)
+    assert cut[0, 0] == got[0, 0] and (cut[0, 1:] == 0).all() and torch.equal(cut[1:], got[1:])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        text_probabilities(found, factors, text, 0.0)

@@ -94,6 +94,30 @@ def sampled_path(factors: Factors, temperature: float, uniforms: torch.Tensor) -
     return Path(torch.stack(index, dim=1), torch.stack(rows, dim=1))
 
 
+def text_probabilities(found: Candidates, factors: Factors, following: torch.Tensor, temperature: float
+                       ) -> torch.Tensor:
+    """q_s(x_s) [n, S]: the probability that the sampled walk at `temperature` proposes the text's token
+    `following` [n, S] at slot s, given that it proposed the text's tokens at slots 1 .. s - 1 (what
+    sampled verification needs once those were accepted: a slot is accepted with probability
+    min(1, q / p) of the token it proposed). Slot 1 reads the start factors, slot s the row leaving the
+    text's token at slot s - 1. A token outside its slot's candidates has q 0, and so has every slot
+    after it (no walk reaches them through it)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for the sampled walk's probabilities, got {temperature}")
+    hit = found.ids == following[..., None].to(found.ids.device)  # [n, S, k], at most one per slot
+    among = hit.any(-1)
+    index = hit.to(torch.long).argmax(-1)  # the text's candidate index (0 where it is none)
+    k = found.ids.shape[-1]
+    out, row, reached = [], factors.start, torch.ones_like(among[:, 0])
+    for s in range(following.shape[1]):
+        if s > 0:
+            row = factors.pair[:, s - 1].gather(1, index[:, s - 1, None, None].expand(-1, 1, k)).squeeze(1)
+            reached = reached & among[:, s - 1]
+        q = torch.softmax(row / temperature, dim=-1).gather(1, index[:, s, None]).squeeze(1)
+        out.append(torch.where(reached & among[:, s], q, torch.zeros_like(q)))
+    return torch.stack(out, dim=1)
+
+
 def score(model: DraftModel, hidden: torch.Tensor, context: torch.Tensor, context_valid: torch.Tensor
           ) -> tuple[Candidates, Factors]:
     """The candidates and the head's log-factors of n blocks from the drafted slots' states `hidden`
