@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.variants.base import (Card, FieldError, LogView, Proposal, RemoteCode, Serving, Tensor,
-                                           Wrappers)
+from dflash_ds.model.variants.base import (Card, FieldError, LogView, Proposal, RemoteCode, ReportFigure, Serving,
+                                           Tensor, Wrappers)
 from dflash_ds.model.variants.dflash import MODELING as DFLASH_MODELING, DFlash
 from dflash_ds.model.variants.dflash2.parts import BlockConv
 from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
 from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
 from dflash_ds.model.variants.lilicorr.loss import lattice_inputs, lattice_loss_terms
+from dflash_ds.model.variants.lilicorr.report import draw_prefixes, prefixes
 from dflash_ds.model.variants.lilicorr.terms import Weights
 from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score
 from dflash_ds.model.variants.registry import register
@@ -153,9 +154,7 @@ class LiLiCorr(DFlash):
         progress=("lattice CE {lilicorr_ce:.3f}",
                   "prefix sel/top1/oracle {lilicorr_selected_prefix:.2f}/{lilicorr_top1_prefix:.2f}/"
                   "{lilicorr_oracle_prefix:.2f}", "spread {lilicorr_logfactor_spread:.2f}"),
-        series=(("loss", "lilicorr_ce", "lattice CE"), ("loss", "lilicorr_penalty", "lattice penalty"),
-                ("accept_proxy", "lilicorr_selected_prefix", "reranked prefix"),
-                ("accept_proxy", "lilicorr_oracle_prefix", "oracle prefix")),
+        series=(("loss", "lilicorr_ce", "lattice CE"), ("loss", "lilicorr_penalty", "lattice penalty")),
         summary=(("final reranked / top-1 / oracle prefix", "{lilicorr_selected_prefix:.2f} / "
                   "{lilicorr_top1_prefix:.2f} / {lilicorr_oracle_prefix:.2f}"),
                  ("final log-factor spread", "{lilicorr_logfactor_spread:.3f}")))
@@ -355,6 +354,12 @@ class LiLiCorr(DFlash):
 
     def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float]:
         return log_record(sums)
+
+    def report_figures(self, steps: list[dict]) -> list[ReportFigure]:
+        found = prefixes(steps)
+        if found is None:
+            return []
+        return [ReportFigure("lilicorr_prefix", lambda ax: draw_prefixes(ax, found), (found.row(),))]
 
     # --------------------------------------------------------------------------------- the card
 
