@@ -93,6 +93,15 @@ class DraftModel:
             return variant.propose(self, hidden, anchors, p_min, context=context)
         return variant.propose(self, hidden, anchors, p_min)
 
+    def text_probabilities(self, hidden: torch.Tensor, following: torch.Tensor, temperature: float, *,
+                           context: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q of the text's tokens `following` [n, L] under the architecture's sampled draft, or None when
+        it drafts greedily at every temperature (`DrafterVariant.text_probabilities`)."""
+        variant = self.config.variant
+        if variant.reads_context:
+            return variant.text_probabilities(self, hidden, following, temperature, context=context)
+        return variant.text_probabilities(self, hidden, following, temperature)
+
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""
         return hidden[:, self.config.first_draft_slot:]

@@ -90,6 +90,7 @@ class Proposal(NamedTuple):
     tokens: torch.Tensor  # [n, L] the greedy drafts (what `DraftModel.draft` returns)
     served: torch.Tensor  # [n] how many of them it verifies under its confidence cut (L without one)
     confidence: torch.Tensor | None = None  # [n, L] what the cut compares with the threshold; None: no cut
+    text_q: torch.Tensor | None = None  # [n, L] q of the text's tokens under the sampled draft (eval.tau), or None
 
 
 class LogView(NamedTuple):

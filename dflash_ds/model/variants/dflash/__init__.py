@@ -149,6 +149,14 @@ class DFlash:
                              "modelled; predict its rounds with p_min 0")
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
 
+    def text_probabilities(self, model: DraftModel, hidden: torch.Tensor, following: torch.Tensor, temperature: float,
+                           *, context: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q_s(x_s) [n, L]: the probability that this architecture's draft at `temperature` proposes the
+        text's token `following` [n, L] at slot s once it proposed the text's tokens before it, from the
+        drafting slots' states `hidden` [n, L, D] (sampled verification accepts a slot with min(1, q / p)).
+        None (the default): the draft is the greedy one at every temperature, q a point mass on it."""
+        return None
+
     # ------------------------------------------------------------------------------- the loss
 
     def default_gamma(self, shape: DrafterShape) -> float:

@@ -29,7 +29,7 @@ from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
 from dflash_ds.model.variants.lilicorr.loss import lattice_inputs, lattice_loss_terms
 from dflash_ds.model.variants.lilicorr.report import draw_prefixes, prefixes
 from dflash_ds.model.variants.lilicorr.terms import Weights
-from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score
+from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score, text_probabilities
 from dflash_ds.model.variants.registry import register
 
 if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
@@ -325,6 +325,17 @@ class LiLiCorr(DFlash):
             found, factors = score(model, hidden, context.to(hidden.device), context_valid.to(hidden.device))
             tokens = chosen(found, greedy_path(factors))
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
+
+    def text_probabilities(self, model: DraftModel, hidden: torch.Tensor, following: torch.Tensor, temperature: float,
+                           *, context: torch.Tensor | None = None) -> torch.Tensor:
+        """The engines draw a LiLiCorr draft from the head's walk at the sampling temperature (walk.py
+        `sampled_path`): q along the text from each anchor's context row `context` [n, D]."""
+        if context is None:
+            raise ValueError("a LiLiCorr draft reads each anchor's context row; pass context [n, D]")
+        valid = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        with torch.no_grad():
+            found, factors = score(model, hidden, context.to(hidden.device), valid)
+            return text_probabilities(found, factors, following, temperature)
 
     # ------------------------------------------------------------------------------- the loss
 
