@@ -102,6 +102,15 @@ class DraftModel:
             return variant.text_probabilities(self, hidden, following, temperature, context=context)
         return variant.text_probabilities(self, hidden, following, temperature)
 
+    def sampled_draft(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator, *,
+                      context: torch.Tensor | None = None):
+        """The draft the engines draw at `temperature` (a variants.base.SampledDraft), or None when they
+        verify the greedy one (`DrafterVariant.sampled_draft`; nothing is drawn then)."""
+        variant = self.config.variant
+        if variant.reads_context:
+            return variant.sampled_draft(self, hidden, temperature, generator, context=context)
+        return variant.sampled_draft(self, hidden, temperature, generator)
+
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""
         return hidden[:, self.config.first_draft_slot:]

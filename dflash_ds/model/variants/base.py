@@ -93,6 +93,17 @@ class Proposal(NamedTuple):
     text_q: torch.Tensor | None = None  # [n, L] q of the text's tokens under the sampled draft (eval.tau), or None
 
 
+class SampledDraft(NamedTuple):
+    """A draft drawn at a sampling temperature, as the engines draw an architecture's whose drafts they
+    sample (LiLiCorr): the tokens, each slot's proposal distribution over the vocabulary (what the
+    verifier's min(1, p / q) and residual max(0, p - q) read) and `text_q`, q of a text's tokens
+    [n, L] along the same walk (what offline sampled tau reads)."""
+
+    tokens: torch.Tensor  # [n, L]
+    q: torch.Tensor  # [n, L, V]
+    text_q: Callable[[torch.Tensor], torch.Tensor]
+
+
 class LogView(NamedTuple):
     """How an architecture's own metrics.jsonl fields are shown (metrics.py and report.py read this,
     never a field's name): `progress` entries of the progress line and `summary` rows of the report,

@@ -25,7 +25,8 @@ import torch
 from dflash_ds.config.architectures import section_of
 from dflash_ds.model import blocks
 from dflash_ds.model.variants.base import (Card, LogView, NoFields, Proposal, RemoteCode,
-                                           ReportFigure, Serving, Tensor, Wrappers, argmax_tokens, typed)
+                                           ReportFigure, SampledDraft, Serving, Tensor, Wrappers, argmax_tokens,
+                                           typed)
 from dflash_ds.model.variants.registry import register
 
 if TYPE_CHECKING:  # the model and the shape read the architectures (model/variants/__init__.py); the rest
@@ -155,6 +156,12 @@ class DFlash:
         text's token `following` [n, L] at slot s once it proposed the text's tokens before it, from the
         drafting slots' states `hidden` [n, L, D] (sampled verification accepts a slot with min(1, q / p)).
         None (the default): the draft is the greedy one at every temperature, q a point mass on it."""
+        return None
+
+    def sampled_draft(self, model: DraftModel, hidden: torch.Tensor, temperature: float, generator: torch.Generator,
+                      *, context: torch.Tensor | None = None) -> SampledDraft | None:
+        """The draft the engines draw at `temperature` from the drafting slots' states [n, L, D], drawing
+        from `generator`; None (the default, drawing nothing): they verify the greedy draft."""
         return None
 
     # ------------------------------------------------------------------------------- the loss

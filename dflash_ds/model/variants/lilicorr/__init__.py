@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.variants.base import (Card, FieldError, LogView, Proposal, RemoteCode, ReportFigure, Serving,
-                                           Tensor, Wrappers)
+from dflash_ds.model.variants.base import (Card, FieldError, LogView, Proposal, RemoteCode, ReportFigure,
+                                           SampledDraft, Serving, Tensor, Wrappers)
 from dflash_ds.model.variants.dflash import MODELING as DFLASH_MODELING, DFlash
 from dflash_ds.model.variants.dflash2.parts import BlockConv
 from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
@@ -29,7 +29,7 @@ from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
 from dflash_ds.model.variants.lilicorr.loss import lattice_inputs, lattice_loss_terms
 from dflash_ds.model.variants.lilicorr.report import draw_prefixes, prefixes
 from dflash_ds.model.variants.lilicorr.terms import Weights
-from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, score, text_probabilities
+from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, sampled_path, score, text_probabilities
 from dflash_ds.model.variants.registry import register
 
 if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
@@ -336,6 +336,21 @@ class LiLiCorr(DFlash):
         with torch.no_grad():
             found, factors = score(model, hidden, context.to(hidden.device), valid)
             return text_probabilities(found, factors, following, temperature)
+
+    def sampled_draft(self, model: DraftModel, hidden: torch.Tensor, temperature: float, generator: torch.Generator,
+                      *, context: torch.Tensor | None = None) -> SampledDraft:
+        """The head's walk drawn at `temperature`, one uniform a slot from `generator` (walk.sampled_path)."""
+        if context is None:
+            raise ValueError("a LiLiCorr draft reads each anchor's context row; pass context [n, D]")
+        valid = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        with torch.no_grad():
+            found, factors = score(model, hidden, context.to(hidden.device), valid)
+            uniforms = torch.rand(found.ids.shape[:2], generator=generator, dtype=torch.float64,
+                                  device=generator.device).to(hidden.device)
+            path = sampled_path(factors, temperature, uniforms)
+            q = path.rows.new_zeros(*found.ids.shape[:2], model.lm_head.shape[0]).scatter(-1, found.ids, path.rows)
+        return SampledDraft(chosen(found, path), q, lambda following: text_probabilities(found, factors, following,
+                                                                                         temperature))
 
     # ------------------------------------------------------------------------------- the loss
 
