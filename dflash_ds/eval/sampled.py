@@ -14,6 +14,10 @@ responses with a standard error. Given the trajectory, the acceptance probabilit
 cycle reached is known exactly (p_k(d_k) from one teacher-forced pass): `tau_expected` replaces
 each reached slot's 0/1 outcome by that probability (a Rao-Blackwellised estimate of the pooled
 tau, with less variance).
+
+An architecture whose engines sample its draft (LiLiCorr) is verified by min(1, p / q): the emitted
+tokens are still distributed as p, and the walk accepts a slot by a coin against min(1, q(x) / p(x))
+along the text (`tau_of_trajectory`; docs/algorithm.md section 10).
 """
 
 from __future__ import annotations
