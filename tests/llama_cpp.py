@@ -38,6 +38,18 @@ def unavailable(reason: str):
     pytest.skip(f"engine tier: {reason}")
 
 
+def built_env_python(script: Path) -> Path:
+    """The python of the environment a build script makes once per machine and prints (its last line), or
+    the engine tier skipped (failed in CI) naming the script's error."""
+    try:
+        r = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    except OSError as e:
+        unavailable(f"cannot run {script.name}: {e}")
+    if r.returncode != 0:
+        unavailable(f"{script.name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
+    return Path(r.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
 @dataclass(frozen=True)
 class LlamaCpp:
     home: Path  # the install directory the build script prints

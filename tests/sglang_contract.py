@@ -24,17 +24,14 @@ Prints one JSON object on its last stdout line:
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
-import traceback
 import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.vllm_contract import located  # noqa: E402
+from tests.vllm_contract import free_port, located, report  # noqa: E402
 
 
 def without_vllm_kernels() -> None:
@@ -47,12 +44,6 @@ def without_vllm_kernels() -> None:
     vllm._custom_ops = ops
     sys.modules.setdefault("vllm", vllm)
     sys.modules.setdefault("vllm._custom_ops", ops)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(target: str, export: str, result: dict) -> torch.nn.Module:
@@ -94,14 +85,12 @@ def load_check(model: torch.nn.Module, export: str, result: dict) -> None:
 
 def main() -> None:
     target, export = sys.argv[1], sys.argv[2]
-    result: dict = {}
-    try:
+
+    def check(result: dict) -> None:
         without_vllm_kernels()
         load_check(build(target, export, result), export, result)
-    except Exception as e:  # reported to the test, which names it
-        result["error"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    print(json.dumps(result))
+
+    report(check)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from dflash_ds.config import load_recipe
 from dflash_ds.export import save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
-from tests.llama_cpp import ROOT, unavailable
+from tests.llama_cpp import ROOT, built_env_python
 from tests.test_engine import EXPORTS
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800),
@@ -43,13 +43,7 @@ CLASSES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark
 
 @pytest.fixture(scope="session")
 def sglang_python() -> Path:
-    try:
-        r = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True)
-    except OSError as e:
-        unavailable(f"cannot run {BUILD.name}: {e}")
-    if r.returncode != 0:
-        unavailable(f"{BUILD.name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
-    return Path(r.stdout.strip().splitlines()[-1]) / "bin" / "python"
+    return built_env_python(BUILD)
 
 
 def contract(python: Path, export: Path, **env: str) -> dict:

@@ -95,10 +95,22 @@ def load_check(config, export: str, result: dict) -> None:
     result["num_parameters"] = len(written)
 
 
-def main() -> None:
-    target, export, method, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+def report(check) -> None:
+    """`check(result)`, then `result` printed as one JSON line: the test's verdict to read, an exception
+    included as its `error` (the test names it)."""
     result: dict = {}
     try:
+        check(result)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    print(json.dumps(result))
+
+
+def main() -> None:
+    target, export, method, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+    def check(result: dict) -> None:
         from vllm.model_executor.models.registry import ModelRegistry
 
         config = engine_config(target, export, method, k, result)
@@ -106,10 +118,8 @@ def main() -> None:
         cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, model_config=draft)
         result.update(architecture=arch, model_class=cls.__name__)
         load_check(config, export, result)
-    except Exception as e:  # reported to the test, which names it
-        result["error"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    print(json.dumps(result))
+
+    report(check)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dflash_ds.model.draft_model import DraftModel
-from tests.llama_cpp import ROOT, unavailable
+from tests.llama_cpp import ROOT, built_env_python
 
 BUILD = ROOT / "scripts" / "build_vllm_cpu.sh"
 CONTRACT = ROOT / "tests" / "vllm_contract.py"
@@ -43,13 +43,7 @@ SERVE = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--
 
 def build() -> Path:
     """The environment's python (seconds once installed; a fresh machine installs it, ~7 minutes)."""
-    try:
-        r = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True)
-    except OSError as e:
-        unavailable(f"cannot run {BUILD.name}: {e}")
-    if r.returncode != 0:
-        unavailable(f"{BUILD.name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
-    return Path(r.stdout.strip().splitlines()[-1]) / "bin" / "python"
+    return built_env_python(BUILD)
 
 
 def free_port() -> int:
