@@ -67,19 +67,23 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
     import copy
 
     from dflash_ds.eval import specdec_sampled
-    from dflash_ds.eval.benchmark_table import BenchOptions, Responder
-    from tests.test_sampled import LOGIT_SCALE, SAMPLING, coupled_verify
+    from dflash_ds.eval.benchmark_table import COIN_SEED, BenchOptions, Responder
+    from tests.test_sampled import LOGIT_SCALE, SAMPLING, couple_sampled_drafts
 
     target = copy.deepcopy(world["target"])
     target.get_output_embeddings().weight.mul_(LOGIT_SCALE)
-    monkeypatch.setattr(specdec_sampled, "verify_block", coupled_verify)
     accepted = []
     for seed, prompt in enumerate(world["prompts"][:4]):
+        # The responder's coins of this response: its coin stream's first draw.
+        coins = torch.rand(prompt.numel() + world["new"], generator=torch.Generator().manual_seed(seed + COIN_SEED),
+                           dtype=torch.float64)
         responder = Responder(target, world["model"], SAMPLING, BenchOptions(world["new"], seed=seed))
         response = responder.respond(prompt.tolist())
-        ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
-                                                         generator=torch.Generator().manual_seed(seed),
-                                                         max_new_tokens=world["new"])
+        with monkeypatch.context() as patch:
+            generator = torch.Generator().manual_seed(seed)
+            couple_sampled_drafts(patch, target, world["model"], prompt, coins, generator)
+            ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
+                                                             generator=generator, max_new_tokens=world["new"])
         assert ids.tolist() == response and counts == responder.result.report.cycles[0]
         accepted += [c - 1 for c in counts]
     return accepted

@@ -31,7 +31,7 @@ def test_an_architectures_section_is_read_and_checked_like_the_rest(override, wo
         load_recipe("recipes/tiny-dspark.yaml", [override])
     assert words in str(e.value) and "\n" not in str(e.value)
     if "dsprak" in override:
-        assert str(e.value).endswith("; architecture sections: dflash2, dspark")
+        assert str(e.value).endswith("; architecture sections: dflash2, dspark, lilicorr")
 
 
 def test_unknown_key_names_dotted_path(tmp_path):

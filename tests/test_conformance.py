@@ -94,7 +94,7 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
     remote = shape.variant.remote()  # its own remote code beside the weights, or none
     assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "README.md"} | \
-        ({remote.name} if remote else set())
+        ({remote.name, *(p.name for p in remote.beside)} if remote else set())
     back = load_drafter(path, dtype=torch.float32)
     assert back.config == shape
     assert all(torch.equal(back.state_dict()[n], t) for n, t in state.items())
@@ -102,5 +102,7 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     embed, head = (torch.randn(VOCAB, D, generator=g) for _ in range(2))
     hidden = torch.randn(6, shape.num_drafts, D, generator=g)
     anchors = torch.randint(0, VOCAB, (6,), generator=g)
-    want = DraftModel(drafter, embed, head).draft(hidden, anchors)
-    assert want.shape == (6, shape.num_drafts) and torch.equal(DraftModel(back, embed, head).draft(hidden, anchors), want)
+    context = torch.randn(6, D, generator=g)  # each anchor's context row, for an architecture that reads it
+    want = DraftModel(drafter, embed, head).draft(hidden, anchors, context=context)
+    assert want.shape == (6, shape.num_drafts)
+    assert torch.equal(DraftModel(back, embed, head).draft(hidden, anchors, context=context), want)

@@ -37,7 +37,8 @@ STEPS, ROWS, SEQ, D, VOCAB, B, LAYERS = 20, 2, 48, 32, 64, 4, (1, 4)
 # Tables small enough for the 64-token vocabulary and the 32-wide target (the published ones are 256
 # wide); an architecture not named here trains at its defaults.
 SMALL_FIELDS = {"dflash2": {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
-                "dspark": {"markov_rank": 8}}
+                "dspark": {"markov_rank": 8},
+                "lilicorr": {"head_hidden_size": 16, "factor_dim": 16, "num_heads": 4, "candidate_topk": 8}}
 # The KL term on, so the target's distribution enters every architecture's record.
 OBJECTIVE = ObjectiveConfig(num_anchors=6, gamma=None, anchor_last_prompt_token=True, loss_chunks=2, kl_weight=0.3,
                             kl_temperature=1.5)

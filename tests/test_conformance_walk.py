@@ -25,7 +25,8 @@ from tests.toy_variant import ToyMarkov, register
 # Tables small enough for the 128-token vocabulary and the 32-wide target (the published ones are
 # 256 wide); an architecture not named here walks at its defaults.
 SMALL_FIELDS = {"dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8},
-                "dspark": {"markov_rank": 16}}
+                "dspark": {"markov_rank": 16},
+                "lilicorr": {"head_hidden_size": 32, "factor_dim": 32, "num_heads": 4, "candidate_topk": 8}}
 B, STEPS, HIDDEN, NEW = 8, 40, 32, 24
 _worlds: dict[str, dict] = {}
 

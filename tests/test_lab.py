@@ -308,17 +308,23 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
 
     root = Path(__file__).resolve().parents[1]
     assert {"v1", "v1-seed1", "dflash2", "dspark", "v1-noanchor", "dspark-b7", "v1-fp8", "v1-kl",
-            "dspark-sizing"} <= set(catalog.RUNS)
+            "dspark-sizing", "lilicorr"} <= set(catalog.RUNS)
     recipes = {}
     for name, r in catalog.RUNS.items():
         lines = catalog.settings_lines(name)
         assert lines[0] == r.recipe and all(" " not in o and "=" in o for o in lines[1:])
         recipes[name] = load_recipe(root / r.recipe, lines[1:])  # every key exists and every value is valid
         assert r.baseline is None or (r.baseline in catalog.RUNS and r.question)
+        assert all(b in catalog.RUNS and b != name and q for b, q in r.also)
     base = {n: load_recipe(root / catalog.RUNS[n].recipe) for n in ("v1", "dspark")}
     assert recipes["v1"] == load_recipe(root / "recipes/lab/v1.yaml", ["run.seed=0"])
     assert recipes["v1-seed1"].run.seed == 1 and recipes["v1"].run.seed == 0
     assert base["v1"].objective.anchor_last_prompt_token and not recipes["v1-noanchor"].objective.anchor_last_prompt_token
+    # LiLiCorr on v1's backbone (block, layers, anchors), the reranker at Model-Optimizer's shape
+    lili, v1 = recipes["lilicorr"], recipes["v1"]
+    assert lili.drafter.architecture == "lilicorr" and lili.drafter.block_size == v1.drafter.block_size
+    assert lili.drafter.layer_types == v1.drafter.layer_types and lili.objective.num_anchors == v1.objective.num_anchors
+    assert catalog.RUNS["lilicorr"].also == (("dflash2", "LiLiCorr against DFlash2"),)
     b7 = recipes["dspark-b7"]
     assert b7.drafter.block_size == 7 and b7.objective.gamma is None and default_gamma(7 + 1) == 4  # DeepSpec's
     assert b7.objective.num_anchors == base["dspark"].objective.num_anchors

@@ -74,6 +74,7 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
     _write(tmp_path, "v1-noanchor", base, llama_cpp=llama_cpp_summary({"llama_server": {"rounds": [[1, 1], [1, 1, 0]]}}))
     _write(tmp_path, "dspark-b7", [_row("heldout", "greedy", 1.5, 0.1), _row("mbpp", "greedy", 1.4, 0.05)],
            block_size=7)
+    _write(tmp_path, "lilicorr", [_row("heldout", "greedy", 2.7, 0.1), _row("mbpp", "greedy", 1.5, 0.05)])
     _write(tmp_path, "v1-kl", [_row("heldout", "greedy", 2.0, 0.1)], llama_cpp={
         "llama_server": {"first_round_accepted": 1.0, "later_rounds_accepted": 0.5}})
     md, js = table.write(tmp_path, tmp_path / "out")
@@ -85,10 +86,15 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
     assert not order["dflash2", "mbpp"]["significant"]  # 0.1 / 0.0707 = 1.4 SE
     assert order["dspark", "heldout"]["z"] == pytest.approx(-0.4 / math.sqrt(0.02))
     verdicts = {e["run"]: (e["better"], e["worse"], e["tau_rows"]) for e in dec["ordering"] + dec["noise"]}
-    assert verdicts == {"dflash2": (1, 0, 2), "dspark": (0, 1, 2), "v1-seed1": (0, 0, 2)}
+    assert verdicts == {"dflash2": (1, 0, 2), "dspark": (0, 1, 2), "lilicorr": (1, 0, 2), "v1-seed1": (0, 0, 2)}
+    assert order["lilicorr", "heldout"]["delta"] == pytest.approx(0.7)
 
     decided = {e["run"]: e for e in dec["decision"]}
-    assert set(decided) == {"v1-noanchor", "dspark-b7", "v1-kl"}
+    assert set(decided) == {"v1-noanchor", "dspark-b7", "v1-kl", "lilicorr"}
+    # LiLiCorr's second comparison, against DFlash2: +0.2 at 1.4 SE, -0.1 at 1.4 SE
+    assert decided["lilicorr"]["against"] == "dflash2" and decided["lilicorr"]["question"] == "LiLiCorr against DFlash2"
+    assert (decided["lilicorr"]["better"], decided["lilicorr"]["worse"], decided["lilicorr"]["tau_rows"]) == (0, 0, 2)
+    assert {r["bench"]: r["delta"] for r in decided["lilicorr"]["rows"]} == pytest.approx({"heldout": 0.2, "mbpp": -0.1})
     assert {m["run"]: m["lacks"] for m in dec["missing"]} == {"v1-fp8": ["v1-fp8"], "dspark-sizing": ["dspark-sizing"]}
     rounds = {r["measure"]: r for r in decided["v1-noanchor"]["rows"] if r["measure"].startswith("llama_server")}
     first = rounds["llama_server first round accepted"]
@@ -112,7 +118,8 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
 
     text = md.read_text()
     assert "| instruction -> code | greedy | 1.500 ± 0.050 | +0.100 ± 0.071 (+1.4) | +0.000 ± 0.071 (+0.0) | " \
-           "-0.050 ± 0.071 (-0.7) |" in text
+           "+0.000 ± 0.071 (+0.0) | -0.050 ± 0.071 (-0.7) |" in text
+    assert "- `lilicorr` against `v1`: better at >= 2 SE on 1 of 2 set/sampling rows, worse on 0" in text
     assert "| prose (held-out docs) | greedy | 2.000 ± 0.100 | +0.500 ± 0.141 (+3.5) * |" in text
     assert "- `dspark` against `v1`: better at >= 2 SE on 0 of 2 set/sampling rows, worse on 1" in text
     assert "| llama_server later rounds accepted | 0.667 | 0.667 | +0.000 ± " in text

@@ -2,7 +2,8 @@
 a corpus of three local sdists made of this project's own code and documentation (the download is
 replaced by archives already in the cache, checked against their pins' sha256), the tokenizer, the
 conversations and benchmark sets, a tiny target trained for seconds and its regeneration, one v1
-drafter trained for a few steps with its benchmark table and llama.cpp's count, two runs swept at once,
+drafter trained for a few steps with its benchmark table and llama.cpp's count, two runs swept at once
+(LiLiCorr's, colocated with the target's final-norm states, among them),
 and the lab's table."""
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ def test_lab_pipeline_on_cpu(tmp_path):
     # Two runs swept at once on the regenerated answers (cut ones included), each with its own port and
     # log, staggered: training only, two steps each. A rerun finds them trained and starts nothing.
     sweep_env = dict(env, LAB_STEPS="2", LAB_SWEEP_STAGGER="1")
-    log = step(sweep_env, out, "sweep", "train", "v1-seed1", "v1-noanchor", timeout=600)
+    log = step(sweep_env, out, "sweep", "train", "lilicorr", "v1-noanchor", timeout=600)
     ports = set()
-    for name in ("v1-seed1", "v1-noanchor"):
+    for name in ("lilicorr", "v1-noanchor"):
         assert f"[lab] sweep: {name} done (train)" in log
         records = [json.loads(x) for x in (lab / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert max(r.get("step", 0) for r in records if "loss" in r) == 2
@@ -109,8 +110,8 @@ def test_lab_pipeline_on_cpu(tmp_path):
     assert len(ports) == 2
     resolved = (lab / "runs" / "v1-noanchor" / "recipe.yaml").read_text()
     assert "anchor_last_prompt_token: false" in resolved
-    assert "seed: 1" in (lab / "runs" / "v1-seed1" / "recipe.yaml").read_text()
-    assert "done (train)" in step(sweep_env, out, "sweep", "train", "v1-seed1", "v1-noanchor")
+    assert "architecture: lilicorr" in (lab / "runs" / "lilicorr" / "recipe.yaml").read_text()
+    assert "done (train)" in step(sweep_env, out, "sweep", "train", "lilicorr", "v1-noanchor")
     # A run that fails is named, and the sweep's status says so; an unknown name stops before any start.
     proc = run(["bash", "scripts/quality_lab.sh", str(out), "sweep", "train", "v1-kl", "v1-fp8"], 300,
                dict(sweep_env, LAB_STEPS="zero"))

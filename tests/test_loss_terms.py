@@ -92,7 +92,7 @@ def dense(model, mb, blocks, normaliser, settings):
     sums = {"ce": (w * ce).sum(), "kl": (w * kl).sum()}
     loss = variant.ce_weight(term) * sums["ce"] + KL_WEIGHT * TEMPERATURE ** 2 * sums["kl"]
     rows = {}
-    terms = variant.loss_terms(model, blocks, term, hidden)
+    terms = variant.loss_terms(model, blocks, term, hidden, ctx=ctx, mb=mb)
     for t in terms:
         if isinstance(t, RowTerm):
             values, _ = t.values(z.softmax(-1), tz, False)
@@ -102,7 +102,8 @@ def dense(model, mb, blocks, normaliser, settings):
     loss = loss / normaliser
     k = max((t.top_k for t in terms if isinstance(t, OutputTerm)), default=0)
     top = raw.detach().topk(k, dim=-1) if k else None
-    base = LossOutput(loss, {}, None, top.indices if k else None, top.values if k else None, rows)
+    expected = z.softmax(-1).detach() @ lm_head if any(getattr(t, "reads_expected", False) for t in terms) else None
+    base = LossOutput(loss, {}, None, top.indices if k else None, top.values if k else None, rows, expected=expected)
     for t in terms:
         if isinstance(t, OutputTerm):
             extra, logs = t.contribute(base, normaliser)

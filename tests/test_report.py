@@ -146,3 +146,45 @@ def test_a_dspark_report_draws_the_reliability_png(tmp_path):
     page = write_report(tmp_path).read_text()
     assert png_size(tmp_path / "report" / "confidence_reliability.png") == (640, 400)
     assert 'src="confidence_reliability.png"' in page and "ECE 0.075, MAE 0.100, bias -0.005" in page
+
+
+def write_lilicorr_run(run_dir, with_prefixes=True):
+    """Steps 1-20 of a LiLiCorr run: the reranked prefix 0.04 * s, the top-1 path's 0.3, the oracle's
+    1.0 - the last 10 steps average 0.62, 0.3 and 1.0; step 7 logged no valid block (no prefixes)."""
+    (run_dir / "recipe.yaml").write_text("drafter:\n  architecture: lilicorr\n  block_size: 4\n")
+    recs = []
+    for s in range(1, 21):
+        rec = {"step": s, "loss": 3.0 / s, "accept_proxy": 1.2, "lilicorr_ce": 1.0 / s}
+        if with_prefixes and s != 7:
+            rec |= {"lilicorr_selected_prefix": 0.04 * s, "lilicorr_top1_prefix": 0.3, "lilicorr_oracle_prefix": 1.0}
+        recs.append(rec)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_a_lilicorr_report_has_its_prefix_panel(tmp_path):
+    from matplotlib.figure import Figure
+
+    with_panel, without = tmp_path / "with", tmp_path / "without"
+    for d in (with_panel, without):
+        d.mkdir()
+    write_lilicorr_run(with_panel)
+    write_lilicorr_run(without, with_prefixes=False)
+    contents = report_contents(with_panel)
+    panels = dict(contents.panels)
+    assert list(panels)[-1] == "lilicorr_prefix"
+    row = ("prefix of a block, mean of the last 10 logged steps (11-20)",
+           "reranked 0.62 / top-1 0.30 / oracle 1.00: +0.32 over top-1, 62% of the oracle")
+    assert row in contents.rows
+    assert 'src="lilicorr_prefix.png"' in page_html(with_panel, contents)
+    ax = Figure().add_subplot()
+    panels["lilicorr_prefix"](ax)
+    oracle, selected, top1 = ax.get_lines()
+    steps = [s for s in range(1, 21) if s != 7]
+    assert list(selected.get_xdata()) == steps and list(selected.get_ydata()) == pytest.approx([0.04 * s for s in steps])
+    assert list(top1.get_ydata()) == [0.3] * 19 and list(oracle.get_ydata()) == [1.0] * 19
+    assert len(ax.collections) == 1  # the shaded oracle gap
+    # A run whose records carry no prefix lengths has no panel and no row.
+    bare = report_contents(without)
+    assert "lilicorr_prefix" not in dict(bare.panels) and not any("prefix of a block" in k for k, _ in bare.rows)
+    write_report(with_panel)
+    assert png_size(with_panel / "report" / "lilicorr_prefix.png")[0] > 0

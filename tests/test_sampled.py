@@ -197,10 +197,11 @@ def test_online_sampled_loop_agrees_with_offline_within_error(world):
     assert again.report.cycles == off.report.cycles[:2]
 
 
-def coupled_verify(logits, drafts, sampling, generator):
+def coupled_verify(logits, drafts, sampling, generator, *, draft=None):
     """The same rule drawn differently: each verified position's token comes from p, and the draft is
     accepted when they are equal (probability p(d); otherwise a token from p without d). It makes one
     draw per position in order, as the offline sampler does, so equal seeds give equal text."""
+    assert draft is None, "a sampled draft is verified by coupled_sampled_verifier"
     out = []
     for k, d in enumerate(drafts.tolist()):
         tok = int(torch.multinomial(target_probs(logits[k], sampling), 1, generator=generator))
@@ -209,6 +210,64 @@ def coupled_verify(logits, drafts, sampling, generator):
             return out
     out.append(int(torch.multinomial(target_probs(logits[len(out)], sampling), 1, generator=generator)))
     return out
+
+
+def couple_sampled_drafts(monkeypatch, target, model, prompt: torch.Tensor, coins: torch.Tensor,
+                          generator: torch.Generator) -> None:
+    """Patch the online sampled loop (eval/specdec_sampled.py) so that it draws as the offline walk
+    (eval.sampled.tau_of_trajectory) does: at each drafted slot the verified position's token x from p
+    (`generator`, one draw a position in order), accepted when the coin of its position is below
+    min(1, q(x) / p(x)), q the architecture's sampled draft along the text; the draft is the accepted
+    tokens, so the target's verification pass is conditioned as the engine's would be. A greedy draft is
+    verified as `coupled_verify` does."""
+    from dflash_ds.eval import specdec_sampled
+    from dflash_ds.eval.specdec import logits_and_taps
+    from dflash_ds.model.variants.base import SampledDraft
+
+    state = {"seq": prompt.tolist(), "reject": None}
+    states_of, sampled_of = specdec_sampled.block_states, type(model).sampled_draft  # a frozen dataclass
+
+    def block_states(m, context_taps, anchor_token):
+        if len(state["seq"]) == context_taps.shape[0]:  # the prefill's token, drawn before any cycle
+            state["seq"].append(int(anchor_token))
+        assert len(state["seq"]) == context_taps.shape[0] + 1
+        return states_of(m, context_taps, anchor_token)
+
+    def sampled_draft(self, hidden, temperature, _generator, *, context=None):
+        real = sampled_of(self, hidden, temperature, torch.Generator(), context=context)
+        if real is None:
+            return None
+        slots, t, d = hidden.shape[1], len(state["seq"]) - 1, []
+        for k in range(slots):
+            p = target_probs(logits_and_taps(target, torch.tensor(state["seq"] + d), model.layer_ids)[0][-1],
+                             SAMPLING)
+            tok = int(torch.multinomial(p, 1, generator=generator))
+            q = float(real.text_q(torch.tensor(d + [tok] + [-1] * (slots - k - 1))[None])[0, k])
+            pos = t + 1 + k  # past the response's budget the loop cuts the token: rejected
+            if pos < coins.numel() and float(coins[pos]) < min(1.0, q / float(p[tok])):
+                d.append(tok)
+                continue
+            state["reject"] = (k, tok)
+            d += [tok] * (slots - k)
+            break
+        return SampledDraft(torch.tensor([d]), real.q, real.text_q)
+
+    def verify(logits, drafts, sampling, gen, *, draft=None):
+        if draft is None:
+            out = coupled_verify(logits, drafts, sampling, gen)
+        elif state["reject"] is not None:
+            k, tok = state["reject"]
+            out = drafts[:k].tolist() + [tok]
+        else:
+            out = drafts.tolist() + [int(torch.multinomial(target_probs(logits[len(drafts)], sampling), 1,
+                                                           generator=gen))]
+        state["seq"] += out
+        state["reject"] = None
+        return out
+
+    monkeypatch.setattr(specdec_sampled, "block_states", block_states)
+    monkeypatch.setattr(type(model), "sampled_draft", sampled_draft)
+    monkeypatch.setattr(specdec_sampled, "verify_block", verify)
 
 
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")

@@ -234,7 +234,8 @@ def test_teacher_forced_predecessors():
 
 
 @pytest.mark.parametrize("geometry", ["qwen3.6-27b", "qwen3-8b", "qwen3.6-35b-a3b", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("recipe", ["recipes/qwen27b.yaml", "recipes/qwen27b-dflash2.yaml", "recipes/qwen27b-dspark.yaml"])
+@pytest.mark.parametrize("recipe", ["recipes/qwen27b.yaml", "recipes/qwen27b-dflash2.yaml", "recipes/qwen27b-dspark.yaml",
+                                    "recipes/qwen27b-lilicorr.yaml"])
 def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geometry):
     """ZeRO-2 lays the gradients back to back in arrival order: a parameter whose size is no multiple of 8
     elements shifts every later bf16 gradient off 16 bytes (DSpark's one-element confidence bias did: the

@@ -124,7 +124,7 @@ class ToyMarkov(DrafterVariant):
     def loss_settings(self, objective) -> float:
         return section_of(objective, self.name, ToyObjective).tv_weight
 
-    def loss_terms(self, model, blocks, term, hidden) -> tuple:
+    def loss_terms(self, model, blocks, term, hidden, *, ctx, mb) -> tuple:
         return (RowTerm("tv_sum", term, total_variation),)
 
     def logit_bias(self, model, blocks, hidden) -> LogitBias:

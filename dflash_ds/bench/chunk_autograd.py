@@ -50,7 +50,7 @@ class PerChunkBackwardLoss(ChunkedLoss):
         size = max(1, -(-n // self.chunks))
         totals = {t.name: hidden.new_zeros((), dtype=acc) for t in self.vocab_terms}
         kept = {t.name: [] for t in self.vocab_terms if t.keep_rows}
-        loss_value, hits, tops = hidden.new_zeros((), dtype=acc), [], []
+        loss_value, hits, tops, expected = hidden.new_zeros((), dtype=acc), [], [], []
         for lo in range(0, n, size):
             hi = min(n, lo + size)
             h = hidden[lo:hi].detach().requires_grad_(g_hidden is not None)
@@ -62,6 +62,8 @@ class PerChunkBackwardLoss(ChunkedLoss):
             if self.top_k:
                 tops.append(block_top_k(logits.detach(), self.top_k))
             z = self.transform.apply(logits.to(acc))
+            if self.expected:  # q @ W per row (an output term's reads_expected)
+                expected.append(z.detach().softmax(-1).to(weight.dtype) @ weight)
             tz = None
             if self.reads_target:
                 states = target.states if target.index is None else target.states[target.index]
@@ -91,7 +93,8 @@ class PerChunkBackwardLoss(ChunkedLoss):
         out = LossOutput(loss=loss, sums=totals, correct=correct,
                          candidates=torch.cat([t[1] for t in tops]) if tops else None,
                          candidate_logits=torch.cat([t[0] for t in tops]) if tops else None,
-                         rows={k: torch.cat(v) for k, v in kept.items()})
+                         rows={k: torch.cat(v) for k, v in kept.items()},
+                         expected=torch.cat(expected) if expected else None)
         return self._output_terms(out, normaliser)
 
 

@@ -38,6 +38,10 @@ class BenchOptions:
     batch_anchors: int = DEFAULT_BATCH_ANCHORS
 
 
+COIN_SEED = 0x5EED_C01
+"""Added to the seed of a responder's coin stream (apart from its token stream's seed)."""
+
+
 class Responder:
     """The target answering prompts under one sampling setting, with tau measured on each response."""
 
@@ -45,6 +49,9 @@ class Responder:
         self.target, self.model, self.sampling, self.opts = target, model, sampling, opts
         device = next(target.parameters()).device
         self.gen = torch.Generator(device=device).manual_seed(opts.seed)
+        # The verification coins of a sampled draft (eval.sampled.tau_of_trajectory), one a position: a
+        # stream apart from the responses' tokens, so drawing them changes no response.
+        self.coins = torch.Generator().manual_seed(opts.seed + COIN_SEED)
         self.result = SampledTau(sampling, TauReport(block_size=model.max_emitted))
         # The engines' counts of the greedy responses, served with the drafts of one block.
         self.llama_cpp, self.vllm = LlamaCppCounts(), VllmCounts.of(target, model.num_drafts)
@@ -65,8 +72,9 @@ class Responder:
             self.count_engines(taps, x, n)
         else:
             x = sampled_continuation(self.target, prompt, self.sampling, self.gen, max_new_tokens=o.max_new_tokens)
+            coins = torch.rand(n + o.max_new_tokens, generator=self.coins, dtype=torch.float64)
             cycles, probs = tau_of_trajectory(self.target, self.model, x, n, sampling=self.sampling,
-                                              batch_anchors=o.batch_anchors)
+                                              batch_anchors=o.batch_anchors, coins=coins)
         self.result.report.cycles.append(cycles)
         self.result.slot_probs.append(probs)
         return x[n:].tolist()

@@ -14,6 +14,10 @@ responses with a standard error. Given the trajectory, the acceptance probabilit
 cycle reached is known exactly (p_k(d_k) from one teacher-forced pass): `tau_expected` replaces
 each reached slot's 0/1 outcome by that probability (a Rao-Blackwellised estimate of the pooled
 tau, with less variance).
+
+An architecture whose engines sample its draft (LiLiCorr) is verified by min(1, p / q): the emitted
+tokens are still distributed as p, and the walk accepts a slot by a coin against min(1, q(x) / p(x))
+along the text (`tau_of_trajectory`; docs/algorithm.md section 10).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Sequence
 import torch
 
 from dflash_ds.eval.generate import eos_ids
-from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, anchor_drafts, matched_prefix, walk
+from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, anchor_proposals, matched_prefix, walk
 from dflash_ds.eval.specdec import logits_and_taps
 from dflash_ds.model.draft_model import DraftModel
 
@@ -170,13 +174,36 @@ def slots_reached(emitted: int, last: bool, observable: int, block_size: int) ->
 
 
 def tau_of_trajectory(target, model: DraftModel, x: torch.Tensor, first: int, *, sampling: Sampling,
-                      batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> tuple[list[int], list[list[float]]]:
-    """The walk's cycles over one sampled response and the reached slots' acceptance probabilities."""
+                      batch_anchors: int = DEFAULT_BATCH_ANCHORS, coins: torch.Tensor | None = None
+                      ) -> tuple[list[int], list[list[float]]]:
+    """The walk's cycles over one sampled response and the reached slots' acceptance probabilities.
+
+    An architecture whose engines sample its draft (`DraftModel.text_probabilities`, LiLiCorr): the
+    emitted token x is distributed as p either way, and given x the slot was accepted with probability
+    min(1, q(x) / p(x)), q its draft's along the text; slot k of the anchor at t is accepted when the
+    coin of its position, `coins[t + 1 + k]` (uniform, one a position of x), is below it. Each position
+    is verified once along the walk, so one coin a position is one fresh draw a verification."""
     end = x.numel()
     logits, taps = logits_and_taps(target, x, model.layer_ids)
-    drafts = anchor_drafts(model, taps, x, first, end=end, batch_anchors=batch_anchors)
-    return walk_with_probs(drafts, draft_probabilities(logits, drafts, first, end, sampling=sampling), x, first,
-                           end=end)
+    proposal = anchor_proposals(model, taps, x, first, end=end, batch_anchors=batch_anchors,
+                                temperature=sampling.temperature)
+    if proposal.text_q is None:
+        drafts = proposal.tokens
+        return walk_with_probs(drafts, draft_probabilities(logits, drafts, first, end, sampling=sampling), x, first,
+                               end=end)
+    if coins is None or coins.numel() < end:
+        raise ValueError(f"{type(model.config.variant).__name__}'s sampled draft needs a coin per position of the "
+                         f"response ({end}); pass coins")
+    slots = proposal.tokens.shape[1]
+    at = torch.arange(first, end)[:, None] + 1 + torch.arange(slots)[None]
+    inside = at < end
+    following = torch.where(inside, x.reshape(-1)[at.clamp(max=end - 1)], torch.zeros_like(at))
+    p_text = draft_probabilities(logits, following, first, end, sampling=sampling)
+    accept = torch.where(p_text > 0, (proposal.text_q.double() / p_text.clamp(min=1e-300)).clamp(max=1.0),
+                         torch.zeros_like(p_text))
+    hit = (coins.double().cpu()[at.clamp(max=end - 1)] < accept) & inside
+    a = torch.minimum(hit.long().cumprod(1).sum(1), (end - 2 - torch.arange(first, end)).clamp(min=0))
+    return accepted_walk(a, accept, first, end=end)
 
 
 def walk_with_probs(drafts: torch.Tensor, slot_p: torch.Tensor, x: torch.Tensor, first: int,
@@ -185,8 +212,15 @@ def walk_with_probs(drafts: torch.Tensor, slot_p: torch.Tensor, x: torch.Tensor,
 
     drafts, slot_p: [end - first, B-1], the drafts of every anchor and their acceptance probabilities.
     """
-    block_size = drafts.shape[1] + 1
-    cycles = walk(matched_prefix(drafts, x, first, end), first, end)
+    return accepted_walk(matched_prefix(drafts, x, first, end), slot_p, first, end=end)
+
+
+def accepted_walk(accepted: torch.Tensor, slot_p: torch.Tensor, first: int, *, end: int
+                  ) -> tuple[list[int], list[list[float]]]:
+    """Cycles of the walk over [first, end) given each anchor's accepted slots `accepted` [end - first],
+    and, per cycle, `slot_p` [end - first, B-1] of the slots it reached."""
+    block_size = slot_p.shape[1] + 1
+    cycles = walk(accepted, first, end)
     probs, t = [], first
     for i, emitted in enumerate(cycles):
         n = slots_reached(emitted, i == len(cycles) - 1, end - t - 2, block_size)

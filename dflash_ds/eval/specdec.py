@@ -79,6 +79,13 @@ def serving_masks(model: DraftModel, t: int, device) -> tuple[DFlashMask, ...]:
 def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int) -> torch.Tensor:
     """The drafted tokens (B - 1, or B anchor-first) of one block anchored right after `context_taps` [t, T*D]: the block
     sees the context (within each layer's window) and itself (`serving_masks`)."""
+    states, row = block_states(model, context_taps, anchor_token)
+    return model.draft(states, torch.tensor([anchor_token]), context=row).cpu()[0]
+
+
+@torch.no_grad()
+def block_states(model: DraftModel, context_taps: torch.Tensor, anchor_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the drafting slots' states [1, L, D], the anchor's context row [1, D]) of `draft_block`'s block."""
     drafter, block_size = model.drafter, model.block_size
     p = next(drafter.parameters())
     t = context_taps.shape[0]
@@ -89,7 +96,8 @@ def draft_block(model: DraftModel, context_taps: torch.Tensor, anchor_token: int
     block_pos = torch.arange(t, t + block_size, device=p.device)[None]
     ctx_pos = torch.arange(t, device=p.device)[None]
     hidden = drafter(embeds, ctx, block_pos, ctx_pos, mask=serving_masks(model, t, p.device))
-    return model.draft(model.drafting_states(hidden), block[:1]).cpu()[0]
+    # The anchor's context row, the fused state before it (t >= 1: the prompt's last token at least).
+    return model.drafting_states(hidden), ctx[:, t - 1]
 
 
 @torch.no_grad()

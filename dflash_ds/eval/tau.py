@@ -82,9 +82,12 @@ def anchor_drafts(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor
 
 @torch.no_grad()
 def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Tensor, start: int, *, end: int,
-                     p_min: float = 0.0, batch_anchors: int = DEFAULT_BATCH_ANCHORS) -> Proposal:
+                     p_min: float = 0.0, batch_anchors: int = DEFAULT_BATCH_ANCHORS,
+                     temperature: float = 0.0) -> Proposal:
     """`anchor_drafts`'s tokens, how many of each anchor's llama.cpp verifies under `--spec-draft-p-min
-    p_min` and the confidences its cut reads (`DraftModel.propose`), on the CPU.
+    p_min` and the confidences its cut reads (`DraftModel.propose`), on the CPU. With `temperature` > 0
+    also `text_q`: q of the text's own next tokens under an architecture's sampled draft
+    (`DraftModel.text_probabilities`; 0 past the end), when it samples its draft.
 
     All anchors go through the drafter in batches of `batch_anchors` blocks with the training
     masks (context strictly before the anchor and inside each layer's window, the own block as the
@@ -115,11 +118,21 @@ def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Ten
         embeds = model.embed_tokens(block_ids, p)
         hidden = drafter(embeds, ctx[:, :s_ctx], block_pos, positions[:, :s_ctx], mask=mask)
         # The path the engines propose: the architecture's walk and its cut (DraftModel.propose).
-        parts.append(model.propose(model.drafting_states(hidden.view(n, B, -1)), block_ids.view(n, B)[:, 0], p_min))
+        # Each anchor's context row (the fused state before it, start >= 1): LiLiCorr's head reads it.
+        states, rows = model.drafting_states(hidden.view(n, B, -1)), ctx[0, anchors - 1]
+        proposal = model.propose(states, block_ids.view(n, B)[:, 0], p_min, context=rows)
+        if temperature > 0:
+            # The text after each anchor, -1 (no candidate's id) past its end.
+            at = anchors[:, None] + 1 + torch.arange(states.shape[1], device=device)
+            following = torch.where(at < end, y[at.clamp(max=end - 1)], torch.full_like(at, -1))
+            proposal = proposal._replace(text_q=model.text_probabilities(states, following, temperature, context=rows))
+        parts.append(proposal)
     if not parts:
         return Proposal(torch.zeros(0, model.num_drafts, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     confidence = None if parts[0].confidence is None else torch.cat([q.confidence.cpu() for q in parts])
-    return Proposal(torch.cat([q.tokens.cpu() for q in parts]), torch.cat([q.served.cpu() for q in parts]), confidence)
+    text_q = None if parts[0].text_q is None else torch.cat([q.text_q.cpu() for q in parts])
+    return Proposal(torch.cat([q.tokens.cpu() for q in parts]), torch.cat([q.served.cpu() for q in parts]), confidence,
+                    text_q=text_q)
 
 
 def walk(a: Sequence[int] | torch.Tensor, first: int, end: int) -> list[int]:

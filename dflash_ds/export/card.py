@@ -53,6 +53,8 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
                                                "chat request.", ""]
     llama_tail = [] if thinking is None else [f"    --chat-template-kwargs '{kwargs}'"]
     name = cfg.variant.title
+    remote = cfg.variant.remote()
+    remote_name = remote.name if remote is not None else "the architecture's remote code"
     lines = [
         f"# {name} drafter",
         "",
@@ -111,7 +113,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "```python",
         "from transformers import AutoModel",
         "drafter = AutoModel.from_pretrained(DRAFTER_DIR, trust_remote_code=True)",
-        "hidden = drafter(noise_embedding, target_hidden, position_ids)  # see modeling_dflash.py",
+        f"hidden = drafter(noise_embedding, target_hidden, position_ids)  # see {remote_name}",
         "logits = hidden @ target.get_output_embeddings().weight.T",
         "```",
         "",

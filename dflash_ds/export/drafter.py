@@ -131,6 +131,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
             if remote is not None:
                 shutil.copyfile(remote.source, tmp / remote.name)
                 written.append(remote.name)
+                for source in remote.beside:
+                    shutil.copyfile(source, tmp / source.name)
+                    written.append(source.name)
             (tmp / CARD_NAME).write_text(model_card(cfg, **(card or {})))
             for name in written:
                 os.chmod(tmp / name, FILE_MODE)
@@ -217,3 +220,21 @@ def load_drafter(
     assert not list(drafter.buffers()), "DFlashDrafter grew buffers that load_drafter does not restore"
     drafter.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in state.items()}, strict=True, assign=True)
     return drafter.eval()
+
+
+def load_backbone(path: str | os.PathLike, shape: DrafterShape, *, dtype: torch.dtype,
+                  device: str | torch.device = "cpu") -> DFlashDrafter:
+    """A drafter of `shape` whose backbone (every tensor outside its architecture's heads) is that of the
+    export at `path`, of another architecture (`DrafterVariant.backbone_from`, already checked by
+    `run.check_init_from`), and whose heads start fresh, from the current torch seed. The export's own
+    heads (a DFlash2 selector) are left behind."""
+    exported = load_drafter(path, dtype=dtype).state_dict()
+    drafter = DFlashDrafter(shape).to(dtype)
+    heads = tuple(f"{name}." for name in shape.variant.heads(shape))
+    backbone = {n: t for n, t in drafter.state_dict().items() if not n.startswith(heads)}
+    missing = [n for n, t in backbone.items() if n not in exported or exported[n].shape != t.shape]
+    if missing:
+        raise ValueError(f"{path}: its backbone lacks {missing[0]} {tuple(backbone[missing[0]].shape)} of the recipe's "
+                         f"drafter ({len(missing)} tensors in all); {_FIX}")
+    drafter.load_state_dict({n: exported[n] for n in backbone}, strict=False)
+    return drafter.to(device)

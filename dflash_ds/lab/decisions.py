@@ -134,6 +134,29 @@ def _round_rows(mine: dict, base: dict) -> list[dict]:
     return out
 
 
+def _compare_one(summaries: dict[str, dict], name: str, run: catalog.Run, *, baseline: str, question: str) -> dict:
+    """One run against one baseline: its rows and counts, or what it lacks."""
+    lacks = [n for n in (name, baseline) if n not in summaries]
+    if lacks:
+        return {"run": name, "against": baseline, "question": question, "lacks": lacks}
+    mine, base = summaries[name], summaries[baseline]
+    rows = _tau_rows(rows_of(mine), rows_of(base))
+    entry = {"run": name, "against": baseline, "question": question}
+    if run.per_flop:
+        shapes = run_shape(baseline, base), run_shape(name, mine)
+        if None not in shapes:
+            flops = [drafting_flops(s)["total"] for s in shapes]
+            entry["drafting_gflops"] = {"baseline": flops[0] / 1e9, "run": flops[1] / 1e9}
+            rows += _tau_rows(rows_of(mine), rows_of(base), measure="tau per drafting GFLOP",
+                              scale=(1e9 / flops[0], 1e9 / flops[1]))
+    if run.rounds:
+        rows += _round_rows(mine, base)
+    taus = [r for r in rows if r["measure"] == "tau"]
+    entry.update(rows=rows, tau_rows=len(taus), better=sum(r["significant"] and r["delta"] > 0 for r in taus),
+                 worse=sum(r["significant"] and r["delta"] < 0 for r in taus))
+    return entry
+
+
 def compare(summaries: dict[str, dict]) -> dict:
     """Every catalog run with a baseline, both summaries present, against it: {"noise": [...],
     "ordering": [...], "decision": [...], "missing": [...]}. Each comparison: run, against, question,
@@ -143,24 +166,8 @@ def compare(summaries: dict[str, dict]) -> dict:
     for name, run in catalog.RUNS.items():
         if run.baseline is None:
             continue
-        lacks = [n for n in (name, run.baseline) if n not in summaries]
-        if lacks:
-            out["missing"].append({"run": name, "against": run.baseline, "question": run.question, "lacks": lacks})
-            continue
-        mine, base = summaries[name], summaries[run.baseline]
-        rows = _tau_rows(rows_of(mine), rows_of(base))
-        entry = {"run": name, "against": run.baseline, "question": run.question}
-        if run.per_flop:
-            shapes = run_shape(run.baseline, base), run_shape(name, mine)
-            if None not in shapes:
-                flops = [drafting_flops(s)["total"] for s in shapes]
-                entry["drafting_gflops"] = {"baseline": flops[0] / 1e9, "run": flops[1] / 1e9}
-                rows += _tau_rows(rows_of(mine), rows_of(base), measure="tau per drafting GFLOP",
-                                  scale=(1e9 / flops[0], 1e9 / flops[1]))
-        if run.rounds:
-            rows += _round_rows(mine, base)
-        taus = [r for r in rows if r["measure"] == "tau"]
-        entry.update(rows=rows, tau_rows=len(taus), better=sum(r["significant"] and r["delta"] > 0 for r in taus),
-                     worse=sum(r["significant"] and r["delta"] < 0 for r in taus))
-        out[run.section].append(entry)
+        pairs = [(run.baseline, run.question, run.section)] + [(b, q, "decision") for b, q in run.also]
+        for baseline, question, section in pairs:
+            entry = _compare_one(summaries, name, run, baseline=baseline, question=question)
+            out["missing" if "lacks" in entry else section].append(entry)
     return out

@@ -6,7 +6,7 @@ difference (the runs' responses are independent: sqrt(se_a^2 + se_b^2)), called 
 2 standard errors or more; the seed-to-seed difference of v1 beside it; per-position acceptance;
 llama.cpp's counted acceptance (first round apart from the later ones); final losses and wall times;
 and the comparisons of dflash_ds/lab/decisions.py (each catalog run against its baseline): the
-ordering check (v1 < DFlash2, v1 < DSpark, beside the seed-to-seed noise) and the decisions.
+ordering check (v1 < DFlash2, v1 < DSpark, v1 < LiLiCorr, beside the seed-to-seed noise) and the decisions.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _ordering_md(dec: dict) -> list[str]:
     keys = sorted({(r["bench"], r["sampling"]) for e in entries for r in e["rows"] if r["measure"] == "tau"},
                   key=lambda k: (k[0], k[1] != "greedy", k[1]))
     names = [e["run"] for e in entries]
-    lines = ["", "## Ordering check: v1 < DFlash2, v1 < DSpark", "",
+    lines = ["", "## Ordering check: v1 < DFlash2, v1 < DSpark, v1 < LiLiCorr", "",
              f"run - {REFERENCE} in tau_mean ± the SE of the difference (difference / SE); * = at >= {se:g} SE. "
              f"`{SEED_TWIN}` - `{REFERENCE}` is the seed-to-seed noise: by chance about 1 row in 20 reaches "
              f"{se:g} SE; more says the SE over responses misses the run-to-run noise.", "",

@@ -75,18 +75,41 @@ class DraftModel:
         return out.to(device=like.device, dtype=like.dtype)
 
     @torch.no_grad()
-    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, *, context: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens the engines propose at temperature 0 from the final states `[n, num_drafts, D]`
         of the drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the
         architecture's walk (`DrafterVariant.propose`: each slot's argmax for v1, the selector's greedy
-        path for DFlash2, the Markov chain for DSpark)."""
-        return self.config.variant.propose(self, hidden, anchors).tokens
+        path for DFlash2, the Markov chain for DSpark). `context` [n, D]: each anchor's context row, the
+        fused state before it (drafter.fuse), for an architecture that `reads_context` (LiLiCorr)."""
+        return self.propose(hidden, anchors, context=context).tokens
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0):
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
+                context: torch.Tensor | None = None):
         """`draft`'s tokens and how many of each block's llama.cpp verifies under `--spec-draft-p-min
         p_min` (a variants.base.Proposal; `DrafterVariant.propose`: DSpark's confidence head cuts it)."""
-        return self.config.variant.propose(self, hidden, anchors, p_min)
+        variant = self.config.variant
+        if variant.reads_context:
+            return variant.propose(self, hidden, anchors, p_min, context=context)
+        return variant.propose(self, hidden, anchors, p_min)
+
+    def text_probabilities(self, hidden: torch.Tensor, following: torch.Tensor, temperature: float, *,
+                           context: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q of the text's tokens `following` [n, L] under the architecture's sampled draft, or None when
+        it drafts greedily at every temperature (`DrafterVariant.text_probabilities`)."""
+        variant = self.config.variant
+        if variant.reads_context:
+            return variant.text_probabilities(self, hidden, following, temperature, context=context)
+        return variant.text_probabilities(self, hidden, following, temperature)
+
+    def sampled_draft(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator, *,
+                      context: torch.Tensor | None = None):
+        """The draft the engines draw at `temperature` (a variants.base.SampledDraft), or None when they
+        verify the greedy one (`DrafterVariant.sampled_draft`; nothing is drawn then)."""
+        variant = self.config.variant
+        if variant.reads_context:
+            return variant.sampled_draft(self, hidden, temperature, generator, context=context)
+        return variant.sampled_draft(self, hidden, temperature, generator)
 
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""

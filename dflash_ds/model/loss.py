@@ -38,6 +38,7 @@ class LossOutput(NamedTuple):
     candidates: torch.Tensor | None  # int64 [n, top_k] each row's top-k token ids, best first; None without
     candidate_logits: torch.Tensor | None  # [n, top_k] their raw logits (before the transform), detached
     rows: dict  # name -> [n] a vocabulary term's values per row (those that keep them), detached
+    expected: torch.Tensor | None = None  # [n, D] q @ W per row (an output term's reads_expected), detached
 
 
 class ChunkedLoss:
@@ -73,6 +74,7 @@ class ChunkedLoss:
         self.weight, self.chunks, self.transform, self.first_slot = weight, chunks, transform, first_slot
         self.head = head if head is not None else DenseHead()
         self.top_k = max((t.top_k for t in self.output_terms), default=0)
+        self.expected = any(t.reads_expected for t in self.output_terms)
         self.reads_target = any(t.reads_target for t in self.vocab_terms)
 
     def rows(self, hidden, labels, weights, normaliser, *, bias: LogitBias | None = None,
@@ -111,12 +113,12 @@ class ChunkedLoss:
             out, _ = call.run(hidden.detach(), weight.detach(), labels, weights,
                               bias_tensors=tuple(t.detach() for t in tensors))
         else:
-            loss, correct, top, top_logits, sum_values, kept_values = _Fused.apply(
+            loss, correct, top, top_logits, sum_values, kept_values, expected = _Fused.apply(
                 hidden, weight, labels, weights, call, *tensors)
             sums = dict(zip((t.name for t in self.vocab_terms), sum_values.unbind()))
             kept = dict(zip((t.name for t in self.vocab_terms if t.keep_rows), kept_values.unbind(1)))
             out = LossOutput(loss=loss, sums=sums, correct=correct, candidates=top, candidate_logits=top_logits,
-                             rows=kept)
+                             rows=kept, expected=expected if self.expected else None)
         if not self.top_k:
             out = out._replace(candidates=None, candidate_logits=None)
         return self._output_terms(out, normaliser)
@@ -201,6 +203,9 @@ class _Call(NamedTuple):
         top = hidden.new_empty(chunks * size, top_k, dtype=torch.long)
         top_logits = hidden.new_empty(chunks * size, top_k)
         kept = {t.name: hidden.new_empty(chunks * size, dtype=acc_dtype) for t in terms if t.keep_rows}
+        # q @ W per row: the expected lm_head row under the drafter's distribution (LiLiCorr's soft value
+        # differentiates its candidates' log-probs through it), from logits that exist anyway.
+        expected = hidden.new_empty(chunks * size if owner.expected else 0, weight.shape[1])
         project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=self.target, size=size,
                                                chunks=chunks, grad_hidden=self.grad_hidden))
         how = Pass(terms, owner.transform)
@@ -217,6 +222,10 @@ class _Call(NamedTuple):
             logits, t_logits = project.logits(i, lo, hi)
             if top_k:
                 top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
+            if owner.expected:
+                q = torch.softmax(owner.transform.apply(logits.to(acc_dtype)), dim=-1)
+                expected[i * size:(i + 1) * size] = q.to(weight.dtype) @ weight  # [V, D] never copied
+                del q
             sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, scales=sc, how=how)
             del logits, t_logits
             totals = [a + b for a, b in zip(totals, sums)]
@@ -237,7 +246,8 @@ class _Call(NamedTuple):
             part = (term.weight * term.loss_scale) * total
             loss = part if loss is None else loss + part
         out = LossOutput(loss=loss / normaliser, sums={t.name: total for t, total in zip(terms, totals)}, correct=correct,
-                         candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()})
+                         candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()},
+                         expected=expected[:n] if owner.expected else None)
         return out, (g_hidden if self.grad_hidden else None, g_weight, g_bias)
 
 
@@ -252,8 +262,9 @@ class _Fused(torch.autograd.Function):
         sum_values = torch.stack(list(out.sums.values()))
         kept = list(out.rows.values())
         kept_values = torch.stack(kept, dim=1) if kept else out.candidate_logits.new_zeros(out.correct.shape[0], 0)
-        ctx.mark_non_differentiable(out.correct, out.candidates, out.candidate_logits, sum_values, kept_values)
-        return out.loss, out.correct, out.candidates, out.candidate_logits, sum_values, kept_values
+        expected = out.expected if out.expected is not None else kept_values.new_zeros(0)
+        ctx.mark_non_differentiable(out.correct, out.candidates, out.candidate_logits, sum_values, kept_values, expected)
+        return out.loss, out.correct, out.candidates, out.candidate_logits, sum_values, kept_values, expected
 
     @staticmethod
     def backward(ctx, g_loss, *_non_differentiable):

@@ -156,12 +156,15 @@ class RowTerm(VocabTerm):
 class OutputTerm:
     """A term computed after the chunk loop from its output (model.loss.LossOutput: the candidates,
     a vocabulary term's per-row values). `top_k`: candidates per row it reads (0: none).
+    `reads_expected`: it reads each row's q @ W (`LossOutput.expected`), the lm_head row expected under
+    the drafter's distribution, the gradient of a candidate's log-prob besides its own row.
     `contribute(out, normaliser)` -> (its differentiable loss, already divided by the normaliser,
     and its detached sums by name)."""
 
     name: str
     weight: float
     top_k: int = 0
+    reads_expected: bool = False
 
     def contribute(self, out: Any, normaliser) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError

@@ -82,7 +82,7 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
     terms = [CrossEntropy(variant.ce_weight(term))]
     if settings.kl_weight > 0:
         terms.append(Distillation(settings.kl_weight, settings.kl_temperature))
-    terms += variant.loss_terms(model, blocks, term, hidden)
+    terms += variant.loss_terms(model, blocks, term, hidden, ctx=ctx, mb=mb)
     loss = loss_class(terms, model.lm_head, chunks=settings.loss_chunks, transform=settings.shape.logit_transform,
                        head=model.loss_head, first_slot=settings.shape.first_draft_slot)
     target = None

@@ -20,7 +20,7 @@ import torch
 from dflash_ds.config import Recipe, RecipeError
 from dflash_ds.model.objective import StepSettings
 from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import check_servable, drafter_shape, recipe_keys
+from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape, recipe_keys
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype, section_dtype
 from dflash_ds.resolve.files import check_files
@@ -184,6 +184,12 @@ def check_init_from(path: str, shape: DrafterShape) -> None:
     except (KeyError, TypeError, ValueError) as exc:
         raise RecipeError(f"drafter.init_from: {exc}") from None
     keys = recipe_keys(shape)
+    if exported.architecture != shape.architecture:  # its backbone only, the heads fresh (load_backbone)
+        why = shape.variant.backbone_from(shape, exported)
+        if why is not None:
+            raise RecipeError(f"drafter.init_from {path!r} {why} (drafter.architecture, drafter.{shape.architecture}:); "
+                              "point it at an export of that kind or drop drafter.init_from")
+        keys = {k: v for k, v in RECIPE_KEYS.items() if k != "architecture"}
     diff = exported.mismatches(shape, keys)
     if diff:
         name, theirs, ours = diff[0]

@@ -313,12 +313,15 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], layout: Pay
 
 def build_drafter(spec: RunSpec):
     """A fresh drafter (seeded by run.seed) or the export named by drafter.init_from, in float32."""
-    from dflash_ds.export import load_drafter
+    from dflash_ds.export import load_backbone, load_drafter, read_export_config
     from dflash_ds.model.drafter import DFlashDrafter
 
     r = spec.recipe
     if r.drafter.init_from:
-        return load_drafter(r.drafter.init_from, dtype=torch.float32, device=spec.device, shape=spec.drafter)
+        if read_export_config(r.drafter.init_from)["architectures"] == [spec.drafter.variant.class_name]:
+            return load_drafter(r.drafter.init_from, dtype=torch.float32, device=spec.device, shape=spec.drafter)
+        torch.manual_seed(r.run.seed)  # another architecture's backbone (run.check_init_from), the heads fresh
+        return load_backbone(r.drafter.init_from, spec.drafter, dtype=torch.float32, device=spec.device)
     torch.manual_seed(r.run.seed)
     return DFlashDrafter(spec.drafter).to(spec.device)
 

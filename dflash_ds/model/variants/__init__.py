@@ -1,6 +1,6 @@
 """The drafter architectures, one package each, by the name the recipe's `drafter.architecture` gives.
 
-Each package (dflash/, dflash2/, dspark/) defines its class with `@register` (registry.py); DFlash
+Each package (dflash/, dflash2/, dspark/, lilicorr/) defines its class with `@register` (registry.py); DFlash
 (v1) is the class the others extend. This module is the one place that lists them: importing it
 registers every architecture (the recipe reader imports it the first time it needs their sections,
 config/architectures.py). Adding one is its package plus one name below (docs/architecture.md, "How
@@ -12,7 +12,7 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from dflash_ds.model.variants import dflash, dflash2, dspark  # noqa: F401  (each registers itself)
+from dflash_ds.model.variants import dflash, dflash2, dspark, lilicorr  # noqa: F401  (each registers itself)
 from dflash_ds.model.variants.dflash import DFlash
 from dflash_ds.model.variants.registry import DEFAULT_NAME, VARIANTS, class_names, register, variant, variant_of_classes
 

@@ -90,6 +90,18 @@ class Proposal(NamedTuple):
     tokens: torch.Tensor  # [n, L] the greedy drafts (what `DraftModel.draft` returns)
     served: torch.Tensor  # [n] how many of them it verifies under its confidence cut (L without one)
     confidence: torch.Tensor | None = None  # [n, L] what the cut compares with the threshold; None: no cut
+    text_q: torch.Tensor | None = None  # [n, L] q of the text's tokens under the sampled draft (eval.tau), or None
+
+
+class SampledDraft(NamedTuple):
+    """A draft drawn at a sampling temperature, as the engines draw an architecture's whose drafts they
+    sample (LiLiCorr): the tokens, each slot's proposal distribution over the vocabulary (what the
+    verifier's min(1, p / q) and residual max(0, p - q) read) and `text_q`, q of a text's tokens
+    [n, L] along the same walk (what offline sampled tau reads)."""
+
+    tokens: torch.Tensor  # [n, L]
+    q: torch.Tensor  # [n, L, V]
+    text_q: Callable[[torch.Tensor], torch.Tensor]
 
 
 class LogView(NamedTuple):
@@ -106,11 +118,14 @@ class LogView(NamedTuple):
 
 class RemoteCode(NamedTuple):
     """The transformers remote code an export carries: `source`, the file copied into it as `name`,
-    and config.json's `auto_map` (the classes of that file AutoConfig / AutoModel load)."""
+    config.json's `auto_map` (the classes of that file AutoConfig / AutoModel load), and `beside`, files
+    copied next to it under their own names that it imports relatively (transformers' remote-code loader
+    copies a local directory's relative imports along)."""
 
     source: Path
     name: str
     auto_map: dict[str, str]
+    beside: tuple[Path, ...] = ()
 
 
 class Card(NamedTuple):

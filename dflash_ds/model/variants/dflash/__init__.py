@@ -25,7 +25,8 @@ import torch
 from dflash_ds.config.architectures import section_of
 from dflash_ds.model import blocks
 from dflash_ds.model.variants.base import (Card, LogView, NoFields, Proposal, RemoteCode,
-                                           ReportFigure, Serving, Tensor, Wrappers, argmax_tokens, typed)
+                                           ReportFigure, SampledDraft, Serving, Tensor, Wrappers, argmax_tokens,
+                                           typed)
 from dflash_ds.model.variants.registry import register
 
 if TYPE_CHECKING:  # the model and the shape read the architectures (model/variants/__init__.py); the rest
@@ -64,6 +65,8 @@ class DFlash:
     """Published taps that differ from build_target_layer_ids: (target layers, taps) -> layer ids."""
     needs_target_logits: bool = False
     """Payloads carry the target's final-norm states, so the chunk term sees the target's logits."""
+    reads_context: bool = False
+    """`propose` reads each anchor's context row (`context=`, the fused state before the anchor)."""
     label_offset: int = 0
     """Slot k of the block at anchor a is trained on, and drafts, the token at a + k + label_offset.
     0 (DFlash): slot 0 is the anchor itself and drafts nothing, B - 1 drafts per block. 1
@@ -120,6 +123,12 @@ class DFlash:
         """Every tensor the wrappers and heads hold, by export name (the layers' under `layers.{i}.`)."""
         return {}
 
+    def backbone_from(self, shape: DrafterShape, exported: DrafterShape) -> str | None:
+        """Why an export of another architecture, `exported`, cannot start the backbone (layers, fc,
+        norms and wrappers) of a drafter of `shape`, its heads fresh (`drafter.init_from`); None when it
+        can. By default none can."""
+        return f"is a {exported.architecture} export and the drafter a {shape.architecture}"
+
     def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         """Matmul FLOPs of a step that no tensor of `tensors` accounts for (e.g. gathered lm_head rows),
         `draft_tokens` being the drafting slots' rows of the loss (DrafterShape.num_drafts a block)."""
@@ -140,6 +149,20 @@ class DFlash:
             raise ValueError(f"llama.cpp's --spec-draft-p-min cut of a {self.title or self.name} draft is not "
                              "modelled; predict its rounds with p_min 0")
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
+
+    def text_probabilities(self, model: DraftModel, hidden: torch.Tensor, following: torch.Tensor, temperature: float,
+                           *, context: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q_s(x_s) [n, L]: the probability that this architecture's draft at `temperature` proposes the
+        text's token `following` [n, L] at slot s once it proposed the text's tokens before it, from the
+        drafting slots' states `hidden` [n, L, D] (sampled verification accepts a slot with min(1, q / p)).
+        None (the default): the draft is the greedy one at every temperature, q a point mass on it."""
+        return None
+
+    def sampled_draft(self, model: DraftModel, hidden: torch.Tensor, temperature: float, generator: torch.Generator,
+                      *, context: torch.Tensor | None = None) -> SampledDraft | None:
+        """The draft the engines draw at `temperature` from the drafting slots' states [n, L, D], drawing
+        from `generator`; None (the default, drawing nothing): they verify the greedy draft."""
+        return None
 
     # ------------------------------------------------------------------------------- the loss
 
@@ -175,11 +198,14 @@ class DFlash:
         DFlash's cross-entropy is always on."""
         return {"the cross-entropy (always on)": self.ce_weight(term)}
 
-    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor) -> tuple:
+    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor, *, ctx: torch.Tensor,
+                   mb: MicroBatch) -> tuple:
         """This architecture's terms of the loss under `term` (a `step_term`), after the cross-entropy and
         the KL (model/loss_terms.py): `VocabTerm`s run on each chunk's logits (and the target's, when
         they read them; `needs_target_logits` then), `OutputTerm`s after the chunk loop on what it
-        returned. Their sums' names are `log_names`. `hidden` `[R, N*B, D]`: the drafter's final states."""
+        returned. Their sums' names are `log_names`. `hidden` `[R, N*B, D]`: the drafter's final states;
+        `ctx` `[R, S, D]`: the context rows (drafter.fuse of the taps); `mb`: the micro-batch (its
+        documents, the target's states)."""
         return ()
 
     def logit_bias(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor) -> LogitBias | None:

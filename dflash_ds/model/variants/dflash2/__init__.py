@@ -16,7 +16,7 @@ import torch
 
 from dflash_ds.config import ObjectiveConfig
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.blocks import slot_rows
+from dflash_ds.model.blocks import MicroBatch, slot_rows
 from dflash_ds.model.loss_terms import OutputTerm
 from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, Tensor, Wrappers
 from dflash_ds.model.variants.dflash import DFlash
@@ -208,7 +208,8 @@ class DFlash2(DFlash):
     def term_weights(self, shape: DrafterShape, term: SelectorTerm) -> dict[str, float]:
         return {**super().term_weights(shape, term), "selector_alpha": float(term.alpha)}
 
-    def loss_terms(self, model: DraftModel, blocks, term: SelectorTerm, hidden: torch.Tensor) -> tuple:
+    def loss_terms(self, model: DraftModel, blocks, term: SelectorTerm, hidden: torch.Tensor, *, ctx: torch.Tensor,
+                   mb: MicroBatch) -> tuple:
         return (SelectorLoss(model, blocks, hidden, term),)
 
     def log_names(self, shape: DrafterShape) -> tuple[str, ...]:

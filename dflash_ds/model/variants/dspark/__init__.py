@@ -239,7 +239,8 @@ class DSpark(DFlash):
             weights["confidence_weight"] = float(t.confidence)
         return weights
 
-    def loss_terms(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor) -> tuple:
+    def loss_terms(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor, *,
+                   ctx: torch.Tensor, mb: MicroBatch) -> tuple:
         """l1 * ||q - p||_1 on the biased logits and the target's, inside the fused loss's pass over the
         vocabulary (one Triton kernel on CUDA), then the confidence head's term on its per-row values."""
         t = term or DSparkTerms()
