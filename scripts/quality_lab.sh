@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The quality lab (docs/quality.md), one step per command so that each fits a 10-minute device call:
+#   bash scripts/quality_lab.sh OUT [all [NAME...]]      GPU: the whole lab in one command, resumable: the
+#     target and its regeneration where missing, then every run (all the catalog's, or the NAMEs) trained
+#     and evaluated at once, then the table; with LAB_COMMAND_SECONDS=N it stops within N seconds (the
+#     runs still training with a checkpoint) and exits 75: the same command again goes on from there
 #   bash scripts/quality_lab.sh OUT prepare              CPU side, needs PyPI: corpus, tokenizer, conversations
 #     (carry runs/lab/corpus.jsonl.xz, runs/lab/tokenizer and runs/lab/conversations.tar.xz to the GPU machine)
 #   bash scripts/quality_lab.sh OUT target               GPU: the lab target (~5.5 min), then its regeneration
@@ -26,14 +30,15 @@
 # checkpoint (SIGTERM to launch.sh), for a command's time limit. The sweep waits for all; it exits 1
 # naming the runs that failed, else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
-if [ $# -lt 2 ]; then
-  sed -n '2,27p' "$0" >&2
+if [ $# -lt 1 ]; then
+  sed -n '2,31p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
 OUT=$(cd "$1" && pwd)  # before the cd below: OUT is relative to where the script was started
-STEP=$2
-shift 2
+STEP=${2:-all}
+shift
+[ $# -gt 0 ] && shift
 cd "$(dirname "$0")/.."
 . ./scripts/setup_env.sh  # $PYTHON: DFLASH_PYTHON, the project's .venv or the active interpreter
 PY=$PYTHON
@@ -167,7 +172,41 @@ print(*[x.getsockname()[1] for x in s])' $#)"
   fi
 }
 
+everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS boxes the whole command
+  local T0 NAMES RC LEFT
+  T0=$(date +%s)
+  left() { echo $(( ${LAB_COMMAND_SECONDS:-1000000} - ($(date +%s) - T0) )); }
+  if [ $# -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<< "$(lab run-names)"; fi
+  for NAME in "${NAMES[@]}"; do lab run-settings "$NAME" > /dev/null || exit 2; done
+  if [ ! -f "$LAB/target/lab_target.json" ]; then
+    LAB_COMMAND_SECONDS=$(left) bash "$0" "$OUT" target
+  elif ! regenerated && [ "$(left)" -ge "${LAB_REGEN_MIN:-150}" ]; then
+    regenerate "$(left)"  # a group of shards starts only while its time fits, but the first always does
+  fi
+  if ! regenerated; then
+    echo "[lab] all: the regeneration is not complete; rerun the same command to go on" >&2
+    exit 75
+  fi
+  # the eval of a run that finished training is not boxed: LAB_EVAL_RESERVE seconds are kept for it
+  LEFT=$(( $(left) - ${LAB_EVAL_RESERVE:-0} ))
+  if [ "$LEFT" -lt 60 ]; then
+    echo "[lab] all: ${LEFT} s left for the runs; rerun the same command to go on" >&2
+    exit 75
+  fi
+  if LAB_SWEEP_SECONDS=$LEFT bash "$0" "$OUT" sweep all "${NAMES[@]}"; then RC=0; else RC=$?; fi
+  lab table "$OUT" > /dev/null && echo "[lab] all: the table: $OUT/quality_lab.md"
+  return "$RC"
+}
+
+regenerated() {  # the regeneration's last record says every shard is written
+  [ -f "$OUT/regenerate.json" ] && "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("complete") else 1)' \
+    "$OUT/regenerate.json"
+}
+
 case "$STEP" in
+  all)
+    everything "$@"
+    ;;
   prepare)
     [ -f "$LAB/corpus.jsonl.xz" ] || lab --record "$OUT/corpus.json" corpus --out "$LAB/corpus.jsonl.xz"
     [ -f "$LAB/tokenizer/tokenizer.json" ] || lab --record "$OUT/tokenizer.json" tokenizer \
@@ -221,7 +260,7 @@ case "$STEP" in
     lab table "$OUT"
     ;;
   *)
-    echo "[lab] error: unknown step '$STEP'; one of prepare, target, regenerate, train, run, sweep, table" >&2
+    echo "[lab] error: unknown step '$STEP'; one of all, prepare, target, regenerate, train, run, sweep, table" >&2
     exit 2
     ;;
 esac

@@ -3,8 +3,7 @@ a corpus of three local sdists made of this project's own code and documentation
 replaced by archives already in the cache, checked against their pins' sha256), the tokenizer, the
 conversations and benchmark sets, a tiny target trained for seconds and its regeneration, one v1
 drafter trained for a few steps with its benchmark table and llama.cpp's count, two runs swept at once
-(LiLiCorr's, colocated with the target's final-norm states, among them),
-and the lab's table."""
+(LiLiCorr's, colocated with the target's final-norm states, among them), the lab's table, and the whole lab as one command (`all`)."""
 
 from __future__ import annotations
 
@@ -126,3 +125,12 @@ def test_lab_pipeline_on_cpu(tmp_path):
     assert "| v1 | dflash | 16 | 0 | 4 |" in md and "| code completion | greedy |" in md
     table = json.loads((out / "quality_lab_table.json").read_text())
     assert list(table["runs"]) == ["v1"] and table["differences"] == []
+
+    # The whole lab as one command: the target and its regeneration are found done, the named run is
+    # trained and evaluated, and the table is drawn again with it.
+    log = step(dict(env, LAB_STEPS="2"), out, "all", "v1-kl", timeout=600)
+    assert "[lab] sweep: v1-kl done (all)" in log and f"the table: {out}/quality_lab.md" in log
+    assert "lab target" not in log and "regenerate:" not in log
+    table = json.loads((out / "quality_lab_table.json").read_text())
+    assert list(table["runs"]) == ["v1", "v1-kl"]
+    assert json.loads((out / "v1-kl.json").read_text())["final"]["step"] == 2

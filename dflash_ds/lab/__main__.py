@@ -103,6 +103,13 @@ def _run_settings(args) -> dict:
     return {}
 
 
+def _run_names(args) -> dict:
+    from dflash_ds.lab.catalog import RUNS
+
+    print(" ".join(RUNS))
+    return {}
+
+
 def _summarize(args) -> dict:
     from dflash_ds.lab.runs import summarize
 
@@ -165,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seconds", type=float, default=150)
     n = sub.add_parser("run-settings")
     n.add_argument("name")
+    sub.add_parser("run-names")
     s = sub.add_parser("summarize")
     s.add_argument("run_dir")
     s.add_argument("name")
@@ -177,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 STEPS = {"corpus": _corpus, "tokenizer": _tokenizer, "frame": _frame, "target": _target, "regenerate": _regenerate,
-         "run-settings": _run_settings, "summarize": _summarize, "table": _table}
+         "run-settings": _run_settings, "run-names": _run_names, "summarize": _summarize, "table": _table}
 
 
 def main(argv=None) -> int:
@@ -190,7 +198,7 @@ def main(argv=None) -> int:
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(json.dumps(result, indent=1) + "\n")
-    if args.step not in ("table", "run-settings"):
+    if args.step not in ("table", "run-settings", "run-names"):
         print(json.dumps(result, indent=1, default=str)[:6000])
     return 0
 
