@@ -189,7 +189,8 @@ everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS 
   fi
   # the eval of a run that finished training is not boxed: LAB_EVAL_RESERVE seconds are kept for it
   LEFT=$(( $(left) - ${LAB_EVAL_RESERVE:-0} ))
-  if [ "$LEFT" -lt 60 ]; then
+  # a run stopped before its first step (still loading and compiling) ends without a checkpoint
+  if [ "$LEFT" -lt "${LAB_SWEEP_MIN:-180}" ]; then
     echo "[lab] all: ${LEFT} s left for the runs; rerun the same command to go on" >&2
     exit 75
   fi
