@@ -12,9 +12,11 @@ computes it (its context keys normalised with layer 0's k_norm in every layer:
 `vllm_cpu.as_cpu_build_runs`, docs/algorithm.md section 7.4). One server start per configuration.
 
 Loaded: vLLM's own config and model classes take every tiny export, including those its CPU runner
-cannot run (DFlash2, DSpark: Model Runner V2, GPU only): the architecture resolves to the intended
-class, the speculative config validates up to the runner check, which refuses exactly what needs V2,
-and the class's `load_weights` writes every parameter from the export with no tensor left over.
+cannot run (DFlash2, DSpark, LiLiCorr plain and with the block convolution: Model Runner V2, GPU
+only): the architecture resolves to the intended class, the speculative config validates up to the
+runner check, which refuses exactly what needs V2, and the class's `load_weights` writes every
+parameter from the export with no tensor left over. The LiLiCorr gate names what a broken export
+lacks or adds, and vLLM's own coverage check refuses an export without one of the head's tensors.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from dflash_ds.eval.cli import read_prompts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.tau import anchor_drafts
 from dflash_ds.eval.vllm_count import VllmCounts
-from dflash_ds.export import save_drafter
+from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
-from tests import vllm_cpu
+from tests import lilicorr_exports, vllm_cpu
 from tests.llama_cpp import ROOT
 from tests.test_engine import BUDGET, EXPORTS, TRAIN_PROMPTS, train
 
@@ -44,7 +46,8 @@ SHORT_BUDGET = 6  # tokens: every held-out response is longer, so its last draft
 # build's only one) refuses for it: DFlash2's candidate head and DSpark run on Model Runner V2 only.
 CLASSES = {"dflash": ("DFlashQwen3ForCausalLM", []),
            "dflash2": ("DFlash2Qwen3ForCausalLM", ["DFlash candidate-head drafts"]),
-           "dspark": ("Qwen3DSparkForCausalLM", ["dspark speculative decoding"])}
+           "dspark": ("Qwen3DSparkForCausalLM", ["dspark speculative decoding"]),
+           "lilicorr": ("LiLiCorrForCausalLM", ["DFlash candidate-head drafts"])}
 
 
 @pytest.fixture(scope="session")
@@ -205,3 +208,43 @@ def test_vllm_loads_every_export(vllm_python, tmp_path, name):
     assert result["missing"] == [] and result["unexpected"] == [], result
     # The export has no embedding and no lm_head: vLLM takes the target's.
     assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result
+
+
+@pytest.fixture(scope="module")
+def lilicorr(tmp_path_factory) -> dict:
+    """The tiny LiLiCorr exports (lilicorr_exports.FORMS), every tensor distinct."""
+    root = tmp_path_factory.mktemp("vllm_lilicorr")
+    return {form: lilicorr_exports.distinct_export(root / form, overrides=o) for form, o in lilicorr_exports.FORMS.items()}
+
+
+def lilicorr_verdict(vllm_python, export, *, card_of=None, refused: bool = False) -> dict:
+    """vllm_contract's verdict with the method and draft count the card gives (of the export `card_of`,
+    default `export` itself)."""
+    shape = load_drafter(card_of or export).config
+    serve = shape.variant.card(shape).serving
+    return vllm_cpu.contract(vllm_python, TARGET, export, serve.vllm_method, serve.vllm_tokens, refused=refused)
+
+
+@pytest.mark.parametrize("form", sorted(lilicorr_exports.FORMS))
+def test_vllm_loads_the_lilicorr_export(vllm_python, lilicorr, form):
+    """vLLM's LiLiCorrForCausalLM (its Model Runner V2 speculator's model, the head's names and vLLM's own
+    coverage check on every lilicorr.* and convolution parameter) takes the export whole."""
+    result = lilicorr_verdict(vllm_python, lilicorr[form])
+    cls, refused = CLASSES["lilicorr"]
+    assert (result["architecture"], result["model_class"], result["runner_refuses"]) == ("LiLiCorrDraftModel", cls, refused)
+    assert result["missing"] == [] and result["unexpected"] == [], result
+    assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result
+    convs = 4 * 2 if form == "conv" else 0  # two wrapped sublayers of two tensors in each of the 2 layers
+    assert result["num_tensors"] == 71 + convs, result
+
+
+def test_the_vllm_gate_names_what_a_lilicorr_export_lacks_or_adds(vllm_python, lilicorr, tmp_path):
+    """A backbone tensor removed and an HF rotary cache added pass vLLM's loader without a word; the
+    gate names exactly those two. Without a head tensor vLLM's own coverage check refuses the export."""
+    broken = lilicorr_exports.tampered(lilicorr["conv"], tmp_path / "broken")
+    result = lilicorr_verdict(vllm_python, broken, card_of=lilicorr["conv"])
+    assert result["missing"] == ["model." + lilicorr_exports.DROPPED], result
+    assert result["unexpected"] == [lilicorr_exports.JUNK], result
+    headless = lilicorr_exports.tampered(lilicorr["plain"], tmp_path / "headless", drop="lilicorr.in_head.bias", junk=None)
+    result = lilicorr_verdict(vllm_python, headless, card_of=lilicorr["plain"], refused=True)
+    assert "coverage mismatch" in result["error"] and "'lilicorr.in_head.bias'" in result["error"], result
