@@ -11,7 +11,11 @@ from pathlib import Path
 import torch
 
 from dflash_ds.config import load_recipe
+from dflash_ds.eval.cli import read_prompts
+from dflash_ds.eval.generate import greedy_continuation, target_taps
+from dflash_ds.eval.specdec import block_states
 from dflash_ds.export import save_drafter
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.llama_cpp import ROOT
@@ -51,3 +55,16 @@ def tampered(export: Path, path: Path, *, drop: str = DROPPED, junk: str | None 
         tensors[junk] = torch.arange(16, dtype=torch.float32) + 1000.0
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def held_out_blocks(model: DraftModel, target, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the drafted states [n, B - 1, D], the context rows [n, D]) of the blocks anchored at the last n
+    positions of the first held-out conversation (its prompt and the target's greedy response)."""
+    from transformers import AutoTokenizer
+
+    prompt = read_prompts(str(ROOT / "assets" / "tiny_eval.jsonl"), AutoTokenizer.from_pretrained(TARGET), limit=1)[0]
+    x = greedy_continuation(target, torch.tensor(prompt), max_new_tokens=32)
+    taps = target_taps(target, x, model.layer_ids)
+    assert x.numel() > n
+    blocks = [block_states(model, taps[:t], int(x[t])) for t in range(x.numel() - n, x.numel())]
+    return torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])

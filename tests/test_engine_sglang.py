@@ -29,9 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ds.eval.cli import read_prompts
-from dflash_ds.eval.generate import greedy_continuation, target_taps
-from dflash_ds.eval.specdec import block_states
 from dflash_ds.export import load_drafter
 from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.variants.lilicorr import LiLiCorr, walk
@@ -119,19 +116,6 @@ def test_the_sglang_gate_names_what_a_lilicorr_export_lacks_or_adds(sglang_pytho
     assert "missing 1 head parameters" in result["error"] and "'lilicorr.in_head.bias'" in result["error"], result
 
 
-def held_out_blocks(model: DraftModel, target, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the drafted states [n, B - 1, D], the context rows [n, D]) of the blocks anchored at the last n
-    positions of the first held-out conversation (its prompt and the target's greedy response)."""
-    from transformers import AutoTokenizer
-
-    prompt = read_prompts(str(ROOT / "assets" / "tiny_eval.jsonl"), AutoTokenizer.from_pretrained(TARGET), limit=1)[0]
-    x = greedy_continuation(target, torch.tensor(prompt), max_new_tokens=32)
-    taps = target_taps(target, x, model.layer_ids)
-    assert x.numel() > n
-    blocks = [block_states(model, taps[:t], int(x[t])) for t in range(x.numel() - n, x.numel())]
-    return torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
-
-
 @pytest.mark.parametrize("form", sorted(lilicorr_exports.FORMS))
 def test_the_lilicorr_walk_is_sglangs_torch_walk(sglang_python, lilicorr, tmp_path, form):
     """SGLang's proposal (tests/sglang_lilicorr_walk.py) on 16 held-out blocks of the export: the same
@@ -141,7 +125,7 @@ def test_the_lilicorr_walk_is_sglangs_torch_walk(sglang_python, lilicorr, tmp_pa
 
     target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval().requires_grad_(False)
     model = DraftModel.from_target(load_drafter(lilicorr[form]), target)
-    states, rows = held_out_blocks(model, target, 16)
+    states, rows = lilicorr_exports.held_out_blocks(model, target, 16)
     n = states.shape[0]
     # SGLang reads the drafting slots 1 .. B - 1 of the block's states: slot 0 is NaN, which would
     # reach every draft if it were read.

@@ -17,6 +17,8 @@ only): the architecture resolves to the intended class, the speculative config v
 runner check, which refuses exactly what needs V2, and the class's `load_weights` writes every
 parameter from the export with no tensor left over. The LiLiCorr gate names what a broken export
 lacks or adds, and vLLM's own coverage check refuses an export without one of the head's tensors.
+vLLM's LiLiCorr candidates and head scores are plain torch (its walk over them is a Triton kernel
+only): run on held-out blocks of the export, they are the project's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.tau import anchor_drafts
 from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.export import load_drafter, save_drafter
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.variants.lilicorr import LiLiCorr, walk
+from dflash_ds.model.variants.lilicorr.head import Factors
 from dflash_ds.resolve.drafter import drafter_shape
 from tests import lilicorr_exports, vllm_cpu
 from tests.llama_cpp import ROOT
@@ -248,3 +253,34 @@ def test_the_vllm_gate_names_what_a_lilicorr_export_lacks_or_adds(vllm_python, l
     headless = lilicorr_exports.tampered(lilicorr["plain"], tmp_path / "headless", drop="lilicorr.in_head.bias", junk=None)
     result = lilicorr_verdict(vllm_python, headless, card_of=lilicorr["plain"], refused=True)
     assert "coverage mismatch" in result["error"] and "'lilicorr.in_head.bias'" in result["error"], result
+
+
+def test_the_lilicorr_candidates_and_scores_are_vllms(vllm_python, lilicorr, tmp_path):
+    """vLLM's compute_candidates and LiLiCorr head (tests/vllm_lilicorr_scores.py) on 16 held-out blocks
+    of the export with the block convolution, one of them without its anchor row: the project's
+    candidates, log-probs and log-factors (`walk.score`), within float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval().requires_grad_(False)
+    model = DraftModel.from_target(load_drafter(lilicorr["conv"]), target)
+    states, rows = lilicorr_exports.held_out_blocks(model, target, 16)
+    valid = torch.ones(states.shape[0], dtype=torch.bool)
+    valid[5] = False
+    torch.save(dict(pass_hidden=states, anchor=rows, anchor_valid=valid, lm_head=model.lm_head.detach(),
+                    embed=model.embed.detach()), tmp_path / "inputs.pt")
+    verdict = vllm_cpu.lilicorr_scores(vllm_python, TARGET, lilicorr["conv"], inputs=tmp_path / "inputs.pt",
+                                      out=tmp_path / "out.pt")
+    assert verdict["missing"] == [] and verdict["unexpected"] == [], verdict
+    vllm = torch.load(tmp_path / "out.pt")
+    found, factors = walk.score(model, states, rows, valid)
+    assert torch.equal(found.ids, vllm["candidates"])
+    assert torch.allclose(found.log_probs, vllm["log_probs"], atol=1e-5, rtol=0)
+    # vLLM stacks the start factors as slot 0's rows (every row alike), the pair factors after them.
+    assert torch.equal(vllm["factors"][:, 0], vllm["factors"][:, 0, :1].expand_as(vllm["factors"][:, 0]))
+    assert torch.allclose(factors.start, vllm["factors"][:, 0, 0], atol=1e-4, rtol=0)
+    assert torch.allclose(factors.pair, vllm["factors"][:, 1:], atol=1e-4, rtol=0)
+    # The greedy walk over vLLM's factors is the project's draft, which is off the backbone's argmax.
+    stacked = vllm["factors"]
+    drafted = walk.chosen(found, walk.greedy_path(Factors(stacked[:, 0, 0], stacked[:, 1:])))
+    project = LiLiCorr().propose(model, states, None, context=rows, context_valid=valid).tokens
+    assert torch.equal(drafted, project) and int((project != found.ids[..., 0]).sum()) >= 4
