@@ -22,8 +22,14 @@ from tests.llama_cpp import ROOT
 
 TARGET = ROOT / "assets" / "tiny-target"
 RECIPE = ROOT / "recipes" / "tiny-lilicorr.yaml"
-# The convolution DFlash2 publishes (2 taps, groups of 16 channels): the tiny width 128 takes it.
-FORMS = {"plain": (), "conv": ("drafter.lilicorr.block_conv_kernel_size=2", "drafter.lilicorr.block_conv_group_size=16")}
+# The recipe's head (width 16, so with token_proj); with the convolution DFlash2 publishes (2 taps, groups
+# of 16 channels), which the tiny width 128 takes; and as wide as the drafter (no token_proj: the readers
+# build none either).
+FORMS = {"plain": (), "conv": ("drafter.lilicorr.block_conv_kernel_size=2", "drafter.lilicorr.block_conv_group_size=16"),
+         "full": ("drafter.lilicorr.head_hidden_size=0",)}
+# Tensors of each form's export: the convolution adds 2 tensors to each of 2 wrapped sublayers of the 2
+# layers; the full-width head has no token_proj weight and bias.
+TENSORS = {"plain": 71, "conv": 79, "full": 69}
 # Both loaders pass over these two without a word (a backbone tensor is not covered by their checks,
 # and an HF rotary cache is dropped by name), so only the gate's own accounting can name them.
 DROPPED = "layers.1.self_attn.o_proj.weight"

@@ -7,12 +7,13 @@ writes every parameter from the export with no tensor left over (tests/sglang_co
 confidence head is built only when SGLang verifies ragged blocks (SGLANG_RAGGED_VERIFY_MODE
 cap-accept or compact); with the default static verification SGLang drops exactly its two tensors.
 
-The tiny LiLiCorr export loads through SGLang's `LiLiCorrDraftModel` plain and with the block
-convolution, and the gate names what a broken one lacks or adds. SGLang's block proposal has a torch
-path off CUDA (`lilicorr_utils.propose_lilicorr_block`: candidates by `lilicorr_topk_lse`'s fallback,
-the head's scores, `_selector_walk_torch`), which tests/sglang_lilicorr_walk.py runs on the drafted
-states of held-out blocks: the project's greedy walk (`LiLiCorr.propose`) and sampled walk
-(`walk.sampled_path`, under SGLang's own uniforms) propose what SGLang's code proposes.
+The tiny LiLiCorr export loads through SGLang's `LiLiCorrDraftModel` plain, with the block
+convolution and full width, and the gate names what a broken one lacks or adds. SGLang's block
+proposal has a torch path off CUDA (`lilicorr_utils.propose_lilicorr_block`: candidates by
+`lilicorr_topk_lse`'s fallback, the head's scores, `_selector_walk_torch`), which
+tests/sglang_lilicorr_walk.py runs on the drafted states of held-out blocks: the project's greedy walk
+(`LiLiCorr.propose`) and sampled walk (`walk.sampled_path`, under SGLang's own uniforms) propose what
+SGLang's code proposes.
 
 Opt-in because the environment costs about 6 GB and several minutes to install, beyond what CI's
 fresh machine has room for beside llama.cpp and vLLM; with DFLASH_SGLANG=1 a failed install skips
@@ -103,7 +104,7 @@ def test_sglang_loads_the_lilicorr_export(sglang_python, lilicorr, form):
     result = contract(sglang_python, lilicorr[form])
     assert (result["architecture"], result["model_class"]) == ("LiLiCorrDraftModel", "LiLiCorrDraftModel"), result
     assert result["missing"] == [] and result["unexpected"] == [], result
-    assert result["num_tensors"] == 71 + (8 if form == "conv" else 0), result
+    assert result["num_tensors"] == lilicorr_exports.TENSORS[form], result
 
 
 def test_the_sglang_gate_names_what_a_lilicorr_export_lacks_or_adds(sglang_python, lilicorr, tmp_path):

@@ -12,9 +12,9 @@ computes it (its context keys normalised with layer 0's k_norm in every layer:
 `vllm_cpu.as_cpu_build_runs`, docs/algorithm.md section 7.4). One server start per configuration.
 
 Loaded: vLLM's own config and model classes take every tiny export, including those its CPU runner
-cannot run (DFlash2, DSpark, LiLiCorr plain and with the block convolution: Model Runner V2, GPU
-only): the architecture resolves to the intended class, the speculative config validates up to the
-runner check, which refuses exactly what needs V2, and the class's `load_weights` writes every
+cannot run (DFlash2, DSpark, LiLiCorr plain, with the block convolution and full width: Model Runner
+V2, GPU only): the architecture resolves to the intended class, the speculative config validates up
+to the runner check, which refuses exactly what needs V2, and the class's `load_weights` writes every
 parameter from the export with no tensor left over. The LiLiCorr gate names what a broken export
 lacks or adds, and vLLM's own coverage check refuses an export without one of the head's tensors.
 vLLM's LiLiCorr candidates and head scores are plain torch (its walk over them is a Triton kernel
@@ -239,8 +239,7 @@ def test_vllm_loads_the_lilicorr_export(vllm_python, lilicorr, form):
     assert (result["architecture"], result["model_class"], result["runner_refuses"]) == ("LiLiCorrDraftModel", cls, refused)
     assert result["missing"] == [] and result["unexpected"] == [], result
     assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result
-    convs = 4 * 2 if form == "conv" else 0  # two wrapped sublayers of two tensors in each of the 2 layers
-    assert result["num_tensors"] == 71 + convs, result
+    assert result["num_tensors"] == lilicorr_exports.TENSORS[form], result
 
 
 def test_the_vllm_gate_names_what_a_lilicorr_export_lacks_or_adds(vllm_python, lilicorr, tmp_path):
