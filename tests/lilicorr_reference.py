@@ -1,7 +1,7 @@
 """An independent LiLiCorr draft, written from SGLang's reader (python/sglang/srt/models/lilicorr.py, the
 lilicorr_components candidates and selection, kernels/ops/speculative/lilicorr.py's lattice-to-rows and
-inverse-CDF walk) rather than from the project's modules: it takes an export's tensors by name after
-SGLang's renames (tests/fixtures/lilicorr_reader_rules.json), computes everything in float64 with plain
+inverse-CDF walk) rather than from the project's modules: it takes an export's tensors by the names
+SGLang's modules have (tests/fixtures/lilicorr_reader_rules.json), computes everything in float64 with plain
 tensor algebra (the attention as softmax(q k^T / sqrt(d) + bias) v, the bias filled slot pair by slot
 pair), and walks one block at a time.
 
@@ -13,19 +13,14 @@ import math
 
 import torch
 
-RENAMES = (("lilicorr.feature_mlp.0.", "lilicorr.feature_norm."), ("lilicorr.feature_mlp.1.", "lilicorr.feature_mlp.up_proj."),
-           ("lilicorr.feature_mlp.3.", "lilicorr.feature_mlp.down_proj."), (".mlp.0.", ".mlp.up_proj."),
-           (".mlp.2.", ".mlp.down_proj."))
 
-
-def sglang_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The head's tensors under the names SGLang's modules have, float64, without the `lilicorr.` prefix."""
+def head_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The head's tensors (the export names them as SGLang's modules are named), float64, without the
+    `lilicorr.` prefix."""
     out = {}
     for name, value in state.items():
         if not name.startswith("lilicorr."):
             continue
-        for old, new in RENAMES:
-            name = name.replace(old, new)
         out[name[len("lilicorr."):]] = value.detach().double()
     return out
 
@@ -50,7 +45,7 @@ class ReferenceDraft:
     """One block's draft from an export's tensors and its config's `dflash_config` (plus rms_norm_eps)."""
 
     def __init__(self, state: dict[str, torch.Tensor], dflash_config: dict, rms_eps: float):
-        self.w, c = sglang_names(state), dflash_config
+        self.w, c = head_tensors(state), dflash_config
         self.k, self.slots = c["lilicorr_candidate_topk"], c["block_size"] - 1
         self.heads, self.layers = c["lilicorr_num_heads"], c["lilicorr_num_layers"]
         self.scale, self.vector_eps, self.eps = c["lilicorr_logit_scale"], c["lilicorr_vector_eps"], rms_eps

@@ -10,7 +10,7 @@ only the parallel widths from them) and the export's config builds the class its
 resolves to, as SGLang's draft worker does, with a gloo process group of 1. On a platform that is
 neither CUDA nor SGLang's CPU engine (which needs sgl_kernel, whose wheel needs libcuda) the rotary
 layer imports vLLM's `rotary_embedding` at construction; it is replaced by a function that raises,
-since nothing here runs a forward pass.
+since nothing here runs a forward pass; and so is the draft worker's module (`without_scheduler`).
 
 Prints one JSON object on its last stdout line:
 - `architecture`, `model_class`: the export's architecture and the class SGLang's registry resolves
@@ -44,6 +44,20 @@ def without_vllm_kernels() -> None:
     vllm._custom_ops = ops
     sys.modules.setdefault("vllm", vllm)
     sys.modules.setdefault("vllm._custom_ops", ops)
+
+
+def without_scheduler() -> None:
+    """SGLang's LiLiCorr model imports its speculative utilities, which import the draft worker's
+    `make_draft_input_v2` and with it the scheduler and the HTTP server's packages (uvicorn,
+    setproctitle, ...), none of which the environment installs: the registry then skips the class.
+    The worker's module is replaced by one whose only function raises; loading runs no worker."""
+
+    def make_draft_input_v2(*args, **kwargs):
+        raise RuntimeError("SGLang's draft worker is not available here; the loader check runs no worker")
+
+    worker = types.ModuleType("sglang.srt.speculative.draft_worker_common")
+    worker.make_draft_input_v2 = make_draft_input_v2
+    sys.modules.setdefault(worker.__name__, worker)
 
 
 def build(target: str, export: str, result: dict) -> torch.nn.Module:
@@ -88,6 +102,7 @@ def main() -> None:
 
     def check(result: dict) -> None:
         without_vllm_kernels()
+        without_scheduler()
         load_check(build(target, export, result), export, result)
 
     report(check)

@@ -12,9 +12,13 @@ computes it (its context keys normalised with layer 0's k_norm in every layer:
 `vllm_cpu.as_cpu_build_runs`, docs/algorithm.md section 7.4). One server start per configuration.
 
 Loaded: vLLM's own config and model classes take every tiny export, including those its CPU runner
-cannot run (DFlash2, DSpark: Model Runner V2, GPU only): the architecture resolves to the intended
-class, the speculative config validates up to the runner check, which refuses exactly what needs V2,
-and the class's `load_weights` writes every parameter from the export with no tensor left over.
+cannot run (DFlash2, DSpark, LiLiCorr plain, with the block convolution and full width: Model Runner
+V2, GPU only): the architecture resolves to the intended class, the speculative config validates up
+to the runner check, which refuses exactly what needs V2, and the class's `load_weights` writes every
+parameter from the export with no tensor left over. The LiLiCorr gate names what a broken export
+lacks or adds, and vLLM's own coverage check refuses an export without one of the head's tensors.
+vLLM's LiLiCorr candidates and head scores are plain torch (its walk over them is a Triton kernel
+only): run on held-out blocks of the export, they are the project's.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from dflash_ds.eval.cli import read_prompts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.tau import anchor_drafts
 from dflash_ds.eval.vllm_count import VllmCounts
-from dflash_ds.export import save_drafter
+from dflash_ds.export import load_drafter, save_drafter
+from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.model.variants.lilicorr import LiLiCorr, walk
+from dflash_ds.model.variants.lilicorr.head import Factors
 from dflash_ds.resolve.drafter import drafter_shape
-from tests import vllm_cpu
+from tests import lilicorr_exports, vllm_cpu
 from tests.llama_cpp import ROOT
 from tests.test_engine import BUDGET, EXPORTS, TRAIN_PROMPTS, train
 
@@ -44,7 +51,8 @@ SHORT_BUDGET = 6  # tokens: every held-out response is longer, so its last draft
 # build's only one) refuses for it: DFlash2's candidate head and DSpark run on Model Runner V2 only.
 CLASSES = {"dflash": ("DFlashQwen3ForCausalLM", []),
            "dflash2": ("DFlash2Qwen3ForCausalLM", ["DFlash candidate-head drafts"]),
-           "dspark": ("Qwen3DSparkForCausalLM", ["dspark speculative decoding"])}
+           "dspark": ("Qwen3DSparkForCausalLM", ["dspark speculative decoding"]),
+           "lilicorr": ("LiLiCorrForCausalLM", ["DFlash candidate-head drafts"])}
 
 
 @pytest.fixture(scope="session")
@@ -205,3 +213,73 @@ def test_vllm_loads_every_export(vllm_python, tmp_path, name):
     assert result["missing"] == [] and result["unexpected"] == [], result
     # The export has no embedding and no lm_head: vLLM takes the target's.
     assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result
+
+
+@pytest.fixture(scope="module")
+def lilicorr(tmp_path_factory) -> dict:
+    """The tiny LiLiCorr exports (lilicorr_exports.FORMS), every tensor distinct."""
+    root = tmp_path_factory.mktemp("vllm_lilicorr")
+    return {form: lilicorr_exports.distinct_export(root / form, overrides=o) for form, o in lilicorr_exports.FORMS.items()}
+
+
+def lilicorr_verdict(vllm_python, export, *, card_of=None, refused: bool = False) -> dict:
+    """vllm_contract's verdict with the method and draft count the card gives (of the export `card_of`,
+    default `export` itself)."""
+    shape = load_drafter(card_of or export).config
+    serve = shape.variant.card(shape).serving
+    return vllm_cpu.contract(vllm_python, TARGET, export, serve.vllm_method, serve.vllm_tokens, refused=refused)
+
+
+@pytest.mark.parametrize("form", sorted(lilicorr_exports.FORMS))
+def test_vllm_loads_the_lilicorr_export(vllm_python, lilicorr, form):
+    """vLLM's LiLiCorrForCausalLM (its Model Runner V2 speculator's model, the head's names and vLLM's own
+    coverage check on every lilicorr.* and convolution parameter) takes the export whole."""
+    result = lilicorr_verdict(vllm_python, lilicorr[form])
+    cls, refused = CLASSES["lilicorr"]
+    assert (result["architecture"], result["model_class"], result["runner_refuses"]) == ("LiLiCorrDraftModel", cls, refused)
+    assert result["missing"] == [] and result["unexpected"] == [], result
+    assert result["shared_with_target"] == ["lm_head.weight", "model.embed_tokens.weight"], result
+    assert result["num_tensors"] == lilicorr_exports.TENSORS[form], result
+
+
+def test_the_vllm_gate_names_what_a_lilicorr_export_lacks_or_adds(vllm_python, lilicorr, tmp_path):
+    """A backbone tensor removed and an HF rotary cache added pass vLLM's loader without a word; the
+    gate names exactly those two. Without a head tensor vLLM's own coverage check refuses the export."""
+    broken = lilicorr_exports.tampered(lilicorr["conv"], tmp_path / "broken")
+    result = lilicorr_verdict(vllm_python, broken, card_of=lilicorr["conv"])
+    assert result["missing"] == ["model." + lilicorr_exports.DROPPED], result
+    assert result["unexpected"] == [lilicorr_exports.JUNK], result
+    headless = lilicorr_exports.tampered(lilicorr["plain"], tmp_path / "headless", drop="lilicorr.in_head.bias", junk=None)
+    result = lilicorr_verdict(vllm_python, headless, card_of=lilicorr["plain"], refused=True)
+    assert "coverage mismatch" in result["error"] and "'lilicorr.in_head.bias'" in result["error"], result
+
+
+def test_the_lilicorr_candidates_and_scores_are_vllms(vllm_python, lilicorr, tmp_path):
+    """vLLM's compute_candidates and LiLiCorr head (tests/vllm_lilicorr_scores.py) on 16 held-out blocks
+    of the export with the block convolution, one of them without its anchor row: the project's
+    candidates, log-probs and log-factors (`walk.score`), within float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval().requires_grad_(False)
+    model = DraftModel.from_target(load_drafter(lilicorr["conv"]), target)
+    states, rows = lilicorr_exports.held_out_blocks(model, target, 16)
+    valid = torch.ones(states.shape[0], dtype=torch.bool)
+    valid[5] = False
+    torch.save(dict(pass_hidden=states, anchor=rows, anchor_valid=valid, lm_head=model.lm_head.detach(),
+                    embed=model.embed.detach()), tmp_path / "inputs.pt")
+    verdict = vllm_cpu.lilicorr_scores(vllm_python, TARGET, lilicorr["conv"], inputs=tmp_path / "inputs.pt",
+                                      out=tmp_path / "out.pt")
+    assert verdict["missing"] == [] and verdict["unexpected"] == [], verdict
+    vllm = torch.load(tmp_path / "out.pt")
+    found, factors = walk.score(model, states, rows, valid)
+    assert torch.equal(found.ids, vllm["candidates"])
+    assert torch.allclose(found.log_probs, vllm["log_probs"], atol=1e-5, rtol=0)
+    # vLLM stacks the start factors as slot 0's rows (every row alike), the pair factors after them.
+    assert torch.equal(vllm["factors"][:, 0], vllm["factors"][:, 0, :1].expand_as(vllm["factors"][:, 0]))
+    assert torch.allclose(factors.start, vllm["factors"][:, 0, 0], atol=1e-4, rtol=0)
+    assert torch.allclose(factors.pair, vllm["factors"][:, 1:], atol=1e-4, rtol=0)
+    # The greedy walk over vLLM's factors is the project's draft, which is off the backbone's argmax.
+    stacked = vllm["factors"]
+    drafted = walk.chosen(found, walk.greedy_path(Factors(stacked[:, 0, 0], stacked[:, 1:])))
+    project = LiLiCorr().propose(model, states, None, context=rows, context_valid=valid).tokens
+    assert torch.equal(drafted, project) and int((project != found.ids[..., 0]).sum()) >= 4

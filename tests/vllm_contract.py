@@ -60,7 +60,7 @@ def located(tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> bool:
     return False
 
 
-def load_check(config, export: str, result: dict) -> None:
+def load_check(config, export: str, result: dict) -> torch.nn.Module:
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -93,6 +93,7 @@ def load_check(config, export: str, result: dict) -> None:
     result["unexpected"] = sorted(n for n, t in tensors.items() if not located(t, written))
     result["num_tensors"] = len(tensors)
     result["num_parameters"] = len(written)
+    return model
 
 
 def report(check) -> None:
@@ -111,15 +112,20 @@ def main() -> None:
     target, export, method, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
     def check(result: dict) -> None:
-        from vllm.model_executor.models.registry import ModelRegistry
-
-        config = engine_config(target, export, method, k, result)
-        draft = config.speculative_config.draft_model_config
-        cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, model_config=draft)
-        result.update(architecture=arch, model_class=cls.__name__)
-        load_check(config, export, result)
+        loaded(target, export, method, k, result)
 
     report(check)
+
+
+def loaded(target: str, export: str, method: str, k: int, result: dict) -> tuple:
+    """(the engine config, the model vLLM built for the export and loaded), the verdict in `result`."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    config = engine_config(target, export, method, k, result)
+    draft = config.speculative_config.draft_model_config
+    cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, model_config=draft)
+    result.update(architecture=arch, model_class=cls.__name__)
+    return config, load_check(config, export, result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from tests.llama_cpp import ROOT, built_env_python
 
 BUILD = ROOT / "scripts" / "build_vllm_cpu.sh"
 CONTRACT = ROOT / "tests" / "vllm_contract.py"
+LILICORR_SCORES = ROOT / "tests" / "vllm_lilicorr_scores.py"
 START_TIMEOUT = 900  # seconds for a server to answer /health (~75 s on an idle 2-core machine)
 REQUEST_TIMEOUT = 300
 CONTRACT_TIMEOUT = 600
@@ -130,15 +131,28 @@ class Server:
                 "accepted_per_position": [per_pos[k] for k in sorted(per_pos)]}
 
 
-def contract(python: Path, target: Path, export: Path, method: str, num_speculative_tokens: int) -> dict:
-    """tests/vllm_contract.py's verdict on one export (its module docstring)."""
-    args = [str(python), str(CONTRACT), str(target), str(export), method, str(num_speculative_tokens)]
+def contract(python: Path, target: Path, export: Path, method: str, num_speculative_tokens: int, *,
+             refused: bool = False) -> dict:
+    """tests/vllm_contract.py's verdict on one export (its module docstring); with `refused` the verdict
+    must carry the `error` that stopped vLLM's loader."""
+    return run_check(python, CONTRACT, [target, export, method, num_speculative_tokens], export, refused=refused)
+
+
+def lilicorr_scores(python: Path, target: Path, export: Path, *, inputs: Path, out: Path) -> dict:
+    """tests/vllm_lilicorr_scores.py on one export (its module docstring): the loader's verdict; the
+    candidates and log-factors are in `out`."""
+    return run_check(python, LILICORR_SCORES, [target, export, inputs, out], export)
+
+
+def run_check(python: Path, script: Path, argv: list, export: Path, *, refused: bool = False) -> dict:
+    """The last stdout line of `script` (a check run by vLLM's python), as JSON."""
+    args = [str(python), str(script), *map(str, argv)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=CONTRACT_TIMEOUT, cwd=ROOT,
                        env=dict(os.environ, **ENV))
     lines = r.stdout.strip().splitlines()
-    assert r.returncode == 0 and lines, f"{CONTRACT.name} failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    assert r.returncode == 0 and lines, f"{script.name} failed ({r.returncode}):\n{r.stderr[-3000:]}"
     result = json.loads(lines[-1])
-    assert "error" not in result, f"{export.name}: {result['error']}\n{r.stderr[-3000:]}"
+    assert ("error" in result) == refused, f"{export.name}: {result.get('error')}\n{r.stderr[-3000:]}"
     return result
 
 

@@ -260,9 +260,9 @@ class LiLiCorr(DFlash):
         if h != d:
             head |= {"token_proj.weight": (h, d), "token_proj.bias": (h,)}
         head |= {"pass_hidden_proj.weight": (h, d), "pass_hidden_proj.bias": (h,),
-                 "feature_mlp.0.weight": (NUM_FEATURES,), "feature_mlp.0.bias": (NUM_FEATURES,),
-                 "feature_mlp.1.weight": (h, NUM_FEATURES), "feature_mlp.1.bias": (h,),
-                 "feature_mlp.3.weight": (h, h), "feature_mlp.3.bias": (h,),
+                 "feature_norm.weight": (NUM_FEATURES,), "feature_norm.bias": (NUM_FEATURES,),
+                 "feature_mlp.up_proj.weight": (h, NUM_FEATURES), "feature_mlp.up_proj.bias": (h,),
+                 "feature_mlp.down_proj.weight": (h, h), "feature_mlp.down_proj.bias": (h,),
                  "slot_embedding": (1, 1, s, 1, h), "rank_embedding": (1, 1, 1, k, h),
                  "relative_slot_bias": (nh, 2 * s + 1), "same_slot_bias": (nh,),
                  "context_proj.weight": (h, d), "context_proj.bias": (h,)}
@@ -270,7 +270,8 @@ class LiLiCorr(DFlash):
             head |= {f"layers.{layer}.{name}": t for name, t in {
                 "attn_norm.weight": (h,), "attn.in_proj_weight": (3 * h, h), "attn.in_proj_bias": (3 * h,),
                 "attn.out_proj.weight": (h, h), "attn.out_proj.bias": (h,), "mlp_norm.weight": (h,),
-                "mlp.0.weight": (m, h), "mlp.0.bias": (m,), "mlp.2.weight": (h, m), "mlp.2.bias": (h,)}.items()}
+                "mlp.up_proj.weight": (m, h), "mlp.up_proj.bias": (m,), "mlp.down_proj.weight": (h, m),
+                "mlp.down_proj.bias": (h,)}.items()}
         head |= {"output_norm.weight": (h,), "anchor_norm.weight": (h,),
                  "factor_input_proj.weight": (h, 3 * h), "factor_input_proj.bias": (h,)}
         for name in ("out_head", "in_head", "anchor_out_head"):

@@ -1,9 +1,10 @@
 """LiLiCorr's head: the candidate reranker over the backbone's top-k candidates of every drafted slot.
 
 Every module and parameter is named as the serving engines load it (the export prefix is `lilicorr.`):
-the names, the nn.Sequential indices of `feature_mlp` and `layers.{l}.mlp` and the packed q, k, v
-projection `layers.{l}.attn.in_proj_weight` are Model-Optimizer's, which vLLM's and SGLang's readers
-map onto their own modules (tests/fixtures/lilicorr_reader_rules.json).
+Model-Optimizer's module names and packed q, k, v projection `layers.{l}.attn.in_proj_weight`, with the
+feature norm and the two MLPs as vLLM's and SGLang's loaders build them (`feature_norm`,
+`feature_mlp.up_proj` / `down_proj`, `layers.{l}.mlp.up_proj` / `down_proj`) rather than as
+Model-Optimizer's nn.Sequential indices, which both loaders refuse (tests/fixtures/lilicorr_reader_rules.json).
 
 Per block of S = B - 1 drafted slots and k candidates a slot, the head builds a k * S lattice of
 candidate states (the candidate's target embedding, the slot's drafted state, five features of its
@@ -95,7 +96,7 @@ class PaddedParameters(nn.Module):
 
 
 class FeatureNorm(PaddedParameters):
-    """LayerNorm over the five candidate features (`feature_mlp.0`), its 5-element weight and bias padded."""
+    """LayerNorm over the five candidate features (`feature_norm`), its 5-element weight and bias padded."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,6 +146,18 @@ class LatticeAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(n, p, width))
 
 
+class HeadMLP(nn.Module):
+    """Ungated SiLU MLP, down_proj(silu(up_proj(x))), both with a bias."""
+
+    def __init__(self, width: int, inner: int, out: int):
+        super().__init__()
+        self.up_proj = nn.Linear(width, inner)
+        self.down_proj = nn.Linear(inner, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.up_proj(x)))
+
+
 class LatticeLayer(nn.Module):
     """Pre-norm: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)) with an ungated SiLU MLP."""
 
@@ -153,7 +166,7 @@ class LatticeLayer(nn.Module):
         self.attn_norm = RMSNorm(width, eps)
         self.attn = LatticeAttention(width, num_heads)
         self.mlp_norm = RMSNorm(width, eps)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_width), nn.SiLU(), nn.Linear(mlp_width, width))
+        self.mlp = HeadMLP(width, mlp_width, width)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), bias)
@@ -204,7 +217,8 @@ class LiLiCorrHead(PaddedParameters):
         h = g.width
         self.token_proj = nn.Linear(g.hidden, h) if h != g.hidden else None
         self.pass_hidden_proj = nn.Linear(g.hidden, h)
-        self.feature_mlp = nn.Sequential(FeatureNorm(), nn.Linear(NUM_FEATURES, h), nn.SiLU(), nn.Linear(h, h))
+        self.feature_norm = FeatureNorm()
+        self.feature_mlp = HeadMLP(NUM_FEATURES, h, h)
         self.slot_embedding = nn.Parameter(torch.zeros(1, 1, g.slots, 1, h))
         self.rank_embedding = nn.Parameter(torch.zeros(1, 1, 1, g.top_k, h))
         # nh scalars a signed slot distance (-(B-1) .. B-1) and nh for "same slot": sizes rarely a
@@ -258,7 +272,7 @@ class LiLiCorrHead(PaddedParameters):
         tokens = embeddings.to(dtype)
         x = (tokens if self.token_proj is None else self.token_proj(tokens))
         x = x + self.pass_hidden_proj(hidden.to(dtype))[:, :, None]
-        x = x + self.feature_mlp(candidate_features(log_probs).to(dtype))
+        x = x + self.feature_mlp(self.feature_norm(candidate_features(log_probs).to(dtype)))
         x = x + self.slot_embedding[0, 0] + self.rank_embedding[0, 0]
         x = x.flatten(1, 2)
         bias = self.attention_bias()

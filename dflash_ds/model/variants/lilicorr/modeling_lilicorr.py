@@ -5,7 +5,8 @@ Written by dflash-ds into every LiLiCorr export next to `modeling_dflash.py`, wh
 the export loads without the training package. Module names equal the exported tensor names: the
 DFlash backbone's, DFlash2's block convolutions when `dflash_config.conv_kernel_size` is set, and the
 reranker head under `lilicorr.` with Model-Optimizer's names (torch's nn.MultiheadAttention packs q, k, v
-as `attn.in_proj_weight`; `feature_mlp` and `layers.{l}.mlp` keep their nn.Sequential indices).
+as `attn.in_proj_weight`), its feature norm and MLPs named as vLLM's and SGLang's loaders build them
+(`feature_norm`, `feature_mlp.up_proj` / `down_proj`, `layers.{l}.mlp.up_proj` / `down_proj`).
 
 `forward` is the DFlash backbone's (modeling_dflash.py). A block's draft:
 
@@ -47,13 +48,23 @@ class LiLiCorrConfig(DFlashConfig):
         return value
 
 
+class HeadMLP(nn.Module):
+    def __init__(self, width: int, inner: int, out: int):
+        super().__init__()
+        self.up_proj = nn.Linear(width, inner)
+        self.down_proj = nn.Linear(inner, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.up_proj(x)))
+
+
 class LatticeLayer(nn.Module):
     def __init__(self, width: int, num_heads: int, mlp_width: int, eps: float):
         super().__init__()
         self.attn_norm = RMSNorm(width, eps)
         self.attn = nn.MultiheadAttention(width, num_heads, batch_first=True)
         self.mlp_norm = RMSNorm(width, eps)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_width), nn.SiLU(), nn.Linear(mlp_width, width))
+        self.mlp = HeadMLP(width, mlp_width, width)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         h = self.attn_norm(x)
@@ -77,8 +88,8 @@ class LiLiCorrHead(nn.Module):
         # The readers build token_proj only when the head's width differs from the drafter's.
         self.token_proj = nn.Linear(hidden, width) if width != hidden else None
         self.pass_hidden_proj = nn.Linear(hidden, width)
-        self.feature_mlp = nn.Sequential(nn.LayerNorm(NUM_FEATURES), nn.Linear(NUM_FEATURES, width), nn.SiLU(),
-                                         nn.Linear(width, width))
+        self.feature_norm = nn.LayerNorm(NUM_FEATURES)
+        self.feature_mlp = HeadMLP(NUM_FEATURES, width, width)
         self.slot_embedding = nn.Parameter(torch.zeros(1, 1, self.slots, 1, width))
         self.rank_embedding = nn.Parameter(torch.zeros(1, 1, 1, self.top_k, width))
         self.relative_slot_bias = nn.Parameter(torch.zeros(heads, 2 * self.slots + 1))
@@ -112,7 +123,8 @@ class LiLiCorrHead(nn.Module):
                                 (rank == 0).to(lp.dtype).expand_as(lp)], dim=-1)
         tokens = embeddings.to(dtype)
         x = tokens if self.token_proj is None else self.token_proj(tokens)
-        x = x + self.pass_hidden_proj(hidden.to(dtype))[:, :, None] + self.feature_mlp(features.to(dtype))
+        x = x + self.pass_hidden_proj(hidden.to(dtype))[:, :, None]
+        x = x + self.feature_mlp(self.feature_norm(features.to(dtype)))
         x = (x + self.slot_embedding[0, 0] + self.rank_embedding[0, 0]).flatten(1, 2)
         bias = self.attention_bias()
         for layer in self.layers:
