@@ -24,7 +24,7 @@ import torch
 
 from dflash_ds.config import load_recipe
 from dflash_ds.export import save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.llama_cpp import ROOT, built_env_python
 from tests.test_engine import EXPORTS

@@ -30,7 +30,7 @@ from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.tau import anchor_drafts
 from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.export import save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from tests import vllm_cpu
 from tests.llama_cpp import ROOT

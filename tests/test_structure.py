@@ -7,14 +7,14 @@
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
   import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
-- no code outside model/variants/ asks which drafter architecture it has: no comparison with an
+- no code outside architectures/ asks which drafter architecture it has: no comparison with an
   architecture's name or class name, no attribute named after an architecture or one of its modules
   (`drafter.candidate_selector`), no import of
   one architecture's module (`isinstance(m, BlockConv)` needs one), no read of its own values
   (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
   string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
   architecture's `logs` view instead);
-- model/, target_model/ and quantization/ speak no recipe vocabulary: no message (a string that is not documentation)
+- network/, objective/, architectures/, target_model/ and quantization/ speak no recipe vocabulary: no message (a string that is not documentation)
   names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
 - one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
   stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
@@ -178,12 +178,15 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 
 
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
-# (recipe -> rows and the FP8 mechanism -> drafter model -> target -> export -> eval -> run spec -> distributed run -> how it
-# starts and stops -> entry points).
+# (recipe -> rows and the FP8 mechanism -> the drafter network -> its training objective -> the architectures, which
+# extend both -> target -> export -> eval -> run spec -> distributed run -> how it starts and stops -> entry points).
+# The network asks its registry for an architecture; the architectures fill it from above (`@register`).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries", "dflash_ds.compile"),
     ("dflash_ds.data", "dflash_ds.metrics", "dflash_ds.quantization"),
-    ("dflash_ds.model",),
+    ("dflash_ds.network",),
+    ("dflash_ds.objective",),
+    ("dflash_ds.architectures",),
     ("dflash_ds.target_model",),
     ("dflash_ds.export",),
     ("dflash_ds.eval", "dflash_ds.report"),
@@ -195,7 +198,7 @@ LAYERS = [
 ]
 
 
-VARIANTS_DIR = "model/variants"
+VARIANTS_DIR = "architectures"
 # Where a shape and a recipe section hold an architecture's own values (`shape.arch_fields.markov_rank`,
 # `recipe.drafter.sections["dspark"]`): read by name only by the architecture itself (config/ reads every
 # section alike, by its `check()` and dataclass fields).
@@ -210,7 +213,7 @@ def _constants(node: ast.AST) -> list[str]:
 
 def architecture_tests(root: Path, names: set[str], attributes: set[str], fields: set[str] = frozenset(),
                        logs: set[str] = frozenset()) -> list[str]:
-    """`module:line what` for every place outside `model/variants/` that tells architectures apart:
+    """`module:line what` for every place outside `architectures/` that tells architectures apart:
     `names` are the architectures' names and class names, `attributes` their names and module names,
     `fields` their own recipe and shape fields (read only through OWN_VALUES, which only the
     architecture reads: a field's name elsewhere, the target's `conv_kernel_size`, is not one), `logs`
@@ -241,7 +244,7 @@ def architecture_tests(root: Path, names: set[str], attributes: set[str], fields
                 hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes | fields]
                 what = f"{node.func.id}(..., {hits[0]!r})" if hits else None
             elif isinstance(node, ast.ImportFrom) and node.module:
-                prefix = f"{package}.{VARIANTS_DIR.replace('/', '.')}"
+                prefix = f"{package}.{VARIANTS_DIR}"
                 own = node.module.startswith(prefix + ".") and node.module != prefix + ".base"
                 what = f"imports {node.module}" if own else None
             if what:
@@ -256,8 +259,8 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     import dataclasses
     import string
 
-    from dflash_ds.model.shape import DrafterShape
-    from dflash_ds.model.variants import VARIANTS
+    from dflash_ds.architectures import VARIANTS
+    from dflash_ds.network.shape import DrafterShape
 
     names, attributes, fields, logs = set(), set(), set(), set()
     for v in VARIANTS.values():
@@ -278,7 +281,7 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     return names, attributes, fields, logs
 
 
-MECHANISM_FOLDERS = ("model", "target_model", "quantization")
+MECHANISM_FOLDERS = ("network", "objective", "architectures", "target_model", "quantization")
 
 
 def recipe_keys() -> set[str]:
@@ -429,11 +432,10 @@ def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
 def test_architecture_check_finds_each_kind_of_test(tmp_path):
     root = _write(tmp_path, {
         "pkg/__init__.py": "",
-        "pkg/model/__init__.py": "",
-        "pkg/model/variants/__init__.py": "from pkg.model.variants import two\n",
-        "pkg/model/variants/base.py": "",
-        "pkg/model/variants/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
-        "pkg/loss.py": ("from pkg.model.variants.base import X\nfrom pkg.model.variants.two import Head\n\n"
+        "pkg/architectures/__init__.py": "from pkg.architectures import two\n",
+        "pkg/architectures/base.py": "",
+        "pkg/architectures/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
+        "pkg/loss.py": ("from pkg.architectures.base import X\nfrom pkg.architectures.two import Head\n\n"
                         "def f(shape, m, r):\n    if shape.architecture in ('one', 'two'):\n"
                         "        return shape.arch_fields.rank > 0 or r.drafter.sections['two']\n"
                         "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None or getattr(m, 'rank')\n"),
@@ -443,7 +445,7 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
     })
     assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "head"}, {"rank"}, {"two_loss"}) == [
         "pkg.clean:9 names the log field 'two_loss'",
-        "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
+        "pkg.loss:2 imports pkg.architectures.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
         "pkg.loss:6 reads .sections['two']", "pkg.loss:7 getattr(..., 'rank')", "pkg.loss:7 hasattr(..., 'head')",
         "pkg.loss:7 reads .head"]
 
@@ -451,14 +453,14 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
 def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
     root = _write(tmp_path, {
         "pkg/__init__.py": "",
-        "pkg/model/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
-        "pkg/model/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
+        "pkg/network/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
+        "pkg/network/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
                            'def f(b):\n    """drafter.block_size: documented."""\n'
                            '    if b < 2:\n        raise ValueError(f"drafter.block_size must be >= 2, got {b}")\n'
                            '    return "block_size" + "drafter.block_sizes" + "my.drafter.block_size"\n'),
         "pkg/config/checks.py": 'MSG = "drafter.block_size must be >= 2"\n',
     })
-    assert recipe_vocabulary(root, ("model",), {"drafter.block_size"}) == ["pkg.model.a:8 drafter.block_size"]
+    assert recipe_vocabulary(root, ("network",), {"drafter.block_size"}) == ["pkg.network.a:8 drafter.block_size"]
 
 
 # ---------------------------------------------------------------------------------- the rules on dflash_ds
@@ -472,19 +474,20 @@ def test_no_import_cycles():
 
 def test_folders_have_no_cycle_and_no_arrow_up():
     folders = folder_graph(import_graph(ROOT))
-    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.guard", "dflash_ds.model"} <= set(folders)
+    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.guard", "dflash_ds.network", "dflash_ds.objective",
+            "dflash_ds.architectures"} <= set(folders)
     cycles = import_cycles(folders)
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
     assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))
 
 
-def test_no_architecture_test_outside_the_variants():
+def test_no_architecture_test_outside_the_architectures():
     names, attributes, fields, logs = architecture_vocabulary()
     assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv",
             "l1_weight", "selector_loss", "tau_probabilistic", "confidence_mae"} <= names | attributes | fields | logs
     found = architecture_tests(ROOT, names, attributes, fields, logs)
-    assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
+    assert not found, ("code outside dflash_ds/architectures/ that tells drafter architectures apart (ask the "
                        "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
 
 
@@ -493,7 +496,8 @@ def test_model_code_names_no_recipe_key():
     assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls",
             "drafter.dspark.markov_rank", "objective.dflash2.selector_alpha"} <= keys
     found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
-    assert not found, ("messages in dflash_ds/model/, target_model/ or quantization/ that name a recipe key (raise a "
+    assert not found, ("messages in dflash_ds/network/, objective/, architectures/, target_model/ or quantization/ that "
+                       "name a recipe key (raise a "
                        "neutral error there and name the setting at the boundary, config/checks.py or "
                        "resolve/):\n  " + "\n  ".join(found))
 def test_messages_go_through_one_channel():
