@@ -10,12 +10,17 @@
 - no code outside architectures/ asks which drafter architecture it has: no comparison with an
   architecture's name or class name, no attribute named after an architecture or one of its modules
   (`drafter.candidate_selector`), no import of
-  one architecture's module (`isinstance(m, BlockConv)` needs one), no read of its own values
+  one architecture's module (`isinstance(m, BlockConv)` needs one; `from dflash_ds.architectures import
+  dspark` and `import dflash_ds.architectures.dspark` too), no read of its own values
   (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
   string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
   architecture's `logs` view instead);
-- network/, objective/, architectures/, target_model/ and quantization/ speak no recipe vocabulary: no message (a string that is not documentation)
-  names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
+- the entry points (train, eval's CLI, the bench's, the export's loader, the report) import
+  dflash_ds.architectures, the list whose import registers every architecture; network/ and
+  objective/ import none (the registry they ask is filled from above);
+- network/, objective/, architectures/, target_model/ and quantization/ speak no recipe vocabulary: no
+  message (a string that is not documentation) names a recipe key; the boundary that turns recipe
+  values into a shape or a target names the setting.
 - one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
   stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
   appear only in `say` itself, the progress line (`metrics.print_progress`, which rewrites one
@@ -211,6 +216,20 @@ def _constants(node: ast.AST) -> list[str]:
     return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
+def _architecture_import(node: ast.Import | ast.ImportFrom, prefix: str, names: set[str]) -> str | None:
+    """The module of one architecture an import loads, or None: `from P.two import X`, `from P import two`
+    and `import P.two` load one; P itself (the list, the registry's names) and P.base (the types every
+    architecture hands out) do not."""
+    if isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+    elif node.level == 0 and node.module == prefix:
+        modules = [f"{prefix}.{alias.name}" for alias in node.names if alias.name in names]
+    else:
+        modules = [node.module or ""]
+    own = [m for m in modules if m.startswith(prefix + ".") and m != prefix + ".base"]
+    return own[0] if own else None
+
+
 def architecture_tests(root: Path, names: set[str], attributes: set[str], fields: set[str] = frozenset(),
                        logs: set[str] = frozenset()) -> list[str]:
     """`module:line what` for every place outside `architectures/` that tells architectures apart:
@@ -243,10 +262,9 @@ def architecture_tests(root: Path, names: set[str], attributes: set[str], fields
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
                 hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes | fields]
                 what = f"{node.func.id}(..., {hits[0]!r})" if hits else None
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                prefix = f"{package}.{VARIANTS_DIR}"
-                own = node.module.startswith(prefix + ".") and node.module != prefix + ".base"
-                what = f"imports {node.module}" if own else None
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                own = _architecture_import(node, f"{package}.{VARIANTS_DIR}", names)
+                what = f"imports {own}" if own else None
             if what:
                 found.append((name, node.lineno, what))
     return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
@@ -442,12 +460,14 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
         "pkg/clean.py": ("def f(shape, layer):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n"
                          "\ndef g(layer):\n    return layer.rank  # another object's attribute of a field's name\n"
                          "\ndef h(r):\n    \"\"\"Reads two_loss (documentation).\"\"\"\n    return r.get('two_loss')\n"),
+        "pkg/top.py": ("import pkg.architectures\nfrom pkg.architectures import VARIANTS, base\n"
+                       "from pkg.architectures import two\nimport pkg.architectures.two\n"),
     })
     assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "head"}, {"rank"}, {"two_loss"}) == [
         "pkg.clean:9 names the log field 'two_loss'",
         "pkg.loss:2 imports pkg.architectures.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
         "pkg.loss:6 reads .sections['two']", "pkg.loss:7 getattr(..., 'rank')", "pkg.loss:7 hasattr(..., 'head')",
-        "pkg.loss:7 reads .head"]
+        "pkg.loss:7 reads .head", "pkg.top:3 imports pkg.architectures.two", "pkg.top:4 imports pkg.architectures.two"]
 
 
 def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
@@ -480,6 +500,21 @@ def test_folders_have_no_cycle_and_no_arrow_up():
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
     assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))
+
+
+# The entry points that build or load a drafter import the list of architectures themselves (each
+# registers itself on import), rather than leaning on the registry's discovery on a first look-up.
+ENTRY_POINTS = ("dflash_ds.train", "dflash_ds.eval.cli", "dflash_ds.bench.cli", "dflash_ds.export.drafter", "dflash_ds.report")
+
+
+def test_entry_points_import_the_architectures():
+    graph = import_graph(ROOT)
+    missing = [m for m in ENTRY_POINTS if "dflash_ds.architectures" not in graph[m]]
+    assert not missing, ("entry points that do not import dflash_ds.architectures (which registers every drafter "
+                         "architecture):\n  " + "\n  ".join(missing))
+    below = [m for m in graph if folder_of(m) in ("dflash_ds.network", "dflash_ds.objective")
+             and any(folder_of(t) == "dflash_ds.architectures" for t in graph[m])]
+    assert below == [], f"the network and the objective import an architecture: {below}"
 
 
 def test_no_architecture_test_outside_the_architectures():
