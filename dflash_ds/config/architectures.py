@@ -2,11 +2,12 @@
 
 An architecture declares its recipe keys in its package (dflash_ds/architectures/<name>/): one frozen
 dataclass per section, a docstring per field (the key reference) and, where a value can be checked
-on its own, a `check()` that raises ValueError beginning with the field's name. The variants
-registry's decorator registers them here. This module imports no architecture: the first recipe
-that needs the sections imports the one module that lists the architectures (`DISCOVERY`), the way a
-plugin registry loads its entry points, so config/ stays the bottom layer and reading a plain
-DFlash recipe imports no model code.
+on its own, a `check()` that raises ValueError beginning with the field's name. The architecture
+registry's decorator (network/registry.py) registers them here. This module imports no architecture:
+the first recipe that needs the sections, or the registry's first look-up, imports the one module
+that lists the architectures (`DISCOVERY`, through `registered`), the way a plugin registry loads its
+entry points, so config/ stays the bottom layer and reading a plain DFlash recipe imports no model
+code.
 """
 
 from __future__ import annotations
