@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import yaml
 
+from dflash_ds.architectures import DEFAULT, VARIANTS, DrafterVariant
+from dflash_ds.architectures.base import LogView
 from dflash_ds.metrics import read_metrics, shown
-from dflash_ds.model.variants import DEFAULT, VARIANTS, DrafterVariant
-from dflash_ds.model.variants.base import LogView
 from dflash_ds.safety import Exit, say
 
 # (file stem, title, y label, [(metrics key, legend label)], y scale); drawn from the step records,

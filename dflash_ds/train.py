@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import dflash_ds.architectures  # noqa: F401  (registers every drafter architecture)
 from dflash_ds.config import load_recipe, ranks_per_node
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.resolve.run import resolve_run

@@ -14,13 +14,13 @@ import torch
 
 from dflash_ds.config import load_recipe
 from dflash_ds.data.prepare import load_training_data
-from dflash_ds.model.blocks import make_blocks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.objective import drafter_loss
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.objective.blocks import make_blocks
+from dflash_ds.objective.drafter_loss import drafter_loss
+from dflash_ds.resolve.payload import unpack
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.runtime.target_worker import TargetWorker
 from dflash_ds.runtime.trainer import build_drafter
-from dflash_ds.resolve.payload import unpack
 from dflash_ds.target_model.model import embed_and_head, load_target, truncate_after
 
 

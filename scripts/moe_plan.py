@@ -40,9 +40,9 @@ def target_counts(name: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dflash_ds.bench.flops import active_linear_params
-    from dflash_ds.model.taps import build_target_layer_ids
-    from dflash_ds.target_model.moe import experts_linear_params
+    from dflash_ds.network.taps import build_target_layer_ids
     from dflash_ds.target_model.model import truncate_after
+    from dflash_ds.target_model.moe import experts_linear_params
     from dflash_ds.target_model.presets import target_config
 
     cfg = target_config(name)

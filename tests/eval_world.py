@@ -8,10 +8,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ds.eval.generate import greedy_continuation, target_taps
-from dflash_ds.model.blocks import MicroBatch, make_blocks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
 
 VOCAB, MASK, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, [1, 3], 6, 40

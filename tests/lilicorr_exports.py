@@ -15,8 +15,8 @@ from dflash_ds.eval.cli import read_prompts
 from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.eval.specdec import block_states
 from dflash_ds.export import save_drafter
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.llama_cpp import ROOT
 

@@ -4,7 +4,7 @@
 computes across ranks: the same micro-batches (rows of the same micro-batch ids), the same anchors,
 one loss normalised over the whole step, plain torch AdamW with the same schedule and clipping. The
 launcher tests compare the distributed runs' losses against it; it is also the simplest reading of
-the method. `dense_loss` is model/loss.py's loss the plain way: every logit at once in float64,
+the method. `dense_loss` is objective/loss.py's loss the plain way: every logit at once in float64,
 gradients by autograd.
 """
 
@@ -14,16 +14,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.blocks import make_blocks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.logit_transform import IDENTITY
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.loss_terms import CrossEntropy, Distillation, OutputTerm, TargetRows
-from dflash_ds.model.objective import drafter_loss
-from dflash_ds.resolve.run import RunSpec
-from dflash_ds.resolve.plan import lr_factor
-from dflash_ds.runtime.target_worker import TargetWorker
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.logit_transform import IDENTITY
+from dflash_ds.objective.blocks import make_blocks
+from dflash_ds.objective.drafter_loss import drafter_loss
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, OutputTerm, TargetRows
 from dflash_ds.resolve.payload import unpack
+from dflash_ds.resolve.plan import lr_factor
+from dflash_ds.resolve.run import RunSpec
+from dflash_ds.runtime.target_worker import TargetWorker
 
 
 def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, np.ndarray], steps: int,
@@ -75,8 +75,8 @@ class Candidates(OutputTerm):
 
 def chunked(hidden, weight, labels, weights, normaliser, chunks, *, kl=None, terms=(), top_k=0, transform=IDENTITY,
             target=None, bias=None, head=None):
-    """model/loss.py's loss of rows with the CE (weight 1), the KL term when `kl` = (weight, T) is given,
-    then `terms`; `target`: the target's states [n, D] (or a model.loss_terms.TargetRows)."""
+    """objective/loss.py's loss of rows with the CE (weight 1), the KL term when `kl` = (weight, T) is given,
+    then `terms`; `target`: the target's states [n, D] (or an objective.loss_terms.TargetRows)."""
     all_terms = [CrossEntropy(), *([Distillation(*kl)] if kl is not None else []), *terms,
                  *([Candidates(top_k)] if top_k else [])]
     if target is not None and not isinstance(target, TargetRows):

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_ds.model.attention import DFlashMask
+from dflash_ds.network.attention import DFlashMask
 
 
 class BlockCase(NamedTuple):

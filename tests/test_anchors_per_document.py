@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dflash_ds.model.blocks import anchor_quota, block_targets, sample_anchors, valid_anchor_mask
+from dflash_ds.objective.blocks import anchor_quota, block_targets, sample_anchors, valid_anchor_mask
 
 
 def packed(lengths, s, supervised_from=None):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_ds.model.attention import FLEX_BLOCK, attend, build_mask
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.attention import FLEX_BLOCK, attend, build_mask
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds import bench
-from dflash_ds.model.attention import LayerAttention, build_mask
+from dflash_ds.network.attention import LayerAttention, build_mask
+from dflash_ds.objective.blocks import anchor_generator, sample_anchors
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.target_model.presets import GEOMETRIES, target_config
-from dflash_ds.model.blocks import anchor_generator, sample_anchors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,9 +99,9 @@ def test_visible_pairs_equals_dense_mask_count():
 
 
 def test_drafter_flops_by_hand():
+    from dflash_ds.architectures.dflash2 import DFlash2Fields
     from dflash_ds.config import DrafterConfig
-    from dflash_ds.model.variants.dflash2 import DFlash2Fields
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.network.shape import DrafterShape
 
     dcfg = drafter_shape(target_config("tiny"),
                                      DrafterConfig(num_layers=2, block_size=BLOCK, mask_token_id=5))
@@ -279,8 +279,8 @@ def test_drafter_role(runs):
     assert r["drafter_flops"]["valid_blocks_per_micro"] == ROWS * ANCHORS
     assert r["mask"]["kind"] == "dense" and r["mask"]["first_build_s"] > 0 and r["mask"]["build_s"] > 0
     from dflash_ds.config import DrafterConfig
-    from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.network.drafter import DFlashDrafter
+    from dflash_ds.network.shape import DrafterShape
 
     dcfg = drafter_shape(target_config("tiny"),
                                      DrafterConfig(num_layers=2, block_size=BLOCK, mask_token_id=5))

@@ -1,5 +1,5 @@
 """The bench's per-chunk autograd loss (bench/chunk_autograd.py, torchtitan's way) equals the fused loss
-(model/loss.py, hand-written gradients): value, every logged sum, per-row values, hits, candidates and
+(objective/loss.py, hand-written gradients): value, every logged sum, per-row values, hits, candidates and
 every input gradient, for the terms and inputs of every architecture (CE alone, KL, a row term on a
 folded bias read from the target's states by index, the candidates of an output term), and one
 drafter step through `drafter_loss` of each registered architecture."""
@@ -7,14 +7,14 @@ drafter step through `drafter_loss` of each registered architecture."""
 import pytest
 import torch
 
+from dflash_ds.architectures import VARIANTS
+from dflash_ds.architectures.dspark.parts import l1_to_target
 from dflash_ds.bench.chunk_autograd import PerChunkBackwardLoss
-from dflash_ds.model.blocks import make_blocks
-from dflash_ds.model.logit_transform import IDENTITY
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.loss_terms import CrossEntropy, Distillation, LogitBias, RowTerm, TargetRows
-from dflash_ds.model.objective import drafter_loss
-from dflash_ds.model.variants import VARIANTS
-from dflash_ds.model.variants.dspark.parts import l1_to_target
+from dflash_ds.network.logit_transform import IDENTITY
+from dflash_ds.objective.blocks import make_blocks
+from dflash_ds.objective.drafter_loss import drafter_loss
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, LogitBias, RowTerm, TargetRows
 from tests.reference import Candidates
 from tests.test_loss import TRANSFORM, case, target_states
 from tests.test_loss_terms import world

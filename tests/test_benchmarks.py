@@ -158,8 +158,8 @@ def test_model_card_states_thinking_and_holds_one_benchmark_table(tmp_path):
     from transformers import Qwen3Config
 
     from dflash_ds.config import DrafterConfig
-    from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.network.drafter import DFlashDrafter
+    from dflash_ds.network.shape import DrafterShape
 
     cfg = drafter_shape(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -225,8 +225,8 @@ def test_after_training_writes_the_table_into_the_run_the_card_and_the_report(tm
     pytest.importorskip("matplotlib")
     from dflash_ds.config import load_recipe
     from dflash_ds.eval.benchmark_table import after_training
-    from dflash_ds.model.drafter import DFlashDrafter
     from dflash_ds.export.card import card_info
+    from dflash_ds.network.drafter import DFlashDrafter
     from dflash_ds.resolve.run import resolve_run
 
     recipe = load_recipe("recipes/tiny.yaml", [f"run.output_dir={tmp_path}", "eval.benchmarks=[gsm8k,mt_bench]",

@@ -37,7 +37,7 @@ _LOSS_BRANCH_FILES: set = set()
 # the published architectures' remote code keeps the interface AutoModel's users call.
 FIXED_SIGNATURES = {
     "target_model/expert_parallel.py:sharded_experts_forward", "target_model/packed.py:packed_gdn_forward",
-    "target_model/packed.py:varlen_attention", "model/variants/dflash/modeling_dflash.py",
+    "target_model/packed.py:varlen_attention", "architectures/dflash/modeling_dflash.py",
 }
 
 

@@ -19,13 +19,13 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from dflash_ds.architectures import VARIANTS
 from dflash_ds.config import dump_yaml, load_recipe
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.objective import StepSettings
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants import VARIANTS
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.objective.drafter_loss import StepSettings
 from dflash_ds.resolve.contract import flat
 from dflash_ds.resolve.drafter import check_servable, drafter_shape
 from dflash_ds.target_model.presets import target_config as preset

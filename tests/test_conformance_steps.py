@@ -23,12 +23,12 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from dflash_ds.architectures import VARIANTS
 from dflash_ds.config import DrafterConfig, ObjectiveConfig
-from dflash_ds.model.blocks import MicroBatch, make_blocks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.objective import StepSettings, acceptance_proxy, drafter_loss
-from dflash_ds.model.variants import VARIANTS
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.drafter_loss import StepSettings, acceptance_proxy, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
 
 RECORD = Path(__file__).with_name("fixtures") / "conformance_steps.json"
@@ -135,7 +135,7 @@ def test_twenty_steps_equal_the_pinned_record(name, monkeypatch):
 
 def update(names: list[str]) -> None:
     from tests.toy_variant import ToyMarkov
-    from dflash_ds.model.variants.registry import entries
+    from dflash_ds.network.registry import entries
 
     for registry, key, value in entries(ToyMarkov):
         registry[key] = value

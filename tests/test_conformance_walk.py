@@ -34,7 +34,7 @@ _worlds: dict[str, dict] = {}
 def walk_world(name: str) -> dict:
     """The trained world of architecture `name`, built once per session (the toy registered by the caller)."""
     if name not in _worlds:
-        from dflash_ds.model.variants import VARIANTS
+        from dflash_ds.architectures import VARIANTS
 
         variant = VARIANTS[name]
         sections = {name: variant.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}

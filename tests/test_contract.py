@@ -33,7 +33,7 @@ def test_every_field_of_the_drafters_shape_is_compared_even_one_added_later():
     subclass made on the fly) and an architecture's own fields cannot be forgotten."""
     import dataclasses
 
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.network.shape import DrafterShape
     from dflash_ds.resolve.drafter import drafter_shape
     from dflash_ds.target_model.model import load_config
 

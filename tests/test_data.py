@@ -11,7 +11,7 @@ import torch
 from dflash_ds.data import packing as P
 from dflash_ds.data import prepare as D
 from dflash_ds.data.chat import ChatEncoder, SampleError, normalize
-from dflash_ds.model.blocks import position_ids_from_doc_ids
+from dflash_ds.objective.blocks import position_ids_from_doc_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-target"

@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
-from dflash_ds.model.attention import build_mask
-from dflash_ds.model.variants.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
+from dflash_ds.architectures.dflash2 import DFlash2Fields
+from dflash_ds.architectures.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
-from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.attention import build_mask
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.logit_transform import IDENTITY
+from dflash_ds.objective.blocks import Blocks, MicroBatch, block_inputs, block_targets
+from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.logit_transform import IDENTITY
-from dflash_ds.model.blocks import Blocks, MicroBatch, block_inputs, block_targets
-from dflash_ds.model.objective import StepSettings, drafter_loss
-from dflash_ds.model.variants.dflash2 import DFlash2Fields
 
 D, VOCAB, B = 64, 300, 4
 

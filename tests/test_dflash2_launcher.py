@@ -24,7 +24,7 @@ FAST = ["optim.max_steps=4", "log.every_steps=1", "eval.at_start=false", "log.pr
 
 def reference(tmp_path, overrides):
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.resolve.run import resolve_run

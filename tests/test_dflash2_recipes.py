@@ -11,7 +11,7 @@ import torch
 
 from dflash_ds.config import DrafterConfig, RecipeError, load_recipe
 from dflash_ds.export import save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import resolve_run
 from dflash_ds.target_model.presets import target_config

@@ -10,12 +10,12 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
-from dflash_ds.model.attention import build_mask
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.attention import build_mask
+from dflash_ds.network.drafter import DFlashDrafter, RMSNorm, rope_cos_sin
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.network.taps import build_target_layer_ids
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.taps import build_target_layer_ids
 from tests.reference import chunked
 
 D, VOCAB = 64, 300
@@ -125,7 +125,7 @@ def test_every_consumer_reads_the_one_shape():
     import torch
 
     from dflash_ds.config import ObjectiveConfig, Recipe
-    from dflash_ds.model.objective import StepSettings
+    from dflash_ds.objective.drafter_loss import StepSettings
     from dflash_ds.resolve.run import payload_layout
 
     shape = drafter_shape(qwen3_target(), DrafterConfig(num_layers=2, block_size=8, mask_token_id=9,
@@ -263,7 +263,7 @@ def test_rmsnorm_and_rope_match_transformers_qwen3():
     torch.testing.assert_close(cos, cos_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, sin_ref, rtol=0, atol=1e-6)
     q = torch.randn(2, 3, 5, 16)
-    from dflash_ds.model.drafter import _apply_rope
+    from dflash_ds.network.drafter import _apply_rope
     q_ref, _ = apply_rotary_pos_emb(q, q, cos_ref, sin_ref)
     torch.testing.assert_close(_apply_rope(q, cos, sin), q_ref, rtol=0, atol=1e-5)
 

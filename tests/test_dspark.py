@@ -1,4 +1,4 @@
-"""DSpark's building blocks (model/dspark.py): the heads' initialisation, the Markov bias and the
+"""DSpark's building blocks (architectures/dspark/): the heads' initialisation, the Markov bias and the
 confidence head against float64 element-by-element references, the greedy walk against a
 re-implementation of llama.cpp's in-graph chain (`build_dspark_markov_head`, src/models/dflash.cpp)
 and its serving loop (common/speculative.cpp), the anchor-first labels and
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.variants.dspark.parts import (ConfidenceHead, MarkovHead, anchor_first_targets, calibration,
+from dflash_ds.architectures.dspark.parts import (ConfidenceHead, MarkovHead, anchor_first_targets, calibration,
                                                    confident_prefix, expected_tau, greedy_walk, l1_to_target,
                                                    shift_in)
 
@@ -187,7 +187,7 @@ def test_the_proposal_is_llama_cpps_draft_under_its_confidence_cut():
     drafter's states (base = h @ lm_head.T, the confidence on h itself); DFlash models no cut."""
     from types import SimpleNamespace
 
-    from dflash_ds.model.variants import VARIANTS
+    from dflash_ds.architectures import VARIANTS
 
     markov, conf_head = heads(seed=6, scale=1.5)
     g = torch.Generator().manual_seed(7)

@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
+from dflash_ds.architectures.dspark import BINS
+from dflash_ds.architectures.dspark import DSparkFields
+from dflash_ds.architectures.dspark.parts import DSparkTerms
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.blocks import MicroBatch, make_blocks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.objective import StepSettings, acceptance_proxy, drafter_loss
-from dflash_ds.model.variants.dspark import BINS
-from dflash_ds.model.variants.dspark.parts import DSparkTerms
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.drafter_loss import StepSettings, acceptance_proxy, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.variants.dspark import DSparkFields
 
 D, VOCAB, B, S, RANK = 32, 96, 4, 40, 3
 TERMS = DSparkTerms(ce=0.1, l1=0.9, confidence=1.0)

@@ -12,7 +12,7 @@ import torch
 
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.export import save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import resolve_run, wants_target_logits
 from dflash_ds.target_model.presets import target_config
@@ -141,7 +141,7 @@ def test_init_from_a_dspark_export(tmp_path):
 @pytest.mark.integration  # the tiny target and its data, trained in this process (README, "Tests")
 def test_tiny_dspark_trains_in_process(tmp_path):
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target_model.model import embed_and_head, load_target
 
@@ -176,8 +176,8 @@ def test_bench_counts_dsparks_matmuls():
 
 
 def test_progress_line_and_report_show_dsparks_fields():
+    from dflash_ds.architectures import VARIANTS
     from dflash_ds.metrics import progress_line
-    from dflash_ds.model.variants import VARIANTS
     from dflash_ds.report import _summary
 
     logs = VARIANTS["dspark"].logs

@@ -67,8 +67,8 @@ def test_float32_target_taps_are_cast_once_at_the_sender():
     """A float32 target fills a bf16 payload: taps equal its float32 states rounded to bf16, the
     metadata survives, and a bf16 drafter consumes them (the uncast float32 taps raise in its fc)."""
     from dflash_ds.config import DrafterConfig
-    from dflash_ds.model.drafter import DFlashDrafter
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.network.drafter import DFlashDrafter
+    from dflash_ds.network.shape import DrafterShape
 
     target = tiny_qwen3()
     taps = [0, 2]

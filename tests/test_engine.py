@@ -27,10 +27,10 @@ from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.sampled import Sampling, ratio_se, sampled_continuation
 from dflash_ds.eval.tau import anchor_proposals, tau_from_taps
 from dflash_ds.export import save_drafter
-from dflash_ds.model.blocks import MicroBatch, make_blocks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.eval_world import final_states
 from tests.llama_cpp import FLOAT32, FLOAT32_DRAFT, ROOT, build

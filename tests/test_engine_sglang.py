@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_ds.architectures.lilicorr import LiLiCorr, walk
 from dflash_ds.export import load_drafter
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.variants.lilicorr import LiLiCorr, walk
+from dflash_ds.network.draft_model import DraftModel
 from tests import lilicorr_exports
 from tests.llama_cpp import ROOT, built_env_python
 from tests.test_engine import EXPORTS

@@ -28,16 +28,16 @@ import json
 import pytest
 import torch
 
+from dflash_ds.architectures.lilicorr import LiLiCorr, walk
+from dflash_ds.architectures.lilicorr.head import Factors
 from dflash_ds.config import load_recipe
 from dflash_ds.eval.cli import read_prompts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.tau import anchor_drafts
 from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.variants.lilicorr import LiLiCorr, walk
-from dflash_ds.model.variants.lilicorr.head import Factors
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from tests import lilicorr_exports, vllm_cpu
 from tests.llama_cpp import ROOT

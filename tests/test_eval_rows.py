@@ -8,12 +8,12 @@ import torch
 
 from dflash_ds.config import load_recipe
 from dflash_ds.data.packing import first_fit_rows
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.runtime.target_worker import TargetWorker, eval_bounds, eval_payload_count, eval_rows
-from dflash_ds.runtime.trainer import tau_of_payloads
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.payload import unpack
 from dflash_ds.resolve.run import resolve_run
+from dflash_ds.runtime.target_worker import TargetWorker, eval_bounds, eval_payload_count, eval_rows
+from dflash_ds.runtime.trainer import tau_of_payloads
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"

@@ -11,19 +11,19 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ds.model.attention import build_mask
-from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.eval.cli import main, read_prompts
 from dflash_ds.eval.generate import greedy_continuation, offline_tau, target_taps
+from dflash_ds.eval.specdec import draft_block, speculative_generate
 from dflash_ds.eval.tau import TauReport, accept_lengths, walk
 from dflash_ds.export import save_drafter
-from dflash_ds.model.blocks import block_inputs, block_targets, sample_anchors
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.loss_terms import CrossEntropy
-from dflash_ds.eval.specdec import draft_block, speculative_generate
+from dflash_ds.network.attention import build_mask
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import block_inputs, block_targets, sample_anchors
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import CrossEntropy
+from dflash_ds.resolve.drafter import drafter_shape
 
 
 VOCAB, MASK, B, LAYER_IDS, PROMPT_LEN, NEW = 128, 127, 8, [1, 3], 6, 40

@@ -6,14 +6,14 @@ path differs from the per-slot argmax."""
 import pytest
 import torch
 
+from dflash_ds.architectures.base import argmax_tokens
+from dflash_ds.architectures.dflash2 import SelectorSchedule
+from dflash_ds.architectures.dflash2 import DFlash2Fields
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.attention import DFlashMask
 from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.eval.specdec import draft_block
 from dflash_ds.eval.tau import accept_lengths
-from dflash_ds.model.variants.base import argmax_tokens
-from dflash_ds.model.variants.dflash2 import SelectorSchedule
-from dflash_ds.model.variants.dflash2 import DFlash2Fields
+from dflash_ds.network.attention import DFlashMask
 from tests.eval_world import LAYER_IDS, MASK, NEW, PROMPT_LEN, trained_world
 
 

@@ -8,13 +8,13 @@ re-implemented in tests/test_dspark.py."""
 import pytest
 import torch
 
+from dflash_ds.architectures.base import argmax_tokens
+from dflash_ds.architectures.dspark import DSparkFields
+from dflash_ds.architectures.dspark.parts import DSparkTerms
 from dflash_ds.config import DrafterConfig
 from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.eval.tau import accept_lengths, anchor_proposals
-from dflash_ds.model.attention import DFlashMask
-from dflash_ds.model.variants.base import argmax_tokens
-from dflash_ds.model.variants.dspark.parts import DSparkTerms
-from dflash_ds.model.variants.dspark import DSparkFields
+from dflash_ds.network.attention import DFlashMask
 from tests.eval_world import LAYER_IDS, MASK, NEW, PROMPT_LEN, trained_world
 
 B = 7
@@ -72,7 +72,7 @@ def test_trained_chain_equals_llama_cpp_on_held_out_prompts(world):
     """The trained drafter's proposals at anchors of the two prompts it never saw equal llama.cpp's
     in-graph chain (`build_dspark_markov_head`, sample_from_anchor) and serving loop re-implemented
     in tests/test_dspark.py, with and without a confidence threshold."""
-    from dflash_ds.model.variants.dspark.parts import confident_prefix
+    from dflash_ds.architectures.dspark.parts import confident_prefix
 
     from .test_dspark import llama_cpp_drafts, llama_cpp_dspark
 

@@ -11,12 +11,12 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 
 import dflash_ds.export.drafter as export
+from dflash_ds.architectures import VARIANTS
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.variants import VARIANTS
 from dflash_ds.export import load_drafter, save_drafter
 from dflash_ds.export.card import TauFacts
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.resolve.drafter import drafter_shape
 from tests.remote_case import block_case, serving_call, training_call
 
 D, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 128
@@ -222,8 +222,8 @@ def test_automodel_loads_the_export_and_computes_the_drafter(tmp_path):
     """AutoModel with trust_remote_code gives the project's drafter outputs (float32, dense mask)."""
     from transformers import AutoConfig, AutoModel
 
-    from dflash_ds.model.attention import DFlashMask, build_mask
-    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.network.attention import DFlashMask, build_mask
+    from dflash_ds.network.drafter import DFlashDrafter
 
     out = save_drafter(make_drafter(seed=3), tmp_path / "export")
     source = (out / "modeling_dflash.py").read_text()

@@ -12,15 +12,15 @@ from safetensors import safe_open
 from transformers import Qwen3Config
 
 import dflash_ds.export as export
+from dflash_ds.architectures import VARIANTS
+from dflash_ds.architectures.dflash2 import DFlash2Fields
 from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.attention import build_mask
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.attention import build_mask
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.variants import VARIANTS
-from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.remote_case import block_case, serving_call, training_call
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "dflash2_header_rules.json").read_text())
@@ -184,7 +184,7 @@ def test_automodel_dflash2_with_sliding_layers_equals_the_drafter(tmp_path, is_c
     from transformers import AutoModel
 
     from dflash_ds.eval.specdec import serving_masks
-    from dflash_ds.model.attention import build_layer_masks
+    from dflash_ds.network.attention import build_layer_masks
 
     W, S = 10, 24  # a window of 10 over blocks of 8: the context is cut at every anchor
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1, target_layer_ids=[1, 3, 5],

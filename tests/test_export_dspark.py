@@ -12,15 +12,15 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3Config
 
+from dflash_ds.architectures import VARIANTS
+from dflash_ds.architectures.dspark import DSparkFields
 from dflash_ds.config import DrafterConfig
 from dflash_ds.export import expected_shapes, load_drafter, save_drafter
-from dflash_ds.model.attention import build_mask
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants import VARIANTS
+from dflash_ds.network.attention import build_mask
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.variants.dspark import DSparkFields
 from tests.remote_case import block_case, serving_call, training_call
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "dspark_reader_rules.json").read_text())

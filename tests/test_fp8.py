@@ -48,7 +48,7 @@ def taps_of(model, ids, layers=(0, 1, 2, 3), doc_ids=None):
                       dtype=model.model.embed_tokens.weight.dtype)
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids) if doc_ids is None else None
     if doc_ids is not None:
-        from dflash_ds.model.blocks import position_ids_from_doc_ids
+        from dflash_ds.objective.blocks import position_ids_from_doc_ids
 
         positions = position_ids_from_doc_ids(doc_ids)
     forward_taps(model, cap, ids, positions, out=out, doc_ids=doc_ids)

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.config import RecipeError, load_recipe
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.head_matmuls import GemmHead, SeparateMatmuls
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.objective.head_matmuls import GemmHead, SeparateMatmuls
 from tests.reference import chunked
-from dflash_ds.model.objective import StepSettings, drafter_loss
+from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
+from dflash_ds.quantization import fp8_head
+from dflash_ds.quantization.fp8_head import Fp8Head
 from dflash_ds.resolve import quantization
 from dflash_ds.resolve.quantization import Machine
 from dflash_ds.resolve.run import resolve_run
-from dflash_ds.quantization import fp8_head
-from dflash_ds.quantization.fp8_head import Fp8Head
 from tests.test_dflash2 import D, VOCAB, drafter, micro_batch
 
 TINY = "recipes/tiny.yaml"

@@ -20,11 +20,11 @@ import time
 import pytest
 import torch
 
-from dflash_ds.model.attention import attend, build_layer_masks, build_mask
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants.dflash2 import DFlash2Fields
-from dflash_ds.model.blocks import block_inputs, position_ids_from_doc_ids, sample_anchors
+from dflash_ds.architectures.dflash2 import DFlash2Fields
+from dflash_ds.network.attention import attend, build_layer_masks, build_mask
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.objective.blocks import block_inputs, position_ids_from_doc_ids, sample_anchors
 from tests.reference import chunked
 
 pytestmark = pytest.mark.gpu
@@ -191,7 +191,7 @@ def test_window_skips_work_at_long_rows(record):
     autotune), then WINDOW_ROUNDS rounds alternating the two masks, compared by their medians, so a
     clock or neighbour change during the run weighs on both alike (one 5-iteration mean per mask, run
     one after the other, failed once in a full tier run and passed alone)."""
-    from dflash_ds.model.attention import LayerAttention
+    from dflash_ds.network.attention import LayerAttention
 
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(2)
@@ -327,9 +327,9 @@ def test_dflash2_selector_kernels_at_27b_sizes(record):
     248,320, top 16, rank 256): the two-stage top-k gives torch.topk's values; `take_rows`'s gradient is the
     float64 segmented sum and the same bits twice; the selector loss fed the base loss's logits matches the
     one that recomputes them. Timings of the old and new kernels are recorded."""
-    from dflash_ds.model.variants.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
-    from dflash_ds.model.gather import take_rows
-    from dflash_ds.model.top_k import block_top_k
+    from dflash_ds.architectures.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, selector_loss
+    from dflash_ds.network.gather import take_rows
+    from dflash_ds.objective.top_k import block_top_k
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, d, v, k, r = 3584, 5120, 248320, 16, 256
@@ -434,15 +434,15 @@ def test_fused_loss_matches_autograd_at_27b_sizes(record):
 
 
 def test_dspark_pass_kernel_matches_the_compiled_pass(record):
-    """DSpark's hand-written pass over a chunk's vocabulary (variants/dspark/vocab_pass.l1_pass: three
+    """DSpark's hand-written pass over a chunk's vocabulary (architectures/dspark/vocab_pass.l1_pass: three
     sweeps a row, the gradient written over the logits) against the generic compiled pass
     (loss_terms.chunk_math with l1_to_target) on one chunk at the flagship's sizes (896 rows, the
     vocabulary 248,320; the target's logits a table of 540 distinct rows read by index), with and
     without the gradient, and on a vocabulary that is no multiple of the kernel's block."""
-    from dflash_ds.model.logit_transform import IDENTITY
-    from dflash_ds.model.variants.dspark.parts import l1_to_target
-    from dflash_ds.model.loss_terms import CrossEntropy, Pass, RowTerm, TargetLogits, chunk_pass
-    from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
+    from dflash_ds.architectures.dspark.parts import l1_to_target
+    from dflash_ds.architectures.dspark.vocab_pass import l1_pass
+    from dflash_ds.network.logit_transform import IDENTITY
+    from dflash_ds.objective.loss_terms import CrossEntropy, Pass, RowTerm, TargetLogits, chunk_pass
 
     found = {}
     for c, v, k in ((896, 248320, 540), (37, 50001, 20)):
@@ -492,11 +492,11 @@ def test_dspark_fused_loss_matches_autograd_at_27b_sizes(record):
     3,072-token row's positions and each slot's position (the recipe's anchor density, 1 in 6:
     overlapping blocks share positions), against the same loss on the gathered rows (each row's
     logits multiplied, no index)."""
-    from dflash_ds.model.gather import take_rows
-    from dflash_ds.model.loss import ChunkedLoss
-    from dflash_ds.model.loss_terms import CrossEntropy, LogitBias, RowTerm, TargetRows
-    from dflash_ds.model.variants.dspark.parts import l1_to_target
-    from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
+    from dflash_ds.architectures.dspark.parts import l1_to_target
+    from dflash_ds.architectures.dspark.vocab_pass import l1_pass
+    from dflash_ds.network.gather import take_rows
+    from dflash_ds.objective.loss import ChunkedLoss
+    from dflash_ds.objective.loss_terms import CrossEntropy, LogitBias, RowTerm, TargetRows
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, d, v, r, l1 = 512 * 7, 5120, 248320, 256, 0.9
@@ -762,9 +762,9 @@ def test_fp8_taps_error_at_the_27b_geometry(record):
     from transformers import AutoModelForCausalLM
 
     from dflash_ds.bench.quantized import layer_io
-    from dflash_ds.model.taps import build_target_layer_ids
-    from dflash_ds.runtime.engines import speed_up_target_kernels
+    from dflash_ds.network.taps import build_target_layer_ids
     from dflash_ds.quantization import fp8
+    from dflash_ds.runtime.engines import speed_up_target_kernels
     from dflash_ds.target_model.model import TapCapture, forward_taps, truncate_after
     from dflash_ds.target_model.presets import target_config
 

@@ -7,7 +7,7 @@ import torch
 
 from dflash_ds.config import RecipeError, load_recipe
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.run import resolve_run
 
 TINY = "recipes/tiny.yaml"
@@ -26,7 +26,7 @@ def _export(tmp_path, overrides=(), seed=123):
 @pytest.mark.integration  # the tiny target and its data, trained in this process (README, "Tests")
 def test_a_matching_export_passes_and_the_run_trains_from_its_weights(tmp_path):
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target_model.model import embed_and_head, load_target

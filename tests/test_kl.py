@@ -4,7 +4,7 @@ map, and the target's final-norm tap."""
 import pytest
 import torch
 
-from dflash_ds.model.blocks import slot_target_states
+from dflash_ds.objective.blocks import slot_target_states
 
 V = 50
 

@@ -304,7 +304,7 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     from dflash_ds.lab import catalog
     from dflash_ds.lab.__main__ import main
     from dflash_ds.lab.target import SHAPES
-    from dflash_ds.model.blocks import default_gamma
+    from dflash_ds.objective.blocks import default_gamma
 
     root = Path(__file__).resolve().parents[1]
     assert {"v1", "v1-seed1", "dflash2", "dspark", "v1-noanchor", "dspark-b7", "v1-fp8", "v1-kl",

@@ -36,7 +36,7 @@ def rst(markdown: str) -> str:
 
 def sdists(cache):
     groups = {"alpha": ("train", ["dflash_ds/data", "dflash_ds/eval"], "docs/architecture.md"),
-              "beta": ("train", ["dflash_ds/model", "dflash_ds/resolve"], "docs/performance.md"),
+              "beta": ("train", ["dflash_ds/network", "dflash_ds/resolve"], "docs/performance.md"),
               "gamma": ("heldout", ["dflash_ds/runtime", "dflash_ds/target_model"], "docs/algorithm.md")}
     pins = []
     for name, (split, folders, doc) in groups.items():

@@ -1,4 +1,4 @@
-"""LiLiCorr's package (dflash_ds/model/variants/lilicorr/): its recipe sections and their checks, the head's
+"""LiLiCorr's package (dflash_ds/architectures/lilicorr/): its recipe sections and their checks, the head's
 tensors (the inventory equals the state dict, every parameter a multiple of 8 elements, padded storage
 that loads and saves under the engines' names), Model-Optimizer's initialisation, the head's scores, and
 an export held against the readers' rules (tests/fixtures/lilicorr_reader_rules.json) with a bit-exact
@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3Config
 
+from dflash_ds.architectures import lilicorr
 from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.variants import lilicorr
 
 RULES = json.loads((Path(__file__).parent / "fixtures" / "lilicorr_reader_rules.json").read_text())
 D, VOCAB, B = 64, 128, 4
@@ -27,7 +27,7 @@ TINY = {"candidate_topk": 4, "head_hidden_size": 16, "factor_dim": 16, "num_laye
 
 @pytest.fixture
 def pkg():
-    """The lilicorr package (registered by model/variants/__init__.py's list)."""
+    """The lilicorr package (registered by architectures/__init__.py's list)."""
     return lilicorr
 
 
@@ -108,7 +108,7 @@ def test_the_head_starts_where_model_optimizers_does(pkg):
 def test_the_scores_follow_the_definition(pkg):
     """The attention bias by slot distance, the anchor row zeroed when it does not exist, and the
     log-factors logit_scale times cosines (so within +-logit_scale), computed by hand here."""
-    from dflash_ds.model.variants.lilicorr.head import candidate_features
+    from dflash_ds.architectures.lilicorr.head import candidate_features
 
     head = make_drafter(pkg, seed=3).lilicorr.double()
     k, s, nh = 4, B - 1, 4
@@ -302,7 +302,7 @@ def test_the_head_keeps_zero2_gradients_aligned_at_real_geometries(pkg, geometry
 def test_the_convolution_at_init_leaves_the_backbone_unchanged(pkg):
     """The block convolution starts as the identity and every head draws on its own stream: the backbone of
     a fresh LiLiCorr+conv drafter computes what a fresh LiLiCorr drafter's does, from the same seed."""
-    from dflash_ds.model.attention import build_mask
+    from dflash_ds.network.attention import build_mask
 
     outs = []
     for fields in ({}, CONV):

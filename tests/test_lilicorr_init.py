@@ -5,11 +5,11 @@ any other export is refused before launch, naming the settings."""
 import pytest
 import torch
 
+from dflash_ds.architectures import VARIANTS
 from dflash_ds.config import DrafterConfig
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.export import load_backbone, save_drafter
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.variants import VARIANTS
+from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import check_init_from
 from tests.test_lilicorr import B, CONV, VOCAB, make_shape, pkg, target_config  # noqa: F401  (pkg: the fixture)

@@ -1,4 +1,4 @@
-"""LiLiCorr's terms in the fused loss (dflash_ds/model/variants/lilicorr/loss.py) on a tiny float64 world:
+"""LiLiCorr's terms in the fused loss (dflash_ds/architectures/lilicorr/loss.py) on a tiny float64 world:
 the chunked loss with them equals the cross-entropy alone plus the lattice terms computed here from the
 full logits (the log-normaliser recovered from the zero-weight row term, the candidates' order, the
 target's logits at the candidates), and the lattice terms alone reach every head parameter, the anchor's
@@ -9,17 +9,17 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
+from dflash_ds.architectures import lilicorr
+from dflash_ds.architectures.lilicorr.loss import LatticeInputs, lattice_inputs, lattice_loss_terms
+from dflash_ds.architectures.lilicorr.terms import Weights, lattice_terms, nodes, oracle
+from dflash_ds.architectures.lilicorr.walk import candidates
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.blocks import MicroBatch, make_blocks, slot_rows, slot_target_states
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.loss_terms import CrossEntropy
-from dflash_ds.model.objective import StepSettings
-from dflash_ds.model.variants import lilicorr
-from dflash_ds.model.variants.lilicorr.loss import LatticeInputs, lattice_inputs, lattice_loss_terms
-from dflash_ds.model.variants.lilicorr.terms import Weights, lattice_terms, nodes, oracle
-from dflash_ds.model.variants.lilicorr.walk import candidates
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import MicroBatch, make_blocks, slot_rows, slot_target_states
+from dflash_ds.objective.drafter_loss import StepSettings
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import CrossEntropy
 from dflash_ds.resolve.drafter import drafter_shape
 
 D, VOCAB, B, S_LEN = 32, 16, 4, 40

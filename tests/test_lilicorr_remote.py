@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.network.draft_model import DraftModel
 from tests.remote_case import block_case, serving_call
 from tests.test_lilicorr import B, CONV, D, VOCAB, make_drafter, pkg  # noqa: F401  (pkg: the fixture)
 

@@ -6,10 +6,10 @@ that anchor alone, and is 0 past the text's end; a greedy-drafting architecture 
 import pytest
 import torch
 
+from dflash_ds.architectures.lilicorr.walk import text_probabilities
 from dflash_ds.eval.specdec import serving_masks
 from dflash_ds.eval.tau import anchor_proposals
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.variants.lilicorr.walk import text_probabilities
+from dflash_ds.network.draft_model import DraftModel
 from tests.test_lilicorr import B, CONV, D, VOCAB, make_drafter, pkg  # noqa: F401  (pkg: the fixture)
 
 
@@ -59,6 +59,6 @@ def test_tau_reads_q_of_the_text_as_the_online_draft_has_it(pkg, fields, tempera
 
 
 def test_a_greedy_drafting_architecture_has_no_text_q():
-    from dflash_ds.model.variants.dflash import DFlash
+    from dflash_ds.architectures.dflash import DFlash
 
     assert DFlash().text_probabilities(None, torch.zeros(1, 3, 4), torch.zeros(1, 3, dtype=torch.long), 0.7) is None

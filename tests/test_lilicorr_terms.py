@@ -1,4 +1,4 @@
-"""LiLiCorr's lattice objective (dflash_ds/model/variants/lilicorr/terms.py) against a per-block, per-slot
+"""LiLiCorr's lattice objective (dflash_ds/architectures/lilicorr/terms.py) against a per-block, per-slot
 Python loop in float64 written from the definitions (Model-Optimizer's objective): the oracle and the
 supervised slots, the teacher-forced nodes, the candidate CE, the gap and hinge, the target-logit penalty,
 and the logged sums; the edge cases (gold missing at slot 1, a gold back in the lattice after a miss,
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from dflash_ds.model.variants.lilicorr.head import Factors
-from dflash_ds.model.variants.lilicorr.terms import (Weights, lattice_logs, lattice_terms, nodes, oracle,
+from dflash_ds.architectures.lilicorr.head import Factors
+from dflash_ds.architectures.lilicorr.terms import (Weights, lattice_logs, lattice_terms, nodes, oracle,
                                                      soft_log_probs)
 
 MARGIN = Weights(ce=0.125, margin_weight=0.125, penalty=0.25, margin=2.0)

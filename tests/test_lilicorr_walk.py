@@ -1,4 +1,4 @@
-"""LiLiCorr's serving walk (dflash_ds/model/variants/lilicorr/walk.py and `propose`) against an independent
+"""LiLiCorr's serving walk (dflash_ds/architectures/lilicorr/walk.py and `propose`) against an independent
 re-implementation written from SGLang's reader (tests/lilicorr_reference.py: the export's tensors under
 SGLang's names, float64 plain algebra, one-hot rows and the inverse-CDF walk): equal tokens and log-factors
 on held-out anchors of a tiny drafter run on its own states, and the lowest-index rule on exact ties."""
@@ -6,9 +6,9 @@ on held-out anchors of a tiny drafter run on its own states, and the lowest-inde
 import pytest
 import torch
 
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.variants.lilicorr.head import Factors
-from dflash_ds.model.variants.lilicorr.walk import greedy_path
+from dflash_ds.architectures.lilicorr.head import Factors
+from dflash_ds.architectures.lilicorr.walk import greedy_path
+from dflash_ds.network.draft_model import DraftModel
 from tests.lilicorr_reference import ReferenceDraft
 from tests.test_lilicorr import B, CONV, D, VOCAB, make_drafter, pkg  # noqa: F401  (pkg: the fixture)
 
@@ -85,7 +85,7 @@ def test_a_walk_without_the_anchor_row_or_with_a_cut_is_refused(pkg):
 
 @pytest.mark.parametrize("temperature", [0.7, 2.0])
 def test_the_sampled_walk_equals_sglangs_inverse_cdf_walk(pkg, temperature):
-    from dflash_ds.model.variants.lilicorr.walk import sampled_path
+    from dflash_ds.architectures.lilicorr.walk import sampled_path
 
     model, states, context, anchors = world(pkg, 14)
     drafter = model.drafter
@@ -108,7 +108,7 @@ def test_the_text_probabilities_are_the_sampled_walks_own(pkg, temperature):
     """q_s of the text (walk.text_probabilities) along a sampled walk's own tokens is the q row it drew
     from at the index it took; over every path of a block the products sum to 1 (a distribution), and
     a token outside its slot's candidates zeroes its slot and every later one."""
-    from dflash_ds.model.variants.lilicorr.walk import chosen, sampled_path, text_probabilities
+    from dflash_ds.architectures.lilicorr.walk import chosen, sampled_path, text_probabilities
 
     model, states, context, _ = world(pkg, 15)
     found, factors = pkg.walk.score(model, states, context, torch.ones(states.shape[0], dtype=torch.bool))

@@ -1,4 +1,4 @@
-"""The target's scaling around its embedding and lm_head (model/logit_transform.py): read from the
+"""The target's scaling around its embedding and lm_head (network/logit_transform.py): read from the
 target's config, applied by the loss (with and without the KL term), the
 selector, the greedy walk, the block embeddings and the exported remote code, each against a
 float64 computation of the transformed logits."""
@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, Qwen3Config
 
+from dflash_ds.architectures.dflash2 import DFlash2Fields
+from dflash_ds.architectures.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
 from dflash_ds.config import DrafterConfig
-from dflash_ds.model.variants.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, greedy_path, selector_loss
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, target_scales
-from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.loss_terms import CrossEntropy, Distillation, TargetRows
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.logit_transform import IDENTITY, LogitTransform, target_scales
+from dflash_ds.objective.blocks import slot_rows
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, TargetRows
 from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.model.variants.dflash2 import DFlash2Fields
 from tests.reference import dense_loss
 from tests.test_dflash2 import reference_selector_loss
 from tests.test_selector_kernels import selector_case

@@ -1,4 +1,4 @@
-"""The loss (model/loss.py) against the float64 dense reference (tests/reference.py, dense_loss): the
+"""The loss (objective/loss.py) against the float64 dense reference (tests/reference.py, dense_loss): the
 loss, its sums, the hits and both gradients for even and uneven chunkings, with and without the KL
 term, under a target's logit transform; the top-k candidates; slot 0 of every block skipped by shape;
 two lm_head matmuls per chunk (three with the target's logits) and one chunk of logits at a time;
@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.head_matmuls import SeparateMatmuls
-from dflash_ds.model.loss_terms import (CrossEntropy, Distillation, LogitBias, Pass, RowTerm, TargetLogits, TargetRows,
+from dflash_ds.network.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.objective.blocks import slot_rows
+from dflash_ds.objective.head_matmuls import SeparateMatmuls
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import (CrossEntropy, Distillation, LogitBias, Pass, RowTerm, TargetLogits, TargetRows,
                                         chunk_math)
 from tests.reference import Candidates, chunked, dense_loss
 from tests.test_objective import NoHostSync
@@ -121,7 +121,7 @@ def test_target_states_by_index_equal_the_gathered_rows(weight_kl):
     # blocks repeat positions); each chunk multiplies its distinct states once. Everything the loss
     # returns equals the run on the gathered rows, for every chunking (uneven, one row, more chunks
     # than rows), with the KL term on and, weight 0, with only a chunk term reading the logits.
-    from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.architectures.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float64)
     table = target_states(torch.float64, n=9)
@@ -372,7 +372,7 @@ def test_elementwise_traces_as_one_graph():
     # On CUDA the chunk's elementwise pass is compiled with fullgraph=True: every combination of its
     # parts (gradient or not, the KL term, an architecture's vocab term) must trace without
     # graph breaks and give the eager results.
-    from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.architectures.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float32)
     logits = hidden @ weight.T
@@ -404,7 +404,7 @@ def test_elementwise_traces_as_one_graph():
 def test_fresh_terms_with_new_weights_compile_the_pass_once():
     # drafter_loss builds its terms anew every micro-batch and a warm-up changes their weights between
     # steps: the compiled pass (traced once per run on CUDA) must not be traced again for that.
-    from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.architectures.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float32)
     logits, lab = hidden @ weight.T, torch.where(weights > 0, labels, 0)
@@ -428,7 +428,7 @@ def test_a_logit_bias_is_the_loss_of_the_stacked_operands():
     # equal the dense loss of [hidden | features] through [weight | table]; the folded weight the
     # DenseHead keeps between calls follows the table and any change of the weight (in place, or
     # another tensor).
-    from dflash_ds.model.head_matmuls import DenseHead
+    from dflash_ds.objective.head_matmuls import DenseHead
 
     hidden, weight, labels, weights = case(torch.float64)
     g = torch.Generator().manual_seed(9)
@@ -478,7 +478,7 @@ class _PlainHead:
 def test_a_head_of_its_own_gives_the_folded_losses(by_index):
     # With a head of its own (FP8 on the GPU) the drafter's logits, the bias and the target's
     # logits are matmuls of their own instead of one stacked matmul: every output and gradient equal.
-    from dflash_ds.model.variants.dspark.parts import l1_to_target
+    from dflash_ds.architectures.dspark.parts import l1_to_target
 
     hidden, weight, labels, weights = case(torch.float64)
     g = torch.Generator().manual_seed(11)

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
+from dflash_ds.architectures import VARIANTS
 from dflash_ds.config import DrafterConfig, ObjectiveConfig
-from dflash_ds.model.blocks import MicroBatch, make_blocks, slot_rows, slot_target_index
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.loss import LossOutput
-from dflash_ds.model.loss_terms import OutputTerm, RowTerm
-from dflash_ds.model.objective import StepSettings, drafter_loss
-from dflash_ds.model.variants import VARIANTS
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.blocks import MicroBatch, make_blocks, slot_rows, slot_target_index
+from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
+from dflash_ds.objective.loss import LossOutput
+from dflash_ds.objective.loss_terms import OutputTerm, RowTerm
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.toy_variant import ToyMarkov, register
 

@@ -26,7 +26,7 @@ SPLIT = ["target.expert_parallel=2", "topology.targets_per_node=2", "optim.grad_
 
 def reference(target_path, run_dir):
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.resolve.run import resolve_run
     from dflash_ds.runtime.trainer import build_drafter
     from dflash_ds.target_model import moe

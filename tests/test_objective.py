@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.model.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
+from dflash_ds.objective.blocks import (block_inputs, block_targets, decay_weights, default_gamma, sample_anchors,
                                     slot_target_states, valid_anchor_mask)
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.loss_terms import CrossEntropy, Distillation, TargetRows
-from dflash_ds.model.objective import acceptance_proxy
+from dflash_ds.objective.drafter_loss import acceptance_proxy
+from dflash_ds.objective.loss import ChunkedLoss
+from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, TargetRows
 
 E = math.exp
 

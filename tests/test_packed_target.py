@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_ds.model.blocks import position_ids_from_doc_ids
+from dflash_ds.objective.blocks import position_ids_from_doc_ids
 from dflash_ds.target_model.model import TapCapture, decoder_layers, forward_taps
 from dflash_ds.target_model.packed import Packing, cu_seqlens_from_doc_ids, masked_causal_conv
 

@@ -124,7 +124,7 @@ def test_a_sharded_checkpoint_names_the_missing_or_truncated_shard(tmp_path):
 
 def test_a_truncated_init_from_export_is_named_before_launch(tmp_path):
     from dflash_ds.export import save_drafter
-    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.network.drafter import DFlashDrafter
     from dflash_ds.resolve.run import resolve_run
 
     spec = resolve_run(tiny(tmp_path / "run"), 2)

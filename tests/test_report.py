@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from dflash_ds.model.shape import DrafterShape
 from dflash_ds.export.card import TauFacts
+from dflash_ds.network.shape import DrafterShape
 from dflash_ds.report import finish_run, main, page_html, report_contents, split_records, write_report
 
 
@@ -63,7 +63,7 @@ def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
     printed = capsys.readouterr().err
     assert "report failed" in printed and "python -m dflash_ds.report" in printed
     from dflash_ds.export import save_drafter
-    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.network.drafter import DFlashDrafter
 
     cfg = DrafterShape(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,

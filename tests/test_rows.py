@@ -11,7 +11,7 @@ import torch
 
 from dflash_ds.bench.lengths import LONG_ROW, length_rows, length_sampler, useful_share
 from dflash_ds.config import RecipeError, default_anchors, load_recipe
-from dflash_ds.model.blocks import anchor_quota, sample_anchors, valid_anchor_mask
+from dflash_ds.objective.blocks import anchor_quota, sample_anchors, valid_anchor_mask
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"

@@ -36,7 +36,7 @@ def ok(proc):
 def reference_run(tmp_path_factory):
     """Single-process losses and gradient norms for 1 target + 2 drafter ranks' worth of data, grad_accum 2."""
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.resolve.run import resolve_run
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter
@@ -100,7 +100,7 @@ def test_kl_term_end_to_end_split_and_colocated(tmp_path):
     """With the KL term on, targets send their final-norm states as an extra tap: the split and the
     colocated runtime train exactly like the single-process reference, and differently from CE alone."""
     from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.resolve.run import resolve_run
     from .reference import reference_losses
     from dflash_ds.runtime.trainer import build_drafter

@@ -220,9 +220,9 @@ def couple_sampled_drafts(monkeypatch, target, model, prompt: torch.Tensor, coin
     min(1, q(x) / p(x)), q the architecture's sampled draft along the text; the draft is the accepted
     tokens, so the target's verification pass is conditioned as the engine's would be. A greedy draft is
     verified as `coupled_verify` does."""
+    from dflash_ds.architectures.base import SampledDraft
     from dflash_ds.eval import specdec_sampled
     from dflash_ds.eval.specdec import logits_and_taps
-    from dflash_ds.model.variants.base import SampledDraft
 
     state = {"seq": prompt.tolist(), "reject": None}
     states_of, sampled_of = specdec_sampled.block_states, type(model).sampled_draft  # a frozen dataclass

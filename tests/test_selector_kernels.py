@@ -1,12 +1,12 @@
-"""The two kernels under DFlash2's selector step: the two-stage top-k (model/top_k.py) against
-`torch.topk`, and `take_rows` (model/gather.py) against autograd's gradient of `table[index]`."""
+"""The two kernels under DFlash2's selector step: the two-stage top-k (objective/top_k.py) against
+`torch.topk`, and `take_rows` (network/gather.py) against autograd's gradient of `table[index]`."""
 
 import pytest
 import torch
 
-from dflash_ds.model.variants.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, candidate_logits, selector_loss
-from dflash_ds.model.gather import segment_sum_rows, take_rows
-from dflash_ds.model.top_k import block_top_k
+from dflash_ds.architectures.dflash2.parts import CandidateSelector, SelectorRows, SelectorTerm, candidate_logits, selector_loss
+from dflash_ds.network.gather import segment_sum_rows, take_rows
+from dflash_ds.objective.top_k import block_top_k
 
 
 # ------------------------------------------------------------------------------------- two-stage top-k

@@ -7,15 +7,20 @@
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
   import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
-- no code outside model/variants/ asks which drafter architecture it has: no comparison with an
+- no code outside architectures/ asks which drafter architecture it has: no comparison with an
   architecture's name or class name, no attribute named after an architecture or one of its modules
   (`drafter.candidate_selector`), no import of
-  one architecture's module (`isinstance(m, BlockConv)` needs one), no read of its own values
+  one architecture's module (`isinstance(m, BlockConv)` needs one; `from dflash_ds.architectures import
+  dspark` and `import dflash_ds.architectures.dspark` too), no read of its own values
   (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
   string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
   architecture's `logs` view instead);
-- model/, target_model/ and quantization/ speak no recipe vocabulary: no message (a string that is not documentation)
-  names a recipe key; the boundary that turns recipe values into a shape or a target names the setting.
+- the entry points (train, eval's CLI, the bench's, the export's loader, the report) import
+  dflash_ds.architectures, the list whose import registers every architecture; network/ and
+  objective/ import none (the registry they ask is filled from above);
+- network/, objective/, architectures/, target_model/ and quantization/ speak no recipe vocabulary: no
+  message (a string that is not documentation) names a recipe key; the boundary that turns recipe
+  values into a shape or a target names the setting.
 - one output channel: messages to the user go through `safety.say` (one `[dflash] ...` line on
   stderr, flushed, never raising on a closed terminal); `print` and writes to sys.stdout / sys.stderr
   appear only in `say` itself, the progress line (`metrics.print_progress`, which rewrites one
@@ -178,12 +183,15 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 
 
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
-# (recipe -> rows and the FP8 mechanism -> drafter model -> target -> export -> eval -> run spec -> distributed run -> how it
-# starts and stops -> entry points).
+# (recipe -> rows and the FP8 mechanism -> the drafter network -> its training objective -> the architectures, which
+# extend both -> target -> export -> eval -> run spec -> distributed run -> how it starts and stops -> entry points).
+# The network asks its registry for an architecture; the architectures fill it from above (`@register`).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries", "dflash_ds.compile"),
     ("dflash_ds.data", "dflash_ds.metrics", "dflash_ds.quantization"),
-    ("dflash_ds.model",),
+    ("dflash_ds.network",),
+    ("dflash_ds.objective",),
+    ("dflash_ds.architectures",),
     ("dflash_ds.target_model",),
     ("dflash_ds.export",),
     ("dflash_ds.eval", "dflash_ds.report"),
@@ -195,7 +203,7 @@ LAYERS = [
 ]
 
 
-VARIANTS_DIR = "model/variants"
+VARIANTS_DIR = "architectures"
 # Where a shape and a recipe section hold an architecture's own values (`shape.arch_fields.markov_rank`,
 # `recipe.drafter.sections["dspark"]`): read by name only by the architecture itself (config/ reads every
 # section alike, by its `check()` and dataclass fields).
@@ -208,9 +216,23 @@ def _constants(node: ast.AST) -> list[str]:
     return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
+def _architecture_import(node: ast.Import | ast.ImportFrom, prefix: str, names: set[str]) -> str | None:
+    """The module of one architecture an import loads, or None: `from P.two import X`, `from P import two`
+    and `import P.two` load one; P itself (the list, the registry's names) and P.base (the types every
+    architecture hands out) do not."""
+    if isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+    elif node.level == 0 and node.module == prefix:
+        modules = [f"{prefix}.{alias.name}" for alias in node.names if alias.name in names]
+    else:
+        modules = [node.module or ""]
+    own = [m for m in modules if m.startswith(prefix + ".") and m != prefix + ".base"]
+    return own[0] if own else None
+
+
 def architecture_tests(root: Path, names: set[str], attributes: set[str], fields: set[str] = frozenset(),
                        logs: set[str] = frozenset()) -> list[str]:
-    """`module:line what` for every place outside `model/variants/` that tells architectures apart:
+    """`module:line what` for every place outside `architectures/` that tells architectures apart:
     `names` are the architectures' names and class names, `attributes` their names and module names,
     `fields` their own recipe and shape fields (read only through OWN_VALUES, which only the
     architecture reads: a field's name elsewhere, the target's `conv_kernel_size`, is not one), `logs`
@@ -240,10 +262,9 @@ def architecture_tests(root: Path, names: set[str], attributes: set[str], fields
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
                 hits = [c for a in node.args[1:2] for c in _constants(a) if c in attributes | fields]
                 what = f"{node.func.id}(..., {hits[0]!r})" if hits else None
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                prefix = f"{package}.{VARIANTS_DIR.replace('/', '.')}"
-                own = node.module.startswith(prefix + ".") and node.module != prefix + ".base"
-                what = f"imports {node.module}" if own else None
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                own = _architecture_import(node, f"{package}.{VARIANTS_DIR}", names)
+                what = f"imports {own}" if own else None
             if what:
                 found.append((name, node.lineno, what))
     return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
@@ -256,8 +277,8 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     import dataclasses
     import string
 
-    from dflash_ds.model.shape import DrafterShape
-    from dflash_ds.model.variants import VARIANTS
+    from dflash_ds.architectures import VARIANTS
+    from dflash_ds.network.shape import DrafterShape
 
     names, attributes, fields, logs = set(), set(), set(), set()
     for v in VARIANTS.values():
@@ -278,7 +299,7 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     return names, attributes, fields, logs
 
 
-MECHANISM_FOLDERS = ("model", "target_model", "quantization")
+MECHANISM_FOLDERS = ("network", "objective", "architectures", "target_model", "quantization")
 
 
 def recipe_keys() -> set[str]:
@@ -429,36 +450,37 @@ def test_folder_checks_find_a_folder_cycle_and_an_arrow_up(tmp_path):
 def test_architecture_check_finds_each_kind_of_test(tmp_path):
     root = _write(tmp_path, {
         "pkg/__init__.py": "",
-        "pkg/model/__init__.py": "",
-        "pkg/model/variants/__init__.py": "from pkg.model.variants import two\n",
-        "pkg/model/variants/base.py": "",
-        "pkg/model/variants/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
-        "pkg/loss.py": ("from pkg.model.variants.base import X\nfrom pkg.model.variants.two import Head\n\n"
+        "pkg/architectures/__init__.py": "from pkg.architectures import two\n",
+        "pkg/architectures/base.py": "",
+        "pkg/architectures/two.py": "def f(shape):\n    return shape.rank > 0 and shape.architecture == 'two'\n",
+        "pkg/loss.py": ("from pkg.architectures.base import X\nfrom pkg.architectures.two import Head\n\n"
                         "def f(shape, m, r):\n    if shape.architecture in ('one', 'two'):\n"
                         "        return shape.arch_fields.rank > 0 or r.drafter.sections['two']\n"
                         "    return isinstance(m, Head) or hasattr(m, 'head') or m.head is None or getattr(m, 'rank')\n"),
         "pkg/clean.py": ("def f(shape, layer):\n    return shape.variant.draft(shape) if shape.architecture else 'two words'\n"
                          "\ndef g(layer):\n    return layer.rank  # another object's attribute of a field's name\n"
                          "\ndef h(r):\n    \"\"\"Reads two_loss (documentation).\"\"\"\n    return r.get('two_loss')\n"),
+        "pkg/top.py": ("import pkg.architectures\nfrom pkg.architectures import VARIANTS, base\n"
+                       "from pkg.architectures import two\nimport pkg.architectures.two\n"),
     })
     assert architecture_tests(root, {"one", "two", "TwoModel"}, {"two", "head"}, {"rank"}, {"two_loss"}) == [
         "pkg.clean:9 names the log field 'two_loss'",
-        "pkg.loss:2 imports pkg.model.variants.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
+        "pkg.loss:2 imports pkg.architectures.two", "pkg.loss:5 compares with 'one'", "pkg.loss:6 reads .arch_fields.rank",
         "pkg.loss:6 reads .sections['two']", "pkg.loss:7 getattr(..., 'rank')", "pkg.loss:7 hasattr(..., 'head')",
-        "pkg.loss:7 reads .head"]
+        "pkg.loss:7 reads .head", "pkg.top:3 imports pkg.architectures.two", "pkg.top:4 imports pkg.architectures.two"]
 
 
 def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
     root = _write(tmp_path, {
         "pkg/__init__.py": "",
-        "pkg/model/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
-        "pkg/model/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
+        "pkg/network/__init__.py": '"""Reads drafter.block_size (documentation)."""\n',
+        "pkg/network/a.py": ('class S:\n    size: int = 2\n    """Set by drafter.block_size."""\n\n'
                            'def f(b):\n    """drafter.block_size: documented."""\n'
                            '    if b < 2:\n        raise ValueError(f"drafter.block_size must be >= 2, got {b}")\n'
                            '    return "block_size" + "drafter.block_sizes" + "my.drafter.block_size"\n'),
         "pkg/config/checks.py": 'MSG = "drafter.block_size must be >= 2"\n',
     })
-    assert recipe_vocabulary(root, ("model",), {"drafter.block_size"}) == ["pkg.model.a:8 drafter.block_size"]
+    assert recipe_vocabulary(root, ("network",), {"drafter.block_size"}) == ["pkg.network.a:8 drafter.block_size"]
 
 
 # ---------------------------------------------------------------------------------- the rules on dflash_ds
@@ -472,19 +494,35 @@ def test_no_import_cycles():
 
 def test_folders_have_no_cycle_and_no_arrow_up():
     folders = folder_graph(import_graph(ROOT))
-    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.guard", "dflash_ds.model"} <= set(folders)
+    assert {"dflash_ds.resolve", "dflash_ds.runtime", "dflash_ds.guard", "dflash_ds.network", "dflash_ds.objective",
+            "dflash_ds.architectures"} <= set(folders)
     cycles = import_cycles(folders)
     assert not cycles, "import cycles among dflash_ds folders:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
     up = upward_arrows(folders, LAYERS)
     assert not up, ("folder imports that do not point down LAYERS (tests/test_structure.py):\n  " + "\n  ".join(up))
 
 
-def test_no_architecture_test_outside_the_variants():
+# The entry points that build or load a drafter import the list of architectures themselves (each
+# registers itself on import), rather than leaning on the registry's discovery on a first look-up.
+ENTRY_POINTS = ("dflash_ds.train", "dflash_ds.eval.cli", "dflash_ds.bench.cli", "dflash_ds.export.drafter", "dflash_ds.report")
+
+
+def test_entry_points_import_the_architectures():
+    graph = import_graph(ROOT)
+    missing = [m for m in ENTRY_POINTS if "dflash_ds.architectures" not in graph[m]]
+    assert not missing, ("entry points that do not import dflash_ds.architectures (which registers every drafter "
+                         "architecture):\n  " + "\n  ".join(missing))
+    below = [m for m in graph if folder_of(m) in ("dflash_ds.network", "dflash_ds.objective")
+             and any(folder_of(t) == "dflash_ds.architectures" for t in graph[m])]
+    assert below == [], f"the network and the objective import an architecture: {below}"
+
+
+def test_no_architecture_test_outside_the_architectures():
     names, attributes, fields, logs = architecture_vocabulary()
     assert {"dflash", "dflash2", "DFlash2DraftModel", "selector_rank", "candidate_selector", "attention_conv",
             "l1_weight", "selector_loss", "tau_probabilistic", "confidence_mae"} <= names | attributes | fields | logs
     found = architecture_tests(ROOT, names, attributes, fields, logs)
-    assert not found, ("code outside dflash_ds/model/variants/ that tells drafter architectures apart (ask the "
+    assert not found, ("code outside dflash_ds/architectures/ that tells drafter architectures apart (ask the "
                        "shape's variant instead, docs/architecture.md):\n  " + "\n  ".join(found))
 
 
@@ -493,7 +531,8 @@ def test_model_code_names_no_recipe_key():
     assert {"drafter.block_size", "objective.kl_weight", "target.path", "data.regenerate.urls",
             "drafter.dspark.markov_rank", "objective.dflash2.selector_alpha"} <= keys
     found = recipe_vocabulary(ROOT, MECHANISM_FOLDERS, keys)
-    assert not found, ("messages in dflash_ds/model/, target_model/ or quantization/ that name a recipe key (raise a "
+    assert not found, ("messages in dflash_ds/network/, objective/, architectures/, target_model/ or quantization/ that "
+                       "name a recipe key (raise a "
                        "neutral error there and name the setting at the boundary, config/checks.py or "
                        "resolve/):\n  " + "\n  ".join(found))
 def test_messages_go_through_one_channel():

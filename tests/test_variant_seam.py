@@ -1,4 +1,4 @@
-"""The seam per drafter architecture (model/variants/): a new one is its package plus one name in the list.
+"""The seam per drafter architecture (architectures/): a new one is its package plus one name in the list.
 
 tests/toy_variant.py defines one outside the package (a Markov logit bias from the previous token, a
 total-variation term against the target inside the fused loss, the Markov walk, its own recipe
@@ -21,15 +21,15 @@ from transformers import Qwen3Config
 
 from dflash_ds.config import DrafterConfig
 from dflash_ds.export import load_drafter, save_drafter
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.drafter import DFlashDrafter
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.drafter import DFlashDrafter
 from tests.reference import chunked
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.blocks import MicroBatch, make_blocks
-from dflash_ds.model.objective import StepSettings, drafter_loss
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.export.card import model_card
+from dflash_ds.network.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
+from dflash_ds.resolve.drafter import drafter_shape
 from tests.toy_variant import markov_bias, markov_term, predecessors, register
 
 D, VOCAB, B, S = 32, 96, 4, 40
@@ -241,7 +241,7 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
     elements shifts every later bf16 gradient off 16 bytes (DSpark's one-element confidence bias did: the
     gradient copies ran 3.5x slower, docs/performance.md "What DSpark costs"). Every architecture, at every
     real target geometry, keeps its parameters to multiples of 8 (an odd-sized one is stored padded, as
-    variants/dspark/parts.py `Projection`)."""
+    architectures/dspark/parts.py `Projection`)."""
     from dflash_ds.config import load_recipe
     from dflash_ds.target_model.presets import get_geometry, target_config
 
@@ -254,9 +254,9 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
 
 
 def test_register_adds_the_architecture_and_its_sections_and_refuses_a_second_of_one_name(monkeypatch):
+    from dflash_ds.architectures import VARIANTS, DrafterVariant
     from dflash_ds.config.architectures import SECTIONS, section_type
-    from dflash_ds.model.variants import VARIANTS, DrafterVariant
-    from dflash_ds.model.variants.registry import register as decorate
+    from dflash_ds.network.registry import register as decorate
     from tests.toy_variant import ToyMarkov, ToyObjective
 
     for registry in (VARIANTS, SECTIONS):  # the toy's entries are removed again after the test

@@ -10,9 +10,9 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_ds.config import DrafterConfig, RecipeError, load_recipe
-from dflash_ds.model.attention import FLEX_BLOCK, FULL, LayerAttention, build_layer_masks, build_mask
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape, attention_layout
+from dflash_ds.network.attention import FLEX_BLOCK, FULL, LayerAttention, build_layer_masks, build_mask
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape, attention_layout
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import resolve_run
 from tests.remote_case import block_case, serving_call, training_call
@@ -191,7 +191,7 @@ def test_batched_training_masks_equal_the_serving_view(layer_types, is_causal):
     context being the prefix before the anchor) equals the batched training forward with
     build_layer_masks over the whole row (float64)."""
     from dflash_ds.eval.specdec import serving_masks
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
 
     B, S = 4, 30
     model = windowed_drafter(layer_types, window=7 if S_ in layer_types else None, is_causal=is_causal)
@@ -249,7 +249,7 @@ def test_automodel_applies_the_windows(tmp_path, layer_types, is_causal):
 
     from dflash_ds.eval.specdec import serving_masks
     from dflash_ds.export import load_drafter, save_drafter
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
 
     B, W, S = 4, 6, 24
     ours = windowed_drafter(layer_types, window=W, is_causal=is_causal, dtype=torch.float32)
@@ -317,7 +317,7 @@ def test_a_recipe_value_of_the_wrong_type_stops_at_load():
 
 
 def test_recipe_attention_keys_reach_the_step_settings():
-    from dflash_ds.model.objective import StepSettings
+    from dflash_ds.objective.drafter_loss import StepSettings
 
     r = load_recipe("recipes/tiny.yaml", ["drafter.num_layers=3", "drafter.block_size=8",
                                           "drafter.layer_types=[sliding_attention,sliding_attention,full_attention]",

@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ds.architectures import DrafterVariant
+from dflash_ds.architectures.base import Card, LogView, RemoteCode
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.loss_terms import LogitBias, RowTerm
-from dflash_ds.model.variants import DrafterVariant
-from dflash_ds.model.variants.base import Card, FieldError, LogView, RemoteCode, Tensor
-from dflash_ds.model.variants.registry import entries
+from dflash_ds.network.registry import entries
+from dflash_ds.network.shape import FieldError, Tensor
+from dflash_ds.objective.blocks import slot_rows
+from dflash_ds.objective.loss_terms import LogitBias, RowTerm
 
 
 @dataclass(frozen=True)

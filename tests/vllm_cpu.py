@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.network.draft_model import DraftModel
 from tests.llama_cpp import ROOT, built_env_python
 
 BUILD = ROOT / "scripts" / "build_vllm_cpu.sh"

@@ -1,5 +1,5 @@
 """The loss the way torchtitan's chunked loss computes it (torchtitan/components/loss.py, ChunkedLossWrapper):
-autograd over each chunk, backward per chunk, for the bench to time against model/loss.py's
+autograd over each chunk, backward per chunk, for the bench to time against objective/loss.py's
 hand-written gradients (`python -m dflash_ds.bench --role drafter --loss-impl autograd`).
 
 Each chunk of rows is cut from the graph (a detached leaf), its lm_head matmul, logit transform and
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.loss import ChunkedLoss, LossOutput
-from dflash_ds.model.loss_terms import CrossEntropy, Distillation, RowTerm
-from dflash_ds.model.top_k import block_top_k
+from dflash_ds.objective.loss import ChunkedLoss, LossOutput
+from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, RowTerm
+from dflash_ds.objective.top_k import block_top_k
 
 
 class PerChunkBackwardLoss(ChunkedLoss):

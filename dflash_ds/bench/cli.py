@@ -39,8 +39,8 @@ from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, init_single_process, pick_device, resolve_setup
 from .timing import drift_warnings, matmul_ceiling
 
+from dflash_ds.architectures import DEFAULT, VARIANTS
 from dflash_ds.safety import Exit, say
-from dflash_ds.model.variants import DEFAULT, VARIANTS
 
 ROLES = ("target", "drafter", "colocated", "transport", "lm_head", "quality", "plan", "data")
 
@@ -143,7 +143,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
     p.add_argument("--loss-impl", default="fused", choices=("fused", "autograd"),
-                   help="drafter: the loss with hand-written gradients (model/loss.py), or autograd per chunk "
+                   help="drafter: the loss with hand-written gradients (objective/loss.py), or autograd per chunk "
                         "with a backward per chunk (torchtitan's chunked loss; bench/chunk_autograd.py)")
     p.add_argument("--no-fla-conv", action="store_true", help="target: keep transformers' PyTorch short conv")
     p.add_argument("--no-fused-target", action="store_true",

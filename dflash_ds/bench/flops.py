@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_ds.model.attention import FULL, LayerAttention
+from dflash_ds.network.attention import FULL, LayerAttention
 
 from .setup import Setup, setup_rows
 
@@ -130,7 +130,7 @@ def drafter_flops_of_steps(setup: Setup, steps: range) -> dict:
     synthetic row shares, so they are recomputed here exactly as make_blocks draws them. With
     --lengths the rows differ: the pairs are counted on the first rows only, so MFU is approximate.
     """
-    from dflash_ds.model.blocks import anchor_generator, sample_anchors
+    from dflash_ds.objective.blocks import anchor_generator, sample_anchors
 
     a, r, plan = setup.args, setup.recipe, setup.plan
     rows = setup_rows(setup, setup.payload.rows)

@@ -146,7 +146,7 @@ def time_modes(setup: Setup, ceiling: dict, group, source_factory, *, row_doc_id
         record_rates(result, setup.plan.grad_accum * setup.payload.rows * a.seq_len, counted["per_step"]["total"],
                      ceiling)
         add_useful(result, row_doc_ids)
-        from dflash_ds.model.head_matmuls import GemmHead
+        from dflash_ds.objective.head_matmuls import GemmHead
 
         head = model.loss_head.gemms if isinstance(model.loss_head, GemmHead) else None
         result.update(fp8_layers=float8_layers(model.drafter, mode), lm_head_fp8=head is not None,

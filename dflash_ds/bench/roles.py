@@ -88,8 +88,8 @@ def build_drafter(setup: Setup, group, matrices: tuple[torch.Tensor, torch.Tenso
     """A drafter initialised from `seed` under the real ZeRO-2 engine, with the frozen (embed, lm_head)
     `matrices` (drafter.fp8 as the recipe says: its layers converted as the engine is built, the loss's
     lm_head quantized). Returns (DraftModel, engine, the engine's JSON)."""
-    from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.network.draft_model import DraftModel
+    from dflash_ds.network.drafter import DFlashDrafter
     from dflash_ds.runtime.engines import build_drafter_engine, loss_head
 
     torch.manual_seed(seed)
@@ -135,8 +135,8 @@ def time_mask(setup: Setup, payload: torch.Tensor, repeats: int = 5) -> dict:
 
     Runs before the first training step, so the first build here is the process's first.
     """
-    from dflash_ds.model.attention import build_layer_masks
-    from dflash_ds.model.blocks import anchor_generator, make_blocks, sample_anchors
+    from dflash_ds.network.attention import build_layer_masks
+    from dflash_ds.objective.blocks import anchor_generator, make_blocks, sample_anchors
 
     s = setup.run.settings
     mb = micro_batch_of(setup, payload)

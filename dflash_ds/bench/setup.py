@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from dflash_ds.config import Recipe
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.resolve.drafter import drafter_shape
-from dflash_ds.resolve.run import RunSpec
 from dflash_ds.guard.launch import free_port  # noqa: F401  (re-exported by dflash_ds.bench)
-from dflash_ds.resolve.plan import Plan
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.payload import PayloadLayout
+from dflash_ds.resolve.plan import Plan
+from dflash_ds.resolve.run import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_RECIPE = REPO / "recipes" / "qwen27b.yaml"

@@ -1,12 +1,13 @@
 """The drafter architectures' own recipe sections: `drafter.<name>:` and `objective.<name>:`.
 
-An architecture declares its recipe keys in its package (dflash_ds/model/variants/<name>/): one frozen
+An architecture declares its recipe keys in its package (dflash_ds/architectures/<name>/): one frozen
 dataclass per section, a docstring per field (the key reference) and, where a value can be checked
-on its own, a `check()` that raises ValueError beginning with the field's name. The variants
-registry's decorator registers them here. This module imports no architecture: the first recipe
-that needs the sections imports the one module that lists the architectures (`DISCOVERY`), the way a
-plugin registry loads its entry points, so config/ stays the bottom layer and reading a plain
-DFlash recipe imports no model code.
+on its own, a `check()` that raises ValueError beginning with the field's name. The architecture
+registry's decorator (network/registry.py) registers them here. This module imports no architecture:
+the first recipe that needs the sections, or the registry's first look-up, imports the one module
+that lists the architectures (`DISCOVERY`, through `registered`), the way a plugin registry loads its
+entry points, so config/ stays the bottom layer and reading a plain DFlash recipe imports no model
+code.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, NamedTuple
 
 KINDS = ("drafter", "objective")
 """The recipe sections an architecture may add a section of its own to."""
-DISCOVERY = "dflash_ds.model.variants"
+DISCOVERY = "dflash_ds.architectures"
 """The module that imports every architecture package (each registers itself on import)."""
 
 
@@ -31,7 +32,7 @@ class Sections(NamedTuple):
 
 
 SECTIONS: dict[str, Sections] = {}
-"""Architecture name -> its recipe sections (filled by model.variants.registry.register)."""
+"""Architecture name -> its recipe sections (filled by network.registry.register)."""
 _discovered: list[bool] = []
 
 

@@ -26,7 +26,7 @@ def validate(r: Recipe) -> None:
     JSONs, drafter.init_from, the data) are resolve.run.resolve_run's and guard/launch.py's."""
     check_target(r)  # first: a recipe without a target is the most common mistake, and names it first
     check_run(r)
-    # The drafter section is checked where it becomes a shape (resolve/drafter.py, model/shape.py and
+    # The drafter section is checked where it becomes a shape (resolve/drafter.py, network/shape.py and
     # the architecture's own fields): its rules hold for an export too, so they live with the shape.
     # drafter.fp8 is no part of the shape (it is how the drafter trains), so its values are checked here.
     check_drafter_fp8(r)

@@ -107,7 +107,7 @@ class DrafterConfig:
     convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8);
     dspark: anchor-first blocks, a Markov head and a confidence head (section 9). An architecture's
     own keys sit in its own section, `drafter.<architecture>:` (e.g. drafter.dspark.markov_rank), declared
-    by its package (dflash_ds/model/variants/<architecture>/); their defaults are its published shape."""
+    by its package (dflash_ds/architectures/<architecture>/); their defaults are its published shape."""
     ds_config: str = "ds_configs/drafter_zero2.json"
     """DeepSpeed JSON for the drafter's ZeRO-2 engine (activation checkpointing lives here)."""
     init_from: str | None = None
@@ -232,7 +232,7 @@ class ObjectiveConfig:
     anchors on supervised tokens only, the paper's (docs/performance.md: what the default buys)."""
     loss_chunks: int = 16
     """lm_head + cross-entropy computed in this many chunks of slots (only one chunk's logits exist at a
-    time; the input gradient is computed in the forward pass, model/loss.py)."""
+    time; the input gradient is computed in the forward pass, objective/loss.py)."""
     kl_weight: float = 0.0
     """Weight of a distillation term KL(target || drafter) added to the hard-label CE at every slot
     (0 = plain CE, the paper's recipe). Target ranks then also send their final-norm hidden state

@@ -3,7 +3,7 @@
 Rows are `S` tokens holding whole documents (never split across rows): `input_ids` int32 [S]
 (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens), `doc_ids` int32 [S]
 (document index inside the row, -1 on padding). Position ids restart at 0 for every document
-(`model.blocks.position_ids_from_doc_ids`, computed where the rows are used). A packed row holds several documents and the target must not attend
+(`objective.blocks.position_ids_from_doc_ids`, computed where the rows are used). A packed row holds several documents and the target must not attend
 across them. With transformers (5.x) the simplest correct call is
 `model(input_ids, position_ids=position_ids_from_doc_ids(doc_ids), attention_mask=None, use_cache=False)`:
 its masking utilities then detect the restarts and build the block-diagonal mask themselves (with the

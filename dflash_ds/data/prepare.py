@@ -7,7 +7,7 @@ at most `data.max_length` tokens, cut or dropped per data.truncation):
 `input_ids` int32 [S] (pad id on padding), `loss_mask` uint8 [S] (1 on assistant tokens),
 `doc_ids` int32 [S] (document index inside the row, -1 on padding). Packing and the per-document
 position ids are in `dflash_ds/data/packing.py`; the attention mask a packed row needs is
-`dflash_ds/model/attention.py`'s.
+`dflash_ds/network/attention.py`'s.
 
 Prepared data lives in `data.cache_dir/<fingerprint>/` (`input_ids.npy`, `loss_mask.npy`,
 `doc_ids.npy`, `eval.json`, `report.json`, `report.txt`, `lengths.json`: every conversation's

@@ -17,7 +17,6 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.libraries import quiet_libraries
 from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
 from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
@@ -25,7 +24,8 @@ from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sam
                                     tau_of_trajectory)
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
 from dflash_ds.eval.vllm_count import VllmCounts
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.libraries import quiet_libraries
+from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.safety import Exit, say
 
 

@@ -11,18 +11,19 @@ from pathlib import Path
 
 import torch
 
+import dflash_ds.architectures  # noqa: F401  (registers every drafter architecture)
 from dflash_ds.eval.benchmark_table import (BenchOptions, Responder, bench_row, settings_of, table_lines,
                                       tau_on_conversations, tau_on_prompts)
 from dflash_ds.eval.benchmarks import BENCHMARKS, HELDOUT, load_conversations, parse_names
 from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, offline_tau, target_taps
+from dflash_ds.eval.loading import load_pair
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
 from dflash_ds.eval.vllm_count import VllmCounts
-from dflash_ds.eval.loading import load_pair
-from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.export.card import trained_thinking
 from dflash_ds.libraries import quiet_libraries
+from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.safety import Exit, say
 
 

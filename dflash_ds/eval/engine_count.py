@@ -29,7 +29,7 @@ from typing import Collection, NamedTuple
 import torch
 
 from dflash_ds.eval.tau import anchor_drafts
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.network.draft_model import DraftModel
 
 
 class Round(NamedTuple):

@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
+from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.target_model.model import TapCapture, forward_taps, text_config
 
 

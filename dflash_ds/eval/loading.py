@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.target_model.model import load_config, text_config
 
 

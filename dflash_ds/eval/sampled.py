@@ -29,9 +29,9 @@ from typing import Sequence
 import torch
 
 from dflash_ds.eval.generate import eos_ids
-from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, anchor_proposals, matched_prefix, walk
 from dflash_ds.eval.specdec import logits_and_taps
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, anchor_proposals, matched_prefix, walk
+from dflash_ds.network.draft_model import DraftModel
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.model.attention import DFlashMask
-from dflash_ds.model.draft_model import DraftModel
 from dflash_ds.eval.generate import eos_ids
+from dflash_ds.network.attention import DFlashMask
+from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.target_model.model import TapCapture, text_config
 
 

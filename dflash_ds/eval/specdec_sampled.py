@@ -15,11 +15,11 @@ from typing import Sequence
 
 import torch
 
+from dflash_ds.architectures.base import SampledDraft
 from dflash_ds.eval.generate import eos_ids
 from dflash_ds.eval.sampled import Sampling, target_probs
 from dflash_ds.eval.specdec import block_states, emitted, logits_and_taps
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.variants.base import SampledDraft
+from dflash_ds.network.draft_model import DraftModel
 
 
 def verify_block(logits: torch.Tensor, drafts: torch.Tensor, sampling: Sampling,

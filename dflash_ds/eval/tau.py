@@ -40,10 +40,10 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.model.attention import build_layer_masks
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.blocks import block_inputs
-from dflash_ds.model.variants.base import Proposal
+from dflash_ds.architectures.base import Proposal
+from dflash_ds.network.attention import build_layer_masks
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.objective.blocks import block_inputs
 
 DEFAULT_BATCH_ANCHORS = 64
 

@@ -33,7 +33,7 @@ import torch
 from dflash_ds.eval.engine_count import Round
 from dflash_ds.eval.generate import eos_ids
 from dflash_ds.eval.tau import anchor_drafts
-from dflash_ds.model.draft_model import DraftModel
+from dflash_ds.network.draft_model import DraftModel
 
 
 class NeedsMoreTokens(Exception):

@@ -2,7 +2,7 @@
 (docs/algorithm.md section 6).
 
 - drafter.py: `save_drafter` / `load_drafter` (`load_backbone`: another architecture's backbone), the directory's config.json, weights and the
-  architecture's remote code (which each architecture's package under model/variants/ owns);
+  architecture's remote code (which each architecture's package under architectures/ owns);
 - card.py: the export's README.md model card (target, data, steps, tau, serving commands).
 
 The names below are the package's public face: callers import them from `dflash_ds.export`.

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants.base import Serving
+from dflash_ds.architectures.base import Serving
+from dflash_ds.network.shape import DrafterShape
 
 THINKING_ROW = re.compile(r"^\| chat template \| `enable_thinking: (true|false)`", re.M)
 BENCH_HEADING = "## Acceptance by benchmark"

@@ -6,7 +6,7 @@ carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter bo
 the target at serving time.
 
 It also holds the architecture's transformers remote code (its `remote()`: for DFlash, DFlash2 and
-DSpark `modeling_dflash.py`, self-contained, from dflash_ds/model/variants/dflash/) with an `auto_map`
+DSpark `modeling_dflash.py`, self-contained, from dflash_ds/architectures/dflash/) with an `auto_map`
 in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it, and a
 README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
 transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the
@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_ds.io import replace_dir_atomic, write_text_atomic
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.variants import class_names
+from dflash_ds.architectures import class_names
 from dflash_ds.export.card import model_card
+from dflash_ds.io import replace_dir_atomic, write_text_atomic
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

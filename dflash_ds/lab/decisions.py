@@ -64,7 +64,7 @@ def lab_target_config() -> SimpleNamespace:
 
 
 def drafting_flops(shape, *, context_tokens: int = CONTEXT_TOKENS) -> dict[str, int]:
-    """Forward FLOPs of one drafting cycle of a drafter `shape` (model/shape.py DrafterShape): the
+    """Forward FLOPs of one drafting cycle of a drafter `shape` (network/shape.py DrafterShape): the
     block's B tokens through every matmul weight the block uses (2 x weights x B; an architecture's
     own block weights included), attention of the B queries over `context_tokens` (a sliding layer:
     at most its window) and the block's own keys (all B; a causal layer B(B+1)/2 pairs), and the

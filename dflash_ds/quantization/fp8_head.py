@@ -1,6 +1,6 @@
 """The frozen lm_head's two matmuls of the fused loss in FP8 (`drafter.fp8.lm_head`).
 
-The fused loss (model/loss.py) multiplies by the target's lm_head W [V, D] twice per chunk of
+The fused loss (objective/loss.py) multiplies by the target's lm_head W [V, D] twice per chunk of
 rows: the logits h @ W.T and the input gradient dlogits @ W. W never changes during training, so it
 is quantized once, in the two layouts those GEMMs read: one e4m3 scale per row of W (the logits'
 output columns) and one per column of W (the gradient's output columns), each stored as the

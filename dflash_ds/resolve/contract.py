@@ -30,7 +30,7 @@ import yaml
 
 from dflash_ds.config import DrafterConfig, ObjectiveConfig, Recipe, RecipeError, build_recipe, dump_yaml
 from dflash_ds.config.architectures import owners
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.shape import DrafterShape
 from dflash_ds.resolve.drafter import RECIPE_KEYS, drafter_shape as resolve_shape, is_architecture_field, setting_of
 
 RECORD = "recipe.yaml"

@@ -1,6 +1,6 @@
 """The recipe's drafter section and the target's config -> the drafter's shape (`drafter_shape`).
 
-This is the boundary where recipe values become a `model.shape.DrafterShape`: the shape checks its
+This is the boundary where recipe values become a `network.shape.DrafterShape`: the shape checks its
 own rules (a `FieldError` naming the field) and this module names the recipe setting behind the
 field (`RECIPE_KEYS`), so every rule has one check and one message, and model code speaks no recipe
 vocabulary. `RECIPE_KEYS` is also what a continued export (`drafter.init_from`) and a resume
@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash_ds.model.logit_transform import target_scales
-from dflash_ds.model.shape import DrafterShape
-from dflash_ds.model.taps import build_target_layer_ids
-from dflash_ds.model.variants import DEFAULT, VARIANTS, variant
-from dflash_ds.model.variants.base import FieldError
+from dflash_ds.architectures import DEFAULT, VARIANTS, variant
+from dflash_ds.network.logit_transform import target_scales
+from dflash_ds.network.shape import DrafterShape, FieldError
+from dflash_ds.network.taps import build_target_layer_ids
 
 # Drafter geometry for hybrid Qwen3.5/3.6 targets, keyed by the target hidden size. The target's
 # own full-attention layers (head_dim 256, partial rotary) are not what the published drafters

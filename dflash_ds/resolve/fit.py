@@ -16,7 +16,7 @@ import os
 import torch
 
 from dflash_ds.config import RecipeError
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.shape import DrafterShape
 from dflash_ds.resolve.drafter import setting_of
 from dflash_ds.resolve.topology import Layout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_ds.config import RecipeError
-from dflash_ds.model.objective import StepSettings
+from dflash_ds.objective.drafter_loss import StepSettings
 
 def objective_weights(settings: StepSettings) -> dict[str, float]:
     """Every term of the resolved objective that reaches a trainable parameter, by the recipe key that

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.blocks import MicroBatch
+from dflash_ds.objective.blocks import MicroBatch
 
 META_FIELDS = 3  # input_ids, loss_mask, doc_ids as int32
 ROW_ALIGN = 16  # bytes: a payload row's stride, for cuBLAS's aligned kernels

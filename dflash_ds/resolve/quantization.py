@@ -105,7 +105,7 @@ def _drafter_parts(fp8) -> str:
 
 def drafter_refusal(fp8, m: Machine, shape) -> str | None:
     """Why the recipe's `drafter.fp8` section cannot run on `m` with the drafter `shape` (a
-    model.shape.DrafterShape), or None (also when it is off)."""
+    network.shape.DrafterShape), or None (also when it is off)."""
     what = _drafter_parts(fp8)
     if not what:
         return None

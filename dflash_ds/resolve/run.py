@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from dflash_ds.config import Recipe, RecipeError
-from dflash_ds.model.objective import StepSettings
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.objective.drafter_loss import StepSettings
 from dflash_ds.resolve.drafter import RECIPE_KEYS, check_servable, drafter_shape, recipe_keys
 from dflash_ds.resolve.ds_config import drafter_ds_config, target_ds_config
 from dflash_ds.resolve.dtypes import payload_dtype, section_dtype
@@ -29,8 +29,8 @@ from dflash_ds.resolve.moe import check_moe, dense_expert_parallel, target_param
 from dflash_ds.resolve.objective import check_objective
 from dflash_ds.resolve.payload import PayloadLayout
 from dflash_ds.resolve.plan import Plan, memory_parts, resolve
-from dflash_ds.resolve.topology import Layout, TopologyError
 from dflash_ds.resolve.quantization import check_drafter_quantization, check_quantization, check_target_device
+from dflash_ds.resolve.topology import Layout, TopologyError
 from dflash_ds.safety import say
 from dflash_ds.target_model.model import TargetError, TargetShape, load_config, target_geometry
 

@@ -39,11 +39,13 @@ def apply_layers(recipe: Recipe, drafter: torch.nn.Module) -> list[str]:
 
 
 def loss_head(recipe: Recipe, lm_head: torch.Tensor):
-    """The FP8 lm_head matmuls of the loss (drafter.fp8.lm_head: quantization.fp8_head.Fp8Head), or None."""
-    from dflash_ds.model.head_matmuls import GemmHead
+    """The loss's lm_head matmuls for the run's DraftModel: FP8 (drafter.fp8.lm_head:
+    quantization.fp8_head.Fp8Head), or torch.mm through a DenseHead the run keeps (it holds the folded
+    weight of a logit bias from one step to the next)."""
+    from dflash_ds.objective.head_matmuls import DenseHead, GemmHead
     from dflash_ds.quantization.fp8_head import Fp8Head
 
-    return GemmHead(Fp8Head(lm_head)) if recipe.drafter.fp8.lm_head else None
+    return GemmHead(Fp8Head(lm_head)) if recipe.drafter.fp8.lm_head else DenseHead()
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:

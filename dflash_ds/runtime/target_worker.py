@@ -19,13 +19,13 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from dflash_ds.model.blocks import position_ids_from_doc_ids
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.io import write_json_atomic
 from dflash_ds.metrics import target_counters, write_status
+from dflash_ds.objective.blocks import position_ids_from_doc_ids
+from dflash_ds.resolve.payload import taps_view, write_meta
 from dflash_ds.resolve.run import RunSpec
 from dflash_ds.runtime.profiling import StepProfiler
-from dflash_ds.resolve.payload import taps_view, write_meta
 from dflash_ds.runtime.transport import Sender
 from dflash_ds.target_model.model import TapCapture, forward_taps, truncate_after
 

@@ -20,23 +20,23 @@ import torch.distributed as dist
 
 from dflash_ds.data.prepare import PreparedData
 from dflash_ds.eval.tau import TauReport, tau_from_taps
-from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.blocks import make_blocks
-from dflash_ds.model.loss import ChunkedLoss
-from dflash_ds.model.objective import acceptance_proxy, drafter_loss
 from dflash_ds.export.card import card_info
+from dflash_ds.metrics import Metrics, TargetWindow, print_progress, read_status
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.objective.blocks import make_blocks
+from dflash_ds.objective.drafter_loss import acceptance_proxy, drafter_loss
+from dflash_ds.objective.loss import ChunkedLoss
 from dflash_ds.report import finish_run
+from dflash_ds.resolve import contract
+from dflash_ds.resolve.payload import PayloadLayout, unpack
+from dflash_ds.resolve.plan import receive_depth
+from dflash_ds.resolve.run import RunSpec
 from dflash_ds.runtime import checkpoint
-from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.profiling import StepProfiler, SyncStallTimer
+from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped, say
-from dflash_ds.resolve.payload import PayloadLayout, unpack
-from dflash_ds.resolve import contract
-from dflash_ds.resolve.plan import receive_depth
-from dflash_ds.resolve.run import RunSpec
 
 
 @dataclass
@@ -314,7 +314,7 @@ def tau_of_payloads(model: DraftModel, payloads: list[torch.Tensor], layout: Pay
 def build_drafter(spec: RunSpec):
     """A fresh drafter (seeded by run.seed) or the export named by drafter.init_from, in float32."""
     from dflash_ds.export import load_backbone, load_drafter, read_export_config
-    from dflash_ds.model.drafter import DFlashDrafter
+    from dflash_ds.network.drafter import DFlashDrafter
 
     r = spec.recipe
     if r.drafter.init_from:

@@ -14,8 +14,8 @@ import common
 import torch
 import torch.distributed as dist
 
-from dflash_ds.model.blocks import position_ids_from_doc_ids
 from dflash_ds.eval.generate import greedy_continuation
+from dflash_ds.objective.blocks import position_ids_from_doc_ids
 from dflash_ds.runtime.expert_group import GroupComm
 from dflash_ds.target_model import moe
 from dflash_ds.target_model.expert_parallel import load_expert_shard

@@ -16,8 +16,8 @@ DSpark (DeepSeek's DeepSpec) keeps the DFlash backbone and changes three things:
 The loss of a slot is `ce * CE + l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV)` with q the
 drafter's distribution (Markov bias included), p the target's, TV = ||q - p||_1 / 2; its weight w is
 the usual decay times mask. `l1_to_target` is the L1 term and its gradient in the fused loss's one
-pass over the vocabulary (model/loss_terms.py RowTerm); the CE is the loss's own, and the confidence BCE
-is computed after it from each slot's 1 - TV (variants/dspark.py).
+pass over the vocabulary (objective/loss_terms.py RowTerm); the CE is the loss's own, and the confidence BCE
+is computed after it from each slot's 1 - TV (architectures/dspark/__init__.py).
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.blocks import decay_weights
-from dflash_ds.model.gather import take_rows
+from dflash_ds.network.gather import take_rows
+from dflash_ds.objective.blocks import decay_weights
 
 # DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
 _INIT_STD = 0.02

@@ -1,10 +1,13 @@
 """The registry of drafter architectures: `register`, the decorator every architecture package puts on
 its class, and the look-ups by the recipe's `drafter.architecture` and by config.json's `architectures`.
 
-This module imports no architecture: model/variants/__init__.py is the one place that lists the
-packages (importing each registers it), and a test registers its own (tests/toy_variant.py). The
-decorator also registers the architecture's recipe sections with the recipe reader
-(config/architectures.py), so a package declares its keys once.
+The network owns it and the architectures, one layer up, fill it: this module imports no
+architecture. `dflash_ds/architectures/__init__.py` is the one place that lists the packages
+(importing it registers each); the entry points import it, and a look-up here that comes first
+imports it through the recipe reader's discovery (`config.architectures.registered`, once per
+process), as a plugin registry loads its entry points. A test registers its own
+(tests/toy_variant.py). The decorator also registers the architecture's recipe sections with the
+recipe reader (config/architectures.py), so a package declares its keys once.
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -14,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, TypeVar
 
-from dflash_ds.config.architectures import SECTIONS, Sections
+from dflash_ds.config.architectures import SECTIONS, Sections, registered
 
-if TYPE_CHECKING:
-    from dflash_ds.model.variants.dflash import DFlash
+if TYPE_CHECKING:  # the type every architecture is (a DFlash), named by the list that holds them
+    from dflash_ds.architectures import DrafterVariant
 
-VARIANTS: dict[str, "DFlash"] = {}
+VARIANTS: dict[str, "DrafterVariant"] = {}
 """drafter.architecture -> the architecture (an instance of its class)."""
 DEFAULT_NAME = "dflash"
 """The architecture of a recipe or config.json that names none."""
@@ -45,17 +48,23 @@ def register(cls: V) -> V:
     return cls
 
 
-def variant(name: str) -> "DFlash":
+def known() -> dict[str, "DrafterVariant"]:
+    """Every registered architecture by name, the listed packages imported first if nothing has yet."""
+    registered()  # the discovery: imports dflash_ds.architectures the first time, nothing after
+    return VARIANTS
+
+
+def variant(name: str) -> "DrafterVariant":
     """The architecture called `name`; ValueError naming the known ones otherwise."""
     try:
-        return VARIANTS[name]
+        return known()[name]
     except KeyError:
         raise ValueError(f"unknown drafter architecture {name!r}; known: {', '.join(sorted(VARIANTS))}") from None
 
 
-def variant_of_classes(class_names) -> "DFlash | None":
+def variant_of_classes(class_names) -> "DrafterVariant | None":
     """The architecture a config.json's `architectures` list names, or None."""
-    for v in VARIANTS.values():
+    for v in known().values():
         if v.class_name in (class_names or ()):
             return v
     return None
@@ -63,4 +72,4 @@ def variant_of_classes(class_names) -> "DFlash | None":
 
 def class_names() -> tuple[str, ...]:
     """config.json `architectures` entries an export may carry."""
-    return tuple(v.class_name for v in VARIANTS.values())
+    return tuple(v.class_name for v in known().values())

@@ -1,4 +1,4 @@
-"""The loss's terms and what they read besides the drafter's rows (model/loss.py loops over them).
+"""The loss's terms and what they read besides the drafter's rows (objective/loss.py loops over them).
 
 A term has a name (its sum's key in `LossOutput.sums`, and the logs'), a weight (its coefficient in
 the loss) and says what it reads. Two places a term can add to the loss:
@@ -12,7 +12,7 @@ the loss) and says what it reads. Two places a term can add to the loss:
 
 The target's states (`TargetRows`) and an architecture's low-rank logit bias (`LogitBias`) are
 inputs of the loss, not of a term: the matmuls fold them into the chunk's lm_head matmul
-(model/head_matmuls.py), and any term may read the target's logits they give.
+(objective/head_matmuls.py), and any term may read the target's logits they give.
 
 `chunk_math` is the pass: one elementwise function over a chunk's logits (compiled on CUDA, so the
 `[c, V]` intermediates never exist in memory) that loops over the vocabulary terms.
@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from dflash_ds.compile import compile_once
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
+from dflash_ds.network.logit_transform import IDENTITY, LogitTransform, logit_slope, scale_logits
 
 
 class TargetRows(NamedTuple):
@@ -154,7 +154,7 @@ class RowTerm(VocabTerm):
 
 
 class OutputTerm:
-    """A term computed after the chunk loop from its output (model.loss.LossOutput: the candidates,
+    """A term computed after the chunk loop from its output (objective.loss.LossOutput: the candidates,
     a vocabulary term's per-row values). `top_k`: candidates per row it reads (0: none).
     `reads_expected`: it reads each row's q @ W (`LossOutput.expected`), the lm_head row expected under
     the drafter's distribution, the gradient of a candidate's log-prob besides its own row.

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.variants.lilicorr.head import Factors
+from dflash_ds.architectures.lilicorr.head import Factors
 
 if TYPE_CHECKING:
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
 
 
 class Candidates(NamedTuple):

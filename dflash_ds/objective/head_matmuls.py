@@ -1,4 +1,4 @@
-"""Each loss chunk's lm_head matmuls (model/loss.py): the drafter's logits, the target's, an
+"""Each loss chunk's lm_head matmuls (objective/loss.py): the drafter's logits, the target's, an
 architecture's folded bias, and their input gradient. Two strategies, each an object the loss is
 handed (`DraftModel.loss_head`):
 
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.loss_terms import LogitBias, TargetLogits, TargetRows
+from dflash_ds.objective.loss_terms import LogitBias, TargetLogits, TargetRows
 
 
 class ChunkRows(NamedTuple):

@@ -1,7 +1,7 @@
 """DSpark's pass over a chunk's vocabulary as one Triton kernel (CUDA): the CE, the argmax hit,
 ||q - p||_1 and the gradient of `ce * CE + l1 * ||q - p||_1` w.r.t. the drafter's logits.
 
-The compiled generic pass (model/vocab_pass.chunk_math with `l1_to_target`) sweeps each row of
+The compiled generic pass (objective/loss_terms.chunk_math with `l1_to_target`) sweeps each row of
 248,320 logits four times: the maxima, the two softmax sums, the L1 sums, the gradient. Here each
 program owns one row and sweeps it three times: (1) both softmax normalisers at once, online (a
 running maximum and a rescaled sum per lane, one exp per value) with the drafter's argmax; (2) ||q - p||_1 and
@@ -30,7 +30,7 @@ def l1_pass(logits, target, labels, weights, *, scales, how):
     """chunk_math for the terms (CrossEntropy, DSpark's L1 RowTerm), identity transform, on CUDA:
     ((sum(w * CE), sum(w * ||q - p||_1)), argmax hit, (None, ||q - p||_1 per row), the logits'
     gradient (written over `logits`) or None without `scales`)."""
-    from dflash_ds.model.variants.dspark.kernel import ce_l1_rows
+    from dflash_ds.architectures.dspark.kernel import ce_l1_rows
 
     if target is None or len(how.terms) != 2:
         raise ValueError("l1_pass needs the target's logits and the cross-entropy and L1 terms alone")

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.blocks import slot_rows, slot_target_states
-from dflash_ds.model.loss_terms import OutputTerm, RowTerm
-from dflash_ds.model.variants.lilicorr.logs import TOP_LOG_Q
-from dflash_ds.model.variants.lilicorr.terms import Weights, lattice_logs, lattice_terms, nodes, oracle, soft_log_probs
+from dflash_ds.architectures.lilicorr.logs import TOP_LOG_Q
+from dflash_ds.architectures.lilicorr.terms import Weights, lattice_logs, lattice_terms, nodes, oracle, soft_log_probs
+from dflash_ds.objective.blocks import slot_rows, slot_target_states
+from dflash_ds.objective.loss_terms import OutputTerm, RowTerm
 
 if TYPE_CHECKING:
-    from dflash_ds.model.blocks import Blocks, MicroBatch
-    from dflash_ds.model.draft_model import DraftModel
+    from dflash_ds.network.draft_model import DraftModel
+    from dflash_ds.objective.blocks import Blocks, MicroBatch
 
 # TOP_LOG_Q: the row term whose per-row values are log q of each row's argmax: the row's log-normaliser is
 # then its top raw logit minus this (logits untransformed: LiLiCorr refuses targets with a logit transform).

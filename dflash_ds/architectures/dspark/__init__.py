@@ -17,23 +17,24 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.config import ObjectiveConfig
-from dflash_ds.config.architectures import section_of
-from dflash_ds.model.blocks import Blocks, MicroBatch, default_gamma, slot_rows
-from dflash_ds.model.gather import take_rows
-from dflash_ds.model.loss_terms import LogitBias, OutputTerm, RowTerm
-from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, ReportFigure, Serving, Tensor
-from dflash_ds.model.variants.dflash import DFlash
-from dflash_ds.model.variants.registry import register
-from dflash_ds.model.variants.dspark.parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
+from dflash_ds.architectures.base import Card, LogView, Proposal, ReportFigure, Serving
+from dflash_ds.architectures.dflash import DFlash
+from dflash_ds.architectures.dspark.parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
                                                    calibration, confidence_logits, confident_prefix, expected_tau,
                                                    greedy_walk, l1_to_target, shift_in)
-from dflash_ds.model.variants.dspark.vocab_pass import l1_pass
-from dflash_ds.model.variants.dspark.report import draw_reliability, reliability
+from dflash_ds.architectures.dspark.report import draw_reliability, reliability
+from dflash_ds.architectures.dspark.vocab_pass import l1_pass
+from dflash_ds.config import ObjectiveConfig
+from dflash_ds.config.architectures import section_of
+from dflash_ds.network.gather import take_rows
+from dflash_ds.network.registry import register
+from dflash_ds.network.shape import FieldError, Tensor
+from dflash_ds.objective.blocks import Blocks, MicroBatch, default_gamma, slot_rows
+from dflash_ds.objective.loss_terms import LogitBias, OutputTerm, RowTerm
 
-if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
-    from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.model.shape import DrafterShape
+if TYPE_CHECKING:  # both read the architectures (architectures/__init__.py)
+    from dflash_ds.network.draft_model import DraftModel
+    from dflash_ds.network.shape import DrafterShape
 
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load

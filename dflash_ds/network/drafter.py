@@ -3,7 +3,7 @@
 docs/algorithm.md sections 1-3. The drafter owns no embedding and no lm_head: the caller embeds the block tokens
 with the target's frozen `embed_tokens` and applies the target's frozen `lm_head` to the output.
 State-dict names equal the export names (docs/algorithm.md section 6), so `state_dict()` is the checkpoint
-(DSpark's confidence bias is the one parameter stored padded; variants/dspark/parts.py `Projection`).
+(DSpark's confidence bias is the one parameter stored padded; architectures/dspark/parts.py `Projection`).
 
 Model code: no torch.distributed, no deepspeed. Parallelism and activation checkpointing are
 applied from outside (`checkpoint_fn`).
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.attention import DFlashMask, attend
-from dflash_ds.model.shape import INIT_STD, DrafterShape
+from dflash_ds.network.attention import DFlashMask, attend
+from dflash_ds.network.shape import INIT_STD, DrafterShape
 
 
 class RMSNorm(nn.Module):

@@ -2,20 +2,23 @@
 
 `DrafterShape` is resolved once, before launch, from the recipe's `drafter` section and the
 target's config (`resolve.drafter.drafter_shape`), or read back from an export (`from_hf_config`). The
-drafter module (`model.drafter.DFlashDrafter`), the per-micro-batch step settings
-(`model.objective.StepSettings`: block size, mask id), the payload on the wire (`runtime.transport.
+drafter module (`network.drafter.DFlashDrafter`), the per-micro-batch step settings
+(`objective.drafter_loss.StepSettings`: block size, mask id), the payload on the wire (`runtime.transport.
 PayloadLayout`: the number of taps and their width) and the exported config.json (`to_hf_config`)
 all read it; none of them keeps a copy of these values of its own.
 
 A field of one drafter architecture only (a convolution, a selector) belongs to that architecture's
-`fields` dataclass in model/variants/ (held here as `arch_fields`), not here. Adding a field every
+`fields` dataclass in architectures/ (held here as `arch_fields`), not here. Adding a field every
 drafter has (e.g. a per-layer window):
   1. the recipe key in `config.DrafterConfig` (with its docstring);
   2. the field here, validated in `__post_init__` (a FieldError naming the field, in words that hold
      for a recipe and an export alike), set by `resolve.drafter.drafter_shape` from the recipe;
   3. written by `to_hf_config` and read by `from_hf_config` (the export round-trips it);
   4. its recipe key in `resolve.drafter.RECIPE_KEYS` (error messages, `drafter.init_from`, resumes);
-  5. read where it acts (the layers in model/drafter.py, the mask in model/attention.py).
+  5. read where it acts (the layers in network/drafter.py, the mask in network/attention.py).
+
+The architecture a shape names is looked up in the registry (network/registry.py), which the
+architectures fill from above (`dflash_ds.architectures`); this module imports none of them.
 
 Model code: no torch.distributed, no deepspeed, no recipe import.
 """
@@ -23,17 +26,44 @@ Model code: no torch.distributed, no deepspeed, no recipe import.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-from dflash_ds.model.attention import LayerAttention
-from dflash_ds.model.logit_transform import LogitTransform
-from dflash_ds.model.variants import DEFAULT, VARIANTS, DrafterVariant, variant, variant_of_classes
-from dflash_ds.model.variants.base import FieldError, Tensor
+from dflash_ds.network.attention import LayerAttention
+from dflash_ds.network.logit_transform import LogitTransform
+from dflash_ds.network.registry import DEFAULT_NAME, variant, variant_of_classes
 
-# dflash_config names of the target's scaling (model/logit_transform.py) and their identity values.
+if TYPE_CHECKING:  # the type every architecture is; the registry hands out its instances
+    from dflash_ds.architectures import DrafterVariant
+
+# dflash_config names of the target's scaling (network/logit_transform.py) and their identity values.
 SCALE_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 INIT_STD = 0.02
+
+
+class FieldError(ValueError):
+    """A shape field whose value does not fit: `field` names it (the recipe's `drafter.<field>` sets an
+    architecture's field), `problem` says why, in words that hold wherever the value came from."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+
+class Tensor(NamedTuple):
+    """One tensor of the drafter's inventory: its shape, and how a training step uses it (the FLOP rule)."""
+
+    shape: tuple[int, ...]
+    use: str = "elementwise"
+    """"block": a weight multiplying every block token (6 x numel FLOPs per token, forward and backward);
+    "context+block": the same over the context tokens too (the k and v projections); "context": a weight
+    applied to the context tokens only, whose input needs no gradient (4 x numel, the tap fusion);
+    "elementwise" or "table" (rows gathered, not multiplied): no matmul FLOPs."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 def _is_default_rope(rope_scaling: dict | None) -> bool:
     if rope_scaling is None:
@@ -106,11 +136,11 @@ class DrafterShape:
     """Block slot k sees only slots <= k of its own block. None = the engines' default for a config
     without `is_causal` (sliding layers causal, full layers bidirectional); True/False = every layer.
     Exported as config.json's `is_causal` only when set."""
-    architecture: str = DEFAULT.name
-    """The drafter architecture (model/variants/): what it adds to the backbone, how it drafts and trains."""
+    architecture: str = DEFAULT_NAME
+    """The drafter architecture (architectures/): what it adds to the backbone, how it drafts and trains."""
     arch_fields: Any = None
     """The architecture's own shape fields: a frozen dataclass of its `fields` type (None = its defaults)."""
-    # The target's own scaling around its embedding and lm_head (model/logit_transform.py).
+    # The target's own scaling around its embedding and lm_head (network/logit_transform.py).
     output_multiplier: float = 1.0
     """Logits = output_multiplier * hidden @ lm_head.T (before any softcap)."""
     final_logit_softcapping: float | None = None
@@ -172,8 +202,8 @@ class DrafterShape:
 
     @property
     def variant(self) -> DrafterVariant:
-        """The architecture's hooks (model/variants/)."""
-        return VARIANTS[self.architecture]
+        """The architecture's hooks (architectures/), from the registry."""
+        return variant(self.architecture)
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor of the drafter by its export name (docs/algorithm.md section 6), the
@@ -293,7 +323,7 @@ class DrafterShape:
         if theta is None:
             raise ValueError("config.json has no rope_theta")
         rope_scaling = config.get("rope_scaling")
-        arch = variant_of_classes(config.get("architectures")) or DEFAULT
+        arch = variant_of_classes(config.get("architectures")) or variant(DEFAULT_NAME)
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise ValueError("config.json has no block_size (top level or dflash_config)")

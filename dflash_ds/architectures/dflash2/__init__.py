@@ -14,19 +14,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash_ds.architectures.base import Card, LogView, Proposal, Wrappers
+from dflash_ds.architectures.dflash import DFlash
+from dflash_ds.architectures.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
+                                                    greedy_path, selector_alpha, selector_loss)
 from dflash_ds.config import ObjectiveConfig
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.blocks import MicroBatch, slot_rows
-from dflash_ds.model.loss_terms import OutputTerm
-from dflash_ds.model.variants.base import Card, FieldError, LogView, Proposal, Tensor, Wrappers
-from dflash_ds.model.variants.dflash import DFlash
-from dflash_ds.model.variants.registry import register
-from dflash_ds.model.variants.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
-                                                    greedy_path, selector_alpha, selector_loss)
+from dflash_ds.network.registry import register
+from dflash_ds.network.shape import FieldError, Tensor
+from dflash_ds.objective.blocks import MicroBatch, slot_rows
+from dflash_ds.objective.loss_terms import OutputTerm
 
-if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
-    from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.model.shape import DrafterShape
+if TYPE_CHECKING:  # both read the architectures (architectures/__init__.py)
+    from dflash_ds.network.draft_model import DraftModel
+    from dflash_ds.network.shape import DrafterShape
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The Triton kernel of DSpark's pass over a chunk's vocabulary (variants/dspark/vocab_pass.py says what it
+"""The Triton kernel of DSpark's pass over a chunk's vocabulary (architectures/dspark/vocab_pass.py says what it
 computes and why it is shaped so). Imported only on CUDA, where Triton is.
 
 Model code: no torch.distributed, no deepspeed.

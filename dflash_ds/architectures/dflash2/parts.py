@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.model.gather import take_rows
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.network.gather import take_rows
+from dflash_ds.network.logit_transform import IDENTITY, LogitTransform
 
 _INIT_STD = 0.02
 
@@ -140,7 +140,7 @@ def greedy_path(selector: CandidateSelector, hidden: torch.Tensor, lm_head: torc
     """The drafted tokens `[n, L]` of blocks whose drafting slots have final states `[n, L, D]`
     (L = B - 1), each block following the token `anchors[n]`: the walk the engines run at
     temperature 0 (slot 1's predecessor is the anchor, slot k's the token chosen at slot k - 1).
-    The unary scores are the target-transformed logits (`transform`, model/logit_transform.py)."""
+    The unary scores are the target-transformed logits (`transform`, network/logit_transform.py)."""
     unary, candidates = unary_top_k(hidden, lm_head, selector.top_k)
     unary = transform.apply(unary)
     projected = selector.hidden_projection(hidden)
@@ -238,7 +238,7 @@ def selector_loss(selector: CandidateSelector, lm_head: torch.Tensor, rows: Sele
     from its lm_head row). The whole micro-batch in one pass: besides the states, it keeps
     `[n, k, r]` codebook rows (r = selector rank) for the backward, 235 MB in fp32 at 14,336
     slots, k 16, r 256. `lm_head` is frozen (no gradient). The unary scores are the candidates'
-    logits through the target's `transform` (model/logit_transform.py), as the engines score them.
+    logits through the target's `transform` (network/logit_transform.py), as the engines score them.
     """
     hidden = rows.hidden.detach() if term.detach else rows.hidden
     head = lm_head.detach()

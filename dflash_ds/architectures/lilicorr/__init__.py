@@ -19,23 +19,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_ds.architectures.base import (Card, LogView, Proposal, RemoteCode, ReportFigure, SampledDraft, Serving,
+                                          Wrappers)
+from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlash
+from dflash_ds.architectures.dflash2.parts import BlockConv
+from dflash_ds.architectures.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
+from dflash_ds.architectures.lilicorr.logs import log_record, sum_names
+from dflash_ds.architectures.lilicorr.loss import lattice_inputs, lattice_loss_terms
+from dflash_ds.architectures.lilicorr.report import draw_prefixes, prefixes
+from dflash_ds.architectures.lilicorr.terms import Weights
+from dflash_ds.architectures.lilicorr.walk import chosen, greedy_path, sampled_path, score, text_probabilities
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model.variants.base import (Card, FieldError, LogView, Proposal, RemoteCode, ReportFigure,
-                                           SampledDraft, Serving, Tensor, Wrappers)
-from dflash_ds.model.variants.dflash import MODELING as DFLASH_MODELING, DFlash
-from dflash_ds.model.variants.dflash2.parts import BlockConv
-from dflash_ds.model.variants.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
-from dflash_ds.model.variants.lilicorr.logs import log_record, sum_names
-from dflash_ds.model.variants.lilicorr.loss import lattice_inputs, lattice_loss_terms
-from dflash_ds.model.variants.lilicorr.report import draw_prefixes, prefixes
-from dflash_ds.model.variants.lilicorr.terms import Weights
-from dflash_ds.model.variants.lilicorr.walk import chosen, greedy_path, sampled_path, score, text_probabilities
-from dflash_ds.model.variants.registry import register
+from dflash_ds.network.registry import register
+from dflash_ds.network.shape import FieldError, Tensor
 
-if TYPE_CHECKING:  # both read the architectures (model/variants/__init__.py)
-    from dflash_ds.model.blocks import Blocks, MicroBatch
-    from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.model.shape import DrafterShape
+if TYPE_CHECKING:  # both read the architectures (architectures/__init__.py)
+    from dflash_ds.network.draft_model import DraftModel
+    from dflash_ds.network.shape import DrafterShape
+    from dflash_ds.objective.blocks import Blocks, MicroBatch
 
 MODELING = Path(__file__).parent / "modeling_lilicorr.py"
 """The export's remote code: the head and its walk on modeling_dflash.py's backbone, copied beside it."""

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.variants.lilicorr.head import Factors
-from dflash_ds.model.variants.lilicorr.walk import greedy_path
+from dflash_ds.architectures.lilicorr.head import Factors
+from dflash_ds.architectures.lilicorr.walk import greedy_path
 
 
 class Oracle(NamedTuple):

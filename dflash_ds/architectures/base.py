@@ -2,14 +2,14 @@
 
 The architectures themselves are classes: DFlash (v1, dflash/) with every hook, and the others
 extending it (docs/architecture.md, "How to add a drafter architecture", is the contract). What
-their hooks return is declared here, where code outside model/variants/ may import it.
+their hooks return is declared here, where code outside architectures/ may import it; the two the
+drafter's shape itself uses (`FieldError`, `Tensor`) are the network's (network/shape.py).
 
 Model code: no torch.distributed, no deepspeed.
 """
 
 from __future__ import annotations
 
-import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,33 +20,9 @@ import torch
 from torch import nn
 
 
-class FieldError(ValueError):
-    """A shape field whose value does not fit: `field` names it (the recipe's `drafter.<field>` sets an
-    architecture's field), `problem` says why, in words that hold wherever the value came from."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field} {problem}")
-        self.field, self.problem = field, problem
-
-
 @dataclass(frozen=True)
 class NoFields:
     """The shape fields of an architecture that has none of its own."""
-
-
-class Tensor(NamedTuple):
-    """One tensor of the drafter's inventory: its shape, and how a training step uses it (the FLOP rule)."""
-
-    shape: tuple[int, ...]
-    use: str = "elementwise"
-    """"block": a weight multiplying every block token (6 x numel FLOPs per token, forward and backward);
-    "context+block": the same over the context tokens too (the k and v projections); "context": a weight
-    applied to the context tokens only, whose input needs no gradient (4 x numel, the tap fusion);
-    "elementwise" or "table" (rows gathered, not multiplied): no matmul FLOPs."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 class Wrappers(NamedTuple):

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from dflash_ds.model.attention import LayerAttention
-from dflash_ds.model.blocks import Blocks, MicroBatch, slot_target_index
-from dflash_ds.model.draft_model import DraftModel
-from dflash_ds.model.loss import ChunkedLoss, LossOutput
-from dflash_ds.model.loss_terms import CrossEntropy, Distillation, TargetRows
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.attention import LayerAttention
+from dflash_ds.network.draft_model import DraftModel
+from dflash_ds.network.shape import DrafterShape
+from dflash_ds.objective.blocks import Blocks, MicroBatch, slot_target_index
+from dflash_ds.objective.loss import ChunkedLoss, LossOutput
+from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, TargetRows
 
 
 @dataclass(frozen=True)

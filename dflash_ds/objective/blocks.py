@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ds.model.attention import DFlashMask, build_layer_masks
+from dflash_ds.network.attention import DFlashMask, build_layer_masks
 
 
 def position_ids_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -204,7 +204,7 @@ def block_targets(
 def slot_rows(t: torch.Tensor, block_size: int, first: int = 1) -> torch.Tensor:
     """`[b, Q, ...]` -> `[rows, ...]`: the drafting slots (`first` .. B-1 of every block: without
     slot 0, or all of them anchor-first) in the loss's row order, the order of
-    `model.loss.LossOutput.candidates` and of a LogitBias's features."""
+    `objective.loss.LossOutput.candidates` and of a LogitBias's features."""
     b, q = t.shape[:2]
     # A strided view until the reshape: slot 0 of every block is dropped by shape, not by its weight.
     u = t.reshape(b * (q // block_size), block_size, *t.shape[2:])[:, first:]
@@ -260,7 +260,7 @@ def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generat
 
 @torch.no_grad()
 def make_blocks(mb: MicroBatch, s, micro_index: int) -> Blocks:
-    """The blocks of micro-batch `micro_index` under `s` (model.objective.StepSettings: the anchors'
+    """The blocks of micro-batch `micro_index` under `s` (objective.drafter_loss.StepSettings: the anchors'
     seed and count, whether prompt ends anchor, block size, mask id, gamma, the layers' attentions, the
     mask kind; the labels and weights are the architecture's, `DrafterVariant.block_targets`)."""
     device = mb.input_ids.device

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.drafter import DFlashDrafter
-from dflash_ds.model.head_matmuls import DenseHead
-from dflash_ds.model.shape import DrafterShape
+from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.network.shape import DrafterShape
 
 
 @dataclass(frozen=True)
@@ -24,14 +23,11 @@ class DraftModel:
     drafter: DFlashDrafter
     embed: torch.Tensor  # [V, D] the target's input embedding, frozen
     lm_head: torch.Tensor  # [V, D] the target's output projection, frozen (never exported)
-    # The training loss's lm_head matmul strategy (model/head_matmuls.py): a GemmHead of quantization/fp8_head.Fp8Head
-    # of lm_head in FP8 (drafter.fp8.lm_head), or None for a DenseHead of its own (torch.mm; it keeps
-    # the folded weight of a logit bias between steps). Drafting and evaluation always read `lm_head`.
+    # The training loss's lm_head matmul strategy, an object only the objective calls
+    # (objective/head_matmuls.py): the trainer hands a DenseHead of its own (torch.mm; it keeps the folded
+    # weight of a logit bias between steps) or a GemmHead of quantization/fp8_head.Fp8Head (FP8); None:
+    # the loss makes a DenseHead per call. Drafting and evaluation always read `lm_head`.
     loss_head: Any = None
-
-    def __post_init__(self):
-        if self.loss_head is None:
-            object.__setattr__(self, "loss_head", DenseHead())
 
     @classmethod
     def from_target(cls, drafter: DFlashDrafter, target) -> "DraftModel":
@@ -67,7 +63,7 @@ class DraftModel:
 
     def embed_tokens(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Target embeddings of `ids`, scaled as the target scales them (`input_embedding_scale`,
-        model/logit_transform.py), on `like`'s device and in its dtype."""
+        network/logit_transform.py), on `like`'s device and in its dtype."""
         out = F.embedding(ids.to(self.embed.device), self.embed)
         scale = self.drafter.config.input_embedding_scale
         if scale != 1.0:
@@ -87,7 +83,7 @@ class DraftModel:
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
                 context: torch.Tensor | None = None):
         """`draft`'s tokens and how many of each block's llama.cpp verifies under `--spec-draft-p-min
-        p_min` (a variants.base.Proposal; `DrafterVariant.propose`: DSpark's confidence head cuts it)."""
+        p_min` (an architectures.base.Proposal; `DrafterVariant.propose`: DSpark's confidence head cuts it)."""
         variant = self.config.variant
         if variant.reads_context:
             return variant.propose(self, hidden, anchors, p_min, context=context)
@@ -104,7 +100,7 @@ class DraftModel:
 
     def sampled_draft(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator, *,
                       context: torch.Tensor | None = None):
-        """The draft the engines draw at `temperature` (a variants.base.SampledDraft), or None when they
+        """The draft the engines draw at `temperature` (an architectures.base.SampledDraft), or None when they
         verify the greedy one (`DrafterVariant.sampled_draft`; nothing is drawn then)."""
         variant = self.config.variant
         if variant.reads_context:

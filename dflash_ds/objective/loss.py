@@ -1,4 +1,4 @@
-"""The loss: the target's frozen lm_head on the drafter's states and a sum of named terms (model/loss_terms.py),
+"""The loss: the target's frozen lm_head on the drafter's states and a sum of named terms (objective/loss_terms.py),
 the gradients computed in the forward.
 
 The lm_head of a 248K-token vocabulary is the drafter's most expensive matmul. The loss is a sum over
@@ -8,7 +8,7 @@ logits, one fused elementwise pass (`loss_terms.chunk_math`) gives every vocabul
 matmul turns that into the input gradient; the backward only scales the saved gradients by the
 incoming one. Two lm_head matmuls per chunk, and only one chunk's logits ever exist: with the
 target's rows, they are stacked under the drafter's in the same matmul, and a logit bias is folded
-into it (model/head_matmuls.py). An autograd version with checkpointed chunks would run the lm_head
+into it (objective/head_matmuls.py). An autograd version with checkpointed chunks would run the lm_head
 three times per chunk and walk the logits several times in fp32 (docs/performance.md; the bench's
 `--loss-impl autograd` runs one). After the chunk loop, the output terms (loss_terms.OutputTerm)
 add theirs from what it returned.
@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.model.blocks import slot_rows
-from dflash_ds.model.head_matmuls import ChunkRows, DenseHead
-from dflash_ds.model.logit_transform import IDENTITY, LogitTransform
-from dflash_ds.model.loss_terms import (CrossEntropy, LogitBias, OutputTerm, Pass, TargetRows, VocabTerm,
+from dflash_ds.network.logit_transform import IDENTITY, LogitTransform
+from dflash_ds.objective.blocks import slot_rows
+from dflash_ds.objective.head_matmuls import ChunkRows, DenseHead
+from dflash_ds.objective.loss_terms import (CrossEntropy, LogitBias, OutputTerm, Pass, TargetRows, VocabTerm,
                                         chunk_pass)
-from dflash_ds.model.top_k import block_top_k
+from dflash_ds.objective.top_k import block_top_k
 
 
 class LossOutput(NamedTuple):
@@ -50,7 +50,7 @@ class ChunkedLoss:
     the order their gradients are summed. `chunks`: at most this many chunks of ceil(n / chunks)
     rows, the last padded with zero-weight rows, so every chunk has one shape. `transform`: the
     target's logit scaling / softcap, applied before the softmax (the candidates' logits are the raw
-    ones). `head`: the matmul strategy (model/head_matmuls.py; default `DenseHead`). `first_slot`:
+    ones). `head`: the matmul strategy (objective/head_matmuls.py; default `DenseHead`). `first_slot`:
     for `blocks`, the first slot of every block that is a row (DrafterShape.first_draft_slot). The
     candidates (token ids and raw logits) returned per row are as many as the output terms read,
     taken from the chunks' logits."""

@@ -22,20 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_ds.architectures.base import (Card, LogView, NoFields, Proposal, RemoteCode, ReportFigure, SampledDraft,
+                                          Serving, Wrappers, argmax_tokens, typed)
 from dflash_ds.config.architectures import section_of
-from dflash_ds.model import blocks
-from dflash_ds.model.variants.base import (Card, LogView, NoFields, Proposal, RemoteCode,
-                                           ReportFigure, SampledDraft, Serving, Tensor, Wrappers, argmax_tokens,
-                                           typed)
-from dflash_ds.model.variants.registry import register
+from dflash_ds.network.registry import register
+from dflash_ds.network.shape import Tensor
+from dflash_ds.objective import blocks
 
-if TYPE_CHECKING:  # the model and the shape read the architectures (model/variants/__init__.py); the rest
+if TYPE_CHECKING:  # the model and the shape read the architectures (architectures/__init__.py); the rest
     from torch import nn  # are here for the annotations only
 
-    from dflash_ds.model.blocks import Blocks, MicroBatch
-    from dflash_ds.model.draft_model import DraftModel
-    from dflash_ds.model.loss_terms import LogitBias
-    from dflash_ds.model.shape import DrafterShape
+    from dflash_ds.network.draft_model import DraftModel
+    from dflash_ds.network.shape import DrafterShape
+    from dflash_ds.objective.blocks import Blocks, MicroBatch
+    from dflash_ds.objective.loss_terms import LogitBias
 
 MODELING = Path(__file__).parent / "modeling_dflash.py"
 """transformers' remote code of the published architectures (DFlash, DFlash2, DSpark): torch and
@@ -172,7 +172,7 @@ class DFlash:
 
     def block_targets(self, mb: MicroBatch, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
                       *, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Labels and float32 weights `[b, N, B]` of micro-batch `mb`'s blocks (model.blocks.block_targets:
+        """Labels and float32 weights `[b, N, B]` of micro-batch `mb`'s blocks (objective.blocks.block_targets:
         same-position labels, slot 0 weight 0)."""
         return blocks.block_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid=valid, block_size=block_size,
                                     gamma=gamma)
@@ -201,7 +201,7 @@ class DFlash:
     def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor, *, ctx: torch.Tensor,
                    mb: MicroBatch) -> tuple:
         """This architecture's terms of the loss under `term` (a `step_term`), after the cross-entropy and
-        the KL (model/loss_terms.py): `VocabTerm`s run on each chunk's logits (and the target's, when
+        the KL (objective/loss_terms.py): `VocabTerm`s run on each chunk's logits (and the target's, when
         they read them; `needs_target_logits` then), `OutputTerm`s after the chunk loop on what it
         returned. Their sums' names are `log_names`. `hidden` `[R, N*B, D]`: the drafter's final states;
         `ctx` `[R, S, D]`: the context rows (drafter.fuse of the taps); `mb`: the micro-batch (its
@@ -209,7 +209,7 @@ class DFlash:
         return ()
 
     def logit_bias(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor) -> LogitBias | None:
-        """A low-rank bias of every row's logits (model.loss_terms.LogitBias: features in the loss's row
+        """A low-rank bias of every row's logits (objective.loss_terms.LogitBias: features in the loss's row
         order, a table), folded into the loss's lm_head matmul; None for none."""
         return None
 

@@ -1,1 +1,0 @@
-"""The drafter and its training objective: pure PyTorch, no distributed code."""
