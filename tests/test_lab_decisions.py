@@ -88,6 +88,11 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
     verdicts = {e["run"]: (e["better"], e["worse"], e["tau_rows"]) for e in dec["ordering"] + dec["noise"]}
     assert verdicts == {"dflash2": (1, 0, 2), "dspark": (0, 1, 2), "lilicorr": (1, 0, 2), "v1-seed1": (0, 0, 2)}
     assert order["lilicorr", "heldout"]["delta"] == pytest.approx(0.7)
+    # against the seed twin's own difference on each row (+0.05 held-out, -0.05 mbpp)
+    assert order["dflash2", "heldout"]["seed_delta"] == pytest.approx(0.05) and order["dflash2", "heldout"]["beyond_noise"]
+    assert order["dflash2", "mbpp"]["beyond_noise"] is False  # not significant to begin with
+    beyond = {e["run"]: (e["better_beyond_noise"], e["worse_beyond_noise"], e["noise_rows"]) for e in dec["ordering"]}
+    assert beyond == {"dflash2": (1, 0, 2), "dspark": (0, 1, 2), "lilicorr": (1, 0, 2)}
 
     decided = {e["run"]: e for e in dec["decision"]}
     assert set(decided) == {"v1-noanchor", "dspark-b7", "v1-kl", "lilicorr"}
@@ -120,7 +125,8 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
     assert "| instruction -> code | greedy | 1.500 ± 0.050 | +0.100 ± 0.071 (+1.4) | +0.000 ± 0.071 (+0.0) | " \
            "+0.000 ± 0.071 (+0.0) | -0.050 ± 0.071 (-0.7) |" in text
     assert "- `lilicorr` against `v1`: better at >= 2 SE on 1 of 2 set/sampling rows, worse on 0" in text
-    assert "| prose (held-out docs) | greedy | 2.000 ± 0.100 | +0.500 ± 0.141 (+3.5) * |" in text
+    assert "| prose (held-out docs) | greedy | 2.000 ± 0.100 | +0.500 ± 0.141 (+3.5) *† |" in text
+    assert "beyond 2x the seed twin's difference: better on 1 of 2, worse on 0" in text
     assert "- `dspark` against `v1`: better at >= 2 SE on 0 of 2 set/sampling rows, worse on 1" in text
     assert "| llama_server later rounds accepted | 0.667 | 0.667 | +0.000 ± " in text
     assert "| v1-kl | v1 | prose (held-out docs) | greedy | tau | 2.000 | 2.000 | +0.000 ± 0.141 (+0.0) |" in text

@@ -110,6 +110,21 @@ def _run_names(args) -> dict:
     return {}
 
 
+def _from_logs(args) -> dict:
+    from dflash_ds.lab.catalog import RUNS
+    from dflash_ds.lab.logs import summary_from_log
+
+    folder, written = Path(args.folder), []
+    for name in RUNS:
+        log, out = folder / f"{name}.log", folder / f"{name}.json"
+        if log.is_file() and not out.is_file():
+            summary = summary_from_log(log, name)
+            if summary["benchmarks"]:
+                out.write_text(json.dumps(summary, indent=1) + "\n")
+                written.append(name)
+    return {"written": written}
+
+
 def _summarize(args) -> dict:
     from dflash_ds.lab.runs import summarize
 
@@ -178,6 +193,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("out")
     s.add_argument("--wall-s", type=float, default=None)
+    fl = sub.add_parser("from-logs", help="summaries (NAME.json) from the logs of runs whose evaluation was cut")
+    fl.add_argument("folder")
     b = sub.add_parser("table")
     b.add_argument("folder")
     b.add_argument("out", nargs="?", default=None)
@@ -185,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 STEPS = {"corpus": _corpus, "tokenizer": _tokenizer, "frame": _frame, "target": _target, "regenerate": _regenerate,
-         "run-settings": _run_settings, "run-names": _run_names, "summarize": _summarize, "table": _table}
+         "run-settings": _run_settings, "run-names": _run_names, "summarize": _summarize, "from-logs": _from_logs, "table": _table}
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,11 @@ first round only (`Run.rounds`). Each row holds the difference (run - baseline) 
 error; the runs' responses are independent, so se = sqrt(se_run^2 + se_baseline^2), and a difference
 counts only at >= SIGNIFICANT_SE standard errors. A row whose standard error is unknown (a summary
 written before llama.cpp's counts had one) shows its difference and never counts.
+
+The standard error over responses misses the run-to-run noise (initialisation and data order): the
+seed twin (`v1-seed1` against `v1`, section "noise") measures it. So every tau row of another
+comparison also carries the seed twin's difference on the same set and sampling, and counts *beyond
+the noise* only when it is significant and at least NOISE_FACTOR times that difference.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from types import SimpleNamespace
 from dflash_ds.lab import catalog
 
 SIGNIFICANT_SE = 2.0
+NOISE_FACTOR = 2.0
 CONTEXT_TOKENS = 512
 """The context a drafting cycle attends to in `drafting_flops`: a benchmark prompt and part of its
 answer are a few hundred lab tokens. Only the attention term depends on it."""
@@ -170,4 +176,23 @@ def compare(summaries: dict[str, dict]) -> dict:
         for baseline, question, section in pairs:
             entry = _compare_one(summaries, name, run, baseline=baseline, question=question)
             out["missing" if "lacks" in entry else section].append(entry)
+    _against_noise(out)
     return out
+
+
+def _against_noise(out: dict) -> None:
+    """Each tau row of the ordering and decision comparisons: the seed twin's difference on its set and
+    sampling (`seed_delta`), and whether it counts beyond that noise; each comparison's counts of them."""
+    noise = {(r["bench"], r["sampling"]): r["delta"] for e in out["noise"] for r in e["rows"] if r["measure"] == "tau"}
+    for e in out["ordering"] + out["decision"]:
+        for r in e["rows"]:
+            if r["measure"] != "tau":
+                continue
+            seed = noise.get((r["bench"], r["sampling"]))
+            r["seed_delta"] = seed
+            r["beyond_noise"] = None if seed is None else bool(
+                r["significant"] and abs(r["delta"]) >= NOISE_FACTOR * abs(seed))
+        taus = [r for r in e["rows"] if r["measure"] == "tau" and r.get("beyond_noise") is not None]
+        e["noise_rows"] = len(taus)
+        e["better_beyond_noise"] = sum(r["beyond_noise"] and r["delta"] > 0 for r in taus)
+        e["worse_beyond_noise"] = sum(r["beyond_noise"] and r["delta"] < 0 for r in taus)

@@ -121,12 +121,19 @@ def _cell(d: dict) -> str:
     """delta ± se (delta/se), starred when it counts."""
     if d["se"] is None:
         return f"{d['delta']:+.3f} (no SE)"
-    return f"{d['delta']:+.3f} ± {d['se']:.3f} ({d['z']:+.1f}){' *' if d['significant'] else ''}"
+    mark = " *" if d["significant"] else ""
+    if d.get("beyond_noise"):
+        mark += "†"
+    return f"{d['delta']:+.3f} ± {d['se']:.3f} ({d['z']:+.1f}){mark}"
 
 
 def _verdict(e: dict, se: float) -> str:
-    return (f"`{e['run']}` against `{e['against']}`: better at >= {se:g} SE on {e['better']} of {e['tau_rows']} "
-            f"set/sampling rows, worse on {e['worse']}")
+    out = (f"`{e['run']}` against `{e['against']}`: better at >= {se:g} SE on {e['better']} of {e['tau_rows']} "
+           f"set/sampling rows, worse on {e['worse']}")
+    if e.get("noise_rows"):
+        out += (f"; beyond {decisions.NOISE_FACTOR:g}x the seed twin's difference: better on "
+                f"{e['better_beyond_noise']} of {e['noise_rows']}, worse on {e['worse_beyond_noise']}")
+    return out
 
 
 def _ordering_md(dec: dict) -> list[str]:
@@ -139,7 +146,8 @@ def _ordering_md(dec: dict) -> list[str]:
                   key=lambda k: (k[0], k[1] != "greedy", k[1]))
     names = [e["run"] for e in entries]
     lines = ["", "## Ordering check: v1 < DFlash2, v1 < DSpark, v1 < LiLiCorr", "",
-             f"run - {REFERENCE} in tau_mean ± the SE of the difference (difference / SE); * = at >= {se:g} SE. "
+             f"run - {REFERENCE} in tau_mean ± the SE of the difference (difference / SE); * = at >= {se:g} SE, "
+             f"† = also at least {decisions.NOISE_FACTOR:g}x the seed twin's difference on that row. "
              f"`{SEED_TWIN}` - `{REFERENCE}` is the seed-to-seed noise: by chance about 1 row in 20 reaches "
              f"{se:g} SE; more says the SE over responses misses the run-to-run noise.", "",
              f"| set | sampling | {REFERENCE} | " + " | ".join(f"{n} - {REFERENCE}" for n in names) + " |",
@@ -156,7 +164,8 @@ def _ordering_md(dec: dict) -> list[str]:
 def _decisions_md(dec: dict) -> list[str]:
     se = dec["significant_se"]
     lines = ["", "## Decisions: each run against its baseline", "",
-             f"run - baseline ± the SE of the difference (difference / SE); * = at >= {se:g} SE. Drafting FLOPs: "
+             f"run - baseline ± the SE of the difference (difference / SE); * = at >= {se:g} SE, † = tau rows also at "
+             f"least {decisions.NOISE_FACTOR:g}x the seed twin's difference on that set. Drafting FLOPs: "
              f"one cycle's forward of the block over a {dec['context_tokens']}-token context "
              "(dflash_ds/lab/decisions.py `drafting_flops`). llama.cpp rows: mean accepted drafts a round on the "
              "held-out prose, greedy.", "",
