@@ -404,9 +404,9 @@ class LiLiCorr(DFlash):
             "`architectures: [\"LiLiCorrDraftModel\"]` and the `lilicorr_*` fields of `dflash_config`: SGLang's",
             "`LiLiCorrDraftModel`, vLLM's Model Runner V2 (`spec_decode/lilicorr`). The head reranks the",
             f"backbone's top {g.top_k} of every slot over all {b - 1} drafted slots: a shorter draft count",
-            "builds a smaller lattice whose scores differ. No llama.cpp release on the package registries",
-            "loads it, so no llama.cpp command is given. With transformers (trust_remote_code),",
-            "`drafter.propose(hidden, anchor_taps, lm_head, embed_tokens)` gives the reranked draft of a",
-            "block's drafting slots (modeling_lilicorr.py).",
+            "builds a smaller lattice whose scores differ. llama.cpp's LiLiCorr reader is newer than",
+            "the llama.cpp this export was checked with, so no llama.cpp command is given. With",
+            "transformers (trust_remote_code), `drafter.propose(hidden, anchor_taps, lm_head, embed_tokens)`",
+            "gives the reranked draft of a block's drafting slots (modeling_lilicorr.py).",
             "",
         ))
