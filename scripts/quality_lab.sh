@@ -13,7 +13,7 @@
 #   bash scripts/quality_lab.sh OUT sweep PHASE NAME...  GPU: several runs at once on the one GPU
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
 # NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
-# v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing). PHASE: train (training only), eval (the benchmark
+# lilicorr, v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full). PHASE: train (training only), eval (the benchmark
 # table, llama.cpp's count, the summary OUT/NAME.json) or all.
 # Every step is resumable: a built target, written regeneration shards and a finished run are reused
 # (they live in the ignored LAB_DIR, default runs/lab). What each step leaves in OUT is small (JSON and

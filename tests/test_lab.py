@@ -325,6 +325,8 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     assert lili.drafter.architecture == "lilicorr" and lili.drafter.block_size == v1.drafter.block_size
     assert lili.drafter.layer_types == v1.drafter.layer_types and lili.objective.num_anchors == v1.objective.num_anchors
     assert catalog.RUNS["lilicorr"].also == (("dflash2", "LiLiCorr against DFlash2"),)
+    full = recipes["v1-full"].drafter
+    assert full.layer_types is None and full.sliding_window is None and full.block_size == v1.drafter.block_size
     b7 = recipes["dspark-b7"]
     assert b7.drafter.block_size == 7 and b7.objective.gamma is None and default_gamma(7 + 1) == 4  # DeepSpec's
     assert b7.objective.num_anchors == base["dspark"].objective.num_anchors
