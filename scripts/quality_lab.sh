@@ -24,6 +24,7 @@
 # LAB_REGEN_ARGS (extra `python -m dflash_ds.lab regenerate` arguments, e.g. "--batch-size 2048");
 # LAB_OVERRIDES (recipe key=value settings for the regeneration and every run, e.g. for a CPU check);
 # LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter (scripts/setup_env.sh).
+# all: LAB_EVAL_RESERVE (seconds of the box kept for evaluating runs that finish), LAB_SWEEP_MIN / LAB_REGEN_MIN.
 # sweep: each run gets its own rendezvous port (DFLASH_PORT), its log OUT/NAME.log and a start
 # LAB_SWEEP_STAGGER seconds (default 5) after the previous one, so that compilations do not all collide;
 # LAB_SWEEP_SECONDS (default: none) stops the runs still training after that many seconds with a
@@ -31,7 +32,7 @@
 # naming the runs that failed, else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,31p' "$0" >&2
+  sed -n '2,32p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
