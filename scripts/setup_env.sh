@@ -16,9 +16,10 @@ else
   PYTHON="$_dflash_root/.venv/bin/python"
   "$PYTHON" -m pip install -q --upgrade pip >/dev/null 2>&1
   # Install torch first and on its own: with no torch present, a dependency range would pull a
-  # multi-GB CUDA build onto a CPU machine. 2.13.0 is the tested CPU build.
-  "$PYTHON" -c "import torch" >/dev/null 2>&1 || "$PYTHON" -m pip install -q "torch==2.13.0" || exit 1
-  "$PYTHON" -m pip install -q -e "$_dflash_root[test]" || exit 1
+  # multi-GB CUDA build onto a CPU machine. 2.13.0 is the tested CPU build. --no-compile: modules are
+  # compiled when first imported, not all of them at install.
+  "$PYTHON" -c "import torch" >/dev/null 2>&1 || "$PYTHON" -m pip install -q --no-compile "torch==2.13.0" || exit 1
+  "$PYTHON" -m pip install -q --no-compile -e "$_dflash_root[test]" || exit 1
 fi
 PATH="$(dirname "$PYTHON"):$PATH"
 export PYTHON PATH
