@@ -205,6 +205,7 @@ def test_frame_writes_an_in_domain_set_and_leaves_train_as_it_was(tmp_path):
     train = [json.loads(line) for line in data.decode().splitlines()]
     indomain = [json.loads(line) for line in (tmp_path / "indomain.jsonl").read_text().splitlines()]
     assert counts["indomain"] == len(indomain) and 1 <= len(indomain) <= 5
+    assert counts["indomain_kinds"] == {k: sum(c["kind"] == k for c in indomain) for k in counts["train_kinds"]}
     # the record form of heldout.jsonl, from the training projects, no turn of them a training turn
     held = [json.loads(line) for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
     assert {frozenset(c) for c in indomain + held} == {frozenset({"messages", "kind", "project"})}

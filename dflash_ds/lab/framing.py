@@ -270,5 +270,6 @@ def frame(docs: list[dict], out: Path, *, train_count: int, bench_count: int, se
         write_jsonl(out / "bench" / f"{name}.jsonl", rows)
     counts = {"train": len(train), "indomain": len(indomain), "heldout": len(heldout)}
     counts.update({f"bench/{k}": len(v) for k, v in sets.items()})
-    counts["train_kinds"] = {k: sum(c["kind"] == k for c in train) for k in (*KINDS, "multiturn")}
+    for name, rows in (("train", train), ("indomain", indomain)):
+        counts[f"{name}_kinds"] = {k: sum(c["kind"] == k for c in rows) for k in (*KINDS, "multiturn")}
     return counts
