@@ -14,7 +14,7 @@
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
 # NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
 # lilicorr, v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full). PHASE: train (training only), eval (the benchmark
-# table, llama.cpp's count, the summary OUT/NAME.json) or all.
+# table, the greedy tau and llama.cpp's count on the held-out prose and on the in-domain set, OUT/NAME.json) or all.
 # Every step is resumable: a built target, written regeneration shards and a finished run are reused
 # (they live in the ignored LAB_DIR, default runs/lab). What each step leaves in OUT is small (JSON and
 # logs): OUT/target.json, OUT/regenerate.json, OUT/NAME.json (the run's summary), OUT/*.log.
@@ -82,8 +82,8 @@ one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settin
   SETTINGS+=("$@")
   local T0 RC
   T0=$(date +%s)
-  # Three parts, each skipped once done, so that a command cut by its time limit is rerun as is:
-  # training (resumes from its last checkpoint), the benchmark table, llama.cpp's count.
+  # Four parts, each skipped once done, so that a command cut by its time limit is rerun as is:
+  # training (resumes from its last checkpoint), the benchmark table, the held-out and in-domain counts.
   if [ "$PHASE" != eval ] && [ ! -f "$RUN/.lab_trained" ]; then
     mkdir -p "$LAB/runs"
     # in the background only to know launch.sh's PID: a sweep's time box stops it there (a checkpoint first)
@@ -102,16 +102,30 @@ one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settin
   if [ ! -f "$RUN/benchmarks.json" ]; then
     "$PY" -m dflash_ds.eval.benchmark_table "$RECIPE" "${SETTINGS[@]}"
   fi
-  # llama.cpp's count on the held-out prose (greedy), as the evaluator prints it beside tau
+  # The exact greedy tau and llama.cpp's count, as the evaluator prints them: on the held-out prose, then
+  # on the in-domain set (conversations of the training projects that training did not use)
+  local INDOMAIN="$LAB/conversations/indomain.jsonl"
   if [ ! -f "$RUN/lab_eval.json" ]; then
-    MAX_NEW=$("$PY" -c "import sys; from dflash_ds.config import load_recipe; r = load_recipe(sys.argv[1], sys.argv[2:]); \
-print(r.eval.max_new_tokens, r.eval.bench_limit)" "$RECIPE" "${SETTINGS[@]}")
-    read -r NEW LIMIT <<< "$MAX_NEW"
-    "$PY" -m dflash_ds.eval --target "$LAB/target" --drafter "$RUN/export" \
-      --prompts "$LAB/conversations/bench/heldout.jsonl" --limit "$LIMIT" --max-new-tokens "$NEW" \
-      --chat-template-kwargs '{"enable_thinking": false}' --out "$RUN/lab_eval.json"
+    lab_eval "$LAB/conversations/bench/heldout.jsonl" "$RUN/lab_eval.json"
+  fi
+  if [ ! -f "$RUN/lab_eval_indomain.json" ]; then
+    if [ -f "$INDOMAIN" ]; then
+      lab_eval "$INDOMAIN" "$RUN/lab_eval_indomain.json"
+    else
+      echo "[lab] $NAME: no $INDOMAIN (conversations framed before the in-domain set); its evaluation is skipped"
+    fi
   fi
   lab summarize "$RUN" "$NAME" "$OUT/$NAME.json" --wall-s $(( $(date +%s) - T0 ))
+}
+
+lab_eval() {  # $1: prompts file, $2: report; RECIPE, SETTINGS and RUN are one()'s
+  local BUDGET NEW LIMIT
+  BUDGET=$("$PY" -c "import sys; from dflash_ds.config import load_recipe; r = load_recipe(sys.argv[1], sys.argv[2:]); \
+print(r.eval.max_new_tokens, r.eval.bench_limit)" "$RECIPE" "${SETTINGS[@]}")
+  read -r NEW LIMIT <<< "$BUDGET"
+  "$PY" -m dflash_ds.eval --target "$LAB/target" --drafter "$RUN/export" \
+    --prompts "$1" --limit "$LIMIT" --max-new-tokens "$NEW" \
+    --chat-template-kwargs '{"enable_thinking": false}' --out "$2"
 }
 
 sweep() {  # $1: PHASE, then the runs' names

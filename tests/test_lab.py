@@ -149,8 +149,10 @@ def test_sections_and_cut():
 
 
 def _docs(split: str, project: str) -> list[dict]:
+    # each module's functions its own (their own argument names): training turns are not repeated across
+    # documents, as in a real corpus, so draws past the training ones give new conversations
     return [{"project": project, "kind": "code", "split": split, "path": f"{project}/m{i}.py",
-             "text": CODE.replace("A module.", f"Module {i}.") + "\n" * 3 + "\n".join(f"X{j} = {j}" for j in range(20)) + "\n"}
+             "text": CODE.replace("A module.", f"Module {i}.").replace("width", f"width{i}") + "\n" * 3 + "\n".join(f"X{j} = {j}" for j in range(20)) + "\n"}
             for i in range(6)] + [{"project": project, "kind": "doc", "split": split, "path": f"docs/d{i}.rst",
                                    "text": DOC.replace("package", f"package {i}")} for i in range(6)]
 
@@ -184,6 +186,50 @@ def test_frame_writes_sets_the_evaluator_reads_from_held_out_projects_only(tmp_p
     assert all(any(t in h["messages"][0]["content"] for t in ("Installing the package", "Configuring it")) for h in held)
     with pytest.raises(ValueError, match="both splits"):
         framing.frame(_docs("train", "alpha"), tmp_path / "x", train_count=4, bench_count=2, seed=0)
+
+
+# sha256 of train.jsonl as framing wrote it before the in-domain set existed (same documents and arguments):
+# the GPU side's target fine-tuning and regeneration read this file, so adding a set must not move it
+TRAIN_SHA256_BEFORE_INDOMAIN = "32df7ec4e8399b418aec6e2ebfe79bede72f30d8d45b63a90dfbfc0584e83726"
+
+
+def test_frame_writes_an_in_domain_set_and_leaves_train_as_it_was(tmp_path):
+    docs = _docs("train", "alpha") + _docs("heldout", "gamma")
+    counts = framing.frame(docs, tmp_path, train_count=12, bench_count=5, seed=0)
+    data = (tmp_path / "train.jsonl").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == TRAIN_SHA256_BEFORE_INDOMAIN
+    # ... which is the draw of train_count conversations alone
+    alone = framing.conversations([d for d in docs if d["split"] == "train"], 12, seed=0)
+    framing.write_jsonl(tmp_path / "alone.jsonl", alone)
+    assert (tmp_path / "alone.jsonl").read_bytes() == data
+    train = [json.loads(line) for line in data.decode().splitlines()]
+    indomain = [json.loads(line) for line in (tmp_path / "indomain.jsonl").read_text().splitlines()]
+    assert counts["indomain"] == len(indomain) and 1 <= len(indomain) <= 5
+    assert counts["indomain_kinds"] == {k: sum(c["kind"] == k for c in indomain) for k in counts["train_kinds"]}
+    # the record form of heldout.jsonl, from the training projects, no turn of them a training turn
+    held = [json.loads(line) for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert {frozenset(c) for c in indomain + held} == {frozenset({"messages", "kind", "project"})}
+    assert {c["project"] for c in indomain} == {"alpha"}
+    trained = {m["content"] for c in train for m in c["messages"]}
+    assert not any(m["content"] in trained for c in indomain for m in c["messages"])
+    assert all(c["messages"][-1]["role"] == "assistant" for c in indomain)
+    # they are the draw's next conversations, those repeating a training turn passed over (this small
+    # corpus's documentation repeats sections, so some do)
+    later = framing.conversations([d for d in docs if d["split"] == "train"], 22, seed=0)[12:]
+    fresh = [c for c in later if not any(m["content"] in trained for m in c["messages"])]
+    assert indomain == fresh[:5] and len(fresh) < len(later)
+    # the evaluator reads it as prompts (the trailing answer dropped)
+    from dflash_ds.eval.cli import read_prompts
+
+    class Tok:
+        def apply_chat_template(self, messages, **_):
+            assert messages[-1]["role"] == "user"
+            return [len(m["content"]) for m in messages]
+
+    assert len(read_prompts(str(tmp_path / "indomain.jsonl"), Tok())) == len(indomain)
+    # every training conversation the documents give is asked for: nothing is left for the in-domain set
+    with pytest.raises(ValueError, match="gave 27 conversations and none past --train-count 27 .* lower --train-count"):
+        framing.frame(docs, tmp_path / "all", train_count=27, bench_count=5, seed=0)
 
 
 @pytest.fixture(scope="module")

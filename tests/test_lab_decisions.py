@@ -145,3 +145,82 @@ def test_rounds_without_standard_errors_never_count(tmp_path):
     first = next(r for r in rows if r["measure"] == "llama_server first round accepted")
     assert first["delta"] == pytest.approx(-2.0) and first["se"] is None and first["significant"] is False
     assert "-2.000 (no SE)" in md.read_text()
+
+
+def _eval_report(taus_cycles: list[list[int]], rounds: list[list[int]]) -> dict:
+    """The parts of `python -m dflash_ds.eval --out`'s report the summary reads (eval/tau.py as_dict)."""
+    per = [sum(c) / len(c) for c in taus_cycles]
+    return {"tau_mean": sum(per) / len(per), "tau_pooled": sum(map(sum, taus_cycles)) / sum(map(len, taus_cycles)),
+            "num_responses": len(per), "position_acceptance": [0.5, 0.25], "tau_per_response": per,
+            "cycles": taus_cycles, "llama_cpp": {"spec_draft_n_max": 15, "llama_server": {"rounds": rounds}}}
+
+
+def _run_dir(folder, *, indomain: dict | None):
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 1.5, "time": 1.0}) + "\n")
+    (folder / "lab_eval.json").write_text(json.dumps(_eval_report([[2, 3], [1]], [[1, 2], [0]])))
+    if indomain is not None:
+        (folder / "lab_eval_indomain.json").write_text(json.dumps(indomain))
+    return folder
+
+
+def test_summary_with_and_without_the_in_domain_evaluation(tmp_path):
+    from dflash_ds.lab.runs import summarize
+
+    cycles = [[3, 1, 2], [4], [1, 1]]
+    s = summarize(_run_dir(tmp_path / "new", indomain=_eval_report(cycles, [[2, 1], [3], [0, 0]])), "v1")
+    g = s["indomain_greedy"]
+    per = [2.0, 4.0, 1.0]
+    assert g["tau_mean"] == pytest.approx(7 / 3) and g["tau_mean_se"] == pytest.approx(statistics.stdev(per) / math.sqrt(3))
+    assert g["tau_pooled"] == pytest.approx(12 / 6) and g["responses"] == 3 and g["position_acceptance"] == [0.5, 0.25]
+    assert (g["tau_pooled"], g["tau_pooled_se"]) == pytest.approx(pooled_mean_se(cycles))
+    first = s["llama_cpp_indomain"]["llama_server"]
+    assert first["first_round_accepted"] == pytest.approx(5 / 3) and first["responses"] == 3
+    assert s["heldout_greedy"]["tau_mean"] == pytest.approx(1.75)  # the held-out one, unchanged
+    # a run evaluated before the in-domain set existed (or from an older archive): none, and it still draws
+    old = summarize(_run_dir(tmp_path / "old", indomain=None), "v1-noanchor")
+    assert old["indomain_greedy"] is None and old["llama_cpp_indomain"] is None
+    assert ("indomain", "greedy") in decisions.rows_of(s) and ("indomain", "greedy") not in decisions.rows_of(old)
+    out = tmp_path / "out"
+    out.mkdir()
+    for x in (s, old):
+        (out / f"{x['name']}.json").write_text(json.dumps(x))
+    md, _ = table.write(out, out)
+    assert "llama.cpp's count (in-domain, greedy)" in md.read_text()
+    (out / "v1.json").write_text(json.dumps(dict(s, indomain_greedy=None, llama_cpp_indomain=None)))
+    md, js = table.write(out, out)
+    text = md.read_text()
+    assert "(in-domain, greedy)" not in text and "in-domain (training projects)" not in text
+    assert "## llama.cpp's count (held-out prose, greedy)" in text and json.loads(js.read_text())["sets"] == []
+
+
+def _indomain(tau, se, first_rounds):
+    return {"indomain_greedy": {"tau_mean": tau, "tau_mean_se": se, "tau_pooled": tau, "responses": 4,
+                                "position_acceptance": [0.6]},
+            "llama_cpp_indomain": llama_cpp_summary({"llama_server": {"rounds": [[f, 1] for f in first_rounds]}})}
+
+
+def test_the_anchor_decision_is_read_in_domain_as_well(tmp_path):
+    held = [_row("heldout", "greedy", 2.0, 0.1)]
+    _write(tmp_path, "v1", held, **_indomain(3.0, 0.1, [4, 2, 3, 3]))
+    _write(tmp_path, "v1-seed1", held, **_indomain(3.1, 0.1, [3, 3, 3, 3]))
+    _write(tmp_path, "v1-noanchor", held, **_indomain(2.5, 0.1, [1, 1, 2, 0]))
+    md, js = table.write(tmp_path, tmp_path / "out")
+    dec = json.loads(js.read_text())["decisions"]
+    anchor = next(e for e in dec["decision"] if e["run"] == "v1-noanchor")
+    rows = {(r["measure"], r["bench"]): r for r in anchor["rows"]}
+    tau = rows["tau", "indomain"]
+    assert tau["delta"] == pytest.approx(-0.5) and tau["se"] == pytest.approx(math.sqrt(0.02)) and tau["significant"]
+    # read against the seed twin's own in-domain difference (+0.1): -0.5 is more than twice it
+    assert tau["seed_delta"] == pytest.approx(0.1) and tau["beyond_noise"] is True
+    assert (anchor["tau_rows"], anchor["worse"], anchor["worse_beyond_noise"]) == (2, 1, 1)
+    first = rows["llama_server first round accepted", "indomain"]
+    assert (first["baseline"], first["value"]) == pytest.approx((3.0, 1.0))
+    se_first = math.hypot(statistics.stdev([4, 2, 3, 3]) / 2, statistics.stdev([1, 1, 2, 0]) / 2)
+    assert first["se"] == pytest.approx(se_first) and first["significant"]
+    assert rows["llama_server later rounds accepted", "indomain"]["delta"] == pytest.approx(0.0)
+    assert ("llama_server first round accepted", "heldout") not in rows  # no held-out count in these summaries
+    text = md.read_text()
+    assert "| in-domain (training projects) | greedy | 3.000 ± 0.100 | 3.100 ± 0.100 | 2.500 ± 0.100 |" in text
+    assert "| in-domain (training projects) | greedy | llama_server first round accepted | 3.000 | 1.000 |" in text
+    assert "## llama.cpp's count (in-domain, greedy)" in text

@@ -62,7 +62,7 @@ def test_lab_pipeline_on_cpu(tmp_path):
     docs = corpus.read_corpus(lab / "corpus.jsonl.xz")
     tokenizer.save(tokenizer.train_tokenizer(tokenizer.tokenizer_texts(docs, 2e6), 1024), lab / "tokenizer")
     env = cpu_env(LAB_DIR=lab, DFLASH_PYTHON=sys.executable, LAB_OVERRIDES=" ".join(CPU), LAB_REGEN_SECONDS=60,
-                  LAB_FRAME_ARGS="--train-count 200 --bench-count 6",
+                  LAB_FRAME_ARGS="--train-count 120 --bench-count 6",
                   LAB_TARGET_ARGS="--shape tiny --seq-len 256 --rows 8 --lr 3e-3 --seconds 8 --sft-seconds 4 --no-compile")
 
     step(env, out, "target")
@@ -93,6 +93,13 @@ def test_lab_pipeline_on_cpu(tmp_path):
     greedy = summary["heldout_greedy"]
     assert summary["llama_cpp"]["llama_server"]["responses"] == greedy["num_responses"] >= 1
     assert greedy["tau_mean"] >= 1.0
+    # the same evaluation on the in-domain set (training projects' conversations that training did not use)
+    indomain = [json.loads(x) for x in (lab / "conversations" / "indomain.jsonl").read_text().splitlines()]
+    assert indomain and {c["project"] for c in indomain} <= {"alpha", "beta"}
+    inside = summary["indomain_greedy"]
+    assert inside["tau_mean"] >= 1.0 and inside["responses"] == min(2, len(indomain))
+    assert len(inside["position_acceptance"]) == 15 and inside["tau_pooled"] >= 1.0
+    assert summary["llama_cpp_indomain"]["llama_server"]["responses"] == inside["responses"]
     assert summary["wall_s"] > 0 and summary["train_s"] > 0
 
     # Two runs swept at once on the regenerated answers (cut ones included), each with its own port and
@@ -127,10 +134,15 @@ def test_lab_pipeline_on_cpu(tmp_path):
     assert list(table["runs"]) == ["v1"] and table["differences"] == []
 
     # The whole lab as one command: the target and its regeneration are found done, the named run is
-    # trained and evaluated, and the table is drawn again with it.
+    # trained and evaluated, and the table is drawn again with it. Conversations framed before the
+    # in-domain set (an older archive) have no indomain.jsonl: that evaluation is skipped, saying so.
+    (lab / "conversations" / "indomain.jsonl").rename(tmp_path / "indomain.jsonl")
     log = step(dict(env, LAB_STEPS="2"), out, "all", "v1-kl", timeout=600)
     assert "[lab] sweep: v1-kl done (all)" in log and f"the table: {out}/quality_lab.md" in log
     assert "lab target" not in log and "regenerate:" not in log
+    assert "(conversations framed before the in-domain set); its evaluation is skipped" in (out / "v1-kl.log").read_text()
     table = json.loads((out / "quality_lab_table.json").read_text())
     assert list(table["runs"]) == ["v1", "v1-kl"]
-    assert json.loads((out / "v1-kl.json").read_text())["final"]["step"] == 2
+    kl = json.loads((out / "v1-kl.json").read_text())
+    assert kl["final"]["step"] == 2 and kl["indomain_greedy"] is None and kl["heldout_greedy"]["tau_mean"] >= 1.0
+    assert "| in-domain (training projects) | greedy |" in (out / "quality_lab.md").read_text()

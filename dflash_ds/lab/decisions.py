@@ -3,10 +3,12 @@
 A comparison is a list of rows, one per benchmark set and sampling and measure: tau per cycle for
 every run; tau per drafting GFLOP for the runs whose drafter does other work per cycle
 (`Run.per_flop`); llama.cpp's first round apart from the later rounds for a setting that acts on the
-first round only (`Run.rounds`). Each row holds the difference (run - baseline) and its standard
-error; the runs' responses are independent, so se = sqrt(se_run^2 + se_baseline^2), and a difference
-counts only at >= SIGNIFICANT_SE standard errors. A row whose standard error is unknown (a summary
-written before llama.cpp's counts had one) shows its difference and never counts.
+first round only (`Run.rounds`), on the held-out prose and on the in-domain set. The in-domain set
+(`indomain_greedy`, conversations of the training projects) is one more set of tau rows. Each row
+holds the difference (run - baseline) and its standard error; the runs' responses are independent,
+so se = sqrt(se_run^2 + se_baseline^2), and a difference counts only at >= SIGNIFICANT_SE standard
+errors. A row whose standard error is unknown (a summary written before llama.cpp's counts had one)
+shows its difference and never counts.
 
 The standard error over responses misses the run-to-run noise (initialisation and data order): the
 seed twin (`v1-seed1` against `v1`, section "noise") measures it. So every tau row of another
@@ -51,8 +53,19 @@ def difference(a: dict, b: dict) -> dict | None:
     return _diff(a.get("tau_mean"), a.get("tau_mean_se") or 0.0, b.get("tau_mean"), b.get("tau_mean_se") or 0.0)
 
 
+INDOMAIN = "indomain"
+"""The set name of the in-domain rows: the summary's `indomain_greedy` (conversations of the training
+projects, exact greedy tau), read as one more benchmark set."""
+
+
 def rows_of(summary: dict) -> dict[tuple[str, str], dict]:
-    return {(r["bench"], r["sampling"]): r for r in summary.get("benchmarks", [])}
+    """A summary's tau rows by (set, sampling): its benchmark table, and the in-domain set where the run
+    has it (summaries written before it have none)."""
+    out = {(r["bench"], r["sampling"]): r for r in summary.get("benchmarks", [])}
+    indomain = summary.get("indomain_greedy")
+    if indomain and indomain.get("tau_mean") is not None:
+        out[INDOMAIN, "greedy"] = {"bench": INDOMAIN, "sampling": "greedy", **indomain}
+    return out
 
 
 # ---------------------------------------------------------------------------- drafting FLOPs
@@ -125,18 +138,24 @@ def _tau_rows(mine: dict, base: dict, *, measure: str = "tau", scale: tuple[floa
     return out
 
 
+ROUND_SETS = (("llama_cpp", "heldout"), ("llama_cpp_indomain", INDOMAIN))
+"""Each summary key of llama.cpp's counts and the set they were counted on (greedy)."""
+
+
 def _round_rows(mine: dict, base: dict) -> list[dict]:
-    """llama.cpp's first round and later rounds (mean accepted drafts a round, held-out prose, greedy)."""
-    a, b = ((s.get("llama_cpp") or {}).get(LLAMA_PROGRAM) for s in (base, mine))
-    if not a or not b:
-        return []
+    """llama.cpp's first round and later rounds (mean accepted drafts a round, greedy) on the held-out
+    prose and on the in-domain set, where both runs have the count."""
     out = []
-    for part in ("first_round", "later_rounds"):
-        r = _row(f"{LLAMA_PROGRAM} {part.replace('_', ' ')} accepted", "heldout", "greedy",
-                 a.get(f"{part}_accepted"), base_se=a.get(f"{part}_se"), value=b.get(f"{part}_accepted"),
-                 se=b.get(f"{part}_se"))
-        if r is not None:
-            out.append(r)
+    for key, bench in ROUND_SETS:
+        a, b = ((s.get(key) or {}).get(LLAMA_PROGRAM) for s in (base, mine))
+        if not a or not b:
+            continue
+        for part in ("first_round", "later_rounds"):
+            r = _row(f"{LLAMA_PROGRAM} {part.replace('_', ' ')} accepted", bench, "greedy",
+                     a.get(f"{part}_accepted"), base_se=a.get(f"{part}_se"), value=b.get(f"{part}_accepted"),
+                     se=b.get(f"{part}_se"))
+            if r is not None:
+                out.append(r)
     return out
 
 

@@ -8,7 +8,9 @@ Kinds of exchange (each a user turn and the answer the corpus gives):
 - `continue`: the start of a file as the prompt, what follows it as the answer;
 - `multiturn`: two exchanges of one project, one after the other.
 Training conversations come from training projects only; the held-out split and every benchmark set
-come from held-out projects only (the corpus's split is by whole project).
+come from held-out projects only (the corpus's split is by whole project). The in-domain set
+(`indomain.jsonl`) is more conversations of the training projects, drawn as the training ones are but
+not among them: acceptance on the distribution the drafters trained on, beside the held-out figures.
 
 The benchmark files are written as `eval.bench_dir` reads them, under the names the evaluator knows:
 `humaneval.jsonl` holds the code completions (field `prompt`, wrapped by the set's own request),
@@ -36,6 +38,7 @@ KINDS = ("instruct", "complete", "docqa", "continue")
 MIX = {"code": {"instruct": 3, "complete": 3, "continue": 2}, "doc": {"docqa": 4, "continue": 1}}
 MULTITURN_SHARE = 0.15
 PASSES = 4  # a small corpus gives fewer conversations rather than many repeats
+INDOMAIN_DRAWS = 2  # in-domain candidates drawn per record kept: some repeat a training turn (`frame`)
 _TITLE = re.compile(r"^(?P<title>\S[^\n]{2,80})\n(?P<rule>[=\-~^\"'`#*+]{3,})$", re.M)
 
 
@@ -236,21 +239,37 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def frame(docs: list[dict], out: Path, *, train_count: int, bench_count: int, seed: int) -> dict:
-    """Write train.jsonl, heldout.jsonl (every kind, held-out projects) and bench/<name>.jsonl under `out`."""
+    """Write train.jsonl, indomain.jsonl (every kind, training projects, not in train.jsonl),
+    heldout.jsonl (every kind, held-out projects) and bench/<name>.jsonl under `out`."""
     train_docs = [d for d in docs if d["split"] == "train"]
     held_docs = [d for d in docs if d["split"] == "heldout"]
     if not train_docs or not held_docs:
         raise ValueError("lab frame: the corpus needs documents of both splits (train and heldout)")
-    train = conversations(train_docs, train_count, seed)
+    # The in-domain set continues the training draw: conversations() stops at its count, so its first
+    # train_count conversations are exactly what a draw of train_count gives, and train.jsonl (which the
+    # target's fine-tuning and the regeneration read) stays what it was before the in-domain set existed.
+    drawn = conversations(train_docs, train_count + INDOMAIN_DRAWS * bench_count, seed)
+    train = drawn[:train_count]
+    # A later draw can repeat a training turn word for word (a two-turn conversation whose second
+    # exchange is a training one, a function asked for again): the drafters may have trained on the
+    # target's answer to it, so such a conversation would measure recall, not the training distribution.
+    seen = {m["content"] for c in train for m in c["messages"]}
+    indomain = [c for c in drawn[train_count:] if not any(m["content"] in seen for m in c["messages"])][:bench_count]
+    if not indomain:
+        raise ValueError(f"lab frame: the training documents gave {len(drawn)} conversations and none past "
+                         f"--train-count {train_count} is new to training, so the in-domain set is empty; pass a "
+                         "lower --train-count (or frame a larger corpus)")
     heldout = conversations(held_docs, max(bench_count, 4), seed + 1)
     write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "indomain.jsonl", indomain)
     write_jsonl(out / "heldout.jsonl", heldout)
     sets = bench_sets(docs, bench_count, seed + 2)
     for name, rows in sets.items():
         if not rows:
             raise ValueError(f"lab frame: the held-out projects gave no {name} records")
         write_jsonl(out / "bench" / f"{name}.jsonl", rows)
-    counts = {"train": len(train), "heldout": len(heldout)}
+    counts = {"train": len(train), "indomain": len(indomain), "heldout": len(heldout)}
     counts.update({f"bench/{k}": len(v) for k, v in sets.items()})
-    counts["train_kinds"] = {k: sum(c["kind"] == k for c in train) for k in (*KINDS, "multiturn")}
+    for name, rows in (("train", train), ("indomain", indomain)):
+        counts[f"{name}_kinds"] = {k: sum(c["kind"] == k for c in rows) for k in (*KINDS, "multiturn")}
     return counts

@@ -1,7 +1,7 @@
 """The lab's GPU-side steps around the project's own tools: the target's regeneration of the training
 conversations (the project's regeneration with a larger generate batch and a time box), and one
 summary file per drafter run (what comes back from the GPU machine: the run's benchmark table, final
-losses, llama.cpp's counts, wall time).
+losses, the greedy tau and llama.cpp's counts on the held-out prose and on the in-domain set, wall time).
 """
 
 from __future__ import annotations
@@ -121,6 +121,21 @@ def llama_cpp_summary(counts: dict | None) -> dict | None:
     return out
 
 
+def greedy_summary(eval_json: dict) -> dict | None:
+    """The exact greedy tau of `python -m dflash_ds.eval --out`'s report: tau_mean with its standard
+    error over the responses' own taus, tau_pooled with its ratio standard error over responses, the
+    responses counted and the acceptance by position; None for no report."""
+    from dflash_ds.eval.sampled import mean_se
+
+    if not eval_json:
+        return None
+    tau_se = mean_se(eval_json.get("tau_per_response") or [])[1]
+    pooled_se = pooled_mean_se(eval_json.get("cycles") or [])[1]
+    return {"tau_mean": eval_json.get("tau_mean"), "tau_mean_se": None if math.isnan(tau_se) else tau_se,
+            "tau_pooled": eval_json.get("tau_pooled"), "tau_pooled_se": pooled_se,
+            "responses": eval_json.get("num_responses"), "position_acceptance": eval_json.get("position_acceptance")}
+
+
 def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
     """One run's summary: recipe identity, final training record, benchmark rows, llama.cpp counts."""
     import yaml
@@ -135,6 +150,8 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
     bench = run_dir / "benchmarks.json"
     lab_eval = run_dir / "lab_eval.json"
     eval_json = json.loads(lab_eval.read_text()) if lab_eval.is_file() else {}
+    lab_indomain = run_dir / "lab_eval_indomain.json"
+    indomain = json.loads(lab_indomain.read_text()) if lab_indomain.is_file() else {}
     return {"name": name, "architecture": drafter.get("architecture", "dflash"),
             "block_size": drafter.get("block_size"), "seed": run.get("seed"),
             "objective": recipe.get("objective", {}), "optim": recipe.get("optim", {}),
@@ -144,4 +161,6 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
             "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "num_responses", "position_acceptance")}
             if eval_json else None,
             "llama_cpp": llama_cpp_summary(eval_json.get("llama_cpp")),
+            # the same evaluation on conversations of the training projects (absent from older runs)
+            "indomain_greedy": greedy_summary(indomain), "llama_cpp_indomain": llama_cpp_summary(indomain.get("llama_cpp")),
             "train_s": training_seconds(run_dir / "metrics.jsonl"), "wall_s": wall_s}

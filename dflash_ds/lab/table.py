@@ -4,7 +4,9 @@ Rows per benchmark set and sampling (greedy, T = 1): tau_mean with its standard 
 for each run; each run's difference from the reference run (v1, seed 0) with the standard error of the
 difference (the runs' responses are independent: sqrt(se_a^2 + se_b^2)), called a difference only at
 2 standard errors or more; the seed-to-seed difference of v1 beside it; per-position acceptance;
-llama.cpp's counted acceptance (first round apart from the later ones); final losses and wall times;
+llama.cpp's counted acceptance (first round apart from the later ones) on the held-out prose and, where
+the runs have it, on the in-domain set (conversations of the training projects, whose exact greedy tau
+is one more set of rows: "in-domain"); final losses and wall times;
 and the comparisons of dflash_ds/lab/decisions.py (each catalog run against its baseline): the
 ordering check (v1 < DFlash2, v1 < DSpark, v1 < LiLiCorr, beside the seed-to-seed noise) and the decisions.
 """
@@ -21,7 +23,10 @@ from dflash_ds.lab.decisions import rows_of as _rows
 REFERENCE = "v1"
 SEED_TWIN = "v1-seed1"
 LAB_SET_NAMES = {"heldout": "prose (held-out docs)", "humaneval": "code completion", "mbpp": "instruction -> code",
-                 "mt_bench": "two turns"}
+                 "mt_bench": "two turns", decisions.INDOMAIN: "in-domain (training projects)"}
+LLAMA_SECTIONS = (("llama_cpp", "held-out prose"), ("llama_cpp_indomain", "in-domain"))
+"""The summary keys of llama.cpp's counts and their sections' titles; the in-domain one is drawn only
+where a run has it (summaries written before it have none)."""
 
 
 def load_summaries(folder: Path) -> dict[str, dict]:
@@ -102,19 +107,27 @@ def markdown(table: dict) -> str:
         for (bench, sampling), r in _rows(runs[n]).items():
             pos = " ".join(f"{k}:{'-' if p is None else f'{p:.2f}'}" for k, p in enumerate(r.get("position_acceptance") or [], 1))
             lines.append(f"| {n} | {LAB_SET_NAMES.get(bench, bench)} | {sampling} | {pos} |")
-    lines += ["", "## llama.cpp's count (held-out prose, greedy)", "",
-              "| run | draft n max | llama-server mean acc len | first round | later rounds | llama-speculative-simple "
-              "| first round | later rounds |", "|---|---|---|---|---|---|---|---|"]
-    for n in names:
-        c = runs[n].get("llama_cpp")
+    for key, title in LLAMA_SECTIONS:
+        if key != "llama_cpp" and not any(runs[n].get(key) for n in names):
+            continue
+        lines += _llama_md(runs, key, title)
+    lines += ["", "(first round / later rounds: mean accepted drafts per round.)", ""]
+    return "\n".join(lines)
+
+
+def _llama_md(runs: dict, key: str, title: str) -> list[str]:
+    lines = ["", f"## llama.cpp's count ({title}, greedy)", "",
+             "| run | draft n max | llama-server mean acc len | first round | later rounds | llama-speculative-simple "
+             "| first round | later rounds |", "|---|---|---|---|---|---|---|---|"]
+    for n, s in runs.items():
+        c = s.get(key)
         if not c:
             lines.append(f"| {n} | - | - | - | - | - | - | - |")
             continue
         cells = [_num((c.get(program) or {}).get(k), ".3f") for program in ("llama_server", "llama_speculative_simple")
                  for k in ("mean_accept_length", "first_round_accepted", "later_rounds_accepted")]
         lines.append(f"| {n} | {c.get('spec_draft_n_max')} | " + " | ".join(cells) + " |")
-    lines += ["", "(first round / later rounds: mean accepted drafts per round.)", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _cell(d: dict) -> str:
@@ -168,7 +181,7 @@ def _decisions_md(dec: dict) -> list[str]:
              f"least {decisions.NOISE_FACTOR:g}x the seed twin's difference on that set. Drafting FLOPs: "
              f"one cycle's forward of the block over a {dec['context_tokens']}-token context "
              "(dflash_ds/lab/decisions.py `drafting_flops`). llama.cpp rows: mean accepted drafts a round on the "
-             "held-out prose, greedy.", "",
+             "set named (held-out prose or in-domain), greedy.", "",
              "| decision | run | baseline | set | sampling | measure | baseline value | run value | run - baseline |",
              "|---|---|---|---|---|---|---|---|---|"] if dec["decision"] else ["", "## Decisions", ""]
     for e in dec["decision"]:
