@@ -71,6 +71,14 @@ def test_response_seeds_are_deterministic_and_distinct():
     assert response_seed(1, ResponseKey(sample=0)) != response_seed(0, ResponseKey(sample=1))
 
 
+def test_the_batch_setting_is_checked():
+    from dflash_ds.config import RecipeError, load_recipe
+
+    assert load_recipe("recipes/tiny.yaml", []).eval.bench_batch == 32
+    with pytest.raises(RecipeError, match="eval.bench_batch must be >= 1"):
+        load_recipe("recipes/tiny.yaml", ["eval.bench_batch=0"])
+
+
 def _recipe(tmp_path, *extra):
     from dflash_ds.config import load_recipe
 

@@ -5,7 +5,9 @@ ones independent of how the prompts are batched.
 whole batch: the prompts are left-padded (attention mask, positions counted from each prompt's first
 real token) and decoded with the model's own KV cache. Each response stops at its own EOS (kept) or
 its token budget, exactly as the per-prompt references (`generate.greedy_continuation`,
-`sampled.sampled_continuation`) stop, and is returned as prompt + response, [S] on the CPU.
+`sampled.sampled_continuation`) stop, and is returned as prompt + response, [S] on the CPU. In float32
+on the CPU the responses equal the references' token for token (tests/test_benchmark_batch.py); in
+bf16 a batch's kernels may round differently from one prompt's, so a near-tie can resolve the other way.
 
 A sampled response draws its tokens from a generator of its own (`response_generator`), seeded from
 (run seed, item, sample, turn): which other prompts share its batch, and in what order the responses
