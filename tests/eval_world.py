@@ -67,6 +67,7 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
     import copy
 
     from dflash_ds.eval import specdec_sampled
+    from dflash_ds.eval.batched import ResponseKey, response_generator
     from dflash_ds.eval.benchmark_table import COIN_SEED, BenchOptions, Responder
     from tests.test_sampled import LOGIT_SCALE, SAMPLING, couple_sampled_drafts
 
@@ -74,13 +75,14 @@ def sampled_cycles_agree(world: dict, monkeypatch) -> list[int]:
     target.get_output_embeddings().weight.mul_(LOGIT_SCALE)
     accepted = []
     for seed, prompt in enumerate(world["prompts"][:4]):
-        # The responder's coins of this response: its coin stream's first draw.
-        coins = torch.rand(prompt.numel() + world["new"], generator=torch.Generator().manual_seed(seed + COIN_SEED),
+        # The responder's coins of this response: the first draws of its own coin stream.
+        key = ResponseKey()
+        coins = torch.rand(prompt.numel() + world["new"], generator=response_generator(seed + COIN_SEED, key),
                            dtype=torch.float64)
         responder = Responder(target, world["model"], SAMPLING, BenchOptions(world["new"], seed=seed))
-        response = responder.respond(prompt.tolist())
+        response = responder.respond(prompt.tolist(), key)
         with monkeypatch.context() as patch:
-            generator = torch.Generator().manual_seed(seed)
+            generator = response_generator(seed, key)
             couple_sampled_drafts(patch, target, world["model"], prompt, coins, generator)
             ids, counts = specdec_sampled.speculative_sample(target, world["model"], prompt, SAMPLING,
                                                              generator=generator, max_new_tokens=world["new"])

@@ -317,6 +317,25 @@ def test_table_differences_and_files(tmp_path):
         table.load_summaries(tmp_path / "out" / "none")
 
 
+def test_summary_takes_the_rows_of_a_cut_benchmark_table_and_says_so(tmp_path):
+    from dflash_ds.eval.table_progress import save_partial
+    from dflash_ds.lab.runs import summarize
+
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        summarize(tmp_path, "v1")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 1.5, "time": 1.0}) + "\n")
+    none = summarize(tmp_path, "v1")
+    assert none["benchmarks"] == [] and none["benchmarks_complete"] is False
+    done = [_row("heldout", "greedy", 2.0, 0.1)]
+    save_partial(tmp_path, {"seed": 0}, done)
+    cut = summarize(tmp_path, "v1")
+    assert cut["benchmarks"] == done and cut["benchmarks_complete"] is False and cut["final"]["loss"] == 1.5
+    whole = done + [_row("heldout", "T=1", 1.8, 0.1)]
+    (tmp_path / "benchmarks.json").write_text(json.dumps(whole))
+    full = summarize(tmp_path, "v1")
+    assert full["benchmarks"] == whole and full["benchmarks_complete"] is True
+
+
 @pytest.mark.parametrize("lab, shipped", [("v1", "qwen27b"), ("dflash2", "qwen27b-dflash2"), ("dspark", "qwen27b-dspark")])
 def test_lab_recipes_are_the_shipped_ones_scaled(lab, shipped):
     from pathlib import Path

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from dflash_ds.eval.generate import offline_tau
+from dflash_ds.eval.batched import ResponseKey, response_generator
 from dflash_ds.eval.benchmark_table import BenchOptions, Responder, tau_on_prompts
+from dflash_ds.eval.generate import offline_tau
 from dflash_ds.eval.sampled import (Sampling, draft_probabilities, mean_se, ratio_se, target_probs,
                                     walk_with_probs)
 from dflash_ds.eval import specdec_sampled
@@ -280,9 +281,9 @@ def test_online_loop_with_coupled_draws_reproduces_the_offline_walk_exactly(worl
     accepted = []
     for seed, prompt in enumerate(w["trained_on"] * 2):
         responder = Responder(target, w["model"], SAMPLING, BenchOptions(NEW, seed=seed))
-        response = responder.respond(prompt.tolist())
+        response = responder.respond(prompt.tolist(), ResponseKey())
         ids, counts = speculative_sample(target, w["model"], prompt, SAMPLING,
-                                         generator=torch.Generator().manual_seed(seed),
+                                         generator=response_generator(seed, ResponseKey()),
                                          max_new_tokens=NEW)
         assert ids.tolist() == response
         assert counts == responder.result.report.cycles[0]

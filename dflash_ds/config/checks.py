@@ -167,6 +167,7 @@ def check_eval(r: Recipe) -> None:
     need(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1], got {e.top_p}")
     need(e.top_k >= 0, f"eval.top_k must be >= 0 (0 = off), got {e.top_k}")
     need(e.samples >= 1 and e.bench_limit >= 1, "eval.samples and eval.bench_limit must be >= 1")
+    need(e.bench_batch >= 1, f"eval.bench_batch must be >= 1 (responses generated at once), got {e.bench_batch}")
 
 
 def check_log(r: Recipe) -> None:

@@ -329,7 +329,10 @@ class EvalConfig:
     top_k: int = 0
     """0 = no top-k filter."""
     samples: int = 1
-    """Sampled responses per prompt (seeded by run.seed)."""
+    """Sampled responses per prompt (each its own stream, seeded by run.seed, the prompt and the sample)."""
+    bench_batch: int = 32
+    """Benchmark responses the target generates at once (one forward per new token for the batch).
+    Changes no response, only speed and memory: lower it when a large target runs out of memory."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ At the end of a training run the lead drafter rank evaluates the export on `eval
 (`after_training`, called by train.py, which then redraws the report; `python -m
 dflash_ds.eval.benchmark_table RECIPE [key=value ...]` does the same on its own): it writes
 `<run.output_dir>/benchmarks.json` and adds the table to the export's model card.
+
+The responses of a row are generated `eval.bench_batch` at a time (eval.batched: one target forward
+per new token for the whole batch), then tau is measured on each as before. After each row the rows
+so far go to `benchmarks.partial.json`, and a rerun with the same settings resumes after them
+(eval.table_progress).
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from typing import Sequence
 
 import torch
 
+from dflash_ds.eval.batched import ResponseKey, batched_continuations, response_generator
 from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
 from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
 from dflash_ds.eval.sampled import (Sampling, SampledTau, mean_se, ratio_se, sampled_continuation,
                                     tau_of_trajectory)
+from dflash_ds.eval.table_progress import PARTIAL, drop_partial, rows_done, save_partial, table_settings
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport, tau_from_taps
 from dflash_ds.eval.vllm_count import VllmCounts
 from dflash_ds.libraries import quiet_libraries
@@ -36,22 +43,26 @@ class BenchOptions:
     seed: int = 0
     thinking: bool = False
     batch_anchors: int = DEFAULT_BATCH_ANCHORS
+    batch: int = 32  # responses generated at once (eval.bench_batch)
 
 
 COIN_SEED = 0x5EED_C01
-"""Added to the seed of a responder's coin stream (apart from its token stream's seed)."""
+"""Added to the run seed for the coin streams (apart from the token streams' seeds)."""
 
 
 class Responder:
-    """The target answering prompts under one sampling setting, with tau measured on each response."""
+    """The target answering prompts under one sampling setting, with tau measured on each response.
+
+    Every response has its own streams, keyed by `ResponseKey` (item, sample, turn): its sampled
+    tokens from `response_generator(seed, key)`, the verification coins of a sampled draft from
+    `response_generator(seed + COIN_SEED, key)`. (Before responses were batched, one token stream and
+    one coin stream ran through all the responses in order; per-response streams make a response
+    independent of its batch and of the order, so the batched and per-prompt paths draw the same.)
+    """
 
     def __init__(self, target, model: DraftModel, sampling: Sampling, opts: BenchOptions):
         self.target, self.model, self.sampling, self.opts = target, model, sampling, opts
-        device = next(target.parameters()).device
-        self.gen = torch.Generator(device=device).manual_seed(opts.seed)
-        # The verification coins of a sampled draft (eval.sampled.tau_of_trajectory), one a position: a
-        # stream apart from the responses' tokens, so drawing them changes no response.
-        self.coins = torch.Generator().manual_seed(opts.seed + COIN_SEED)
+        self.device = next(target.parameters()).device
         self.result = SampledTau(sampling, TauReport(block_size=model.max_emitted))
         # The engines' counts of the greedy responses, served with the drafts of one block.
         self.llama_cpp, self.vllm = LlamaCppCounts(), VllmCounts.of(target, model.num_drafts)
@@ -60,21 +71,43 @@ class Responder:
     def samples(self) -> int:
         return 1 if self.sampling.greedy else self.opts.samples
 
-    def respond(self, prompt_ids: Sequence[int]) -> list[int]:
-        """One response (ids after the prompt); its cycles (and slot probabilities) join the result."""
+    def tokens_generator(self, key: ResponseKey) -> torch.Generator:
+        return response_generator(self.opts.seed, key, self.device)
+
+    def coins(self, key: ResponseKey, length: int) -> torch.Tensor:
+        """The uniform coins of one response's positions (eval.sampled.tau_of_trajectory)."""
+        return torch.rand(length, generator=response_generator(self.opts.seed + COIN_SEED, key), dtype=torch.float64)
+
+    def respond(self, prompt_ids: Sequence[int], key: ResponseKey = ResponseKey()) -> list[int]:
+        """One response (ids after the prompt), generated on its own: the reference `respond_batch`
+        is held to. Its cycles (and slot probabilities) join the result."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
-        o, n = self.opts, prompt.numel()
         if self.sampling.greedy:
-            x = greedy_continuation(self.target, prompt, max_new_tokens=o.max_new_tokens)
+            x = greedy_continuation(self.target, prompt, max_new_tokens=self.opts.max_new_tokens)
+        else:
+            x = sampled_continuation(self.target, prompt, self.sampling, self.tokens_generator(key),
+                                     max_new_tokens=self.opts.max_new_tokens)
+        return self.measure(x, prompt.numel(), key)
+
+    def respond_batch(self, prompts: Sequence[Sequence[int]], keys: Sequence[ResponseKey]) -> list[list[int]]:
+        """`respond` for every prompt, the continuations generated together (eval.batched)."""
+        gens = None if self.sampling.greedy else [self.tokens_generator(k) for k in keys]
+        xs = batched_continuations(self.target, prompts, max_new_tokens=self.opts.max_new_tokens,
+                                   sampling=self.sampling, generators=gens)
+        return [self.measure(x, len(p), k) for x, p, k in zip(xs, prompts, keys)]
+
+    def measure(self, x: torch.Tensor, prompt_len: int, key: ResponseKey) -> list[int]:
+        """tau on one response x (prompt + response): its cycles join the result; returns the response."""
+        o, n = self.opts, prompt_len
+        if self.sampling.greedy:
             taps = target_taps(self.target, x, self.model.layer_ids)
             cycles = tau_from_taps(self.model, taps, x, n, end=x.numel(), batch_anchors=o.batch_anchors)
             probs = []
             self.count_engines(taps, x, n)
         else:
-            x = sampled_continuation(self.target, prompt, self.sampling, self.gen, max_new_tokens=o.max_new_tokens)
-            coins = torch.rand(n + o.max_new_tokens, generator=self.coins, dtype=torch.float64)
             cycles, probs = tau_of_trajectory(self.target, self.model, x, n, sampling=self.sampling,
-                                              batch_anchors=o.batch_anchors, coins=coins)
+                                              batch_anchors=o.batch_anchors,
+                                              coins=self.coins(key, n + o.max_new_tokens))
         self.result.report.cycles.append(cycles)
         self.result.slot_probs.append(probs)
         return x[n:].tolist()
@@ -87,25 +120,39 @@ class Responder:
                                "vllm": self.vllm.mean_accept_length}
 
 
+def _batches(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
 @torch.no_grad()
 def tau_on_prompts(responder: Responder, prompts: Sequence[Sequence[int]]) -> SampledTau:
-    """Rendered prompts (token ids), `samples` responses each."""
-    for prompt in prompts:
-        for _ in range(responder.samples):
-            responder.respond(prompt)
+    """Rendered prompts (token ids), `samples` responses each, `opts.batch` responses generated at once.
+    Responses join the result prompt by prompt, sample by sample."""
+    keys = [ResponseKey(item=i, sample=s) for i in range(len(prompts)) for s in range(responder.samples)]
+    for chunk in _batches(keys, responder.opts.batch):
+        responder.respond_batch([prompts[k.item] for k in chunk], chunk)
     return responder.result
 
 
 @torch.no_grad()
 def tau_on_conversations(responder: Responder, tokenizer, conversations: list[list[str]]) -> SampledTau:
-    """Each conversation turn by turn: a later turn sees the target's own answers to the earlier ones."""
-    for turns in conversations:
-        for _ in range(responder.samples):
-            messages: list[dict] = []
-            for turn in turns:
-                messages.append({"role": "user", "content": turn})
-                ids = responder.respond(render_prompt(tokenizer, messages, responder.opts.thinking))
-                messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+    """Each conversation turn by turn: a later turn sees the target's own answers to the earlier ones.
+    Turn t of every conversation (and sample) is generated in batches of `opts.batch`; responses join
+    the result turn by turn (the row's numbers do not depend on the order)."""
+    keys = [ResponseKey(item=c, sample=s) for c in range(len(conversations)) for s in range(responder.samples)]
+    messages: dict[ResponseKey, list[dict]] = {k: [] for k in keys}
+    for turn in range(max((len(t) for t in conversations), default=0)):
+        due = [ResponseKey(item=k.item, sample=k.sample, turn=turn) for k in keys if turn < len(conversations[k.item])]
+        for chunk in _batches(due, responder.opts.batch):
+            prompts = []
+            for k in chunk:
+                history = messages[ResponseKey(item=k.item, sample=k.sample)]
+                history.append({"role": "user", "content": conversations[k.item][turn]})
+                prompts.append(render_prompt(tokenizer, history, responder.opts.thinking))
+            for k, ids in zip(chunk, responder.respond_batch(prompts, chunk)):
+                messages[ResponseKey(item=k.item, sample=k.sample)].append(
+                    {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
     return responder.result
 
 
@@ -160,7 +207,9 @@ def settings_of(temperature: float, top_p: float = 1.0, top_k: int = 0) -> list[
 
 
 def run_recipe(recipe) -> list[dict] | None:
-    """The end-of-training table of a recipe's export (None when eval.benchmarks is empty)."""
+    """The end-of-training table of a recipe's export (None when eval.benchmarks is empty). After each
+    row the rows so far go to benchmarks.partial.json; rows an earlier run with the same settings
+    finished are taken from it (eval.table_progress)."""
     from dflash_ds.data.prepare import prepare
     from dflash_ds.data.sources import load_tokenizer
     from dflash_ds.eval.loading import load_pair
@@ -169,22 +218,30 @@ def run_recipe(recipe) -> list[dict] | None:
     if not e.benchmarks:
         return None
     run_dir = Path(recipe.run.output_dir)
+    settings = table_settings(recipe)
+    done = rows_done(run_dir, settings)
     target, tokenizer, model = load_pair(recipe.target.path, str(run_dir / "export"))
     opts = BenchOptions(max_new_tokens=e.max_new_tokens, samples=e.samples, seed=recipe.run.seed,
-                        thinking=recipe.data.thinking)
+                        thinking=recipe.data.thinking, batch=e.bench_batch)
     rows = []
     for name in e.benchmarks:
-        if name == HELDOUT:
+        samplings = settings_of(e.temperature, e.top_p, e.top_k)
+        if all((name, s.label) in done for s in samplings):
+            pass  # every row of the set is done: its prompts are not even loaded
+        elif name == HELDOUT:
             data = prepare(recipe.data, load_tokenizer(recipe.target.path), verbose=False, recipe=recipe.source or None)
             prompts = data.eval_prompts[:e.bench_limit]
         else:
             convs = load_conversations(name, e.bench_dir, e.bench_limit, setting="eval.bench_dir")
-        for sampling in settings_of(e.temperature, e.top_p, e.top_k):
-            responder = Responder(target, model, sampling, opts)
-            result = (tau_on_prompts(responder, prompts) if name == HELDOUT
-                      else tau_on_conversations(responder, tokenizer, convs))
-            rows.append(bench_row(name, result))
-            say(table_lines(rows[-1:])[1])
+        for sampling in samplings:
+            earlier = done.get((name, sampling.label))
+            if earlier is None:
+                responder = Responder(target, model, sampling, opts)
+                result = (tau_on_prompts(responder, prompts) if name == HELDOUT
+                          else tau_on_conversations(responder, tokenizer, convs))
+            rows.append(earlier or bench_row(name, result))
+            save_partial(run_dir, settings, rows)
+            say(table_lines(rows[-1:])[1] + (f"  (from {PARTIAL})" if earlier else ""))
     return rows
 
 
@@ -196,7 +253,7 @@ def after_training(recipe) -> int:
     e = recipe.eval
     say(f"benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="
         f"{str(recipe.data.thinking).lower()} as data.thinking, {e.bench_limit} prompts each, "
-        f"{e.max_new_tokens} new tokens):")
+        f"{e.max_new_tokens} new tokens, {e.bench_batch} responses at a time):")
     say(table_lines([])[0])
     try:
         rows = run_recipe(recipe)
@@ -205,6 +262,7 @@ def after_training(recipe) -> int:
         return Exit.USER
     run_dir = Path(recipe.run.output_dir)
     (run_dir / "benchmarks.json").write_text(json.dumps(rows, indent=2) + "\n")
+    drop_partial(run_dir)
     add_benchmarks_to_card(run_dir / "export", rows)
     return Exit.OK
 

@@ -136,8 +136,21 @@ def greedy_summary(eval_json: dict) -> dict | None:
             "responses": eval_json.get("num_responses"), "position_acceptance": eval_json.get("position_acceptance")}
 
 
+def benchmark_rows(run_dir: Path) -> tuple[list[dict], bool]:
+    """The run's benchmark rows and whether the table is whole: benchmarks.json, else the rows a cut
+    evaluation finished (benchmarks.partial.json, eval.table_progress), else none."""
+    from dflash_ds.eval.table_progress import read_partial
+
+    bench = run_dir / "benchmarks.json"
+    if bench.is_file():
+        return json.loads(bench.read_text()), True
+    partial = read_partial(run_dir)
+    return (partial["rows"] if partial else []), False
+
+
 def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
-    """One run's summary: recipe identity, final training record, benchmark rows, llama.cpp counts."""
+    """One run's summary: recipe identity, final training record, benchmark rows (`benchmarks_complete`
+    false when only a cut evaluation's rows exist), llama.cpp counts."""
     import yaml
 
     run_dir = Path(run_dir)
@@ -147,7 +160,7 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
     resolved = run_dir / "recipe.yaml"
     recipe = yaml.safe_load(resolved.read_text()) if resolved.is_file() else {}
     drafter, run = recipe.get("drafter", {}), recipe.get("run", {})
-    bench = run_dir / "benchmarks.json"
+    rows, complete = benchmark_rows(run_dir)
     lab_eval = run_dir / "lab_eval.json"
     eval_json = json.loads(lab_eval.read_text()) if lab_eval.is_file() else {}
     lab_indomain = run_dir / "lab_eval_indomain.json"
@@ -157,7 +170,7 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
             "objective": recipe.get("objective", {}), "optim": recipe.get("optim", {}),
             "final": last_training_record(run_dir / "metrics.jsonl"),
             "tau_evals": tau_records(run_dir / "metrics.jsonl"),
-            "benchmarks": json.loads(bench.read_text()) if bench.is_file() else [],
+            "benchmarks": rows, "benchmarks_complete": complete,
             "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "num_responses", "position_acceptance")}
             if eval_json else None,
             "llama_cpp": llama_cpp_summary(eval_json.get("llama_cpp")),
