@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.architectures import VARIANTS
+from dflash_ds.architectures.lilicorr import LiLiCorrFields
 from dflash_ds.config import DrafterConfig, ObjectiveConfig
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.drafter import DFlashDrafter
@@ -25,6 +26,9 @@ from tests.toy_variant import ToyMarkov, register
 ARCHITECTURES = sorted(VARIANTS) + [ToyMarkov.name]
 D, VOCAB, B, S = 32, 96, 4, 40
 KL_WEIGHT, TEMPERATURE = 0.3, 1.5
+# An architecture whose defaults are published absolute sizes (LiLiCorr's 1,024-wide head) at this toy
+# width: the same terms at a head the size of the drafter, seconds less of the unit tier.
+SMALL_SECTIONS = {"lilicorr": {"lilicorr": LiLiCorrFields(head_hidden_size=16, factor_dim=16, num_heads=4)}}
 
 
 def world(name: str, dtype=torch.float64):
@@ -35,7 +39,8 @@ def world(name: str, dtype=torch.float64):
                       num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
                       rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
     shape = drafter_shape(cfg, DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
-                                             target_layer_ids=[1, 4], architecture=name))
+                                             target_layer_ids=[1, 4], architecture=name,
+                                             sections=SMALL_SECTIONS.get(name, {})))
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).to(dtype)
     with torch.no_grad():
@@ -131,5 +136,7 @@ def test_fused_terms_equal_float64_autograd(name, monkeypatch):
         torch.testing.assert_close(torch.as_tensor(sums[key]).double(), value.double(), rtol=1e-9, atol=1e-10,
                                    msg=key)
     assert all(float(want_sums[k]) != 0 for k in ("ce", "kl"))
+    # an architecture's terms over supervised slots (LiLiCorr's lattice) have some here
+    assert all(float(v) > 0 for k, v in want_sums.items() if k.endswith("_supervised"))
     for (pname, _), a, b in zip(((n, p) for n, p in model.drafter.named_parameters() if p.requires_grad), got, want):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11, msg=pname)
