@@ -61,6 +61,23 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
     return losses
 
 
+def recipe_reference_losses(recipe_path: str, overrides: list[str], out_dir, steps: int) -> list[float]:
+    """`reference_losses` of a recipe as the launcher tests run it split over 2 ranks (float32, CPU):
+    its data, run spec, target and a drafter built as a drafter rank builds it."""
+    from dflash_ds.config import load_recipe
+    from dflash_ds.data.prepare import load_training_data
+    from dflash_ds.resolve.run import resolve_run
+    from dflash_ds.runtime.trainer import build_drafter
+    from dflash_ds.target_model.model import embed_and_head, load_target
+
+    recipe = load_recipe(recipe_path, [*overrides, f"run.output_dir={out_dir}"])
+    data = load_training_data(recipe)
+    spec = resolve_run(recipe, world_size=2).with_rows(data.num_rows)
+    target = load_target(recipe.target.path, dtype="float32")
+    embed, head = embed_and_head(recipe.target.path, torch.float32)
+    return reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=steps)
+
+
 class Candidates(OutputTerm):
     """An output term that only asks the loss for each row's top-k candidates (and adds nothing)."""
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from dflash_ds.config import load_recipe
 from dflash_ds.metrics import read_metrics
 
 from .launch_util import launch, output
+from .reference import recipe_reference_losses
 
 pytestmark = pytest.mark.launcher
 
@@ -23,19 +22,7 @@ FAST = ["optim.max_steps=4", "log.every_steps=1", "eval.at_start=false", "log.pr
 
 
 def reference(tmp_path, overrides):
-    from dflash_ds.data.prepare import load_training_data
-    from dflash_ds.network.draft_model import DraftModel
-    from .reference import reference_losses
-    from dflash_ds.runtime.trainer import build_drafter
-    from dflash_ds.resolve.run import resolve_run
-    from dflash_ds.target_model.model import embed_and_head, load_target
-
-    recipe = load_recipe(RECIPE, FAST + overrides + [f"run.output_dir={tmp_path}"])
-    data = load_training_data(recipe)
-    spec = resolve_run(recipe, world_size=2).with_rows(data.num_rows)
-    target = load_target(recipe.target.path, dtype="float32")
-    embed, head = embed_and_head(recipe.target.path, torch.float32)
-    return reference_losses(spec, target, DraftModel(build_drafter(spec), embed, head), data.rows, steps=4)
+    return recipe_reference_losses(RECIPE, FAST + overrides, tmp_path, steps=4)
 
 
 def test_tiny_dflash2_trains_exports_and_evaluates(tmp_path):

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ds.network.drafter import RMSNorm  # the backbone's norm: the same numerics and state-dict name
+
 NUM_FEATURES = 5
 """log p, p, log p minus the slot's best, the rank as a fraction of k - 1, is-rank-0 (this order:
 the feature norm and the first Linear read it)."""
@@ -110,20 +112,6 @@ class FeatureNorm(PaddedParameters):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (NUM_FEATURES,), self.padded("weight"), self.padded("bias"), FEATURE_NORM_EPS)
-
-
-class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm (weight only; normalised in fp32, cast back, then scaled), as the backbone's."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class LatticeAttention(nn.Module):

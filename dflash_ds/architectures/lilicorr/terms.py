@@ -1,4 +1,4 @@
-"""LiLiCorr's lattice objective (Model-Optimizer's, docs: the architecture's spec section 3) as functions of
+"""LiLiCorr's lattice objective (Model-Optimizer's; docs/algorithm.md section 10, "Objective") as functions of
 a micro-batch's blocks: which slots are supervised, the teacher-forced node potentials, the candidate
 cross-entropy, the margin hinge and the target-logit penalty, and the detached sums its logs are made of.
 Plus `SoftValue`, the candidates' log-probs as a differentiable function of the drafted states whose
