@@ -68,9 +68,10 @@ def test_lab_pipeline_on_cpu(tmp_path):
     step(env, out, "target")
     target = json.loads((out / "target.json").read_text())
     assert target["pretrain"]["steps"] > 3 and target["sft"]["steps"] > 3
-    # (the loss curve is sampled every 25 steps and at the planned last one: a loaded machine may stop
-    # the phase by its clock before either)
-    assert target["pretrain"]["steps"] < 50 or target["pretrain"]["final_loss"] < target["pretrain"]["losses"][0][1]
+    # The curve starts at the first step (near ln 1024 = 6.93 for the fresh model); one batch's loss is noisy,
+    # but a few dozen steps at lr 3e-3 take it well below that however soon the clock stops the phase.
+    first_step, first_loss = target["pretrain"]["losses"][0]
+    assert first_step == 1 and target["pretrain"]["final_loss"] < first_loss - 0.3, target["pretrain"]
     assert math.isfinite(target["heldout_document_loss"])
     assert (lab / "target" / "model.safetensors").is_file() and (lab / "target" / "tokenizer.json").is_file()
     regen = json.loads((out / "regenerate.json").read_text())

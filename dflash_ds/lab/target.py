@@ -190,7 +190,8 @@ def run_phase(model, rows, flags, phase: Phase, *, device, seed: int, log) -> di
             if device.type == "cuda":
                 torch.cuda.synchronize()
             clock.replan(step - 3, timed_from)
-        if step % 25 == 0 or step == clock.total:
+        # the first step's loss too: the curve then shows where training started, however soon the clock stops it
+        if step == 1 or step % 25 == 0 or step == clock.total:
             losses.append((step, loss.item()))
             log(f"step {step}/{clock.total} loss {loss.item():.4f} lr {clock.lr(step - 1):.2e} "
                 f"{clock.elapsed():.0f} s")
