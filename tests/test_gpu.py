@@ -1082,6 +1082,7 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
     """The FP8 lm_head's two GEMMs through _scaled_mm against the float64 product of the same e4m3
     operands (the chunk's rows quantized by the compiled front end, W in its two layouts), and the
     fused loss through it against the float64 emulation of the same quantization."""
+    from dflash_ds.objective.head_matmuls import GemmHead
     from dflash_ds.quantization.fp8 import dequantize, quantize_rows
     from dflash_ds.quantization.fp8_head import Fp8Head
 
@@ -1106,7 +1107,7 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
     labels = torch.randint(0, v, (m,), device="cuda", generator=g)
     weights = torch.rand(m, device="cuda", generator=g)
     x = h.clone().requires_grad_(True)
-    loss = chunked(x, w, labels, weights, float(m), 4, head=head).loss
+    loss = chunked(x, w, labels, weights, float(m), 4, head=GemmHead(head)).loss  # as runtime/engines.py builds it
     ref = -(weights.double() * torch.log_softmax(ref_logits, -1).gather(1, labels[:, None])[:, 0]).sum() / m
     loss.backward()
     found["loss_vs_emulation"] = rel(loss, ref)
