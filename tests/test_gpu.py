@@ -1118,6 +1118,49 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
     assert found["loss_vs_emulation"] < 1e-3 and torch.isfinite(x.grad).all(), found
 
 
+def test_lilicorr_head_compiled_matches_eager_at_the_published_shape(record):
+    """LiLiCorr's head as `drafter.compile` runs it (one compiled graph, its `compile_units`) against the eager
+    head, bf16, forward and backward, at Model-Optimizer's published shape on the 27B drafter (k 8, width
+    1024, factors 1024, 2 lattice layers of 8 heads, block 16) and the recipe's 2,048 blocks a micro-batch;
+    the times of both are recorded (the step's figure is the bench's, docs/performance.md)."""
+    from dflash_ds.architectures.lilicorr.head import Geometry, LiLiCorrHead
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    geo = Geometry(hidden=5120, width=1024, factor_dim=1024, num_layers=2, num_heads=8, mlp_width=2048, slots=15,
+                   top_k=8, eps=1e-6, logit_scale=8.0, vector_eps=1e-4)
+    torch.manual_seed(0)
+    head = LiLiCorrHead(geo).cuda().bfloat16()
+    with torch.no_grad():  # away from the zero start of the embeddings and biases
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    n, s, k = 2048, 15, 8
+    emb = (torch.randn(n, s, k, 5120, device="cuda", generator=g) * 0.02).bfloat16()
+    lp = torch.randn(n, s, 4096, device="cuda", generator=g).log_softmax(-1).topk(k, dim=-1).values
+    hidden = torch.randn(n, s, 5120, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    context = torch.randn(n, 5120, device="cuda", generator=g).bfloat16()
+    valid = torch.rand(n, device="cuda", generator=g) > 0.05
+    probe = torch.randn(n, s - 1, k, k, device="cuda", generator=g)
+    compiled = torch.compile(head, dynamic=False)
+
+    def step(fn):
+        head.zero_grad(set_to_none=True)
+        hidden.grad = None
+        out = fn(emb, lp, hidden, context, valid=valid)
+        ((out.pair * probe).sum() + out.start.sum()).backward()
+        return out.start.detach(), out.pair.detach(), hidden.grad.float(), [p.grad.float() for p in head.parameters()]
+
+    eager_ms, want = timed_ms(lambda: step(head))
+    compiled_ms, got = timed_ms(lambda: step(compiled))
+    param_rel = max(rel(a, b) for a, b in zip(got[3], want[3]))
+    found = {"eager_ms": eager_ms, "compiled_ms": compiled_ms, "start_rel": rel(got[0], want[0]),
+             "pair_rel": rel(got[1], want[1]), "hidden_grad_rel": rel(got[2], want[2]), "param_grad_rel_max": param_rel,
+             "pair_rms": float(want[1].float().pow(2).mean().sqrt())}
+    record["lilicorr_head_compiled"] = found
+    # Both bf16, fused differently: the factors (within +-8) and the gradients apart by bf16 rounding.
+    assert found["pair_rms"] > 0.1 and found["start_rel"] < 2e-2 and found["pair_rel"] < 2e-2, found
+    assert found["hidden_grad_rel"] < 5e-2 and param_rel < 5e-2, found
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
     """torchao float8 layers inside the compiled drafter layers: forward and gradients near the bf16 drafter's."""

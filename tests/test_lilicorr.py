@@ -343,3 +343,36 @@ def test_the_tiny_recipe_resolves_with_the_target_states_sent_and_the_margin_var
     assert spec.drafter.architecture == "lilicorr" and wants_target_logits(spec.recipe, spec.drafter)
     assert spec.drafter.variant.loss_settings(spec.recipe.objective) == \
         lilicorr.terms.Weights(0.125, 0.125, 0.25, 2.0, True)
+
+
+def test_drafter_compile_takes_the_whole_head_as_one_graph_equal_to_eager(pkg):
+    """`drafter.compile` compiles the layers and LiLiCorr's head (its `compile_units`), a DFlash drafter's
+    layers only; the head traces as one graph (fullgraph: no break into eager pieces) whose factors and
+    gradients equal the eager head's."""
+    from dflash_ds.architectures import dflash  # noqa: F401  (registered)
+    from dflash_ds.config import DrafterConfig as Section
+
+    drafter = make_drafter(pkg, seed=7)
+    assert drafter.compile_units() == [*drafter.layers, drafter.lilicorr]
+    v1 = DFlashDrafter(drafter_shape(target_config(), Section(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
+                                                               target_layer_ids=[1, 3, 5])))
+    assert v1.compile_units() == list(v1.layers)
+    head, k, s, n = drafter.lilicorr, 4, B - 1, 3
+    g = torch.Generator().manual_seed(8)
+    lp = torch.randn(n, s, VOCAB, generator=g).log_softmax(-1).topk(k, dim=-1).values
+    inputs = (torch.randn(n, s, k, D, generator=g), lp, torch.randn(n, s, D, generator=g), torch.randn(n, D, generator=g))
+    valid = torch.tensor([True, False, True])
+    torch._dynamo.reset()
+    traced = torch.compile(head, dynamic=False, fullgraph=True, backend="eager")
+    results = []
+    for fn in (head, traced):
+        head.zero_grad()
+        got = fn(*inputs, valid=valid)
+        (got.start.square().sum() + got.pair.sin().sum()).backward()
+        results.append((got.start.detach(), got.pair.detach(), [p.grad.clone() for p in head.parameters()]))
+    (start, pair, grads), (c_start, c_pair, c_grads) = results
+    torch.testing.assert_close(c_start, start)
+    torch.testing.assert_close(c_pair, pair)
+    assert len(grads) == len(c_grads) and all(torch.isfinite(x).all() for x in grads)
+    for a, b in zip(c_grads, grads):
+        torch.testing.assert_close(a, b)

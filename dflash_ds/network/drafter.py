@@ -183,6 +183,14 @@ class DFlashDrafter(nn.Module):
         self.checkpoint_layers: int = cfg.num_hidden_layers
         self.reset_parameters()
 
+    def compile_units(self) -> list[nn.Module]:
+        """What `drafter.compile` compiles, one graph each on static shapes: every layer, then the modules
+        a head names by its own `compile_units()` (a head without one runs eager)."""
+        units: list[nn.Module] = list(self.layers)
+        for name in self.head_names:
+            units += list(getattr(getattr(self, name), "compile_units", tuple)())
+        return units
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """HF-style init: linears N(0, 0.02), norms 1; then the architecture's modules their own

@@ -125,9 +125,10 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, *, rank: in
     engine, _, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=cfg,
                                            mpu=mpu, dist_init_required=False)
     if recipe.drafter.compile and device.type == "cuda":
-        # Fuses each layer's norms, RoPE and SwiGLU; shapes are static, so one graph per layer.
-        for layer in drafter.layers:
-            layer.compile(dynamic=False)
+        # Fuses each layer's norms, RoPE and SwiGLU, and the elementwise work of a head that asks for it
+        # (LiLiCorr's over its lattice); shapes are static, so one graph per unit.
+        for unit in drafter.compile_units():
+            unit.compile(dynamic=False)
     return engine, cfg
 
 

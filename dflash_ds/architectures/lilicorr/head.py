@@ -223,6 +223,11 @@ class LiLiCorrHead(PaddedParameters):
         self.anchor_out_head = nn.Linear(h, g.factor_dim)
         self.reset_parameters()
 
+    def compile_units(self) -> list[nn.Module]:
+        """Under `drafter.compile` the whole head is one graph: its norms, activations, features, bias and
+        cosines run over every [n, S * k, h] lattice state, each a pass over memory when run eager."""
+        return [self]
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Model-Optimizer's starting point: every Linear N(0, 0.01) with zero bias, then the factor heads
