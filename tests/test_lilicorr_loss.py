@@ -163,3 +163,37 @@ def test_lattice_inputs_take_the_context_row_before_each_anchor_in_its_document(
     torch.testing.assert_close(got.target_states, slot_target_states(mb.final_hidden, blocks.anchors, B))
     with pytest.raises(ValueError, match="target final-norm states"):
         lattice_inputs(blocks, ctx, ctx=ctx, mb=MicroBatch(mb.taps, mb.input_ids, mb.loss_mask, mb.doc_ids))
+
+
+def test_q_at_w_read_off_the_cross_entropys_gradient_equals_the_gemm_and_so_do_the_gradients(monkeypatch):
+    """With the cross-entropy the only term with a gradient, the loss reads each row's q @ W off the input
+    gradient it computes anyway (g / s + W[y]) instead of a GEMM of the softmax with W: equal to the dense
+    q @ W on every row of weight > 0 (0 on the others), and the whole LiLiCorr loss's gradients (the soft
+    value reads it) equal those of the GEMM path."""
+    from dflash_ds.objective.loss import _Call
+
+    pkg = lilicorr
+    model, mb, settings = world(pkg, seed=5)
+    assert MARGIN.soft_value
+    runs = {}
+    for derive in (True, False):
+        if not derive:
+            monkeypatch.setattr(_Call, "derives_expected", lambda self, want_grad: False)
+        model.drafter.zero_grad(set_to_none=True)
+        blocks, hidden, inputs = forward(model, mb, settings)
+        out = chunked(model, blocks, hidden, [CrossEntropy(), *lattice_loss_terms(model, blocks, inputs, MARGIN)],
+                      float(blocks.weights.sum()))
+        out.loss.backward()
+        runs[derive] = (out, hidden.detach(), slot_rows(blocks.weights, B).reshape(-1),
+                        {n: p.grad.clone() for n, p in model.drafter.named_parameters() if p.grad is not None})
+    (out, hidden, w, grads), (ref, _, _, ref_grads) = runs[True], runs[False]
+    rows = slot_rows(hidden, B)
+    dense = torch.softmax(rows @ model.lm_head.T, -1) @ model.lm_head
+    on = w > 0
+    assert 0 < int(on.sum()) < w.numel()  # both kinds of row
+    torch.testing.assert_close(out.expected[on], dense[on], rtol=1e-10, atol=1e-12)
+    assert torch.equal(out.expected[~on], torch.zeros_like(out.expected[~on]))
+    torch.testing.assert_close(ref.expected, dense, rtol=1e-12, atol=1e-12)
+    assert set(grads) == set(ref_grads) and "lilicorr.token_proj.weight" in grads
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-9, atol=1e-12, msg=name)

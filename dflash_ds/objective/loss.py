@@ -38,7 +38,9 @@ class LossOutput(NamedTuple):
     candidates: torch.Tensor | None  # int64 [n, top_k] each row's top-k token ids, best first; None without
     candidate_logits: torch.Tensor | None  # [n, top_k] their raw logits (before the transform), detached
     rows: dict  # name -> [n] a vocabulary term's values per row (those that keep them), detached
-    expected: torch.Tensor | None = None  # [n, D] q @ W per row (an output term's reads_expected), detached
+    expected: torch.Tensor | None = None
+    """[n, D] q @ W per row of weight > 0 (an output term's reads_expected), detached; a row of weight 0 may
+    read 0 (`_Call.derives_expected`)."""
 
 
 class ChunkedLoss:
@@ -204,8 +206,11 @@ class _Call(NamedTuple):
         top_logits = hidden.new_empty(chunks * size, top_k)
         kept = {t.name: hidden.new_empty(chunks * size, dtype=acc_dtype) for t in terms if t.keep_rows}
         # q @ W per row: the expected lm_head row under the drafter's distribution (LiLiCorr's soft value
-        # differentiates its candidates' log-probs through it), from logits that exist anyway.
-        expected = hidden.new_empty(chunks * size if owner.expected else 0, weight.shape[1])
+        # differentiates its candidates' log-probs through it). Read off the input gradient where that is
+        # the cross-entropy's alone (after the loop); else one more GEMM a chunk, from logits that exist anyway.
+        derive = owner.expected and self.derives_expected(want_grad)
+        explicit = owner.expected and not derive
+        expected = hidden.new_empty(chunks * size if explicit else 0, weight.shape[1])
         project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=self.target, size=size,
                                                chunks=chunks, grad_hidden=self.grad_hidden))
         how = Pass(terms, owner.transform)
@@ -222,7 +227,7 @@ class _Call(NamedTuple):
             logits, t_logits = project.logits(i, lo, hi)
             if top_k:
                 top_logits[i * size:(i + 1) * size], top[i * size:(i + 1) * size] = block_top_k(logits, top_k)
-            if owner.expected:
+            if explicit:
                 q = torch.softmax(owner.transform.apply(logits.to(acc_dtype)), dim=-1)
                 expected[i * size:(i + 1) * size] = q.to(weight.dtype) @ weight  # [V, D] never copied
                 del q
@@ -241,6 +246,8 @@ class _Call(NamedTuple):
             del g_logits
         correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
         g_hidden, g_bias = project.grads(n)
+        if derive:
+            expected = _expected_from_gradient(g_hidden, scales[0], weight, lab)
         loss = None
         for term, total in zip(terms, totals):
             part = (term.weight * term.loss_scale) * total
@@ -249,6 +256,28 @@ class _Call(NamedTuple):
                          candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()},
                          expected=expected[:n] if owner.expected else None)
         return out, (g_hidden if self.grad_hidden else None, g_weight, g_bias)
+
+    def derives_expected(self, want_grad: bool) -> bool:
+        """Whether q @ W is read off the input gradient: with the cross-entropy the only term with a gradient,
+        the untransformed logits and the dense lm_head, row t's gradient is s_t (q_t - e_y) @ W (s_t its
+        scale), so q_t @ W = g_t / s_t + W[y_t] for every row of weight > 0, and the GEMM of a [rows, V]
+        softmax with W (as large as the lm_head's forward) is saved. A row of weight 0 reads 0 there: the
+        soft value's gradient on it is zero (LiLiCorr's lattice terms read only blocks whose every slot
+        weighs > 0)."""
+        owner = self.loss
+        ce, others = owner.vocab_terms[0], owner.vocab_terms[1:]
+        return (want_grad and self.grad_hidden and owner.transform.identity and isinstance(owner.head, DenseHead)
+                and ce.weight * ce.grad_scale > 0 and all(t.weight * t.grad_scale == 0 for t in others))
+
+
+def _expected_from_gradient(g_hidden: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                            labels: torch.Tensor) -> torch.Tensor:
+    """q @ W [n, D] from the cross-entropy's input gradient g = scale * (q - e_y) @ W [n, D] (`_Call.derives_expected`):
+    g / scale + W[y] where scale > 0, else 0; in the weight's dtype, as the GEMM would give it."""
+    on = scale > 0
+    inverse = torch.where(on, 1.0 / torch.where(on, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+    rows = g_hidden.to(scale.dtype) * inverse[:, None] + F.embedding(labels, weight).to(scale.dtype) * on[:, None]
+    return rows.to(weight.dtype)
 
 
 class _Fused(torch.autograd.Function):
