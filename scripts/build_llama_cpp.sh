@@ -16,7 +16,10 @@ SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 PROGRAMS=(llama-speculative-simple llama-completion llama-tokenize)
 # Static, so the programs keep working after the directory is renamed; no tests, server or web UI; the
 # examples and tools trees are configured (the programs live there) but only the named targets are built.
-CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
+# -O1 instead of Release's -O3: 226 s instead of 316 s on 2 cores, and the same numbers (no fast-math
+# either way, so no floating-point operation is reordered; ggml's kernels are written with intrinsics).
+CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
+  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF
   -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON)
 
