@@ -118,11 +118,12 @@ one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settin
   lab summarize "$RUN" "$NAME" "$OUT/$NAME.json" --wall-s $(( $(date +%s) - T0 ))
 }
 
+EVAL_BUDGET=""  # the run's "max_new_tokens bench_limit", read from its recipe once
 lab_eval() {  # $1: prompts file, $2: report; RECIPE, SETTINGS and RUN are one()'s
-  local BUDGET NEW LIMIT
-  BUDGET=$("$PY" -c "import sys; from dflash_ds.config import load_recipe; r = load_recipe(sys.argv[1], sys.argv[2:]); \
-print(r.eval.max_new_tokens, r.eval.bench_limit)" "$RECIPE" "${SETTINGS[@]}")
-  read -r NEW LIMIT <<< "$BUDGET"
+  local NEW LIMIT
+  [ -n "$EVAL_BUDGET" ] || EVAL_BUDGET=$("$PY" -c "import sys; from dflash_ds.config import load_recipe; \
+r = load_recipe(sys.argv[1], sys.argv[2:]); print(r.eval.max_new_tokens, r.eval.bench_limit)" "$RECIPE" "${SETTINGS[@]}")
+  read -r NEW LIMIT <<< "$EVAL_BUDGET"
   "$PY" -m dflash_ds.eval --target "$LAB/target" --drafter "$RUN/export" \
     --prompts "$1" --limit "$LIMIT" --max-new-tokens "$NEW" \
     --chat-template-kwargs '{"enable_thinking": false}' --out "$2"

@@ -29,7 +29,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TOKENIZERS_PARALLELISM=false HF_H
 # most of a launcher test is one process at a time (the launcher's start, a rank's imports, a colocated
 # rank), so two share two cores well, 1.4x on the launcher tier. DFLASH_TEST_WORKERS=0 runs in this process.
 WORKERS=${DFLASH_TEST_WORKERS:-2}
-if [ "$WORKERS" = 0 ]; then
-  exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@" tests
-fi
-exec "$PYTHON" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile "$@" tests
+[ "$WORKERS" = 0 ] || set -- -n "$WORKERS" --dist loadfile "$@"
+exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@" tests

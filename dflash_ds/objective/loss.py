@@ -208,7 +208,7 @@ class _Call(NamedTuple):
         # q @ W per row: the expected lm_head row under the drafter's distribution (LiLiCorr's soft value
         # differentiates its candidates' log-probs through it). Read off the input gradient where that is
         # the cross-entropy's alone (after the loop); else one more GEMM a chunk, from logits that exist anyway.
-        derive = owner.expected and self.derives_expected(want_grad)
+        derive = owner.expected and self.derives_expected()
         explicit = owner.expected and not derive
         expected = hidden.new_empty(chunks * size if explicit else 0, weight.shape[1])
         project = owner.head.matmuls(ChunkRows(hidden=hidden, weight=weight, bias=bias, target=self.target, size=size,
@@ -257,7 +257,7 @@ class _Call(NamedTuple):
                          expected=expected[:n] if owner.expected else None)
         return out, (g_hidden if self.grad_hidden else None, g_weight, g_bias)
 
-    def derives_expected(self, want_grad: bool) -> bool:
+    def derives_expected(self) -> bool:
         """Whether q @ W is read off the input gradient: with the cross-entropy the only term with a gradient,
         the untransformed logits and the dense lm_head, row t's gradient is s_t (q_t - e_y) @ W (s_t its
         scale), so q_t @ W = g_t / s_t + W[y_t] for every row of weight > 0, and the GEMM of a [rows, V]
@@ -266,7 +266,7 @@ class _Call(NamedTuple):
         weighs > 0)."""
         owner = self.loss
         ce, others = owner.vocab_terms[0], owner.vocab_terms[1:]
-        return (want_grad and self.grad_hidden and owner.transform.identity and isinstance(owner.head, DenseHead)
+        return (self.grad_hidden and owner.transform.identity and isinstance(owner.head, DenseHead)
                 and ce.weight * ce.grad_scale > 0 and all(t.weight * t.grad_scale == 0 for t in others))
 
 
@@ -275,9 +275,8 @@ def _expected_from_gradient(g_hidden: torch.Tensor, scale: torch.Tensor, weight:
     """q @ W [n, D] from the cross-entropy's input gradient g = scale * (q - e_y) @ W [n, D] (`_Call.derives_expected`):
     g / scale + W[y] where scale > 0, else 0; in the weight's dtype, as the GEMM would give it."""
     on = scale > 0
-    inverse = torch.where(on, 1.0 / torch.where(on, scale, torch.ones_like(scale)), torch.zeros_like(scale))
-    rows = g_hidden.to(scale.dtype) * inverse[:, None] + F.embedding(labels, weight).to(scale.dtype) * on[:, None]
-    return rows.to(weight.dtype)
+    rows = g_hidden.to(scale.dtype) / torch.where(on, scale, 1.0)[:, None] + F.embedding(labels, weight).to(scale.dtype)
+    return torch.where(on[:, None], rows, 0.0).to(weight.dtype)
 
 
 class _Fused(torch.autograd.Function):
