@@ -13,7 +13,8 @@
 #   bash scripts/quality_lab.sh OUT sweep PHASE NAME...  GPU: several runs at once on the one GPU
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
 # NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
-# lilicorr, v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full). PHASE: train (training only), eval (the benchmark
+# lilicorr, lilicorr-v1, v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full; lilicorr-v1 starts
+# from v1's export, so a sweep starts it once v1 has trained). PHASE: train (training only), eval (the benchmark
 # table, the greedy tau and llama.cpp's count on the held-out prose and on the in-domain set, OUT/NAME.json) or all.
 # Every step is resumable: a built target, written regeneration shards and a finished run are reused
 # (they live in the ignored LAB_DIR, default runs/lab). What each step leaves in OUT is small (JSON and
@@ -28,11 +29,12 @@
 # sweep: each run gets its own rendezvous port (DFLASH_PORT), its log OUT/NAME.log and a start
 # LAB_SWEEP_STAGGER seconds (default 5) after the previous one, so that compilations do not all collide;
 # LAB_SWEEP_SECONDS (default: none) stops the runs still training after that many seconds with a
-# checkpoint (SIGTERM to launch.sh), for a command's time limit. The sweep waits for all; it exits 1
-# naming the runs that failed, else 75 naming those stopped (rerun the same sweep: they resume), else 0.
+# checkpoint (SIGTERM to launch.sh), for a command's time limit; a run that starts from another's export
+# starts when that one has trained. The sweep waits for all; it exits 1 naming the runs that failed (or
+# could not start), else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,32p' "$0" >&2
+  sed -n '2,34p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -72,10 +74,14 @@ one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settin
   local PHASE=$1 NAME=$2 SPEC_TEXT
   shift 2
   phase_ok "$PHASE"
-  SPEC_TEXT=$(lab run-settings "$NAME") || exit 2
+  SPEC_TEXT=$(lab run-settings "$NAME" --lab-dir "$LAB") || exit 2
   mapfile -t SPEC <<< "$SPEC_TEXT"
-  local RECIPE=${SPEC[0]} RUN="$LAB/runs/$NAME" PIDFILE="$LAB/runs/.$NAME.launch_pid"
+  local RECIPE=${SPEC[0]} RUN="$LAB/runs/$NAME" PIDFILE="$LAB/runs/.$NAME.launch_pid" AFTER
   need "$LAB/target/lab_target.json" target
+  if [ "$PHASE" != eval ] && [ ! -f "$RUN/.lab_trained" ]; then
+    AFTER=$(lab run-after "$NAME")  # the run whose export this one starts from (drafter.init_from)
+    [ -z "$AFTER" ] || need "$LAB/runs/$AFTER/.lab_trained" "train $AFTER"
+  fi
   exec > >(tee -a "$OUT/$NAME.log") 2>&1
   SETTINGS=("${PATHS[@]}" "run.output_dir=$RUN" "${SPEC[@]:1}" "${EXTRA[@]}")
   [ -n "${LAB_STEPS:-}" ] && SETTINGS+=("optim.max_steps=$LAB_STEPS")
@@ -134,28 +140,65 @@ sweep() {  # $1: PHASE, then the runs' names
   [ $# -ge 2 ] || { echo "[lab] usage: bash scripts/quality_lab.sh OUT sweep train|eval|all NAME..." >&2; exit 2; }
   shift
   phase_ok "$PHASE"
-  local NAME
+  local NAME AFTERS=() A
   for NAME in "$@"; do lab run-settings "$NAME" > /dev/null || exit 2; done  # every name, before any start
   need "$LAB/target/lab_target.json" target
+  # A run that starts from another's export (lab run-after) waits for that run's training when it is in
+  # the sweep too; otherwise that run must be trained already.
+  for NAME in "$@"; do
+    A=$(lab run-after "$NAME")
+    if [ "$PHASE" != eval ] && [ -n "$A" ] && [ ! -f "$LAB/runs/$NAME/.lab_trained" ] && \
+        [ ! -f "$LAB/runs/$A/.lab_trained" ] && [[ " $* " != *" $A "* ]]; then
+      echo "[lab] error: $NAME starts from $A's export, which is not trained: sweep them together" \
+        "(bash scripts/quality_lab.sh OUT sweep $PHASE $A $NAME) or train $A first" >&2
+      exit 2
+    fi
+    [ "$PHASE" = eval ] && A=""
+    AFTERS+=("$A")
+  done
   # distinct free ports, held together while they are chosen (one per run's launcher)
   local PORTS
   read -r -a PORTS <<< "$("$PY" -c 'import socket, sys
 s = [socket.socket() for _ in range(int(sys.argv[1]))]
 for x in s: x.bind(("127.0.0.1", 0))
 print(*[x.getsockname()[1] for x in s])' $#)"
-  local PIDS=() i=0 T0 STOPPED=0 ALIVE P
+  local NAMES=("$@") PIDS=() STATE=() i=0 j T0 STOPPED=0 ALIVE P STARTED=0
   T0=$(date +%s)
-  for NAME in "$@"; do
+  start() {  # $1: the run's index; a start after the first waits LAB_SWEEP_STAGGER seconds
+    local NAME=${NAMES[$1]}
     rm -f "$LAB/runs/.$NAME.launch_pid"  # a PID left by a command that was killed is not this run's
-    [ $i -gt 0 ] && sleep "${LAB_SWEEP_STAGGER:-5}"
-    DFLASH_PORT=${PORTS[$i]} bash scripts/quality_lab.sh "$OUT" run "$PHASE" "$NAME" > /dev/null 2>&1 &
-    PIDS+=($!)
-    echo "[lab] sweep: $NAME started ($PHASE, port ${PORTS[$i]}, log $OUT/$NAME.log)"
-    i=$((i + 1))
+    [ "$STARTED" -gt 0 ] && sleep "${LAB_SWEEP_STAGGER:-5}"
+    DFLASH_PORT=${PORTS[$1]} bash scripts/quality_lab.sh "$OUT" run "$PHASE" "$NAME" > /dev/null 2>&1 &
+    PIDS[$1]=$!
+    STATE[$1]=started
+    STARTED=$((STARTED + 1))
+    local FROM=""
+    [ -z "${AFTERS[$1]}" ] || FROM=" from ${AFTERS[$1]}'s export"
+    echo "[lab] sweep: $NAME started ($PHASE, port ${PORTS[$1]}, log $OUT/$NAME.log)$FROM"
+  }
+  for i in "${!NAMES[@]}"; do
+    STATE[$i]=waiting
+    PIDS[$i]=""
+    if [ -z "${AFTERS[$i]}" ] || [ -f "$LAB/runs/${AFTERS[$i]}/.lab_trained" ]; then start "$i"; fi
   done
   while :; do
     ALIVE=0
-    for P in "${PIDS[@]}"; do kill -0 "$P" 2> /dev/null && ALIVE=1; done
+    for i in "${!NAMES[@]}"; do
+      if [ "${STATE[$i]}" = waiting ]; then
+        # its parent: trained (start it), still running (wait), or ended without training (it cannot start)
+        if [ -f "$LAB/runs/${AFTERS[$i]}/.lab_trained" ]; then
+          if [ "$STOPPED" = 0 ]; then start "$i"; else STATE[$i]=halted; fi
+        else
+          P=""
+          for j in "${!NAMES[@]}"; do [ "${NAMES[$j]}" = "${AFTERS[$i]}" ] && P=${PIDS[$j]}; done
+          if [ "$STOPPED" = 1 ]; then STATE[$i]=halted
+          elif [ -n "$P" ] && ! kill -0 "$P" 2> /dev/null; then STATE[$i]=orphaned
+          else ALIVE=1
+          fi
+        fi
+      fi
+      [ -n "${PIDS[$i]}" ] && kill -0 "${PIDS[$i]}" 2> /dev/null && ALIVE=1
+    done
     [ "$ALIVE" = 0 ] && break
     if [ -n "${LAB_SWEEP_SECONDS:-}" ] && [ "$STOPPED" = 0 ] && [ $(( $(date +%s) - T0 )) -ge "$LAB_SWEEP_SECONDS" ]; then
       echo "[lab] sweep: ${LAB_SWEEP_SECONDS} s passed; stopping the runs still training (with a checkpoint)"
@@ -167,15 +210,18 @@ print(*[x.getsockname()[1] for x in s])' $#)"
     sleep 2
   done
   local FAILED=() HALTED=() RC
-  i=0
-  for NAME in "$@"; do
+  for i in "${!NAMES[@]}"; do
+    NAME=${NAMES[$i]}
+    case "${STATE[$i]}" in
+      halted) HALTED+=("$NAME"); echo "[lab] sweep: $NAME not started (${AFTERS[$i]} was still training)"; continue ;;
+      orphaned) FAILED+=("$NAME"); echo "[lab] sweep: $NAME not started (${AFTERS[$i]} did not finish training)"; continue ;;
+    esac
     if wait "${PIDS[$i]}"; then RC=0; else RC=$?; fi
     case "$RC" in
       0) echo "[lab] sweep: $NAME done ($PHASE)" ;;
       75) HALTED+=("$NAME"); echo "[lab] sweep: $NAME stopped with a checkpoint" ;;
       *) FAILED+=("$NAME"); echo "[lab] sweep: $NAME failed (exit $RC; see $OUT/$NAME.log)" ;;
     esac
-    i=$((i + 1))
   done
   echo "[lab] sweep: $(( $(date +%s) - T0 )) s"
   if [ ${#FAILED[@]} -gt 0 ]; then

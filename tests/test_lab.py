@@ -390,6 +390,13 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     assert lili.drafter.architecture == "lilicorr" and lili.drafter.block_size == v1.drafter.block_size
     assert lili.drafter.layer_types == v1.drafter.layer_types and lili.objective.num_anchors == v1.objective.num_anchors
     assert catalog.RUNS["lilicorr"].also == (("dflash2", "LiLiCorr against DFlash2"),)
+    # LiLiCorr on v1's trained backbone: the same recipe, started from v1's export under the lab's folder
+    assert catalog.RUNS["lilicorr-v1"].starts_from == "v1" and catalog.RUNS["lilicorr-v1"].recipe == catalog.RUNS["lilicorr"].recipe
+    assert recipes["lilicorr-v1"].drafter.init_from == "runs/lab/runs/v1/export"
+    assert catalog.settings_lines("lilicorr-v1", "/x/lab")[-1] == "drafter.init_from=/x/lab/runs/v1/export"
+    assert all(r.starts_from in (None, *catalog.RUNS) for r in catalog.RUNS.values())
+    assert [n for n, r in catalog.RUNS.items() if r.starts_from] == ["lilicorr-v1"]
+    assert all(recipes[n].drafter.init_from is None for n in catalog.RUNS if n != "lilicorr-v1")
     full = recipes["v1-full"].drafter
     assert full.layer_types is None and full.sliding_window is None and full.block_size == v1.drafter.block_size
     b7 = recipes["dspark-b7"]
@@ -411,6 +418,9 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     assert "one of: v1," in capsys.readouterr().err
     assert main(["run-settings", "v1-kl"]) == 0
     assert capsys.readouterr().out.splitlines() == catalog.settings_lines("v1-kl")
+    assert main(["run-after", "lilicorr-v1"]) == 0 and capsys.readouterr().out == "v1\n"
+    assert main(["run-after", "lilicorr"]) == 0 and capsys.readouterr().out == "\n"
+    assert main(["run-after", "v2"]) == 2
 
 
 def test_launch_port_from_the_environment(monkeypatch, capsys):

@@ -2,8 +2,8 @@
 a corpus of three local sdists made of this project's own code and documentation (the download is
 replaced by archives already in the cache, checked against their pins' sha256), the tokenizer, the
 conversations and benchmark sets, a tiny target trained for seconds and its regeneration, one v1
-drafter trained for a few steps with its benchmark table and llama.cpp's count, two runs swept at once
-(LiLiCorr's, colocated with the target's final-norm states, among them), the lab's table, and the whole lab as one command (`all`)."""
+drafter trained for a few steps with its benchmark table and llama.cpp's count, three runs swept at once
+(LiLiCorr's, colocated with the target's final-norm states, started from v1's export once v1 has trained), the lab's table, and the whole lab as one command (`all`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 import sys
 
 import pytest
@@ -103,22 +104,33 @@ def test_lab_pipeline_on_cpu(tmp_path):
     assert summary["llama_cpp_indomain"]["llama_server"]["responses"] == inside["responses"]
     assert summary["wall_s"] > 0 and summary["train_s"] > 0
 
-    # Two runs swept at once on the regenerated answers (cut ones included), each with its own port and
-    # log, staggered: training only, two steps each. A rerun finds them trained and starts nothing.
+    # Three runs swept on the regenerated answers (cut ones included), each with its own port and log,
+    # staggered: training only, two steps each. LiLiCorr from v1's export waits for v1, which is trained
+    # afresh here (the trained one set aside); a run from an export not trained and not swept stops first.
     sweep_env = dict(env, LAB_STEPS="2", LAB_SWEEP_STAGGER="1")
-    log = step(sweep_env, out, "sweep", "train", "lilicorr", "v1-noanchor", timeout=600)
+    (lab / "runs" / "v1").rename(tmp_path / "v1-trained")
+    proc = run(["bash", "scripts/quality_lab.sh", str(out), "sweep", "train", "lilicorr-v1", "v1-noanchor"], 60, sweep_env)
+    assert proc.returncode == 2 and "lilicorr-v1 starts from v1's export, which is not trained" in output(proc)
+    assert "started" not in output(proc)
+    log = step(sweep_env, out, "sweep", "train", "lilicorr-v1", "v1", "v1-noanchor", timeout=900)
     ports = set()
-    for name in ("lilicorr", "v1-noanchor"):
+    for name in ("lilicorr-v1", "v1", "v1-noanchor"):
         assert f"[lab] sweep: {name} done (train)" in log
         records = [json.loads(x) for x in (lab / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert max(r.get("step", 0) for r in records if "loss" in r) == 2
-        assert (lab / "runs" / name / ".lab_trained").is_file() and not (out / f"{name}.json").exists()
+        assert (lab / "runs" / name / ".lab_trained").is_file()
         ports |= set(re.findall(r"port (\d+), log " + re.escape(str(out / name)), log))
-    assert len(ports) == 2
-    resolved = (lab / "runs" / "v1-noanchor" / "recipe.yaml").read_text()
-    assert "anchor_last_prompt_token: false" in resolved
-    assert "architecture: lilicorr" in (lab / "runs" / "lilicorr" / "recipe.yaml").read_text()
-    assert "done (train)" in step(sweep_env, out, "sweep", "train", "lilicorr", "v1-noanchor")
+    assert len(ports) == 3 and not (out / "lilicorr-v1.json").exists()
+    # started only after v1 finished, from its export (v1's step-2 export, not the one set aside)
+    assert log.index("sweep: lilicorr-v1 started") > log.index("sweep: v1-noanchor started") and "from v1's export" in log
+    started = (lab / "runs" / "lilicorr-v1" / "recipe.yaml").stat().st_mtime  # written as the run starts
+    assert (lab / "runs" / "v1" / ".lab_trained").stat().st_mtime <= started
+    resolved = (lab / "runs" / "lilicorr-v1" / "recipe.yaml").read_text()
+    assert "architecture: lilicorr" in resolved and f"init_from: {lab}/runs/v1/export" in resolved
+    assert "anchor_last_prompt_token: false" in (lab / "runs" / "v1-noanchor" / "recipe.yaml").read_text()
+    assert "done (train)" in step(sweep_env, out, "sweep", "train", "lilicorr-v1", "v1-noanchor")
+    shutil.rmtree(lab / "runs" / "v1")
+    (tmp_path / "v1-trained").rename(lab / "runs" / "v1")
     # A run that fails is named, and the sweep's status says so; an unknown name stops before any start.
     proc = run(["bash", "scripts/quality_lab.sh", str(out), "sweep", "train", "v1-kl", "v1-fp8"], 300,
                dict(sweep_env, LAB_STEPS="zero"))

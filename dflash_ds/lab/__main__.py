@@ -6,6 +6,7 @@
     target      pretrain + fine-tune the lab target -> runs/lab/target                      GPU, <= ~8 min
     regenerate  the target's own answers to the training conversations (time-boxed)         GPU
     run-settings  a named run's recipe and overrides, one a line (dflash_ds/lab/catalog.py)
+    run-after   the run whose export a named run starts from (empty when none)
     summarize   one run's summary JSON (benchmarks, losses, llama.cpp counts, wall time)
     table       the table of every summary in a folder -> quality_lab.md + quality_lab_table.json
 """
@@ -99,7 +100,14 @@ def _regenerate(args) -> dict:
 def _run_settings(args) -> dict:
     from dflash_ds.lab.catalog import settings_lines
 
-    print("\n".join(settings_lines(args.name)))
+    print("\n".join(settings_lines(args.name, args.lab_dir)))
+    return {}
+
+
+def _run_after(args) -> dict:
+    from dflash_ds.lab.catalog import run
+
+    print(run(args.name).starts_from or "")
     return {}
 
 
@@ -187,6 +195,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seconds", type=float, default=150)
     n = sub.add_parser("run-settings")
     n.add_argument("name")
+    n.add_argument("--lab-dir", default="runs/lab", help="where the lab's runs live (drafter.init_from of a run that "
+                   "starts from another's export)")
+    a = sub.add_parser("run-after", help="the run whose export NAME starts from (empty: none)")
+    a.add_argument("name")
     sub.add_parser("run-names")
     s = sub.add_parser("summarize")
     s.add_argument("run_dir")
@@ -202,7 +214,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 STEPS = {"corpus": _corpus, "tokenizer": _tokenizer, "frame": _frame, "target": _target, "regenerate": _regenerate,
-         "run-settings": _run_settings, "run-names": _run_names, "summarize": _summarize, "from-logs": _from_logs, "table": _table}
+         "run-settings": _run_settings, "run-after": _run_after, "run-names": _run_names, "summarize": _summarize, "from-logs": _from_logs, "table": _table}
 
 
 def main(argv=None) -> int:
@@ -215,7 +227,7 @@ def main(argv=None) -> int:
     if args.record:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(json.dumps(result, indent=1) + "\n")
-    if args.step not in ("table", "run-settings", "run-names"):
+    if args.step not in ("table", "run-settings", "run-after", "run-names"):
         print(json.dumps(result, indent=1, default=str)[:6000])
     return 0
 
