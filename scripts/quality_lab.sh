@@ -29,12 +29,13 @@
 # sweep: each run gets its own rendezvous port (DFLASH_PORT), its log OUT/NAME.log and a start
 # LAB_SWEEP_STAGGER seconds (default 5) after the previous one, so that compilations do not all collide;
 # LAB_SWEEP_SECONDS (default: none) stops the runs still training after that many seconds with a
-# checkpoint (SIGTERM to launch.sh), for a command's time limit; a run that starts from another's export
+# checkpoint (SIGTERM to launch.sh), for a command's time limit, and LAB_STOP_GRACE seconds (default 60)
+# later stops those still going at once (a second SIGTERM); a run that starts from another's export
 # starts when that one has trained. The sweep waits for all; it exits 1 naming the runs that failed (or
 # could not start), else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,34p' "$0" >&2
+  sed -n '2,35p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -191,7 +192,7 @@ print(*[x.getsockname()[1] for x in s])' $#)"
         else
           P=""
           for j in "${!NAMES[@]}"; do [ "${NAMES[$j]}" = "${AFTERS[$i]}" ] && P=${PIDS[$j]}; done
-          if [ "$STOPPED" = 1 ]; then STATE[$i]=halted
+          if [ "$STOPPED" != 0 ]; then STATE[$i]=halted
           elif [ -n "$P" ] && ! kill -0 "$P" 2> /dev/null; then STATE[$i]=orphaned
           else ALIVE=1
           fi
@@ -202,10 +203,22 @@ print(*[x.getsockname()[1] for x in s])' $#)"
     [ "$ALIVE" = 0 ] && break
     if [ -n "${LAB_SWEEP_SECONDS:-}" ] && [ "$STOPPED" = 0 ] && [ $(( $(date +%s) - T0 )) -ge "$LAB_SWEEP_SECONDS" ]; then
       echo "[lab] sweep: ${LAB_SWEEP_SECONDS} s passed; stopping the runs still training (with a checkpoint)"
-      for NAME in "$@"; do
-        if [ -f "$LAB/runs/.$NAME.launch_pid" ]; then kill -TERM "$(cat "$LAB/runs/.$NAME.launch_pid")" 2> /dev/null || true; fi
+      for i in "${!NAMES[@]}"; do
+        P=$LAB/runs/.${NAMES[$i]}.launch_pid
+        if [ -f "$P" ]; then kill -TERM "$(cat "$P")" 2> /dev/null || true; STATE[$i]=stopped; fi
       done
       STOPPED=1
+    elif [ "$STOPPED" = 1 ] && [ $(( $(date +%s) - T0 - LAB_SWEEP_SECONDS )) -ge "${LAB_STOP_GRACE:-60}" ]; then
+      # A run still compiling when asked to stop finishes its first step before it checkpoints, which
+      # can take minutes (seen on the H200: the command ran past its 10-minute limit). The box is a
+      # limit: after LAB_STOP_GRACE seconds the signal again stops the rest at once; they resume from
+      # their last checkpoint, or start again.
+      echo "[lab] sweep: ${LAB_STOP_GRACE:-60} s after the stop; stopping the runs still going at once"
+      for i in "${!NAMES[@]}"; do
+        P=$LAB/runs/.${NAMES[$i]}.launch_pid
+        if [ -f "$P" ]; then kill -TERM "$(cat "$P")" 2> /dev/null || true; fi
+      done
+      STOPPED=2
     fi
     sleep 2
   done
@@ -217,9 +230,11 @@ print(*[x.getsockname()[1] for x in s])' $#)"
       orphaned) FAILED+=("$NAME"); echo "[lab] sweep: $NAME not started (${AFTERS[$i]} did not finish training)"; continue ;;
     esac
     if wait "${PIDS[$i]}"; then RC=0; else RC=$?; fi
+    # stopped by the box (while starting, or by the second signal: no checkpoint then): resumable
+    [ "${STATE[$i]}" = stopped ] && [ "$RC" -ne 0 ] && RC=75
     case "$RC" in
       0) echo "[lab] sweep: $NAME done ($PHASE)" ;;
-      75) HALTED+=("$NAME"); echo "[lab] sweep: $NAME stopped with a checkpoint" ;;
+      75) HALTED+=("$NAME"); echo "[lab] sweep: $NAME stopped (it resumes from its last checkpoint, if any)" ;;
       *) FAILED+=("$NAME"); echo "[lab] sweep: $NAME failed (exit $RC; see $OUT/$NAME.log)" ;;
     esac
   done

@@ -129,6 +129,11 @@ def test_lab_pipeline_on_cpu(tmp_path):
     assert "architecture: lilicorr" in resolved and f"init_from: {lab}/runs/v1/export" in resolved
     assert "anchor_last_prompt_token: false" in (lab / "runs" / "v1-noanchor" / "recipe.yaml").read_text()
     assert "done (train)" in step(sweep_env, out, "sweep", "train", "lilicorr-v1", "v1-noanchor")
+    # The box stops a run still starting (no step yet): resumable (75), not failed, and untrained.
+    proc = run(["bash", "scripts/quality_lab.sh", str(out), "sweep", "train", "v1-seed1"], 120,
+               dict(sweep_env, LAB_SWEEP_SECONDS="2", LAB_STOP_GRACE="0"))
+    assert proc.returncode == 75 and "v1-seed1 stopped (it resumes" in output(proc), output(proc)[-3000:]
+    assert not (lab / "runs" / "v1-seed1" / ".lab_trained").exists()
     shutil.rmtree(lab / "runs" / "v1")
     (tmp_path / "v1-trained").rename(lab / "runs" / "v1")
     # A run that fails is named, and the sweep's status says so; an unknown name stops before any start.
