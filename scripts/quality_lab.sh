@@ -145,17 +145,21 @@ sweep() {  # $1: PHASE, then the runs' names
   for NAME in "$@"; do lab run-settings "$NAME" > /dev/null || exit 2; done  # every name, before any start
   need "$LAB/target/lab_target.json" target
   # A run that starts from another's export (lab run-after) waits for that run's training when it is in
-  # the sweep too; otherwise that run must be trained already.
-  for NAME in "$@"; do
-    A=$(lab run-after "$NAME")
-    if [ "$PHASE" != eval ] && [ -n "$A" ] && [ ! -f "$LAB/runs/$NAME/.lab_trained" ] && \
-        [ ! -f "$LAB/runs/$A/.lab_trained" ] && [[ " $* " != *" $A "* ]]; then
+  # the sweep too; otherwise that run must be trained already. An evaluation waits for nothing.
+  if [ "$PHASE" = eval ]; then
+    for NAME in "$@"; do AFTERS+=(""); done
+  else
+    mapfile -t AFTERS < <(lab run-after "$@")
+  fi
+  local NAMES=("$@") i
+  for i in "${!NAMES[@]}"; do
+    NAME=${NAMES[$i]} A=${AFTERS[$i]}
+    if [ -n "$A" ] && [ ! -f "$LAB/runs/$NAME/.lab_trained" ] && [ ! -f "$LAB/runs/$A/.lab_trained" ] && \
+        [[ " $* " != *" $A "* ]]; then
       echo "[lab] error: $NAME starts from $A's export, which is not trained: sweep them together" \
         "(bash scripts/quality_lab.sh OUT sweep $PHASE $A $NAME) or train $A first" >&2
       exit 2
     fi
-    [ "$PHASE" = eval ] && A=""
-    AFTERS+=("$A")
   done
   # distinct free ports, held together while they are chosen (one per run's launcher)
   local PORTS
@@ -163,7 +167,7 @@ sweep() {  # $1: PHASE, then the runs' names
 s = [socket.socket() for _ in range(int(sys.argv[1]))]
 for x in s: x.bind(("127.0.0.1", 0))
 print(*[x.getsockname()[1] for x in s])' $#)"
-  local NAMES=("$@") PIDS=() STATE=() i=0 j T0 STOPPED=0 ALIVE P STARTED=0
+  local PIDS=() STATE=() j T0 STOPPED=0 ALIVE P STARTED=0
   T0=$(date +%s)
   start() {  # $1: the run's index; a start after the first waits LAB_SWEEP_STAGGER seconds
     local NAME=${NAMES[$1]}

@@ -420,6 +420,7 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     assert capsys.readouterr().out.splitlines() == catalog.settings_lines("v1-kl")
     assert main(["run-after", "lilicorr-v1"]) == 0 and capsys.readouterr().out == "v1\n"
     assert main(["run-after", "lilicorr"]) == 0 and capsys.readouterr().out == "\n"
+    assert main(["run-after", "v1", "lilicorr-v1", "dflash2"]) == 0 and capsys.readouterr().out == "\nv1\n\n"
     assert main(["run-after", "v2"]) == 2
 
 

@@ -6,7 +6,7 @@
     target      pretrain + fine-tune the lab target -> runs/lab/target                      GPU, <= ~8 min
     regenerate  the target's own answers to the training conversations (time-boxed)         GPU
     run-settings  a named run's recipe and overrides, one a line (dflash_ds/lab/catalog.py)
-    run-after   the run whose export a named run starts from (empty when none)
+    run-after   the run whose export each named run starts from, one a line (empty when none)
     summarize   one run's summary JSON (benchmarks, losses, llama.cpp counts, wall time)
     table       the table of every summary in a folder -> quality_lab.md + quality_lab_table.json
 """
@@ -107,7 +107,7 @@ def _run_settings(args) -> dict:
 def _run_after(args) -> dict:
     from dflash_ds.lab.catalog import run
 
-    print(run(args.name).starts_from or "")
+    print("\n".join(run(name).starts_from or "" for name in args.names))
     return {}
 
 
@@ -197,8 +197,8 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("name")
     n.add_argument("--lab-dir", default="runs/lab", help="where the lab's runs live (drafter.init_from of a run that "
                    "starts from another's export)")
-    a = sub.add_parser("run-after", help="the run whose export NAME starts from (empty: none)")
-    a.add_argument("name")
+    a = sub.add_parser("run-after", help="the run whose export each NAME starts from, one a line (empty: none)")
+    a.add_argument("names", nargs="+")
     sub.add_parser("run-names")
     s = sub.add_parser("summarize")
     s.add_argument("run_dir")
