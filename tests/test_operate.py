@@ -300,6 +300,23 @@ def test_model_without_tokenizer_is_blamed_on_target_path(tmp_path):
     assert str(exc.value).startswith(f"target.path: no tokenizer in {str(model)!r}")
 
 
+@pytest.mark.launcher
+def test_settings_for_a_stopped_launch_sh_end_in_one_line():
+    """launch.sh stopped (SIGTERM) during its checks is gone with its end of the pipe when the settings
+    are printed: one line and the signal's status, not a traceback."""
+    code = "import sys; from dflash_ds.guard.launch import _hand_over; sys.exit(_hand_over('DFLASH_PROCS=1'))"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert "stopped during the pre-launch checks; nothing was started" in proc.stderr
+
+
 def test_resume_setting_accepts_old_booleans(tmp_path):
     assert tiny(tmp_path, "checkpoint.resume=true").checkpoint.resume == "auto"
     assert tiny(tmp_path, "checkpoint.resume=false").checkpoint.resume == "restart"
