@@ -2,7 +2,7 @@
 # The quality lab (docs/quality.md), one step per command so that each fits a 10-minute device call:
 #   bash scripts/quality_lab.sh OUT [all [NAME...]]      GPU: the whole lab in one command, resumable: the
 #     target and its regeneration where missing, then every run (all the catalog's, or the NAMEs) trained
-#     and evaluated at once, then the table; with LAB_COMMAND_SECONDS=N it stops within N seconds (the
+#     at once, then the trained ones evaluated in one process, then the table; with LAB_COMMAND_SECONDS=N it stops within N seconds (the
 #     runs still training with a checkpoint) and exits 75: the same command again goes on from there
 #   bash scripts/quality_lab.sh OUT prepare              CPU side, needs PyPI: corpus, tokenizer, conversations
 #     (carry runs/lab/corpus.jsonl.xz, runs/lab/tokenizer and runs/lab/conversations.tar.xz to the GPU machine)
@@ -11,6 +11,8 @@
 #   bash scripts/quality_lab.sh OUT train NAME [k=v ...] GPU: one drafter run, trained and evaluated
 #   bash scripts/quality_lab.sh OUT run PHASE NAME [k=v ...]   the same, PHASE train, eval or all
 #   bash scripts/quality_lab.sh OUT sweep PHASE NAME...  GPU: several runs at once on the one GPU
+#   bash scripts/quality_lab.sh OUT evaluate [NAME...]   GPU: the trained runs evaluated in one process
+#     (the target loaded once, each response generated once; LAB_EVAL_SECONDS boxes it; exits 75 if cut)
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
 # NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
 # lilicorr, lilicorr-v1, v1-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full; lilicorr-v1 starts
@@ -25,7 +27,8 @@
 # LAB_REGEN_ARGS (extra `python -m dflash_ds.lab regenerate` arguments, e.g. "--batch-size 2048");
 # LAB_OVERRIDES (recipe key=value settings for the regeneration and every run, e.g. for a CPU check);
 # LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter (scripts/setup_env.sh).
-# all: LAB_EVAL_RESERVE (seconds of the box kept for evaluating runs that finish), LAB_SWEEP_MIN / LAB_REGEN_MIN.
+# all: LAB_EVAL_RESERVE (seconds of the box kept from the training for the evaluation), LAB_SWEEP_MIN /
+# LAB_REGEN_MIN / LAB_EVAL_MIN (the least time worth starting the runs, the regeneration, the evaluation).
 # sweep: each run gets its own rendezvous port (DFLASH_PORT), its log OUT/NAME.log and a start
 # LAB_SWEEP_STAGGER seconds (default 5) after the previous one, so that compilations do not all collide;
 # LAB_SWEEP_SECONDS (default: none) stops the runs still training after that many seconds with a
@@ -35,7 +38,7 @@
 # could not start), else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,35p' "$0" >&2
+  sed -n '2,38p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -268,16 +271,38 @@ everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS 
     echo "[lab] all: the regeneration is not complete; rerun the same command to go on" >&2
     exit 75
   fi
-  # the eval of a run that finished training is not boxed: LAB_EVAL_RESERVE seconds are kept for it
+  # LAB_EVAL_RESERVE seconds of the box are kept from the training for the evaluation that follows it
   LEFT=$(( $(left) - ${LAB_EVAL_RESERVE:-0} ))
   # a run stopped before its first step (still loading and compiling) ends without a checkpoint
   if [ "$LEFT" -lt "${LAB_SWEEP_MIN:-180}" ]; then
     echo "[lab] all: ${LEFT} s left for the runs; rerun the same command to go on" >&2
     exit 75
   fi
-  if LAB_SWEEP_SECONDS=$LEFT bash "$0" "$OUT" sweep all "${NAMES[@]}"; then RC=0; else RC=$?; fi
+  if LAB_SWEEP_SECONDS=$LEFT bash "$0" "$OUT" sweep train "${NAMES[@]}"; then RC=0; else RC=$?; fi
+  # The trained runs are evaluated together in one process, after the training (dflash_ds/lab/evaluate.py):
+  # the target loaded once and each response generated once, with the GPU to themselves.
+  LEFT=$(left)
+  if [ "$LEFT" -ge "${LAB_EVAL_MIN:-60}" ]; then
+    evaluate_runs "$LEFT" "${NAMES[@]}" || RC=1
+    if [ "$RC" = 0 ] && ! evaluated_all; then RC=75; fi
+  else
+    echo "[lab] all: ${LEFT} s left; the evaluation waits for the same command again" >&2
+    [ "$RC" = 0 ] && RC=75
+  fi
   lab table "$OUT" > /dev/null && echo "[lab] all: the table: $OUT/quality_lab.md"
   return "$RC"
+}
+
+evaluate_runs() {  # $1: the time box in seconds ("" for none), then the runs' names
+  local ARGS
+  ARGS=(--names "${@:2}" --lab-dir "$LAB" --settings "${PATHS[@]}")
+  [ ${#EXTRA[@]} -eq 0 ] || ARGS+=(--overrides "${EXTRA[@]}")
+  [ -z "$1" ] || ARGS+=(--seconds "$1")
+  lab --record "$OUT/evaluate.json" evaluate "$OUT" "${ARGS[@]}" 2>&1 | tee -a "$OUT/evaluate.log"
+}
+
+evaluated_all() {  # the last evaluation left no run unfinished
+  "$PY" -c 'import json, sys; sys.exit(1 if json.load(open(sys.argv[1]))["unfinished"] else 0)' "$OUT/evaluate.json"
 }
 
 regenerated() {  # the regeneration's last record says every shard is written
@@ -338,11 +363,17 @@ case "$STEP" in
   sweep)
     sweep "$@"
     ;;
+  evaluate)
+    if [ $# -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<< "$(lab run-names)"; fi
+    need "$LAB/target/lab_target.json" target
+    evaluate_runs "${LAB_EVAL_SECONDS:-}" "${NAMES[@]}"
+    evaluated_all || exit 75
+    ;;
   table)
     lab table "$OUT"
     ;;
   *)
-    echo "[lab] error: unknown step '$STEP'; one of all, prepare, target, regenerate, train, run, sweep, table" >&2
+    echo "[lab] error: unknown step '$STEP'; one of all, prepare, target, regenerate, train, run, sweep, evaluate, table" >&2
     exit 2
     ;;
 esac

@@ -3,7 +3,7 @@ a corpus of three local sdists made of this project's own code and documentation
 replaced by archives already in the cache, checked against their pins' sha256), the tokenizer, the
 conversations and benchmark sets, a tiny target trained for seconds and its regeneration, one v1
 drafter trained for a few steps with its benchmark table and llama.cpp's count, three runs swept at once
-(LiLiCorr's, colocated with the target's final-norm states, started from v1's export once v1 has trained), the lab's table, and the whole lab as one command (`all`)."""
+(LiLiCorr's, colocated with the target's final-norm states, started from v1's export once v1 has trained), the lab's table, and the whole lab as one command (`all`: the runs trained, then evaluated in one process)."""
 
 from __future__ import annotations
 
@@ -156,11 +156,14 @@ def test_lab_pipeline_on_cpu(tmp_path):
     # in-domain set (an older archive) have no indomain.jsonl: that evaluation is skipped, saying so.
     (lab / "conversations" / "indomain.jsonl").rename(tmp_path / "indomain.jsonl")
     log = step(dict(env, LAB_STEPS="2"), out, "all", "v1-kl", timeout=600)
-    assert "[lab] sweep: v1-kl done (all)" in log and f"the table: {out}/quality_lab.md" in log
+    assert "[lab] sweep: v1-kl done (train)" in log and f"the table: {out}/quality_lab.md" in log
     assert "lab target" not in log and "regenerate:" not in log
-    assert "(conversations framed before the in-domain set); its evaluation is skipped" in (out / "v1-kl.log").read_text()
+    # evaluated after the training, in the one evaluation process (dflash_ds/lab/evaluate.py)
+    assert "evaluate: v1-kl done" in log and json.loads((out / "evaluate.json").read_text())["evaluated"] == ["v1-kl"]
+    assert "(conversations framed before the in-domain set); its evaluation is skipped" in (out / "evaluate.log").read_text()
     table = json.loads((out / "quality_lab_table.json").read_text())
     assert list(table["runs"]) == ["v1", "v1-kl"]
     kl = json.loads((out / "v1-kl.json").read_text())
     assert kl["final"]["step"] == 2 and kl["indomain_greedy"] is None and kl["heldout_greedy"]["tau_mean"] >= 1.0
+    assert kl["benchmarks_complete"] is True and len(kl["benchmarks"]) == 8 and kl["eval_s"] > 0
     assert "| in-domain (training projects) | greedy |" in (out / "quality_lab.md").read_text()

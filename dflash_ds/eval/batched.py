@@ -118,3 +118,36 @@ def batched_continuations(target, prompts: Sequence[torch.Tensor | Sequence[int]
             out = target(input_ids=step, attention_mask=mask, position_ids=positions,
                          past_key_values=out.past_key_values, use_cache=True, **extra)
     return [torch.cat([p, torch.tensor(r, dtype=torch.long)]) for p, r in zip(prompts, responses)]
+
+
+class SharedResponses:
+    """The target's responses kept across Responders, so that several drafters measured against one target
+    in one process (`python -m dflash_ds.lab evaluate`) have each response generated once.
+
+    A response is what `batched_continuations` gives for (prompt, sampling, budget) and, when sampled, the
+    response's own seed (`response_seed`): the drafter plays no part in it. Greedy responses ignore the
+    seed, so runs of other seeds share them too."""
+
+    def __init__(self):
+        self._kept: dict[tuple, torch.Tensor] = {}
+        self.generated = 0  # responses generated (not found kept): what the sharing saves is visible
+
+    @staticmethod
+    def key(prompt: torch.Tensor, sampling: Sampling, budget: int, seed: int, response: ResponseKey) -> tuple:
+        drawn = None if sampling.greedy else (sampling.temperature, sampling.top_p, sampling.top_k, response_seed(seed, response))
+        return tuple(prompt.tolist()), budget, drawn
+
+    def continuations(self, target, prompts: Sequence[torch.Tensor | Sequence[int]], keys: Sequence[ResponseKey], *,
+                      max_new_tokens: int, sampling: Sampling, seed: int, generators=None) -> list[torch.Tensor]:
+        """`batched_continuations` of the prompts, the responses not kept generated together (as one batch)."""
+        prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        ids = [self.key(p, sampling, max_new_tokens, seed, k) for p, k in zip(prompts, keys)]
+        todo = [i for i, k in enumerate(ids) if k not in self._kept]
+        if todo:
+            made = batched_continuations(target, [prompts[i] for i in todo], max_new_tokens=max_new_tokens,
+                                         sampling=sampling, generators=None if generators is None else
+                                         [generators[i] for i in todo])
+            for i, x in zip(todo, made):
+                self._kept[ids[i]] = x
+            self.generated += len(todo)
+        return [self._kept[k] for k in ids]

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.eval.batched import ResponseKey, batched_continuations, response_generator
+from dflash_ds.eval.batched import ResponseKey, SharedResponses, batched_continuations, response_generator
 from dflash_ds.eval.benchmarks import HELDOUT, load_conversations, render_prompt
 from dflash_ds.eval.engine_count import LlamaCppCounts
 from dflash_ds.eval.generate import eos_ids, greedy_continuation, target_taps
@@ -60,8 +60,9 @@ class Responder:
     independent of its batch and of the order, so the batched and per-prompt paths draw the same.)
     """
 
-    def __init__(self, target, model: DraftModel, sampling: Sampling, opts: BenchOptions):
-        self.target, self.model, self.sampling, self.opts = target, model, sampling, opts
+    def __init__(self, target, model: DraftModel, sampling: Sampling, opts: BenchOptions,
+                 shared: SharedResponses | None = None):
+        self.target, self.model, self.sampling, self.opts, self.shared = target, model, sampling, opts, shared
         self.device = next(target.parameters()).device
         self.result = SampledTau(sampling, TauReport(block_size=model.max_emitted))
         # The engines' counts of the greedy responses, served with the drafts of one block.
@@ -92,8 +93,12 @@ class Responder:
     def respond_batch(self, prompts: Sequence[Sequence[int]], keys: Sequence[ResponseKey]) -> list[list[int]]:
         """`respond` for every prompt, the continuations generated together (eval.batched)."""
         gens = None if self.sampling.greedy else [self.tokens_generator(k) for k in keys]
-        xs = batched_continuations(self.target, prompts, max_new_tokens=self.opts.max_new_tokens,
-                                   sampling=self.sampling, generators=gens)
+        if self.shared is not None:
+            xs = self.shared.continuations(self.target, prompts, keys, max_new_tokens=self.opts.max_new_tokens,
+                                           sampling=self.sampling, seed=self.opts.seed, generators=gens)
+        else:
+            xs = batched_continuations(self.target, prompts, max_new_tokens=self.opts.max_new_tokens,
+                                       sampling=self.sampling, generators=gens)
         return [self.measure(x, len(p), k) for x, p, k in zip(xs, prompts, keys)]
 
     def measure(self, x: torch.Tensor, prompt_len: int, key: ResponseKey) -> list[int]:
@@ -206,10 +211,16 @@ def settings_of(temperature: float, top_p: float = 1.0, top_k: int = 0) -> list[
     return [Sampling()] + ([sampled] if not sampled.greedy else [])
 
 
-def run_recipe(recipe) -> list[dict] | None:
+def run_recipe(recipe, *, loaded: tuple | None = None, shared: SharedResponses | None = None,
+               stop=None) -> list[dict] | None:
     """The end-of-training table of a recipe's export (None when eval.benchmarks is empty). After each
     row the rows so far go to benchmarks.partial.json; rows an earlier run with the same settings
-    finished are taken from it (eval.table_progress)."""
+    finished are taken from it (eval.table_progress).
+
+    `loaded`: (target, tokenizer, DraftModel) already loaded (else from the recipe's target and export);
+    `shared`: responses kept across drafters (eval.batched.SharedResponses); `stop()`: asked before each
+    row still to compute, True ends the table there (its rows so far are in the partial file) and the
+    result is None."""
     from dflash_ds.data.prepare import prepare
     from dflash_ds.data.sources import load_tokenizer
     from dflash_ds.eval.loading import load_pair
@@ -220,7 +231,7 @@ def run_recipe(recipe) -> list[dict] | None:
     run_dir = Path(recipe.run.output_dir)
     settings = table_settings(recipe)
     done = rows_done(run_dir, settings)
-    target, tokenizer, model = load_pair(recipe.target.path, str(run_dir / "export"))
+    target, tokenizer, model = loaded or load_pair(recipe.target.path, str(run_dir / "export"))
     opts = BenchOptions(max_new_tokens=e.max_new_tokens, samples=e.samples, seed=recipe.run.seed,
                         thinking=recipe.data.thinking, batch=e.bench_batch)
     rows = []
@@ -235,8 +246,10 @@ def run_recipe(recipe) -> list[dict] | None:
             convs = load_conversations(name, e.bench_dir, e.bench_limit, setting="eval.bench_dir")
         for sampling in samplings:
             earlier = done.get((name, sampling.label))
+            if earlier is None and stop is not None and stop():
+                return None
             if earlier is None:
-                responder = Responder(target, model, sampling, opts)
+                responder = Responder(target, model, sampling, opts, shared)
                 result = (tau_on_prompts(responder, prompts) if name == HELDOUT
                           else tau_on_conversations(responder, tokenizer, convs))
             rows.append(earlier or bench_row(name, result))
@@ -248,8 +261,6 @@ def run_recipe(recipe) -> list[dict] | None:
 def after_training(recipe) -> int:
     """The benchmark table of a finished run: printed, written to benchmarks.json and into the card.
     (The report, a layer above, is redrawn by the caller: train.py, or `python -m dflash_ds.report`.)"""
-    from dflash_ds.export.card import add_benchmarks_to_card
-
     e = recipe.eval
     say(f"benchmarks {', '.join(e.benchmarks)} on the export (enable_thinking="
         f"{str(recipe.data.thinking).lower()} as data.thinking, {e.bench_limit} prompts each, "
@@ -260,11 +271,18 @@ def after_training(recipe) -> int:
     except ValueError as err:
         say(f"error: {err}")
         return Exit.USER
+    write_table(recipe, rows)
+    return Exit.OK
+
+
+def write_table(recipe, rows: list[dict]) -> None:
+    """A whole table: benchmarks.json, the partial file gone, the rows in the export's model card."""
+    from dflash_ds.export.card import add_benchmarks_to_card
+
     run_dir = Path(recipe.run.output_dir)
     (run_dir / "benchmarks.json").write_text(json.dumps(rows, indent=2) + "\n")
     drop_partial(run_dir)
     add_benchmarks_to_card(run_dir / "export", rows)
-    return Exit.OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,6 +183,18 @@ def engine_counts(target, model, prompts, sequences, *, budget: int) -> tuple[Ll
     return llama_cpp, vllm
 
 
+def greedy_report(target, model: DraftModel, prompts, *, opts: BenchOptions, shared=None) -> dict:
+    """What `--prompts --out` reports of the greedy responses (tau, llama.cpp's and vLLM's counts), the
+    responses generated `opts.batch` at a time and kept in `shared` (eval.batched.SharedResponses) for the
+    next drafter: in float32 the same numbers as the per-prompt path here (eval.batched)."""
+    responder = Responder(target, model, Sampling(), opts, shared)
+    tau_on_prompts(responder, prompts)
+    report = responder.result.report.as_dict()
+    report["llama_cpp"] = responder.llama_cpp.as_dict() if llama_cpp_loads(model) else None
+    report["vllm"] = responder.vllm.as_dict()
+    return report
+
+
 def _prompts_tau(args, target, tokenizer, model, *, kwargs, result: dict) -> TauReport:
     """The exact greedy tau of --prompts, printed as before (and checked online with --online)."""
     prompts = read_prompts(args.prompts, tokenizer, limit=args.limit, chat_template_kwargs=kwargs)

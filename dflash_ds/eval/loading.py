@@ -28,18 +28,30 @@ def load_eval_target(path: str, device: torch.device):
 
 def load_pair(target_path: str, drafter_path: str):
     """(target, tokenizer, DraftModel) on the GPU when there is one, checked to belong together."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    drafter = _load_drafter(drafter_path, device)  # first: a bad export is named before the target loads
+    target, tokenizer = load_eval_target(target_path, device)
+    return target, tokenizer, _paired(drafter, target, drafter_path)
+
+
+def load_drafter_for(target, drafter_path: str) -> DraftModel:
+    """A drafter export paired with a target already loaded (several drafters measured against one)."""
+    return _paired(_load_drafter(drafter_path, next(target.parameters()).device), target, drafter_path)
+
+
+def _load_drafter(drafter_path: str, device: torch.device):
     from dflash_ds.export import load_drafter
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        drafter = load_drafter(drafter_path, device=device)
+        return load_drafter(drafter_path, device=device)
     except ValueError as e:
         raise ValueError(f"--drafter: {e}") from None
-    target, tokenizer = load_eval_target(target_path, device)
-    drafter = drafter.to(next(target.parameters()).dtype)
-    model = DraftModel.from_target(drafter, target)
+
+
+def _paired(drafter, target, drafter_path: str) -> DraftModel:
+    model = DraftModel.from_target(drafter.to(next(target.parameters()).dtype), target)
     check_pair(model, target, drafter_path)
-    return target, tokenizer, model
+    return model
 
 
 def check_pair(model: DraftModel, target, drafter_path: str) -> None:

@@ -7,6 +7,7 @@
     regenerate  the target's own answers to the training conversations (time-boxed)         GPU
     run-settings  a named run's recipe and overrides, one a line (dflash_ds/lab/catalog.py)
     run-after   the run whose export each named run starts from, one a line (empty when none)
+    evaluate    every trained run of a list evaluated in one process, each response generated once  GPU
     summarize   one run's summary JSON (benchmarks, losses, llama.cpp counts, wall time)
     table       the table of every summary in a folder -> quality_lab.md + quality_lab_table.json
 """
@@ -133,6 +134,13 @@ def _from_logs(args) -> dict:
     return {"written": written}
 
 
+def _evaluate(args) -> dict:
+    from dflash_ds.lab.evaluate import evaluate
+
+    return evaluate(args.names, out=Path(args.out), lab_dir=args.lab_dir, settings=args.settings,
+                    overrides=args.overrides, seconds=args.seconds, log=_log)
+
+
 def _summarize(args) -> dict:
     from dflash_ds.lab.runs import summarize
 
@@ -200,6 +208,13 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("run-after", help="the run whose export each NAME starts from, one a line (empty: none)")
     a.add_argument("names", nargs="+")
     sub.add_parser("run-names")
+    e = sub.add_parser("evaluate", help="the trained runs among NAMES, evaluated in one process (dflash_ds/lab/evaluate.py)")
+    e.add_argument("out", help="where each run's summary NAME.json goes")
+    e.add_argument("--names", nargs="+", required=True)
+    e.add_argument("--lab-dir", default="runs/lab")
+    e.add_argument("--settings", nargs="*", default=[], help="recipe settings before the run's own (the lab's paths)")
+    e.add_argument("--overrides", nargs="*", default=[], help="recipe settings after the run's own (LAB_OVERRIDES)")
+    e.add_argument("--seconds", type=float, default=None, help="time box: a part starts only while it fits")
     s = sub.add_parser("summarize")
     s.add_argument("run_dir")
     s.add_argument("name")
@@ -214,7 +229,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 STEPS = {"corpus": _corpus, "tokenizer": _tokenizer, "frame": _frame, "target": _target, "regenerate": _regenerate,
-         "run-settings": _run_settings, "run-after": _run_after, "run-names": _run_names, "summarize": _summarize, "from-logs": _from_logs, "table": _table}
+         "run-settings": _run_settings, "run-after": _run_after, "run-names": _run_names, "evaluate": _evaluate, "summarize": _summarize, "from-logs": _from_logs, "table": _table}
 
 
 def main(argv=None) -> int:

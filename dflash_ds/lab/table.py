@@ -80,15 +80,16 @@ def markdown(table: dict) -> str:
              f"tau_mean ± its standard error over responses; a difference from `{REFERENCE}` counts only at "
              f">= {table['significant_se']:g} standard errors. `{SEED_TWIN}` against `{REFERENCE}` is the "
              "seed-to-seed noise.", "", "## Runs", "",
-             "| run | architecture | block | seed | steps | final loss | other final terms | training s | command s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | architecture | block | seed | steps | final loss | other final terms | training s | evaluation s "
+             "| command s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         s, f = runs[n], runs[n].get("final", {})
         extra = ", ".join(f"{k} {v:.4f}" for k, v in sorted(f.items())
                           if isinstance(v, float) and k not in ("loss", "lr", "accept_proxy")
                           and not k.endswith(("tok_per_s", "_share", "_s")))
         lines.append(f"| {n} | {s.get('architecture')} | {s.get('block_size')} | {s.get('seed')} | {f.get('step', '-')} "
-                     f"| {_num(f.get('loss'))} | {extra or '-'} | {_num(s.get('train_s'), '.0f')} | {_num(s.get('wall_s'), '.0f')} |")
+                     f"| {_num(f.get('loss'))} | {extra or '-'} | {_num(s.get('train_s'), '.0f')} | {_num(s.get('eval_s'), '.0f')} "
+                     f"| {_num(s.get('wall_s'), '.0f')} |")
     lines += ["", "## tau by set", "", "| set | sampling | " + " | ".join(names) + " |",
               "|---|---|" + "---|" * len(names)]
     for bench, sampling in table["sets"]:
