@@ -1121,44 +1121,61 @@ def test_fp8_drafter_lm_head_gemms_match_their_operands(record):
 def test_lilicorr_head_compiled_matches_eager_at_the_published_shape(record):
     """LiLiCorr's head as `drafter.compile` runs it (one compiled graph, its `compile_units`) against the eager
     head, bf16, forward and backward, at Model-Optimizer's published shape on the 27B drafter (k 8, width
-    1024, factors 1024, 2 lattice layers of 8 heads, block 16) and the recipe's 2,048 blocks a micro-batch;
-    the times of both are recorded (the step's figure is the bench's, docs/performance.md)."""
+    1024, factors 1024, 2 lattice layers of 8 heads, block 16) and the recipe's 2,048 blocks a micro-batch.
+    Both are measured against the head in float32 on the same values: compiled must be as close to it as
+    eager bf16 is (each fuses and rounds differently; a gradient summed over 30K slots in bf16 is a few
+    percent off either way). The times of both are recorded (the step's figure is the bench's,
+    docs/performance.md)."""
+    found = lilicorr_head_errors(n=2048, hidden=5120, device="cuda", timer=timed_ms)
+    record["lilicorr_head_compiled"] = found
+    assert found["pair_rms"] > 0.1, found
+    for what in ("start", "pair", "hidden_grad", "param_grad_max"):
+        eager, compiled = found[f"eager_{what}_rel"], found[f"compiled_{what}_rel"]
+        assert compiled <= 2 * eager + 5e-3, (what, found)
+        assert eager < 0.15, (what, found)  # the reference is the same head: bf16 rounding apart, no more
+
+
+def lilicorr_head_errors(*, n: int, hidden: int, device: str, timer) -> dict:
+    """The head's outputs and gradients in bf16, eager and compiled, each against float32 (relative errors),
+    and the times of the bf16 steps; `timer(fn)` -> (ms, fn's last output)."""
+    import copy
+
     from dflash_ds.architectures.lilicorr.head import Geometry, LiLiCorrHead
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    geo = Geometry(hidden=5120, width=1024, factor_dim=1024, num_layers=2, num_heads=8, mlp_width=2048, slots=15,
-                   top_k=8, eps=1e-6, logit_scale=8.0, vector_eps=1e-4)
+    g = torch.Generator(device=device).manual_seed(0)
+    s, k = 15, 8
+    geo = Geometry(hidden=hidden, width=1024, factor_dim=1024, num_layers=2, num_heads=8, mlp_width=2048, slots=s,
+                   top_k=k, eps=1e-6, logit_scale=8.0, vector_eps=1e-4)
     torch.manual_seed(0)
-    head = LiLiCorrHead(geo).cuda().bfloat16()
+    head = LiLiCorrHead(geo).to(device).bfloat16()
     with torch.no_grad():  # away from the zero start of the embeddings and biases
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    n, s, k = 2048, 15, 8
-    emb = (torch.randn(n, s, k, 5120, device="cuda", generator=g) * 0.02).bfloat16()
-    lp = torch.randn(n, s, 4096, device="cuda", generator=g).log_softmax(-1).topk(k, dim=-1).values
-    hidden = torch.randn(n, s, 5120, device="cuda", generator=g).bfloat16().requires_grad_(True)
-    context = torch.randn(n, 5120, device="cuda", generator=g).bfloat16()
-    valid = torch.rand(n, device="cuda", generator=g) > 0.05
-    probe = torch.randn(n, s - 1, k, k, device="cuda", generator=g)
-    compiled = torch.compile(head, dynamic=False)
+    emb = (torch.randn(n, s, k, hidden, device=device, generator=g) * 0.02).bfloat16()
+    lp = torch.randn(n, s, 4096, device=device, generator=g).log_softmax(-1).topk(k, dim=-1).values
+    hid = torch.randn(n, s, hidden, device=device, generator=g).bfloat16()
+    context = torch.randn(n, hidden, device=device, generator=g).bfloat16()
+    valid = torch.rand(n, device=device, generator=g) > 0.05
+    probe = torch.randn(n, s - 1, k, k, device=device, generator=g)
 
-    def step(fn):
-        head.zero_grad(set_to_none=True)
-        hidden.grad = None
-        out = fn(emb, lp, hidden, context, valid=valid)
-        ((out.pair * probe).sum() + out.start.sum()).backward()
-        return out.start.detach(), out.pair.detach(), hidden.grad.float(), [p.grad.float() for p in head.parameters()]
+    def step(fn, module, dtype):
+        module.zero_grad(set_to_none=True)
+        x = hid.to(dtype, copy=True).requires_grad_(True)  # a leaf of its own each call: no gradient carried over
+        out = fn(emb.to(dtype), lp, x, context.to(dtype), valid=valid)
+        ((out.pair.float() * probe).sum() + out.start.float().sum()).backward()
+        return out.start.detach(), out.pair.detach(), x.grad.float(), [p.grad.float() for p in module.parameters()]
 
-    eager_ms, want = timed_ms(lambda: step(head))
-    compiled_ms, got = timed_ms(lambda: step(compiled))
-    param_rel = max(rel(a, b) for a, b in zip(got[3], want[3]))
-    found = {"eager_ms": eager_ms, "compiled_ms": compiled_ms, "start_rel": rel(got[0], want[0]),
-             "pair_rel": rel(got[1], want[1]), "hidden_grad_rel": rel(got[2], want[2]), "param_grad_rel_max": param_rel,
-             "pair_rms": float(want[1].float().pow(2).mean().sqrt())}
-    record["lilicorr_head_compiled"] = found
-    # Both bf16, fused differently: the factors (within +-8) and the gradients apart by bf16 rounding.
-    assert found["pair_rms"] > 0.1 and found["start_rel"] < 2e-2 and found["pair_rel"] < 2e-2, found
-    assert found["hidden_grad_rel"] < 5e-2 and param_rel < 5e-2, found
+    head32 = copy.deepcopy(head).float()
+    want = step(head32, head32, torch.float32)
+    eager_ms, eager = timer(lambda: step(head, head, torch.bfloat16))
+    compiled_ms, compiled = timer(lambda: step(torch.compile(head, dynamic=False), head, torch.bfloat16))
+    found = {"eager_ms": eager_ms, "compiled_ms": compiled_ms, "pair_rms": float(want[1].float().pow(2).mean().sqrt())}
+    for name, got in (("eager", eager), ("compiled", compiled)):
+        found[f"{name}_start_rel"] = rel(got[0], want[0])
+        found[f"{name}_pair_rel"] = rel(got[1], want[1])
+        found[f"{name}_hidden_grad_rel"] = rel(got[2], want[2])
+        found[f"{name}_param_grad_max_rel"] = max(rel(a, b) for a, b in zip(got[3], want[3]))
+    return found
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
