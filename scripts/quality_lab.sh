@@ -187,7 +187,11 @@ print(*[x.getsockname()[1] for x in s])' $#)"
   for i in "${!NAMES[@]}"; do
     STATE[$i]=waiting
     PIDS[$i]=""
-    if [ -z "${AFTERS[$i]}" ] || [ -f "$LAB/runs/${AFTERS[$i]}/.lab_trained" ]; then start "$i"; fi
+    if [ "$PHASE" = train ] && [ -f "$LAB/runs/${NAMES[$i]}/.lab_trained" ]; then
+      STATE[$i]=trained  # nothing to start (a resumed `all` would otherwise spend a stagger on each)
+    elif [ -z "${AFTERS[$i]}" ] || [ -f "$LAB/runs/${AFTERS[$i]}/.lab_trained" ]; then
+      start "$i"
+    fi
   done
   while :; do
     ALIVE=0
@@ -235,6 +239,7 @@ print(*[x.getsockname()[1] for x in s])' $#)"
     case "${STATE[$i]}" in
       halted) HALTED+=("$NAME"); echo "[lab] sweep: $NAME not started (${AFTERS[$i]} was still training)"; continue ;;
       orphaned) FAILED+=("$NAME"); echo "[lab] sweep: $NAME not started (${AFTERS[$i]} did not finish training)"; continue ;;
+      trained) echo "[lab] sweep: $NAME done (train; trained before)"; continue ;;
     esac
     if wait "${PIDS[$i]}"; then RC=0; else RC=$?; fi
     # stopped by the box (while starting, or by the second signal: no checkpoint then): resumable

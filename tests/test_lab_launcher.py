@@ -128,7 +128,10 @@ def test_lab_pipeline_on_cpu(tmp_path):
     resolved = (lab / "runs" / "lilicorr-v1" / "recipe.yaml").read_text()
     assert "architecture: lilicorr" in resolved and f"init_from: {lab}/runs/v1/export" in resolved
     assert "anchor_last_prompt_token: false" in (lab / "runs" / "v1-noanchor" / "recipe.yaml").read_text()
-    assert "done (train)" in step(sweep_env, out, "sweep", "train", "lilicorr-v1", "v1-noanchor")
+    # trained runs are not started again (no launch, no stagger)
+    log = step(sweep_env, out, "sweep", "train", "lilicorr-v1", "v1-noanchor")
+    assert "lilicorr-v1 done (train; trained before)" in log and "v1-noanchor done (train; trained before)" in log
+    assert "started" not in log
     # The box stops a run still starting (no step yet): resumable (75), not failed, and untrained.
     proc = run(["bash", "scripts/quality_lab.sh", str(out), "sweep", "train", "v1-seed1"], 120,
                dict(sweep_env, LAB_SWEEP_SECONDS="2", LAB_STOP_GRACE="0"))
