@@ -301,15 +301,15 @@ def test_model_without_tokenizer_is_blamed_on_target_path(tmp_path):
 
 
 @pytest.mark.launcher
-def test_settings_for_a_stopped_launch_sh_end_in_one_line():
+def test_settings_for_a_stopped_launch_sh_end_in_one_line(tmp_path):
     """launch.sh stopped (SIGTERM) during its checks is gone with its end of the pipe when the settings
     are printed: one line and the signal's status, not a traceback."""
-    code = "import sys; from dflash_ds.guard.launch import _hand_over; sys.exit(_hand_over('DFLASH_PROCS=1'))"
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        proc = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, text=True,
-                              cwd=ROOT, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "dflash_ds.guard.launch", "recipes/tiny.yaml",
+                               f"run.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=300)
     finally:
         os.close(write_end)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr

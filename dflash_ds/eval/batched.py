@@ -133,7 +133,7 @@ class SharedResponses:
         self.generated = 0  # responses generated (not found kept): what the sharing saves is visible
 
     @staticmethod
-    def key(prompt: torch.Tensor, sampling: Sampling, budget: int, seed: int, response: ResponseKey) -> tuple:
+    def key(prompt: torch.Tensor, sampling: Sampling, *, budget: int, seed: int, response: ResponseKey) -> tuple:
         drawn = None if sampling.greedy else (sampling.temperature, sampling.top_p, sampling.top_k, response_seed(seed, response))
         return tuple(prompt.tolist()), budget, drawn
 
@@ -141,7 +141,7 @@ class SharedResponses:
                       max_new_tokens: int, sampling: Sampling, seed: int, generators=None) -> list[torch.Tensor]:
         """`batched_continuations` of the prompts, the responses not kept generated together (as one batch)."""
         prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
-        ids = [self.key(p, sampling, max_new_tokens, seed, k) for p, k in zip(prompts, keys)]
+        ids = [self.key(p, sampling, budget=max_new_tokens, seed=seed, response=k) for p, k in zip(prompts, keys)]
         todo = [i for i, k in enumerate(ids) if k not in self._kept]
         if todo:
             made = batched_continuations(target, [prompts[i] for i in todo], max_new_tokens=max_new_tokens,

@@ -60,7 +60,7 @@ class Responder:
     independent of its batch and of the order, so the batched and per-prompt paths draw the same.)
     """
 
-    def __init__(self, target, model: DraftModel, sampling: Sampling, opts: BenchOptions,
+    def __init__(self, target, model: DraftModel, sampling: Sampling, opts: BenchOptions, *,
                  shared: SharedResponses | None = None):
         self.target, self.model, self.sampling, self.opts, self.shared = target, model, sampling, opts, shared
         self.device = next(target.parameters()).device
@@ -249,7 +249,7 @@ def run_recipe(recipe, *, loaded: tuple | None = None, shared: SharedResponses |
             if earlier is None and stop is not None and stop():
                 return None
             if earlier is None:
-                responder = Responder(target, model, sampling, opts, shared)
+                responder = Responder(target, model, sampling, opts, shared=shared)
                 result = (tau_on_prompts(responder, prompts) if name == HELDOUT
                           else tau_on_conversations(responder, tokenizer, convs))
             rows.append(earlier or bench_row(name, result))

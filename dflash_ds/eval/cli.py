@@ -187,7 +187,7 @@ def greedy_report(target, model: DraftModel, prompts, *, opts: BenchOptions, sha
     """What `--prompts --out` reports of the greedy responses (tau, llama.cpp's and vLLM's counts), the
     responses generated `opts.batch` at a time and kept in `shared` (eval.batched.SharedResponses) for the
     next drafter: in float32 the same numbers as the per-prompt path here (eval.batched)."""
-    responder = Responder(target, model, Sampling(), opts, shared)
+    responder = Responder(target, model, Sampling(), opts, shared=shared)
     tau_on_prompts(responder, prompts)
     report = responder.result.report.as_dict()
     report["llama_cpp"] = responder.llama_cpp.as_dict() if llama_cpp_loads(model) else None

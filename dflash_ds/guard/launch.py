@@ -323,20 +323,20 @@ def main(argv: list[str]) -> int:
     if recipe.run.device == "cpu" or not torch.cuda.is_available():
         # One thread per rank: several ranks share few cores, and the CPU comm backend is gloo.
         lines += ["export DS_ACCELERATOR=cpu", "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"]
-    return _hand_over("\n".join(lines))
-
-
-def _hand_over(text: str) -> int:
-    """Print the settings for launch.sh's eval. A launch.sh that was stopped (SIGTERM) during the checks is
-    gone and its pipe with it: nothing will start, so say that in one line instead of a traceback."""
     try:
-        print(text, flush=True)
+        print("\n".join(lines), flush=True)
     except BrokenPipeError:
-        # stdout to /dev/null so that the interpreter's own flush at exit does not raise again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        say("launch.sh was stopped during the pre-launch checks; nothing was started")
-        return Exit.of_signal(signal.SIGTERM)
+        return _caller_gone()
     return Exit.OK
+
+
+def _caller_gone() -> int:
+    """launch.sh, stopped (SIGTERM) during the checks, is gone and its end of the pipe with it: nothing
+    will start, which one line says instead of a traceback."""
+    # stdout to /dev/null so that the interpreter's own flush at exit does not raise again
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    say("launch.sh was stopped during the pre-launch checks; nothing was started")
+    return Exit.of_signal(signal.SIGTERM)
 
 
 if __name__ == "__main__":
