@@ -385,6 +385,11 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     assert recipes["v1"] == load_recipe(root / "recipes/lab/v1.yaml", ["run.seed=0"])
     assert recipes["v1-seed1"].run.seed == 1 and recipes["v1"].run.seed == 0
     assert base["v1"].objective.anchor_last_prompt_token and not recipes["v1-noanchor"].objective.anchor_last_prompt_token
+    # the same decision on DFlash2: its recipe with the anchor off, read against DFlash2 round by round
+    d2 = catalog.RUNS["dflash2-noanchor"]
+    assert d2.recipe == catalog.RUNS["dflash2"].recipe and d2.baseline == "dflash2" and d2.rounds
+    assert recipes["dflash2"].objective.anchor_last_prompt_token and not recipes["dflash2-noanchor"].objective.anchor_last_prompt_token
+    assert recipes["dflash2-noanchor"].drafter == recipes["dflash2"].drafter
     # LiLiCorr on v1's backbone (block, layers, anchors), the reranker at Model-Optimizer's shape
     lili, v1 = recipes["lilicorr"], recipes["v1"]
     assert lili.drafter.architecture == "lilicorr" and lili.drafter.block_size == v1.drafter.block_size

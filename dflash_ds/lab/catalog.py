@@ -64,6 +64,12 @@ RUNS: dict[str, Run] = {
     # The default anchors a block at each turn's last prompt token too; off = the paper's anchors.
     "v1-noanchor": Run("recipes/lab/v1.yaml", ("objective.anchor_last_prompt_token=false",), baseline="v1",
                        question="objective.anchor_last_prompt_token false", rounds=True),
+    # The same decision on DFlash2, the lab's strongest drafter: at 1,200 steps v1 accepted its first slot
+    # 12% of the time on the held-out prose and DFlash2 38% (docs/quality.md, sixth session), so a setting
+    # that acts on the first round moves DFlash2's count several times as much as v1's.
+    "dflash2-noanchor": Run("recipes/lab/dflash2.yaml", ("objective.anchor_last_prompt_token=false",),
+                            baseline="dflash2", question="objective.anchor_last_prompt_token false, on DFlash2",
+                            rounds=True),
     # The layout: v1 has z-lab's 27B layout (4 sliding layers, causal inside the block, then a full
     # bidirectional one), DSpark every layer full and bidirectional. At 700 steps v1 accepted its first
     # drafted token 12% of the time on the held-out prose against DSpark's 28% at the same block
