@@ -1,8 +1,8 @@
 """The lab's one-process evaluation (dflash_ds/lab/evaluate.py) against the per-run path it replaces: the
 same benchmark rows as `python -m dflash_ds.eval.benchmark_table` and the same held-out and in-domain
 reports as `python -m dflash_ds.eval --prompts ... --out`, for three drafters (two of one seed, one of
-another) measured against one target loaded once, with every response generated once; and a time box
-that stops between parts and is resumed by the same call."""
+another) measured against one target loaded once, breadth first, with every response generated once;
+and a time box that stops between parts and is resumed by the same call."""
 
 import json
 from pathlib import Path
@@ -71,8 +71,17 @@ def test_one_process_evaluation_equals_the_per_run_path_and_generates_each_respo
     real = batched.batched_continuations
     monkeypatch.setattr(batched, "batched_continuations", lambda target, prompts, **kw: made.append(len(prompts)) or
                         real(target, prompts, **kw))
+    from dflash_ds.lab import evaluate as lab_evaluate
+
+    parts = []
+    real_do = lab_evaluate._Run.do
+    monkeypatch.setattr(lab_evaluate._Run, "do", lambda run, part, shared: parts.append((run.name, part)) or
+                        real_do(run, part, shared))
     got = evaluate_recipes(recipes, out=tmp_path / "out", lab_dir=str(lab), log=lambda msg: None)
     assert got["evaluated"] == ["a", "b", "c"] and got["unfinished"] == [] and got["untrained"] == []
+    # breadth first: a part of every run before the next part of any (a cut leaves them all alike)
+    assert parts[:9] == [(n, p) for p in ("row", "heldout", "indomain") for n in "abc"]
+    assert parts[9:] == [(n, "row") for _ in range(3) for n in "abc"]  # the table's other 3 rows, one a pass
     for name in recipes:
         run_dir = lab / "runs" / name
         assert json.loads((run_dir / "benchmarks.json").read_text()) == reference[name]["rows"]

@@ -5,7 +5,8 @@ and vLLM's counts on the held-out prose and on the in-domain set (what `python -
 ... --out` reports). Evaluated one process per run, each run loads the target again, and every run
 generates the same responses again: the target's answers do not depend on the drafter. Here the target is
 loaded once and each response is generated once (`eval.batched.SharedResponses`), and the runs are
-measured one after another on it, with the GPU to themselves once the training is over.
+measured on it with the GPU to themselves once the training is over, breadth first (`evaluate_recipes`):
+a part of every run before the next part of any.
 
 What each run leaves is what the per-run path leaves (`benchmarks.json`, `lab_eval.json`,
 `lab_eval_indomain.json` in its directory, `OUT/NAME.json`), so a part already done by either is
@@ -60,7 +61,12 @@ def evaluate(names: list[str], *, out: Path, lab_dir: str, settings: list[str], 
 
 
 def evaluate_recipes(recipes: dict, *, out: Path, lab_dir: str, seconds: float | None = None, log=print) -> dict:
-    """`evaluate` of runs given by name -> recipe (their run.output_dir the run's directory)."""
+    """`evaluate` of runs given by name -> recipe (their run.output_dir the run's directory).
+
+    Breadth first: every run's first table row (the lab recipes' held-out greedy one), then every run's
+    held-out report (llama.cpp's first and later rounds), then every in-domain report, then the table's
+    other rows one at a time across the runs: a box that cuts the evaluation leaves every run with the
+    same parts done."""
     import torch
 
     from dflash_ds.eval.batched import SharedResponses
@@ -68,9 +74,8 @@ def evaluate_recipes(recipes: dict, *, out: Path, lab_dir: str, seconds: float |
 
     t0 = time.monotonic()
     clock = Clock(None if seconds is None else t0 + seconds)
-    names = list(recipes)
     untrained = [n for n, r in recipes.items() if not (Path(r.run.output_dir) / ".lab_trained").is_file()]
-    todo = [n for n in names if n not in untrained]
+    todo = [n for n in recipes if n not in untrained]
     paths = {str(recipes[n].target.path) for n in todo}
     if len(paths) > 1:
         raise ValueError(f"lab evaluate: the runs name different targets ({', '.join(sorted(paths))}); "
@@ -80,52 +85,81 @@ def evaluate_recipes(recipes: dict, *, out: Path, lab_dir: str, seconds: float |
         return result
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_eval_target(paths.pop(), device)
+    runs = {n: _Run(n, recipes[n], target, tokenizer, lab_dir=lab_dir, log=log) for n in todo}
     shared = SharedResponses()
-    for name in todo:
-        started = time.monotonic()
-        whole = _evaluate_run(name, recipes[name], target, tokenizer, shared=shared, clock=clock, lab_dir=lab_dir,
-                              log=log)
-        _summary(name, recipes[name], out, eval_s=time.monotonic() - started)
+    rows = max(len(r.recipe.eval.benchmarks) * (2 if r.recipe.eval.temperature > 0 else 1) for r in runs.values())
+    for part in ["row", "heldout", "indomain"] + ["row"] * max(rows - 1, 0):
+        for run in runs.values():
+            if run.done(part) or clock.stop():
+                continue
+            started = time.monotonic()
+            run.do(part, shared)
+            run.eval_s += time.monotonic() - started
+            _summary(run.name, run.recipe, out, eval_s=run.eval_s)
+    for name, run in runs.items():
+        whole = all(run.done(part) for part in ("row", "heldout", "indomain"))
+        _summary(name, run.recipe, out, eval_s=run.eval_s)
         result["evaluated" if whole else "unfinished"].append(name)
-        log(f"evaluate: {name} {'done' if whole else 'cut by the time box'} ({time.monotonic() - started:.0f} s; "
-            f"{shared.generated} responses generated so far)")
+        log(f"evaluate: {name} {'done' if whole else 'cut by the time box'} ({run.eval_s:.0f} s)")
     result.update(seconds=time.monotonic() - t0, responses_generated=shared.generated)
+    log(f"evaluate: {len(result['evaluated'])} runs done, {len(result['unfinished'])} cut, in {result['seconds']:.0f} s; "
+        f"the target generated {shared.generated} responses")
     return result
 
 
-def _evaluate_run(name, recipe, target, tokenizer, *, shared, clock: Clock, lab_dir: str, log) -> bool:
-    """One run's parts, each skipped when done; False when the box stopped it."""
-    from dflash_ds.eval.benchmark_table import BenchOptions, run_recipe as table_rows, write_table
-    from dflash_ds.eval.cli import greedy_report, read_prompts
-    from dflash_ds.eval.loading import load_drafter_for
+class _Run:
+    """One run's evaluation parts: its table a row at a time ("row"), its held-out and in-domain greedy
+    reports ("heldout", "indomain"); each skipped once done, by this process or an earlier one."""
 
-    run_dir, e = Path(recipe.run.output_dir), recipe.eval
-    model = load_drafter_for(target, str(run_dir / "export"))
-    if e.benchmarks and not (run_dir / "benchmarks.json").is_file():
-        rows = table_rows(recipe, loaded=(target, tokenizer, model), shared=shared, stop=clock.stop)
-        if rows is None:
-            return False
-        write_table(recipe, rows)
-    thinking = recipe.data.thinking
-    opts = BenchOptions(max_new_tokens=e.max_new_tokens, seed=recipe.run.seed, thinking=thinking, batch=e.bench_batch)
-    lab = Path(lab_dir) / "conversations"
-    for prompts_file, report in ((lab / "bench" / "heldout.jsonl", "lab_eval.json"),
-                                 (lab / "indomain.jsonl", "lab_eval_indomain.json")):
-        if (run_dir / report).is_file():
-            continue
-        if not prompts_file.is_file():
-            log(f"evaluate: {name}: no {prompts_file} (conversations framed before the in-domain set); "
-                "its evaluation is skipped")
-            continue
-        if clock.stop():
-            return False
-        prompts = read_prompts(str(prompts_file), tokenizer, limit=e.bench_limit,
-                               chat_template_kwargs={"enable_thinking": thinking})
-        got = {"target": str(recipe.target.path), "drafter": str(run_dir / "export"), "prompts": str(prompts_file),
-               "max_new_tokens": e.max_new_tokens, "enable_thinking": thinking}
-        got.update(greedy_report(target, model, prompts, opts=opts, shared=shared))
-        _write(run_dir / report, got)
-    return True
+    def __init__(self, name, recipe, target, tokenizer, *, lab_dir: str, log):
+        self.name, self.recipe, self.target, self.tokenizer, self.log = name, recipe, target, tokenizer, log
+        self.dir = Path(recipe.run.output_dir)
+        lab = Path(lab_dir) / "conversations"
+        self.reports = {"heldout": (lab / "bench" / "heldout.jsonl", self.dir / "lab_eval.json"),
+                        "indomain": (lab / "indomain.jsonl", self.dir / "lab_eval_indomain.json")}
+        self.model = None
+        self.eval_s = 0.0
+
+    def done(self, part: str) -> bool:
+        if part == "row":
+            return not self.recipe.eval.benchmarks or (self.dir / "benchmarks.json").is_file()
+        prompts, report = self.reports[part]
+        if report.is_file():
+            return True
+        if not prompts.is_file():
+            self.log(f"evaluate: {self.name}: no {prompts} (conversations framed before the in-domain set); "
+                     "its evaluation is skipped")
+            return True
+        return False
+
+    def drafter(self):
+        from dflash_ds.eval.loading import load_drafter_for
+
+        if self.model is None:
+            self.model = load_drafter_for(self.target, str(self.dir / "export"))
+        return self.model
+
+    def do(self, part: str, shared) -> None:
+        from dflash_ds.eval.benchmark_table import BenchOptions, run_recipe as table_rows, write_table
+        from dflash_ds.eval.cli import greedy_report, read_prompts
+
+        r, e = self.recipe, self.recipe.eval
+        if part == "row":  # one more row: the table stops before the second it would compute
+            asked = []
+            rows = table_rows(r, loaded=(self.target, self.tokenizer, self.drafter()), shared=shared,
+                              stop=lambda: asked.append(1) or len(asked) > 1)
+            if rows is not None:
+                write_table(r, rows)
+            return
+        prompts_file, report = self.reports[part]
+        prompts = read_prompts(str(prompts_file), self.tokenizer, limit=e.bench_limit,
+                               chat_template_kwargs={"enable_thinking": r.data.thinking})
+        opts = BenchOptions(max_new_tokens=e.max_new_tokens, seed=r.run.seed, thinking=r.data.thinking,
+                            batch=e.bench_batch)
+        got = {"target": str(r.target.path), "drafter": str(self.dir / "export"), "prompts": str(prompts_file),
+               "max_new_tokens": e.max_new_tokens, "enable_thinking": r.data.thinking}
+        got.update(greedy_report(self.target, self.drafter(), prompts, opts=opts, shared=shared))
+        _write(report, got)
 
 
 def _summary(name: str, recipe, out: Path, *, eval_s: float) -> None:
