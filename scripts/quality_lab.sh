@@ -2,8 +2,9 @@
 # The quality lab (docs/quality.md), one step per command so that each fits a 10-minute device call:
 #   bash scripts/quality_lab.sh OUT [all [NAME...]]      GPU: the whole lab in one command, resumable: the
 #     target and its regeneration where missing, then every run (all the catalog's, or the NAMEs) trained
-#     at once, then the trained ones evaluated in one process, then the table; with LAB_COMMAND_SECONDS=N it stops within N seconds (the
-#     runs still training with a checkpoint) and exits 75: the same command again goes on from there
+#     at once, then the trained ones evaluated in one process, then the table; with LAB_COMMAND_SECONDS=N
+#     it stops within N seconds (the runs still training with a checkpoint) and exits 75: the same command
+#     again goes on from there
 #   bash scripts/quality_lab.sh OUT prepare              CPU side, needs PyPI: corpus, tokenizer, conversations
 #     (carry runs/lab/corpus.jsonl.xz, runs/lab/tokenizer and runs/lab/conversations.tar.xz to the GPU machine)
 #   bash scripts/quality_lab.sh OUT target               GPU: the lab target (~5.5 min), then its regeneration
@@ -38,7 +39,7 @@
 # could not start), else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,38p' "$0" >&2
+  sed -n '2,39p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -184,6 +185,13 @@ print(*[x.getsockname()[1] for x in s])' $#)"
     [ -z "${AFTERS[$1]}" ] || FROM=" from ${AFTERS[$1]}'s export"
     echo "[lab] sweep: $NAME started ($PHASE, port ${PORTS[$1]}, log $OUT/$NAME.log)$FROM"
   }
+  signal_training() {  # SIGTERM to each run still training (its launch.sh's PID), marked stopped
+    local k F
+    for k in "${!NAMES[@]}"; do
+      F=$LAB/runs/.${NAMES[$k]}.launch_pid
+      if [ -f "$F" ]; then kill -TERM "$(cat "$F")" 2> /dev/null || true; STATE[$k]=stopped; fi
+    done
+  }
   for i in "${!NAMES[@]}"; do
     STATE[$i]=waiting
     PIDS[$i]=""
@@ -214,10 +222,7 @@ print(*[x.getsockname()[1] for x in s])' $#)"
     [ "$ALIVE" = 0 ] && break
     if [ -n "${LAB_SWEEP_SECONDS:-}" ] && [ "$STOPPED" = 0 ] && [ $(( $(date +%s) - T0 )) -ge "$LAB_SWEEP_SECONDS" ]; then
       echo "[lab] sweep: ${LAB_SWEEP_SECONDS} s passed; stopping the runs still training (with a checkpoint)"
-      for i in "${!NAMES[@]}"; do
-        P=$LAB/runs/.${NAMES[$i]}.launch_pid
-        if [ -f "$P" ]; then kill -TERM "$(cat "$P")" 2> /dev/null || true; STATE[$i]=stopped; fi
-      done
+      signal_training
       STOPPED=1
     elif [ "$STOPPED" = 1 ] && [ $(( $(date +%s) - T0 - LAB_SWEEP_SECONDS )) -ge "${LAB_STOP_GRACE:-60}" ]; then
       # A run still compiling when asked to stop finishes its first step before it checkpoints, which
@@ -225,10 +230,7 @@ print(*[x.getsockname()[1] for x in s])' $#)"
       # limit: after LAB_STOP_GRACE seconds the signal again stops the rest at once; they resume from
       # their last checkpoint, or start again.
       echo "[lab] sweep: ${LAB_STOP_GRACE:-60} s after the stop; stopping the runs still going at once"
-      for i in "${!NAMES[@]}"; do
-        P=$LAB/runs/.${NAMES[$i]}.launch_pid
-        if [ -f "$P" ]; then kill -TERM "$(cat "$P")" 2> /dev/null || true; fi
-      done
+      signal_training
       STOPPED=2
     fi
     sleep 2

@@ -16,11 +16,11 @@ keeps its rows (`benchmarks.partial.json`) and the same command goes on from the
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_ds.io import write_json_atomic
 
 
 @dataclass
@@ -38,11 +38,8 @@ class Clock:
         self.started = now
         return self.deadline is not None and now + self.last > self.deadline
 
-    def left(self) -> bool:
-        return self.deadline is None or time.monotonic() < self.deadline
 
-
-def run_recipe(name: str, lab_dir: str, settings: list[str], overrides: list[str]):
+def lab_recipe(name: str, lab_dir: str, settings: list[str], overrides: list[str]):
     """The recipe a lab run is evaluated with: the same settings, in the same order, as
     scripts/quality_lab.sh gives `python -m dflash_ds.eval.benchmark_table` for it."""
     from dflash_ds.config import load_recipe
@@ -56,7 +53,7 @@ def evaluate(names: list[str], *, out: Path, lab_dir: str, settings: list[str], 
              seconds: float | None = None, log=print) -> dict:
     """Evaluate the trained runs among `names` (module docstring); returns which were evaluated, which
     the box left unfinished and which are not trained."""
-    recipes = {name: run_recipe(name, lab_dir, settings, overrides) for name in names}  # every name checked first
+    recipes = {name: lab_recipe(name, lab_dir, settings, overrides) for name in names}  # every name checked first
     return evaluate_recipes(recipes, out=out, lab_dir=lab_dir, seconds=seconds, log=log)
 
 
@@ -87,8 +84,10 @@ def evaluate_recipes(recipes: dict, *, out: Path, lab_dir: str, seconds: float |
     target, tokenizer = load_eval_target(paths.pop(), device)
     runs = {n: _Run(n, recipes[n], target, tokenizer, lab_dir=lab_dir, log=log) for n in todo}
     shared = SharedResponses()
-    rows = max(len(r.recipe.eval.benchmarks) * (2 if r.recipe.eval.temperature > 0 else 1) for r in runs.values())
-    for part in ["row", "heldout", "indomain"] + ["row"] * max(rows - 1, 0):
+
+    def one_pass(part: str) -> bool:
+        """`part` of every run not done, while the box allows; whether any was done."""
+        did = False
         for run in runs.values():
             if run.done(part) or clock.stop():
                 continue
@@ -96,6 +95,13 @@ def evaluate_recipes(recipes: dict, *, out: Path, lab_dir: str, seconds: float |
             run.do(part, shared)
             run.eval_s += time.monotonic() - started
             _summary(run.name, run.recipe, out, eval_s=run.eval_s)
+            did = True
+        return did
+
+    for part in ("row", "heldout", "indomain"):
+        one_pass(part)
+    while one_pass("row"):  # each pass adds a row to every table not whole
+        pass
     for name, run in runs.items():
         whole = all(run.done(part) for part in ("row", "heldout", "indomain"))
         _summary(name, run.recipe, out, eval_s=run.eval_s)
@@ -112,25 +118,24 @@ class _Run:
     reports ("heldout", "indomain"); each skipped once done, by this process or an earlier one."""
 
     def __init__(self, name, recipe, target, tokenizer, *, lab_dir: str, log):
-        self.name, self.recipe, self.target, self.tokenizer, self.log = name, recipe, target, tokenizer, log
+        self.name, self.recipe, self.target, self.tokenizer = name, recipe, target, tokenizer
         self.dir = Path(recipe.run.output_dir)
         lab = Path(lab_dir) / "conversations"
-        self.reports = {"heldout": (lab / "bench" / "heldout.jsonl", self.dir / "lab_eval.json"),
-                        "indomain": (lab / "indomain.jsonl", self.dir / "lab_eval_indomain.json")}
+        self.reports = {}
+        for part, prompts, report in (("heldout", lab / "bench" / "heldout.jsonl", "lab_eval.json"),
+                                      ("indomain", lab / "indomain.jsonl", "lab_eval_indomain.json")):
+            if prompts.is_file():
+                self.reports[part] = (prompts, self.dir / report)
+            else:
+                log(f"evaluate: {name}: no {prompts} (conversations framed before the in-domain set); "
+                    "its evaluation is skipped")
         self.model = None
         self.eval_s = 0.0
 
     def done(self, part: str) -> bool:
         if part == "row":
             return not self.recipe.eval.benchmarks or (self.dir / "benchmarks.json").is_file()
-        prompts, report = self.reports[part]
-        if report.is_file():
-            return True
-        if not prompts.is_file():
-            self.log(f"evaluate: {self.name}: no {prompts} (conversations framed before the in-domain set); "
-                     "its evaluation is skipped")
-            return True
-        return False
+        return part not in self.reports or self.reports[part][1].is_file()
 
     def drafter(self):
         from dflash_ds.eval.loading import load_drafter_for
@@ -159,7 +164,7 @@ class _Run:
         got = {"target": str(r.target.path), "drafter": str(self.dir / "export"), "prompts": str(prompts_file),
                "max_new_tokens": e.max_new_tokens, "enable_thinking": r.data.thinking}
         got.update(greedy_report(self.target, self.drafter(), prompts, opts=opts, shared=shared))
-        _write(report, got)
+        write_json_atomic(report, got, indent=2)
 
 
 def _summary(name: str, recipe, out: Path, *, eval_s: float) -> None:
@@ -167,12 +172,4 @@ def _summary(name: str, recipe, out: Path, *, eval_s: float) -> None:
 
     summary = summarize(Path(recipe.run.output_dir), name)
     summary["eval_s"] = eval_s
-    out.mkdir(parents=True, exist_ok=True)
-    _write(out / f"{name}.json", summary, indent=1)
-
-
-def _write(path: Path, data: dict, indent: int = 2) -> None:
-    """Whole or not at all: a command cut while writing leaves the part to be done again."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(out / f"{name}.json", summary, indent=1)  # whole or not at all, as each report
