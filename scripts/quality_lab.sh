@@ -16,7 +16,7 @@
 #     (the target loaded once, each response generated once; LAB_EVAL_SECONDS boxes it; exits 75 if cut)
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
 # NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
-# lilicorr, lilicorr-v1, v1-noanchor, dflash2-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full; lilicorr-v1 starts
+# lilicorr, lilicorr-v1, v1-noanchor, dflash2-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full, v1-b8, dflash2-b16; lilicorr-v1 starts
 # from v1's export, so a sweep starts it once v1 has trained). PHASE: train (training only), eval (the benchmark
 # table, the greedy tau and llama.cpp's count on the held-out prose and on the in-domain set, OUT/NAME.json) or all.
 # Every step is resumable: a built target, written regeneration shards and a finished run are reused

@@ -363,6 +363,7 @@ def test_lab_recipes_are_the_shipped_ones_scaled(lab, shipped):
 
 
 def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
+    from dataclasses import replace
     from pathlib import Path
 
     from dflash_ds.config import load_recipe
@@ -404,6 +405,16 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     assert all(recipes[n].drafter.init_from is None for n in catalog.RUNS if n != "lilicorr-v1")
     full = recipes["v1-full"].drafter
     assert full.layer_types is None and full.sliding_window is None and full.block_size == v1.drafter.block_size
+    # the blocks swapped between v1 and DFlash2: each the other's block, nothing else changed, and each read
+    # against the other architecture at the same block as well as against its own recipe
+    d2 = recipes["dflash2"]
+    for name, own, other in (("v1-b8", v1, d2), ("dflash2-b16", d2, v1)):
+        swapped = recipes[name]
+        assert swapped.drafter.block_size == other.drafter.block_size != own.drafter.block_size
+        assert swapped.drafter.architecture == own.drafter.architecture and swapped.objective == own.objective
+        assert replace(swapped.drafter, block_size=own.drafter.block_size) == own.drafter
+        r = catalog.RUNS[name]
+        assert r.per_flop and r.also[0][0] == ("dflash2" if name == "v1-b8" else "v1")
     b7 = recipes["dspark-b7"]
     assert b7.drafter.block_size == 7 and b7.objective.gamma is None and default_gamma(7 + 1) == 4  # DeepSpec's
     assert b7.objective.num_anchors == base["dspark"].objective.num_anchors

@@ -101,10 +101,12 @@ def test_decisions_ordering_and_noise_from_summaries(tmp_path):
     assert (decided["lilicorr"]["better"], decided["lilicorr"]["worse"], decided["lilicorr"]["tau_rows"]) == (0, 0, 2)
     assert {r["bench"]: r["delta"] for r in decided["lilicorr"]["rows"]} == pytest.approx({"heldout": 0.2, "mbpp": -0.1})
     missing = [(m["run"], m["against"], m["lacks"]) for m in dec["missing"]]
-    assert sorted(missing) == [("dflash2-noanchor", "dflash2", ["dflash2-noanchor"]),
+    assert sorted(missing) == [("dflash2-b16", "dflash2", ["dflash2-b16"]), ("dflash2-b16", "v1", ["dflash2-b16"]),
+                               ("dflash2-noanchor", "dflash2", ["dflash2-noanchor"]),
                                ("dspark-sizing", "dspark", ["dspark-sizing"]), ("lilicorr-v1", "dflash2", ["lilicorr-v1"]),
                                ("lilicorr-v1", "lilicorr", ["lilicorr-v1"]), ("lilicorr-v1", "v1", ["lilicorr-v1"]),
-                               ("v1-fp8", "v1", ["v1-fp8"]), ("v1-full", "v1", ["v1-full"])]
+                               ("v1-b8", "dflash2", ["v1-b8"]), ("v1-b8", "v1", ["v1-b8"]), ("v1-fp8", "v1", ["v1-fp8"]),
+                               ("v1-full", "v1", ["v1-full"])]
     rounds = {r["measure"]: r for r in decided["v1-noanchor"]["rows"] if r["measure"].startswith("llama_server")}
     first = rounds["llama_server first round accepted"]
     assert (first["baseline"], first["value"]) == (3.0, 1.0)

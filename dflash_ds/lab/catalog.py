@@ -76,6 +76,17 @@ RUNS: dict[str, Run] = {
     # (docs/quality.md): this run says how much of that is the layout.
     "v1-full": Run("recipes/lab/v1.yaml", ("drafter.layer_types=null", "drafter.sliding_window=null"),
                    baseline="v1", question="every layer full attention (DSpark's layout) against v1's 4 sliding + 1 full"),
+    # The blocks apart from the architectures. The lab's DFlash2 drafts 7 slots (its recipe's block 8) and
+    # v1 15, and at 1,200 steps DFlash2 led v1 by 0.2-0.9 tau on every set (docs/quality.md, seventh
+    # session) where the field's matched comparison, every drafter at block 16, has it 14% ahead. These two
+    # runs swap the blocks: v1 at 8 (gamma 4 follows) says how much of the lead is the block, DFlash2 at 16
+    # (gamma 7) is Model-Optimizer's matched comparison against v1.
+    "v1-b8": Run("recipes/lab/v1.yaml", ("drafter.block_size=8",), baseline="v1",
+                 question="v1 at block 8 (DFlash2's) against 16", per_flop=True,
+                 also=(("dflash2", "v1 at block 8 against DFlash2 (both drafting 7 slots)"),)),
+    "dflash2-b16": Run("recipes/lab/dflash2.yaml", ("drafter.block_size=16",), baseline="dflash2",
+                       question="DFlash2 at block 16 against its recipe's 8", per_flop=True,
+                       also=(("v1", "DFlash2 at block 16 against v1 (both drafting 15 slots)"),)),
     # DeepSpec's block. What follows the block is already derived from it: objective.gamma null is
     # DSpark's B + 1 rule (4 at block 7, DeepSpec's loss_decay_gamma), and the anchors per row stay
     # the paper's density per token (each anchor drafts 7 tokens instead of 16).
