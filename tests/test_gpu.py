@@ -1163,7 +1163,7 @@ def lilicorr_head_errors(*, n: int, hidden: int, device: str, timer) -> dict:
         x = hid.to(dtype, copy=True).requires_grad_(True)  # a leaf of its own each call: no gradient carried over
         out = fn(emb.to(dtype), lp, x, context.to(dtype), valid=valid)
         ((out.pair.float() * probe).sum() + out.start.float().sum()).backward()
-        return out.start.detach(), out.pair.detach(), x.grad.float(), [p.grad.float() for p in module.parameters()]
+        return out.start.detach(), out.pair.detach(), x.grad.float(), {n: p.grad.float() for n, p in module.named_parameters()}
 
     head32 = copy.deepcopy(head).float()
     want = step(head32, head32, torch.float32)
@@ -1174,7 +1174,11 @@ def lilicorr_head_errors(*, n: int, hidden: int, device: str, timer) -> dict:
         found[f"{name}_start_rel"] = rel(got[0], want[0])
         found[f"{name}_pair_rel"] = rel(got[1], want[1])
         found[f"{name}_hidden_grad_rel"] = rel(got[2], want[2])
-        found[f"{name}_param_grad_max_rel"] = max(rel(a, b) for a, b in zip(got[3], want[3]))
+        errors = {n: rel(g, want[3][n]) for n, g in got[3].items()}
+        worst = max(errors, key=errors.get)
+        found[f"{name}_param_grad_max_rel"] = errors[worst]
+        found[f"{name}_param_grad_worst"] = worst  # which parameter, so that a failure names it
+        found[f"{name}_param_grad_rel"] = errors
     return found
 
 
