@@ -15,6 +15,11 @@
 #   bash scripts/quality_lab.sh OUT evaluate [NAME...]   GPU: the trained runs evaluated in one process
 #     (the target loaded once, each response generated once; LAB_EVAL_SECONDS boxes it; exits 75 if cut)
 #   bash scripts/quality_lab.sh OUT table                anywhere: OUT/quality_lab.md + OUT/quality_lab_table.json
+#   bash scripts/quality_lab.sh OUT detach STEP [ARG...] any step above started in a session of its own (setsid
+#     nohup), its output in OUT/detached.log, its exit status in OUT/detached.rc when it ends: it outlives
+#     the command that started it, for machines that limit each command but not what it leaves running
+#   bash scripts/quality_lab.sh OUT wait [SECONDS]       wait for the detached step: its exit status once it
+#     has ended, 75 if it is still running after SECONDS (default: no limit); the log's last lines either way
 # NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
 # lilicorr, lilicorr-v1, v1-noanchor, dflash2-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full, v1-b8, dflash2-b16; lilicorr-v1 starts
 # from v1's export, so a sweep starts it once v1 has trained). PHASE: train (training only), eval (the benchmark
@@ -39,7 +44,7 @@
 # could not start), else 75 naming those stopped (rerun the same sweep: they resume), else 0.
 set -euo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,39p' "$0" >&2
+  sed -n '2,44p' "$0" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -379,8 +384,52 @@ case "$STEP" in
   table)
     lab table "$OUT"
     ;;
+  detach)
+    [ $# -ge 1 ] || { echo "[lab] usage: bash scripts/quality_lab.sh OUT detach STEP [ARG...]" >&2; exit 2; }
+    if [ -f "$OUT/detached.pid" ] && [ ! -f "$OUT/detached.rc" ] && kill -0 "$(cat "$OUT/detached.pid")" 2> /dev/null; then
+      echo "[lab] error: a detached step is still running in $OUT (PID $(cat "$OUT/detached.pid")):" \
+        "bash scripts/quality_lab.sh OUT wait" >&2
+      exit 2
+    fi
+    rm -f "$OUT/detached.rc" "$OUT/detached.pid"
+    # setsid: a session of its own, so that the end of this command (and its process group) leaves it
+    # running. The wrapper writes its own PID (setsid may fork, so $! need not be it) and the step's
+    # status, whatever way the step ends.
+    SESSION=()
+    command -v setsid > /dev/null && SESSION=(setsid)
+    "${SESSION[@]}" nohup bash -c 'echo $$ > "$1/detached.pid"; bash "$0" "$@"; echo $? > "$1/detached.rc"' \
+      scripts/quality_lab.sh "$OUT" "$@" > "$OUT/detached.log" 2>&1 < /dev/null &
+    for _ in $(seq 50); do [ -s "$OUT/detached.pid" ] && break; sleep 0.2; done
+    [ -s "$OUT/detached.pid" ] || { echo "[lab] error: the detached step did not start; see $OUT/detached.log" >&2; exit 1; }
+    echo "[lab] detached: $* (PID $(cat "$OUT/detached.pid"), log $OUT/detached.log);" \
+      "then: bash scripts/quality_lab.sh OUT wait [SECONDS]"
+    ;;
+  wait)
+    [ -f "$OUT/detached.pid" ] || { echo "[lab] error: nothing detached in $OUT: bash scripts/quality_lab.sh OUT detach STEP" >&2; exit 2; }
+    LIMIT=${1:-}
+    T0=$(date +%s)
+    while [ ! -f "$OUT/detached.rc" ]; do
+      if ! kill -0 "$(cat "$OUT/detached.pid")" 2> /dev/null; then
+        sleep 1  # the wrapper writes the status just before it ends
+        [ -f "$OUT/detached.rc" ] && break
+        echo "[lab] error: the detached step ended without a status (killed?); see $OUT/detached.log" >&2
+        tail -n 5 "$OUT/detached.log" >&2
+        exit 1
+      fi
+      if [ -n "$LIMIT" ] && [ $(( $(date +%s) - T0 )) -ge "$LIMIT" ]; then
+        tail -n 3 "$OUT/detached.log"
+        echo "[lab] wait: still running after ${LIMIT} s"
+        exit 75
+      fi
+      sleep 2
+    done
+    tail -n 3 "$OUT/detached.log"
+    RC=$(cat "$OUT/detached.rc")
+    echo "[lab] wait: the detached step ended with status $RC"
+    exit "$RC"
+    ;;
   *)
-    echo "[lab] error: unknown step '$STEP'; one of all, prepare, target, regenerate, train, run, sweep, evaluate, table" >&2
+    echo "[lab] error: unknown step '$STEP'; one of all, prepare, target, regenerate, train, run, sweep, evaluate, table, detach, wait" >&2
     exit 2
     ;;
 esac
