@@ -48,8 +48,9 @@ def interrupt_in_this_process():
     """Within the block, Ctrl-C (SIGINT to the whole foreground group) raises KeyboardInterrupt in this
     process alone: the workers it forks meanwhile (datasets' map pools) inherit a handler that ignores
     it, and their pool ends them as the interrupt unwinds, so the user gets one line from the caller,
-    not a traceback per worker. Outside the main thread (where no handler can be set) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    not a traceback per worker. Outside the main thread (where no handler can be set), and in a process
+    that ignores SIGINT (started with `nohup ... &`: its owner asked for no interrupt), it does nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield
         return
     parent, hit = os.getpid(), []

@@ -318,6 +318,26 @@ def test_an_interrupt_in_the_block_is_a_keyboard_interrupt_whatever_unwinds_over
 
     from dflash_ds.safety import interrupt_in_this_process
 
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # SIG_IGN when run as `nohup ... &`
+    try:
+        interrupts_raise_keyboard_interrupt()
+        # a process that ignores SIGINT keeps ignoring it: the block installs nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with interrupt_in_this_process():
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def interrupts_raise_keyboard_interrupt():
+    import os
+    import signal
+
+    from dflash_ds.safety import interrupt_in_this_process
+
     with pytest.raises(KeyboardInterrupt):
         with interrupt_in_this_process():
             os.kill(os.getpid(), signal.SIGINT)
@@ -333,7 +353,7 @@ def test_an_interrupt_in_the_block_is_a_keyboard_interrupt_whatever_unwinds_over
     with pytest.raises(TimeoutError):  # no interrupt: errors pass unchanged
         with interrupt_in_this_process():
             raise TimeoutError("not an interrupt")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # what the process had, given back
 
 
 def test_ctrl_c_in_the_pre_launch_step_is_one_line_and_the_shells_status(monkeypatch, capsys):
