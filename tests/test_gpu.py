@@ -25,6 +25,7 @@ from dflash_ds.network.attention import attend, build_layer_masks, build_mask
 from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.network.shape import DrafterShape
 from dflash_ds.objective.blocks import block_inputs, position_ids_from_doc_ids, sample_anchors
+from tests.lilicorr_precision import head_errors
 from tests.reference import chunked
 
 pytestmark = pytest.mark.gpu
@@ -1126,60 +1127,17 @@ def test_lilicorr_head_compiled_matches_eager_at_the_published_shape(record):
     eager bf16 is (each fuses and rounds differently; a gradient summed over 30K slots in bf16 is a few
     percent off either way). The times of both are recorded (the step's figure is the bench's,
     docs/performance.md)."""
-    found = lilicorr_head_errors(n=2048, hidden=5120, device="cuda", timer=timed_ms)
+    from dflash_ds.architectures.lilicorr.head import Geometry
+
+    geometry = Geometry(hidden=5120, width=1024, factor_dim=1024, num_layers=2, num_heads=8, mlp_width=2048,
+                        slots=15, top_k=8, eps=1e-6, logit_scale=8.0, vector_eps=1e-4)
+    found = head_errors(geometry, n=2048, device="cuda", timer=timed_ms)
     record["lilicorr_head_compiled"] = found
     assert found["pair_rms"] > 0.1, found
     for what in ("start", "pair", "hidden_grad", "param_grad_max"):
         eager, compiled = found[f"eager_{what}_rel"], found[f"compiled_{what}_rel"]
         assert compiled <= 2 * eager + 5e-3, (what, found)
         assert eager < 0.15, (what, found)  # the reference is the same head: bf16 rounding apart, no more
-
-
-def lilicorr_head_errors(*, n: int, hidden: int, device: str, timer) -> dict:
-    """The head's outputs and gradients in bf16, eager and compiled, each against float32 (relative errors),
-    and the times of the bf16 steps; `timer(fn)` -> (ms, fn's last output)."""
-    import copy
-
-    from dflash_ds.architectures.lilicorr.head import Geometry, LiLiCorrHead
-
-    g = torch.Generator(device=device).manual_seed(0)
-    s, k = 15, 8
-    geo = Geometry(hidden=hidden, width=1024, factor_dim=1024, num_layers=2, num_heads=8, mlp_width=2048, slots=s,
-                   top_k=k, eps=1e-6, logit_scale=8.0, vector_eps=1e-4)
-    torch.manual_seed(0)
-    head = LiLiCorrHead(geo).to(device).bfloat16()
-    with torch.no_grad():  # away from the zero start of the embeddings and biases
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    emb = (torch.randn(n, s, k, hidden, device=device, generator=g) * 0.02).bfloat16()
-    lp = torch.randn(n, s, 4096, device=device, generator=g).log_softmax(-1).topk(k, dim=-1).values
-    hid = torch.randn(n, s, hidden, device=device, generator=g).bfloat16()
-    context = torch.randn(n, hidden, device=device, generator=g).bfloat16()
-    valid = torch.rand(n, device=device, generator=g) > 0.05
-    probe = torch.randn(n, s - 1, k, k, device=device, generator=g)
-
-    def step(fn, module, dtype):
-        module.zero_grad(set_to_none=True)
-        x = hid.to(dtype, copy=True).requires_grad_(True)  # a leaf of its own each call: no gradient carried over
-        out = fn(emb.to(dtype), lp, x, context.to(dtype), valid=valid)
-        ((out.pair.float() * probe).sum() + out.start.float().sum()).backward()
-        return out.start.detach(), out.pair.detach(), x.grad.float(), {n: p.grad.float() for n, p in module.named_parameters()}
-
-    head32 = copy.deepcopy(head).float()
-    want = step(head32, head32, torch.float32)
-    eager_ms, eager = timer(lambda: step(head, head, torch.bfloat16))
-    compiled_ms, compiled = timer(lambda: step(torch.compile(head, dynamic=False), head, torch.bfloat16))
-    found = {"eager_ms": eager_ms, "compiled_ms": compiled_ms, "pair_rms": float(want[1].float().pow(2).mean().sqrt())}
-    for name, got in (("eager", eager), ("compiled", compiled)):
-        found[f"{name}_start_rel"] = rel(got[0], want[0])
-        found[f"{name}_pair_rel"] = rel(got[1], want[1])
-        found[f"{name}_hidden_grad_rel"] = rel(got[2], want[2])
-        errors = {n: rel(g, want[3][n]) for n, g in got[3].items()}
-        worst = max(errors, key=errors.get)
-        found[f"{name}_param_grad_max_rel"] = errors[worst]
-        found[f"{name}_param_grad_worst"] = worst  # which parameter, so that a failure names it
-        found[f"{name}_param_grad_rel"] = errors
-    return found
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])

@@ -111,7 +111,12 @@ class FeatureNorm(PaddedParameters):
             self.bias_slots.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (NUM_FEATURES,), self.padded("weight"), self.padded("bias"), FEATURE_NORM_EPS)
+        # In x's dtype, the features' (fp32 for a bf16 head): five numbers a candidate, so nothing to save,
+        # and in bf16 the gradient of the 5-element weight, a sum over every candidate of the block
+        # (n x S x k terms that largely cancel), came out 24% off float32's (eager, CPU) against 1% for
+        # the head's other weights.
+        w, b = self.padded("weight").to(x.dtype), self.padded("bias").to(x.dtype)
+        return F.layer_norm(x, (NUM_FEATURES,), w, b, FEATURE_NORM_EPS)
 
 
 class LatticeAttention(nn.Module):
@@ -255,8 +260,11 @@ class LiLiCorrHead(PaddedParameters):
         g = self.geometry
         slot = torch.arange(g.slots * g.top_k, device=self.slot_embedding.device) // g.top_k
         distance = slot[:, None] - slot[None, :]
-        bias = self.padded("relative_slot_bias")[:, distance + g.slots]
-        return bias + self.padded("same_slot_bias")[:, None, None] * (distance == 0)
+        # Gathered in (at least) fp32: the gradient of each of the nh x (2S + 1) scalars is a sum over the
+        # (kS)^2 lattice pairs at its distance, which a bf16 gather's backward accumulates in bf16.
+        dtype = torch.promote_types(self.slot_embedding.dtype, torch.float32)
+        bias = self.padded("relative_slot_bias").to(dtype)[:, distance + g.slots]
+        return bias + self.padded("same_slot_bias").to(dtype)[:, None, None] * (distance == 0)
 
     def lattice(self, embeddings: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The lattice states [n, S * k, h] (slot-major) from the candidates' target embeddings
@@ -265,7 +273,7 @@ class LiLiCorrHead(PaddedParameters):
         tokens = embeddings.to(dtype)
         x = (tokens if self.token_proj is None else self.token_proj(tokens))
         x = x + self.pass_hidden_proj(hidden.to(dtype))[:, :, None]
-        x = x + self.feature_mlp(self.feature_norm(candidate_features(log_probs).to(dtype)))
+        x = x + self.feature_mlp(self.feature_norm(candidate_features(log_probs)).to(dtype))
         x = x + self.slot_embedding[0, 0] + self.rank_embedding[0, 0]
         x = x.flatten(1, 2)
         bias = self.attention_bias()
