@@ -38,7 +38,7 @@ def head_errors(geometry, *, n: int, device: str, timer, compiled: bool = True) 
         x = hid.to(dtype, copy=True).requires_grad_(True)  # a leaf of its own each call: no gradient carried over
         out = fn(emb.to(dtype), lp, x, context.to(dtype), valid=valid)
         ((out.pair.float() * probe).sum() + out.start.float().sum()).backward()
-        return out.start.detach(), out.pair.detach(), x.grad.float(), {n: p.grad.float() for n, p in module.named_parameters()}
+        return out.start.detach(), out.pair.detach(), x.grad.float(), {key: p.grad.float() for key, p in module.named_parameters()}
 
     head32 = copy.deepcopy(head).float()
     want = step(head32, head32, torch.float32)

@@ -104,7 +104,8 @@ def evaluate_recipes(recipes: dict, *, out: Path, lab_dir: str, seconds: float |
         pass
     for name, run in runs.items():
         whole = all(run.done(part) for part in ("row", "heldout", "indomain"))
-        _summary(name, run.recipe, out, eval_s=run.eval_s)
+        if not run.eval_s:  # no part done in this call, so no summary written yet in this OUT
+            _summary(name, run.recipe, out, eval_s=run.eval_s)
         result["evaluated" if whole else "unfinished"].append(name)
         log(f"evaluate: {name} {'done' if whole else 'cut by the time box'} ({run.eval_s:.0f} s)")
     result.update(seconds=time.monotonic() - t0, responses_generated=shared.generated)
