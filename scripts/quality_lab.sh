@@ -272,11 +272,15 @@ everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS 
   local T0 NAMES RC LEFT
   T0=$(date +%s)
   left() { echo $(( ${LAB_COMMAND_SECONDS:-1000000} - ($(date +%s) - T0) )); }
+  # each phase's start, in seconds from the command's: a log brought back from a lost machine still times them
+  mark() { echo "[lab] all: at $(( $(date +%s) - T0 )) s: $*"; }
   if [ $# -gt 0 ]; then NAMES=("$@"); else read -r -a NAMES <<< "$(lab run-names)"; fi
   for NAME in "${NAMES[@]}"; do lab run-settings "$NAME" > /dev/null || exit 2; done
   if [ ! -f "$LAB/target/lab_target.json" ]; then
+    mark "the target, then its regeneration"
     LAB_COMMAND_SECONDS=$(left) bash "$0" "$OUT" target
   elif ! regenerated && [ "$(left)" -ge "${LAB_REGEN_MIN:-150}" ]; then
+    mark "the regeneration"
     regenerate "$(left)"  # a group of shards starts only while its time fits, but the first always does
   fi
   if ! regenerated; then
@@ -290,11 +294,13 @@ everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS 
     echo "[lab] all: ${LEFT} s left for the runs; rerun the same command to go on" >&2
     exit 75
   fi
+  mark "the runs (${LEFT} s for them)"
   if LAB_SWEEP_SECONDS=$LEFT bash "$0" "$OUT" sweep train "${NAMES[@]}"; then RC=0; else RC=$?; fi
   # The trained runs are evaluated together in one process, after the training (dflash_ds/lab/evaluate.py):
   # the target loaded once and each response generated once, with the GPU to themselves.
   LEFT=$(left)
   if [ "$LEFT" -ge "${LAB_EVAL_MIN:-60}" ]; then
+    mark "the evaluation (${LEFT} s for it)"
     evaluate_runs "$LEFT" "${NAMES[@]}" || RC=1
     if [ "$RC" = 0 ] && ! evaluated_all; then RC=75; fi
   else

@@ -161,6 +161,9 @@ def test_lab_pipeline_on_cpu(tmp_path):
     log = step(dict(env, LAB_STEPS="2"), out, "all", "v1-kl", timeout=600)
     assert "[lab] sweep: v1-kl done (train)" in log and f"the table: {out}/quality_lab.md" in log
     assert "lab target" not in log and "regenerate:" not in log
+    # each phase's start is logged with its time from the command's, in order (for logs of a lost machine)
+    marks = re.findall(r"\[lab\] all: at (\d+) s: (the runs|the evaluation)", log)
+    assert [m[1] for m in marks] == ["the runs", "the evaluation"] and int(marks[0][0]) <= int(marks[1][0]), marks
     # evaluated after the training, in the one evaluation process (dflash_ds/lab/evaluate.py)
     assert "evaluate: v1-kl done" in log and json.loads((out / "evaluate.json").read_text())["evaluated"] == ["v1-kl"]
     assert "(conversations framed before the in-domain set); its evaluation is skipped" in (out / "evaluate.log").read_text()
