@@ -14,7 +14,7 @@ walk equals the top-1 path (docs/quality.md): the head can leave that path when 
 import torch
 
 from dflash_ds.architectures.lilicorr.head import Geometry, LiLiCorrHead
-from dflash_ds.architectures.lilicorr.terms import Weights, lattice_terms, nodes, oracle, prefix
+from dflash_ds.architectures.lilicorr.terms import Weights, lattice_terms, nodes, oracle, prefix, weighted
 from dflash_ds.architectures.lilicorr.walk import greedy_path
 
 H, V, S, K = 32, 24, 4, 4
@@ -77,7 +77,7 @@ def test_the_head_learns_a_chain_its_backbones_ranking_does_not_hold():
         found = oracle(cands, gold, torch.ones(64, S))
         assert bool(found.supervised.all())  # every gold is in the lattice: every slot trains
         sums = lattice_terms(nodes(factors, found.gold_index), found, zt, BASE)
-        loss = (BASE.ce * sums.ce + BASE.penalty * sums.penalty) / sums.supervised
+        loss = weighted(sums, BASE) / sums.supervised  # the fused loss's composition
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.architectures.lilicorr.logs import TOP_LOG_Q
-from dflash_ds.architectures.lilicorr.terms import Weights, lattice_logs, lattice_terms, nodes, oracle, soft_log_probs
+from dflash_ds.architectures.lilicorr.terms import (Weights, lattice_logs, lattice_terms, nodes, oracle, soft_log_probs,
+                                                     weighted)
 from dflash_ds.objective.blocks import slot_rows, slot_target_states
 from dflash_ds.objective.loss_terms import OutputTerm, RowTerm
 
@@ -101,8 +102,7 @@ class LatticeLoss(OutputTerm):
         found = oracle(cands, labels, slot_weights)
         node = nodes(factors, found.gold_index)
         sums = lattice_terms(node, found, target_logits.to(raw.dtype), self.weights)  # fp32 or wider
-        w = self.weights
-        total = w.ce * sums.ce + w.margin_weight * sums.hinge + w.penalty * sums.penalty
+        total = weighted(sums, self.weights)
         share = slot_weights.sum() / normaliser
         loss = total / sums.supervised.clamp(min=1) * share
         logs = {"lilicorr_ce_sum": sums.ce.detach(), "lilicorr_hinge_sum": sums.hinge.detach(),

@@ -97,6 +97,11 @@ def lattice_terms(node: torch.Tensor, found: Oracle, target_logits: torch.Tensor
     return TermSums(ce, hinge, penalty, sup.sum())
 
 
+def weighted(sums: TermSums, weights: Weights) -> torch.Tensor:
+    """w_ce * CE + w_margin * hinge + w_pen * penalty, summed over supervised slots (the caller normalises)."""
+    return weights.ce * sums.ce + weights.margin_weight * sums.hinge + weights.penalty * sums.penalty
+
+
 def _gap(node: torch.Tensor, gi: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
     """The gold's potential minus the best other candidate's [n, S] (0 when k = 1)."""
     if node.shape[-1] == 1:
