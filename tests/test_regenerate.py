@@ -172,7 +172,7 @@ def test_regenerate_end_to_end_interrupted_and_resumed(tmp_path, tok, monkeypatc
     # The same by hand: greedy decoding, turn by turn on the regenerated history.
     model = R.HFGenerator(str(TINY), tok, cfg.regenerate).model
     enc = ChatEncoder(tok, False)
-    stop = R._stop_ids(str(TINY), tok)
+    stop = R.stop_ids(str(TINY), tok)
     expect = []
     for ln in picked:
         msgs = json.loads(ln)["messages"]

@@ -87,6 +87,8 @@ def check_regenerate(g: RegenerateConfig) -> None:
         u = urlparse(url)
         need(u.scheme in ("http", "https") and bool(u.netloc) and not u.query,
              f"data.regenerate.urls[{k}]: {url!r} is not a server URL; use http://HOST:PORT (optionally ending in /v1)")
+    need(g.decoder in ("static", "generate"), f"data.regenerate.decoder must be static or generate, got {g.decoder!r}")
+    need(g.slots >= 1, f"data.regenerate.slots must be >= 1, got {g.slots}")
     need(g.max_new_tokens >= 1, "data.regenerate.max_new_tokens must be >= 1")
     need(g.temperature >= 0, "data.regenerate.temperature must be >= 0 (0 = greedy)")
     need(0 < g.top_p <= 1, "data.regenerate.top_p must be in (0, 1]")

@@ -145,6 +145,14 @@ class RegenerateConfig:
     backend: str = "auto"
     """server (OpenAI-compatible servers at `urls`: vllm serve, SGLang, transformers serve), hf (the
     target's generate in this process: small targets), auto (server when urls are set, else hf)."""
+    decoder: str = "static"
+    """How the hf backend decodes: static (a static KV cache, continuous batching over `slots` answers
+    and, on CUDA, each decode step replayed as a CUDA graph: dflash_ds/data/static_decode.py) or generate
+    (transformers' generate, batched with left padding). A model whose layout static does not drive is
+    decoded with generate, with a note."""
+    slots: int = 1024
+    """static: answers decoded side by side (fewer where half the GPU's free memory cannot hold their KV
+    cache)."""
     urls: tuple[str, ...] = ()
     """Base URLs of the servers, e.g. [http://10.0.0.5:8000]; requests are spread over them round-robin
     and a failed request is retried on the next one."""

@@ -39,6 +39,7 @@ from pathlib import Path
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.data.sources import MANIFEST, check_complete, load_rows, load_tokenizer, output_dir, shard_name, source_identity  # noqa: F401
 from dflash_ds.data.chat import ChatEncoder, SampleError, detect_schema, normalize
+from dflash_ds.data.decoders import HFGenerator, StaticGenerator, hf_generator, stop_ids  # noqa: F401
 from dflash_ds.io import write_text_atomic
 from dflash_ds.safety import Exit, say
 
@@ -60,77 +61,13 @@ def split_reasoning(text: str) -> str:
 
 # ----------------------------------------------------------------------------- backends
 
-def _stop_ids(target_path: str, tokenizer) -> set[int]:
-    ids = set()
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(target_path).eos_token_id
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-class HFGenerator:
-    """Batched `generate` with left padding; returns (new token ids without the stop token, finished)."""
-
-    def __init__(self, target_path: str, tokenizer, settings, device=None, *, batch_size: int = 32):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        if device is None and torch.cuda.is_available():
-            # modulo: main() may have pinned this process to its one GPU already
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
-        device = device or "cpu"
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
-        self.device = device
-        self.settings = settings
-        self.batch_size = batch_size
-        self.stop = _stop_ids(target_path, tokenizer)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop)
-
-    def __call__(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
-        torch = self.torch
-        rs = self.settings
-        sample = rs.temperature > 0
-        results: list = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))  # less padding per batch
-        for b in range(0, len(order), self.batch_size):
-            idx = order[b:b + self.batch_size]
-            width = max(len(prompts[k]) for k in idx)
-            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
-            attn = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, k in enumerate(idx):
-                ids[r, width - len(prompts[k]):] = torch.tensor(prompts[k])
-                attn[r, width - len(prompts[k]):] = 1
-            torch.manual_seed(seed * 1_000_003 + b)
-            # top_k=None: no hidden top-k (generate's default 50) on top of the recipe's top_p
-            kw = dict(do_sample=True, temperature=rs.temperature, top_p=rs.top_p) if sample else dict(do_sample=False)
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                    max_new_tokens=rs.max_new_tokens, eos_token_id=sorted(self.stop),
-                    pad_token_id=self.pad, top_k=None, use_cache=True, **kw)
-            out = out.cpu()  # one copy: a row's .tolist() on the GPU would wait for the device per row
-            for r, k in enumerate(idx):
-                new = out[r, width:].tolist()
-                end = next((t for t, tok in enumerate(new) if tok in self.stop), None)
-                results[k] = (new, False) if end is None else (new[:end], True)
-        return results
-
-
 def make_generator(cfg, target_path: str, tokenizer):
     """The in-process HF generator (the server backend does not use one)."""
     backend = cfg.regenerate.backend
     if backend not in ("auto", "hf", "server"):
         raise ValueError(f"data.regenerate.backend: {backend!r}; use 'server' (with data.regenerate.urls), "
                          "'hf' or 'auto'")
-    return HFGenerator(target_path, tokenizer, cfg.regenerate)
+    return hf_generator(target_path, tokenizer, cfg.regenerate)
 
 
 def uses_server(rs) -> bool:
