@@ -112,3 +112,17 @@ def test_a_model_whose_forward_differs_is_refused_and_the_backend_falls_back(tok
     monkeypatch.setattr(D, "load_causal_lm", lambda *a, **k: (model, "cpu"))
     gen = hf_generator(str(TINY), tok, SimpleNamespace(decoder="static", **vars(settings(max_new=4))))
     assert isinstance(gen, HFGenerator) and "decoding with generate" in capsys.readouterr().err
+
+
+def test_the_regeneration_bench_compares_both_decoders(tmp_path):
+    from dflash_ds.bench.cli import main
+
+    out = tmp_path / "regen.json"
+    assert main(["--role", "regenerate", "--target", str(TINY), "--prompts", str(ROOT / "assets" / "tiny_chat.jsonl"),
+                 "--limit", "12", "--generate-limit", "6", "--batch-size", "3", "--slots", "4",
+                 "--max-new-tokens", "12", "--exact-limit", "6", "--exact-new-tokens", "12", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["result"]
+    assert r["static"]["prompts"] == 12 and r["generate"]["prompts"] == 6
+    assert r["static"]["generated_tokens"] > 12 and r["static"]["tok_s"] > 0
+    assert r["float64_agreement"] == {"answers": 6, "identical": 6, "identical_share": 1.0, "prefix_token_share": 1.0}
+    assert main(["--role", "regenerate", "--target", str(TINY), "--prompts", str(tmp_path / "none.jsonl")]) == 2

@@ -13,6 +13,7 @@
     python -m dflash_ds.bench --role transport [--transport-backend gloo|nccl]
     python -m dflash_ds.bench --role plan --from target.json drafter.json --gpus-per-node 8
     python -m dflash_ds.bench --role data      [--chats 1000] [--tokenizer PATH]   (CPU: data preparation)
+    python -m dflash_ds.bench --role regenerate --target PATH --prompts FILE.jsonl   (the regeneration's decoders)
 
 Rows are the recipe's (data.row_length, optim.rows_per_micro_batch, optim.grad_accum and its anchors
 per row token) unless the flags say otherwise.
@@ -42,7 +43,7 @@ from .timing import drift_warnings, matmul_ceiling
 from dflash_ds.architectures import DEFAULT, VARIANTS
 from dflash_ds.safety import Exit, say
 
-ROLES = ("target", "drafter", "colocated", "transport", "lm_head", "quality", "plan", "data")
+ROLES = ("target", "drafter", "colocated", "transport", "lm_head", "quality", "plan", "data", "regenerate")
 
 
 # ============================================================================ the plan role
@@ -276,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         from .data import main as data_main  # CPU only, its own options
 
         return data_main([a for a in argv if a != "--role=data"])
+    if "regenerate" in argv and argv[argv.index("regenerate") - 1] == "--role" or "--role=regenerate" in argv:
+        from .regenerate import main as regenerate_main  # the regeneration's decoders, its own options
+
+        return regenerate_main(argv)
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.masked_attention:
