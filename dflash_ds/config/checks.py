@@ -137,6 +137,8 @@ def check_optim(r: Recipe) -> None:
     need(o.max_steps is None or o.max_steps >= 1, "optim.max_steps must be >= 1 or null")
     need(o.rows_per_micro_batch >= 1, "optim.rows_per_micro_batch must be >= 1")
     need(o.grad_accum >= 1, "optim.grad_accum must be >= 1")
+    need(o.max_seconds is None or o.max_seconds > 0, f"optim.max_seconds must be > 0 or null, got {o.max_seconds}")
+    need(0 <= o.cooldown_ratio < 1, f"optim.cooldown_ratio must be in [0, 1), got {o.cooldown_ratio}")
 
 
 def check_topology(r: Recipe) -> None:
@@ -170,6 +172,18 @@ def check_eval(r: Recipe) -> None:
     need(e.top_k >= 0, f"eval.top_k must be >= 0 (0 = off), got {e.top_k}")
     need(e.samples >= 1 and e.bench_limit >= 1, "eval.samples and eval.bench_limit must be >= 1")
     need(e.bench_batch >= 1, f"eval.bench_batch must be >= 1 (responses generated at once), got {e.bench_batch}")
+    need(e.plateau_evals >= 0, f"eval.plateau_evals must be >= 0 (0 = off), got {e.plateau_evals}")
+    need(e.plateau_delta >= 0, f"eval.plateau_delta must be >= 0, got {e.plateau_delta}")
+    need(e.train_probe >= 0, f"eval.train_probe must be >= 0 (0 = off), got {e.train_probe}")
+    need(not e.plateau_evals or e.every_steps >= 1,
+         "eval.plateau_evals reads the periodic held-out evaluations: set eval.every_steps too")
+    # An early end is decided by the drafter ranks; a split topology's target ranks run the planned
+    # schedule and would wait on drafters that are gone.
+    for key, on in (("eval.plateau_evals", e.plateau_evals), ("eval.train_probe", e.train_probe),
+                    ("optim.max_seconds", r.optim.max_seconds)):
+        need(not on or r.topology.colocated,
+             f"{key} needs topology.colocated: true (target ranks of a split topology run the planned steps); "
+             "leave it unset there")
 
 
 def check_log(r: Recipe) -> None:

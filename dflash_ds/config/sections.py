@@ -272,6 +272,14 @@ class OptimConfig:
     epochs: float = 6.0
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs when smaller)."""
+    max_seconds: float | None = None
+    """A time box for the training loop (from its first step; topology.colocated): once what has run,
+    with the cooldown after it (cooldown_ratio), would no longer fit, the cooldown starts, so that the
+    run ends annealed inside the box instead of cut at a high learning rate. null = no box."""
+    cooldown_ratio: float = 0.1
+    """A run that ends early (the held-out plateau, eval.plateau_evals, or max_seconds) first decays the
+    learning rate linearly from its value there to min_lr_ratio x lr over this fraction of the steps
+    run so far (the decay phase of a warmup-stable-decay schedule, started where the run ends)."""
     rows_per_micro_batch: int = 1
     grad_accum: int = 1
     """Micro-batches per drafter rank per optimizer step."""
@@ -319,6 +327,17 @@ BENCHMARK_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench", "heldout"
 class EvalConfig:
     every_steps: int = 0
     """Exact offline tau on the held-out prompts every K steps (0 = only before and after)."""
+    plateau_evals: int = 0
+    """Stop at the held-out plateau (topology.colocated; needs every_steps): when the mean held-out
+    tau of the last two evaluations has not risen by more than plateau_delta above its best for this
+    many evaluations in a row, the run cools down (optim.cooldown_ratio) and ends there, with its
+    final checkpoint and export. 0 = train the planned steps."""
+    plateau_delta: float = 0.02
+    """The rise in held-out tau that counts as progress for plateau_evals."""
+    train_probe: int = 0
+    """Also measure the exact tau on the first N conversations of the training rows at every
+    evaluation (topology.colocated), cut to max_new_tokens as the held-out answers are: the training
+    rows' acceptance beside the held-out tau (the memorisation gap). 0 = off."""
     max_new_tokens: int = 256
     at_start: bool = True
     at_end: bool = True

@@ -73,10 +73,29 @@ def resolve(recipe: Recipe, world_size: int, num_rows: int) -> Plan:
                 total, warmup, o.schedule, decay)
 
 
-def lr_factor(step: int, plan: Plan, min_ratio: float) -> float:
+@dataclass
+class Cooldown:
+    """An early end of the run (runtime/stopping.py): from step `start` on, the learning rate falls
+    linearly from its value there to the floor over `steps` steps, and the run ends after them. Set
+    at most once, by the trainer, at a step boundary that every drafter rank agreed on."""
+
+    start: int | None = None
+    steps: int = 0
+
+    @property
+    def end(self) -> int | None:
+        return None if self.start is None else self.start + self.steps
+
+
+def lr_factor(step: int, plan: Plan, min_ratio: float, cooldown: Cooldown | None = None) -> float:
     """Multiplier of optim.lr at optimizer step `step` (0-based): linear warmup, then either cosine
     decay to min_ratio at the last step, or (wsd) 1.0 until the last decay_steps steps, which fall
-    linearly so that the last step runs at exactly min_ratio."""
+    linearly so that the last step runs at exactly min_ratio; after a `cooldown` starts, linearly from
+    the factor at its start to min_ratio at its last step."""
+    if cooldown is not None and cooldown.start is not None and step >= cooldown.start:
+        base = lr_factor(cooldown.start, plan, min_ratio)
+        progress = min((step - cooldown.start + 1) / max(cooldown.steps, 1), 1.0)
+        return base - (base - min_ratio) * progress
     if step < plan.warmup_steps:
         return (step + 1) / plan.warmup_steps
     if plan.schedule == "wsd":

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from dflash_ds.runtime import deepspeed_patches as patches
 from dflash_ds.config import Recipe
 from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config, replica_dtype, target_ds_config
-from dflash_ds.resolve.plan import Plan, lr_factor
+from dflash_ds.resolve.plan import Cooldown, Plan, lr_factor
 from dflash_ds.resolve.topology import Layout
 from dflash_ds.safety import say
 
@@ -95,7 +95,10 @@ def payload_group(layout: Layout, ctas: int) -> dist.ProcessGroup | None:
     return dist.new_group(list(range(dist.get_world_size())), pg_options=opts)
 
 
-def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, *, rank: int, device: torch.device):
+def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, *, rank: int, device: torch.device,
+                         cooldown: Cooldown | None = None):
+    """The drafter under ZeRO-2 with AdamW and the plan's schedule; `cooldown` (set later by the trainer)
+    bends the schedule into an early end's decay."""
     import deepspeed
 
     cfg = drafter_ds_config(recipe, plan.layout.num_drafters)
@@ -121,7 +124,7 @@ def build_drafter_engine(recipe: Recipe, drafter, plan: Plan, group, *, rank: in
     if device.type == "cuda":
         opt_kwargs["fused"] = True
     optimizer = torch.optim.AdamW(params, **opt_kwargs)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan, o.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan, o.min_lr_ratio, cooldown))
     engine, _, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=cfg,
                                            mpu=mpu, dist_init_required=False)
     if recipe.drafter.compile and device.type == "cuda":

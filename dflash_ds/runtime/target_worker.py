@@ -105,13 +105,35 @@ class TargetWorker:
         positions = position_ids_from_doc_ids(doc_ids)
         forward_taps(self.model, self.capture, ids, positions, out=taps_view(buf, self.spec.payload), doc_ids=doc_ids)
 
-    def eval_payloads(self, new_buffer: Callable[[], torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Yield the held-out (prompt + greedy continuation) sequences packed into R rows per payload
-        (eval_rows; each sequence its own document, kept apart by the packed forward).
+    def probe_sequences(self, n: int) -> list[dict]:
+        """The first `n` conversations of the training rows as evaluation sequences (eval.train_probe):
+        each one's prompt and its first supervised answer, cut to eval.max_new_tokens as the held-out
+        continuations are."""
+        ids, mask, docs = self.rows["input_ids"], self.rows["loss_mask"], self.rows["doc_ids"]
+        limit, out = self.spec.recipe.eval.max_new_tokens, []
+        for j in range(ids.shape[0]):
+            row_docs = np.asarray(docs[j])
+            for d in np.unique(row_docs[row_docs >= 0]):
+                where = np.flatnonzero(row_docs == d)
+                a = int(where[0])
+                sup = np.flatnonzero(np.asarray(mask[j, a:int(where[-1]) + 1]))
+                if sup.size == 0 or sup[0] == 0:
+                    continue
+                first = int(sup[0])
+                gaps = np.flatnonzero(np.diff(sup) > 1)  # the answer ends where the supervision does
+                stop = int(sup[gaps[0]] if gaps.size else sup[-1]) + 1
+                out.append({"prompt_len": first, "ids": ids[j, a:a + min(stop, first + limit)].astype(np.int64).tolist()})
+                if len(out) == n:
+                    return out
+        return out
+
+    def eval_payloads(self, new_buffer: Callable[[], torch.Tensor], sequences: list[dict] | None = None) -> Iterator[torch.Tensor]:
+        """Yield the held-out (prompt + greedy continuation) sequences, or `sequences`, packed into R rows
+        per payload (eval_rows; each sequence its own document, kept apart by the packed forward).
 
         A generator, so a caller that sends each payload frees its buffer before the next is filled.
         """
-        sequences = self.eval_sequences or []
+        sequences = (self.eval_sequences or []) if sequences is None else sequences
         r, s = self.spec.payload.rows, self.spec.payload.seq_len
         device = self.spec.device
         lens = [seq["prompt_len"] for seq in sequences]

@@ -29,10 +29,11 @@ from dflash_ds.objective.loss import ChunkedLoss
 from dflash_ds.report import finish_run
 from dflash_ds.resolve import contract
 from dflash_ds.resolve.payload import PayloadLayout, unpack
-from dflash_ds.resolve.plan import receive_depth
+from dflash_ds.resolve.plan import Cooldown, receive_depth
 from dflash_ds.resolve.run import RunSpec
 from dflash_ds.runtime import checkpoint
 from dflash_ds.runtime.profiling import StepProfiler, SyncStallTimer
+from dflash_ds.runtime.stopping import EarlyEnd
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.transport import Receiver
 from dflash_ds.runtime.watchdog import waiting_on
@@ -87,6 +88,8 @@ class DrafterParts:
     syncs: SyncStallTimer
     start: int = 0  # the first step (the run control's decision; the metrics continue from it)
     eval_set: list[torch.Tensor] = field(default_factory=list)  # held-out payloads (host memory), lead only
+    probe_set: list[torch.Tensor] = field(default_factory=list)  # eval.train_probe's training-row payloads, lead only
+    cooldown: Cooldown = field(default_factory=Cooldown)  # the schedule's early end (runtime/stopping.py)
 
 
 @dataclass
@@ -111,6 +114,7 @@ class DrafterTrainer:
         self.spec, self.rank, self.control = spec, rank, control
         self.engine, self.model, self.source, self.group = parts.engine, parts.model, parts.source, parts.group
         self.syncs, self.start, self.eval_set = parts.syncs, parts.start, parts.eval_set
+        self.probe_set, self.cooldown = parts.probe_set, parts.cooldown
         self.lead = rank == spec.layout.drafter_ranks[0]
         self.settings = spec.settings
         # What runs the loss's terms; the bench swaps in another with the same interface to compare.
@@ -132,17 +136,19 @@ class DrafterTrainer:
         lead = rank == lay.drafter_ranks[0]
         embed, head = embed_and_head(r.target.path, spec.dtype, spec.device)
         drafter = build_drafter(spec)
-        engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank=rank, device=spec.device)
+        cooldown = Cooldown()
+        engine, _ = build_drafter_engine(r, drafter, spec.plan, groups.drafter, rank=rank, device=spec.device,
+                                         cooldown=cooldown)
         start = checkpoint.load(engine, r.run.output_dir, groups.drafter, control.start,
                                 universal=r.checkpoint.universal, is_lead=lead)
         if lead:  # the run's contract: recorded once the drafter is built and resumed, never from a failed start
             contract.record(r, control.start_step)
-        source, eval_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups,
-                                                                                    start=start)
+        source, eval_set, probe_set = (colocated_source if lay.colocated else received_source)(spec, data, rank, groups,
+                                                                                               start=start)
         from deepspeed.accelerator import get_accelerator
 
         parts = DrafterParts(engine, DraftModel(drafter, embed, head, loss_head(r, head)), source, groups.drafter,
-                             SyncStallTimer(get_accelerator(), spec.device), start, eval_set)
+                             SyncStallTimer(get_accelerator(), spec.device), start, eval_set, probe_set, cooldown)
         return cls(spec, rank, parts, control)
 
     @property
@@ -190,29 +196,58 @@ class DrafterTrainer:
     def train(self) -> None:
         r, plan, start, eval_set = self.spec.recipe, self.spec.plan, self.start, self.eval_set
         metrics = self.metrics  # opened before the first step: a wandb.init that fails costs no training
+        early = EarlyEnd(r, plan.total_steps, self.cooldown, group=self.group, device=self.spec.device, lead=self.lead)
+        early.resume(Path(r.run.output_dir) / "metrics.jsonl", start)
         if self.lead and eval_set and r.eval.at_start and start == 0:
             self.log_tau(0, eval_set, "before training")
         t0 = time.perf_counter()
         window_t, window_steps = t0, 0
-        for step in range(start, plan.total_steps):
-            stats = self.train_step(step)
+        done = start
+        while done < early.end_step:
+            stats = self.train_step(done)
             window_steps += 1
-            done = step + 1
-            if done % r.log.every_steps == 0 or done == plan.total_steps:
+            done += 1
+            last = done == early.end_step
+            logged = done % r.log.every_steps == 0 or last
+            if logged:
                 self.log_step(done, stats, time.perf_counter() - window_t, window_steps, t0=t0, start=start)
                 window_t, window_steps = time.perf_counter(), 0
-            if r.eval.every_steps and done % r.eval.every_steps == 0 and self.lead and done != plan.total_steps:
-                self.log_tau(done, eval_set, "")
-            saved = done % r.checkpoint.every_steps == 0 or done == plan.total_steps
+            evaluated = bool(r.eval.every_steps) and done % r.eval.every_steps == 0 and not last
+            if evaluated and self.lead:
+                report = self.log_tau(done, eval_set, "")
+                if report.cycles:
+                    early.evaluated(report.tau_mean)
+            if (logged or evaluated) and not last:
+                # where the loop synchronises anyway: the plateau's or the time box's cooldown starts here
+                record = early.decide(done, time.perf_counter() - t0)
+                if record is not None:
+                    self.reschedule()
+                    metrics.log({**record, "lr": self.engine.get_lr()[0]})  # the next step's, the cooldown's first
+                    if self.lead:
+                        say(f"step {done}: {record['early_end']} (held-out tau best {early.plateau.best:.3f}); the "
+                            f"learning rate cools down over {record['cooldown_steps']} steps, the run ends at step "
+                            f"{record['end_step']}")
+                    last = done == early.end_step
+            saved = done % r.checkpoint.every_steps == 0 or last
             if saved:
-                self.save(done)
-            if done < plan.total_steps and self.control.should_stop():
+                self.save(done, final=last)
+            if not last and self.control.should_stop():
                 self.stop(done, saved)
+        end = early.end_step
         if self.lead and eval_set and r.eval.at_end:
-            self.log_tau(plan.total_steps, eval_set, "after training")
+            self.log_tau(end, eval_set, "after training")
         metrics.close()
         if self.lead:
-            finish_run(r.run.output_dir, card_info(r, plan.total_steps, self.last_tau))
+            finish_run(r.run.output_dir, card_info(r, end, self.last_tau))
+
+    def reschedule(self) -> None:
+        """The rate of the next step again, now that the cooldown bends the schedule: the scheduler set it
+        after the last step, before the cooldown existed."""
+        sched = self.engine.lr_scheduler
+        lrs = [base * f(sched.last_epoch) for f, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        for group, lr in zip(sched.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs  # what get_last_lr reports (the engine's get_lr reads the groups)
 
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, *, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
@@ -246,20 +281,27 @@ class DrafterTrainer:
         if self.spec.recipe.log.progress:
             print_progress(rec, plan.total_steps, self.settings.shape.variant.logs.progress)
 
-    def log_tau(self, step: int, eval_set: list[torch.Tensor], label: str) -> None:
+    def log_tau(self, step: int, eval_set: list[torch.Tensor], label: str) -> TauReport:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
         self.last_tau = report
-        self.metrics.log({"step": step, **report.metrics_record(), "eval": label or "periodic"})
-        say(f"tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
-            f"{len(report.cycles)} responses)")
+        rec = {"step": step, **report.metrics_record(), "eval": label or "periodic"}
+        line = (f"tau {label or f'at step {step}'}: {report.tau_mean:.3f} (pooled {report.tau_pooled:.3f}, "
+                f"{len(report.cycles)} responses)")
+        if self.probe_set:  # the same walk over training rows: the memorisation gap beside the held-out tau
+            probe = tau_of_payloads(self.model, self.probe_set, self.spec.payload, self.spec.dtype)
+            rec.update(train_tau=probe.tau_mean, train_tau_pooled=probe.tau_pooled, train_responses=len(probe.cycles))
+            line += f"; training rows {probe.tau_mean:.3f} ({len(probe.cycles)})"
+        self.metrics.log(rec)
+        say(line)
         say(report.position_line())
+        return report
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, *, final: bool = False) -> None:
         from dflash_ds.export import ExportWriteError, save_drafter
 
         r = self.spec.recipe
         t0 = time.perf_counter()
-        if self.lead and step == self.spec.plan.total_steps:
+        if self.lead and final:
             say(f"step {step}: writing the final checkpoint and export")
         checkpoint.save(self.engine, r.run.output_dir, step, self.group, is_lead=self.lead,
                         keep_last=r.checkpoint.keep_last)
@@ -331,10 +373,14 @@ def colocated_source(spec: RunSpec, data: PreparedData, rank: int, groups, *, st
     lead = rank == spec.layout.drafter_ranks[0]
     worker = TargetWorker.load(spec, data, rank, groups.target, eval_lead=lead)
     eval_set: list[torch.Tensor] = []
+    probe_set: list[torch.Tensor] = []
+    empty = lambda: spec.payload.empty(spec.device)  # noqa: E731
     if worker.eval_sequences is not None:
-        eval_set = [p.cpu() for p in worker.eval_payloads(lambda: spec.payload.empty(spec.device))]
-        eval_set = eval_set if lead else []  # ZeRO-3 ranks only joined the forwards
-    return LocalSource(worker, rank, start), eval_set
+        eval_set = [p.cpu() for p in worker.eval_payloads(empty)]
+        if spec.recipe.eval.train_probe:  # the training rows' own text: nothing to generate
+            probe_set = [p.cpu() for p in worker.eval_payloads(empty, worker.probe_sequences(spec.recipe.eval.train_probe))]
+        eval_set, probe_set = (eval_set, probe_set) if lead else ([], [])  # ZeRO-3 ranks only joined the forwards
+    return LocalSource(worker, rank, start), eval_set, probe_set
 
 
 def received_source(spec: RunSpec, data: PreparedData, rank: int, groups, *, start: int):
@@ -351,7 +397,7 @@ def received_source(spec: RunSpec, data: PreparedData, rank: int, groups, *, sta
             rx.release(buf)
     sources = (lay.source_of(s, g, plan.grad_accum, rank) for s in range(start, plan.total_steps)
                for g in range(plan.grad_accum))
-    return Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, group=groups.payload), eval_set
+    return Receiver(spec.payload, spec.device, receive_depth(plan.grad_accum), sources, group=groups.payload), eval_set, []
 
 
 def run_drafter(spec: RunSpec, data: PreparedData, rank: int, groups, *, control) -> None:
