@@ -33,7 +33,10 @@
 # LAB_REGEN_ARGS (extra `python -m dflash_ds.lab regenerate` arguments, e.g. "--batch-size 2048");
 # LAB_OVERRIDES (recipe key=value settings for the regeneration and every run, e.g. for a CPU check);
 # LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter (scripts/setup_env.sh).
-# all: LAB_EVAL_RESERVE (seconds of the box kept from the training for the evaluation), LAB_SWEEP_MIN /
+# all: LAB_EVAL_RESERVE (seconds of the box kept from the training for the evaluation), LAB_START_MARGIN (of the
+# runs' time, what their start takes before the first step: their loops' box, optim.max_seconds, is the rest;
+# default 150), LAB_TRAIN_SECONDS (that box itself, for any run step), LAB_REGEN_BENCH=1 (the target step
+# benchmarks the regeneration's two decoders first: OUT/bench_regenerate.json), LAB_SWEEP_MIN /
 # LAB_REGEN_MIN / LAB_EVAL_MIN (the least time worth starting the runs, the regeneration, the evaluation).
 # sweep: each run gets its own rendezvous port (DFLASH_PORT), its log OUT/NAME.log and a start
 # LAB_SWEEP_STAGGER seconds (default 5) after the previous one, so that compilations do not all collide;
@@ -95,6 +98,8 @@ one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settin
   exec > >(tee -a "$OUT/$NAME.log") 2>&1
   SETTINGS=("${PATHS[@]}" "run.output_dir=$RUN" "${SPEC[@]:1}" "${EXTRA[@]}")
   [ -n "${LAB_STEPS:-}" ] && SETTINGS+=("optim.max_steps=$LAB_STEPS")
+  # the training loop's own time box: it cools down in time to end inside it (runtime/stopping.py)
+  [ -n "${LAB_TRAIN_SECONDS:-}" ] && SETTINGS+=("optim.max_seconds=$LAB_TRAIN_SECONDS")
   SETTINGS+=("$@")
   local T0 RC
   T0=$(date +%s)
@@ -295,7 +300,12 @@ everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS 
     exit 75
   fi
   mark "the runs (${LEFT} s for them)"
-  if LAB_SWEEP_SECONDS=$LEFT bash "$0" "$OUT" sweep train "${NAMES[@]}"; then RC=0; else RC=$?; fi
+  # Each run's loop gets the box less its start (data, target, compilation, held-out answers: LAB_START_MARGIN),
+  # so that it cools down and ends by itself; the sweep's own stop at LEFT stays the hard limit.
+  local TRAIN=$(( LEFT - ${LAB_START_MARGIN:-150} ))
+  [ "$TRAIN" -ge 60 ] || TRAIN=60
+  if LAB_SWEEP_SECONDS=$LEFT LAB_TRAIN_SECONDS=${LAB_TRAIN_SECONDS:-$TRAIN} bash "$0" "$OUT" sweep train "${NAMES[@]}"; then
+    RC=0; else RC=$?; fi
   # The trained runs are evaluated together in one process, after the training (dflash_ds/lab/evaluate.py):
   # the target loaded once and each response generated once, with the GPU to themselves.
   LEFT=$(left)
@@ -357,6 +367,13 @@ case "$STEP" in
         --conversations "$LAB/conversations" --out "$LAB/target" "${TARGS[@]}" 2>&1 | tee "$OUT/target.log"
     fi
     cp "$LAB/target/lab_target.json" "$OUT/target.json"
+    # LAB_REGEN_BENCH=1: the static decoder against generate on the same training prompts, once, before the
+    # regeneration (python -m dflash_ds.bench --role regenerate; OUT/bench_regenerate.json)
+    if [ "${LAB_REGEN_BENCH:-0}" = 1 ] && [ ! -f "$OUT/bench_regenerate.json" ]; then
+      read -r -a BARGS <<< "${LAB_REGEN_BENCH_ARGS:---limit 1024 --generate-limit 256 --batch-size 256}"
+      "$PY" -m dflash_ds.bench --role regenerate --target "$LAB/target" --prompts "$LAB/conversations/train.jsonl" \
+        "${BARGS[@]}" --out "$OUT/bench_regenerate.json" 2>&1 | tee "$OUT/bench_regenerate.log" || true
+    fi
     # What is left of a 10-minute command (less a margin for loading and the first group) goes to the regeneration.
     LEFT=$(( ${LAB_COMMAND_SECONDS:-540} - ($(date +%s) - T0) ))
     if [ "$LEFT" -ge 40 ]; then

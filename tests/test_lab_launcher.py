@@ -157,8 +157,11 @@ def test_lab_pipeline_on_cpu(tmp_path):
     # The whole lab as one command: the target and its regeneration are found done, the named run is
     # trained and evaluated, and the table is drawn again with it. Conversations framed before the
     # in-domain set (an older archive) have no indomain.jsonl: that evaluation is skipped, saying so.
+    # It evaluates along training and ends at its plateau (plateau_delta so large that no evaluation is a
+    # rise: the second one, at step 2 of 4, with no cooldown at two steps), its curve in the table.
     (lab / "conversations" / "indomain.jsonl").rename(tmp_path / "indomain.jsonl")
-    log = step(dict(env, LAB_STEPS="2"), out, "all", "v1-kl", timeout=600)
+    plateau = " ".join(CPU + ["eval.every_steps=1", "eval.plateau_evals=1", "eval.plateau_delta=100", "eval.train_probe=4"])
+    log = step(dict(env, LAB_STEPS="4", LAB_OVERRIDES=plateau), out, "all", "v1-kl", timeout=600)
     assert "[lab] sweep: v1-kl done (train)" in log and f"the table: {out}/quality_lab.md" in log
     assert "lab target" not in log and "regenerate:" not in log
     # each phase's start is logged with its time from the command's, in order (for logs of a lost machine)
@@ -172,4 +175,8 @@ def test_lab_pipeline_on_cpu(tmp_path):
     kl = json.loads((out / "v1-kl.json").read_text())
     assert kl["final"]["step"] == 2 and kl["indomain_greedy"] is None and kl["heldout_greedy"]["tau_mean"] >= 1.0
     assert kl["benchmarks_complete"] is True and len(kl["benchmarks"]) == 8 and kl["eval_s"] > 0
+    assert kl["early_end"]["early_end"] == "plateau" and kl["early_end"]["end_step"] == 2
+    curve = [e for e in kl["tau_evals"] if e["eval"] == "periodic"]
+    assert [e["step"] for e in curve] == [1, 2] and all(e["train_tau"] >= 1.0 for e in curve)
+    assert "| v1-kl | plateau at 2, ended 2 |" in (out / "quality_lab.md").read_text()
     assert "| in-domain (training projects) | greedy |" in (out / "quality_lab.md").read_text()

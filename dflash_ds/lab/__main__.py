@@ -95,7 +95,8 @@ def _target(args) -> dict:
 def _regenerate(args) -> dict:
     from dflash_ds.lab.runs import regenerate
 
-    return regenerate(args.recipe, args.overrides, batch_size=args.batch_size, seconds=args.seconds, log=_log)
+    return regenerate(args.recipe, args.overrides, batch_size=args.batch_size, seconds=args.seconds, log=_log,
+                      slots=args.slots)
 
 
 def _run_settings(args) -> dict:
@@ -197,9 +198,11 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("regenerate")
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*")
-    r.add_argument("--batch-size", type=int, default=1024,
-                   help="conversations per HF generate call (the lab target's KV cache at 1,024 x ~1,500 "
-                        "tokens is ~16 GB: room on an H200)")
+    r.add_argument("--batch-size", type=int, default=4096,
+                   help="conversations regenerated together (a group of shards; with data.regenerate.decoder="
+                        "generate, its generate batch: the lab target's KV cache at 1,024 x ~1,500 tokens is ~16 GB)")
+    r.add_argument("--slots", type=int, default=None,
+                   help="the static decoder's rows (default data.regenerate.slots)")
     r.add_argument("--seconds", type=float, default=150)
     n = sub.add_parser("run-settings")
     n.add_argument("name")

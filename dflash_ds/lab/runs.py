@@ -12,14 +12,16 @@ import time
 from pathlib import Path
 
 
-def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, seconds: float, log) -> dict:
-    """`python -m dflash_ds.regenerate RECIPE` with an HF generate batch of `batch_size`: as many shards
-    at a time as fill it (their conversations share each turn's batches). A group starts only while the
-    last one's time still fits in `seconds` (a group cut by the command's limit would lose all its
-    shards); a rerun resumes at the next shard. Returns the summary, with `complete` saying whether
-    every shard is written."""
+def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, seconds: float, log,
+               slots: int | None = None) -> dict:
+    """`python -m dflash_ds.regenerate RECIPE` over groups of `batch_size` conversations (as many shards
+    at a time as hold them; their conversations share each turn's decoding), with the recipe's hf
+    decoder (`data.regenerate.decoder`: the static decoder with `slots` rows by default; generate with
+    that batch). A group starts only while the last one's time still fits in `seconds` (a group cut by
+    the command's limit would lose all its shards); a rerun resumes at the next shard. Returns the
+    summary, with `complete` saying whether every shard is written, and the decoder's rate."""
     from dflash_ds.config import load_recipe
-    from dflash_ds.data.regenerate import SHARD_SIZE, HFGenerator, Shards
+    from dflash_ds.data.regenerate import SHARD_SIZE, Shards, hf_generator
     from dflash_ds.data.regenerate import regenerate as run_shards
     from dflash_ds.data.sources import check_complete, load_tokenizer, output_dir
 
@@ -27,16 +29,22 @@ def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, secon
     cfg = recipe.data
     if not cfg.regenerate.enabled:
         raise ValueError(f"{recipe_path}: data.regenerate.enabled is false; the lab trains on the target's own answers")
-    tokenizer = load_tokenizer(recipe.target.path)
     if batch_size < 1:
         raise ValueError(f"regenerate --batch-size {batch_size}: must be >= 1")
-    generator = HFGenerator(recipe.target.path, tokenizer, cfg.regenerate, batch_size=batch_size)
+    if slots is not None and slots < 1:
+        raise ValueError(f"regenerate --slots {slots}: must be >= 1")
+    tokenizer = load_tokenizer(recipe.target.path)
+    # generate (the fallback, or decoder=generate) holds a group's KV cache padded to its longest answer:
+    # no larger batch than the lab target's ~16 GB at 1,024 conversations
+    generator = hf_generator(recipe.target.path, tokenizer, cfg.regenerate, batch_size=min(batch_size, 1024),
+                             slots=slots)
+    counted = _TokenCount(generator)
     per_call = -(-batch_size // SHARD_SIZE)
     t0, total = time.monotonic(), {"shards_written": 0, "samples_out": 0, "unfinished_turns": 0}
     while True:
         started = time.monotonic()
         done = run_shards(cfg, recipe.target.path, shards=Shards(max_shards=per_call, per_call=per_call),
-                          generator=generator, tokenizer=tokenizer, verbose=True)
+                          generator=counted, tokenizer=tokenizer, verbose=True)
         for k in total:
             total[k] += done.get(k, 0)
         last = time.monotonic() - started  # the estimate of the next group's time
@@ -44,9 +52,31 @@ def regenerate(recipe_path: str, overrides: list[str], *, batch_size: int, secon
             break
     total["wall_s"] = time.monotonic() - t0
     total["batch_size"] = batch_size
+    total["decoder"] = type(generator).__name__
+    total.update(counted.record())
     total["complete"] = _complete(check_complete, output_dir(cfg))
     log(f"regenerate: {total}")
     return total
+
+
+class _TokenCount:
+    """The generator, counting the tokens it generated and the seconds it took (the decoder's rate,
+    apart from the shards' reading, rendering and writing)."""
+
+    def __init__(self, generator):
+        self.generator, self.tokens, self.seconds, self.prompts = generator, 0, 0.0, 0
+
+    def __call__(self, prompts, seed):
+        t0 = time.monotonic()
+        out = self.generator(prompts, seed)
+        self.seconds += time.monotonic() - t0
+        self.prompts += len(prompts)
+        self.tokens += sum(len(ids) + int(fin) for ids, fin in out)
+        return out
+
+    def record(self) -> dict:
+        return {"generated_tokens": self.tokens, "decode_s": self.seconds, "turns": self.prompts,
+                "decode_tok_s": self.tokens / self.seconds if self.seconds else None}
 
 
 def _complete(check, out: Path) -> bool:
@@ -88,8 +118,20 @@ def tau_records(metrics: Path) -> list[dict]:
         for line in metrics.read_text().splitlines():
             rec = json.loads(line) if line.strip() else {}
             if "eval" in rec:
-                out.append({k: rec.get(k) for k in ("eval", "step", "tau", "tau_pooled", "tau_position_acceptance")})
+                out.append({k: rec.get(k) for k in ("eval", "step", "tau", "tau_pooled", "tau_position_acceptance",
+                                                    "train_tau", "train_tau_pooled")})
     return out
+
+
+def early_end_record(metrics: Path) -> dict | None:
+    """The run's early end (runtime/stopping.py: a plateau or the time box, where its cooldown started and
+    where the run ended), None when it ran its planned steps."""
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "early_end" in rec:
+                return {k: v for k, v in rec.items() if k != "time"}
+    return None
 
 
 def pooled_mean_se(groups: list[list[float]]) -> tuple[float | None, float | None]:
@@ -170,6 +212,7 @@ def summarize(run_dir: Path, name: str, *, wall_s: float | None = None) -> dict:
             "objective": recipe.get("objective", {}), "optim": recipe.get("optim", {}),
             "final": last_training_record(run_dir / "metrics.jsonl"),
             "tau_evals": tau_records(run_dir / "metrics.jsonl"),
+            "early_end": early_end_record(run_dir / "metrics.jsonl"),
             "benchmarks": rows, "benchmarks_complete": complete,
             "heldout_greedy": {k: eval_json.get(k) for k in ("tau_mean", "tau_pooled", "num_responses", "position_acceptance")}
             if eval_json else None,

@@ -101,6 +101,7 @@ def markdown(table: dict) -> str:
         for d in table["differences"]:
             lines.append(f"| {d['run']} | {LAB_SET_NAMES.get(d['bench'], d['bench'])} | {d['sampling']} | "
                          f"{d['delta']:+.3f} | {d['se']:.3f} | {d['z']:+.1f} | {'yes' if d['significant'] else 'no'} |")
+    lines += _curves_md(runs)
     lines += _ordering_md(table["decisions"]) + _decisions_md(table["decisions"])
     lines += ["", "## Acceptance by position (P(slot k | slots < k accepted))", "", "| run | set | sampling | positions |",
               "|---|---|---|---|"]
@@ -114,6 +115,28 @@ def markdown(table: dict) -> str:
         lines += _llama_md(runs, key, title)
     lines += ["", "(first round / later rounds: mean accepted drafts per round.)", ""]
     return "\n".join(lines)
+
+
+def _curves_md(runs: dict) -> list[str]:
+    """Each run's held-out tau along training beside the same walk's tau on training rows (the
+    memorisation gap: training / held-out at the last evaluation), and where and why it ended."""
+    curved = {n: s for n, s in runs.items() if any(e.get("eval") == "periodic" for e in s.get("tau_evals") or [])}
+    if not curved:
+        return []
+    lines = ["", "## Training curves (exact greedy tau during training: held-out prompts / training rows)", "",
+             "| run | end | last held-out | last training rows | training / held-out | curve (step: held-out / training) |",
+             "|---|---|---|---|---|---|"]
+    for n, s in curved.items():
+        evals = [e for e in s["tau_evals"] if e.get("eval") == "periodic"] + \
+            [e for e in s["tau_evals"] if e.get("eval") == "after training"]
+        last = evals[-1]
+        e = s.get("early_end")
+        end = f"{e['early_end']} at {e['step']}, ended {e['end_step']}" if e else f"planned ({s.get('final', {}).get('step', '-')})"
+        gap = last["train_tau"] / last["tau"] if last.get("train_tau") and last.get("tau") else None
+        curve = ", ".join(f"{x['step']}: {_num(x.get('tau'), '.2f')} / {_num(x.get('train_tau'), '.2f')}" for x in evals)
+        lines.append(f"| {n} | {end} | {_num(last.get('tau'), '.3f')} | {_num(last.get('train_tau'), '.3f')} | "
+                     f"{_num(gap, '.2f')} | {curve} |")
+    return lines
 
 
 def _llama_md(runs: dict, key: str, title: str) -> list[str]:
