@@ -154,12 +154,13 @@ r = load_recipe(sys.argv[1], sys.argv[2:]); print(r.eval.max_new_tokens, r.eval.
     --chat-template-kwargs '{"enable_thinking": false}' --out "$2"
 }
 
-descendants() {  # $1: a PID; the PIDs of every process under it, the subtrees of the PIDs in SKIP left out
+frozen_tree() {  # $1: a PID; it and every process under it, each stopped (SIGSTOP) before its children are
+  # listed, so that none starts another meanwhile, and printed; the subtrees of the PIDs in SKIP left out
   local C
+  kill -STOP "$1" 2> /dev/null || return 0
+  echo "$1"
   for C in $(ps -o pid= --ppid "$1" 2> /dev/null); do
-    [[ " ${SKIP[*]-} " == *" $C "* ]] && continue
-    echo "$C"
-    descendants "$C"
+    [[ " ${SKIP[*]-} " == *" $C "* ]] || frozen_tree "$C"
   done
 }
 
@@ -178,10 +179,12 @@ stop_started() {  # sweep's traps: the runs it started that are still going, sto
   [ ${#OTHERS[@]} -gt 0 ] || return 0
   # launch.sh's supervisor (SKIP) stops its job with a checkpoint on SIGTERM, so its own processes are
   # left to it; the rest (each run's shell, its log's tee, an evaluation) simply end
-  for P in "${OTHERS[@]}"; do OTHERS+=($(descendants "$P")); done
-  OTHERS+=(${SKIP[@]+"${SKIP[@]}"})
+  local TREE=()
+  for P in "${OTHERS[@]}"; do TREE+=($(frozen_tree "$P")); done
+  OTHERS=("${TREE[@]}" ${SKIP[@]+"${SKIP[@]}"})
   echo "[lab] sweep: ending before its runs; stopping what it started (PIDs ${OTHERS[*]})" >&2
   for P in "${OTHERS[@]}"; do kill -TERM "$P" 2> /dev/null || true; done
+  for P in "${TREE[@]}"; do kill -CONT "$P" 2> /dev/null || true; done
   # within LAB_STOP_GRACE seconds (the supervisors' checkpoint), then a second SIGTERM stops them at once
   for T in $(seq $(( ${LAB_STOP_GRACE:-60} + 15 ))); do
     LIVE=()

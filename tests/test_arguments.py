@@ -118,3 +118,19 @@ def test_an_output_folder_may_be_new_or_existing_but_not_a_file(tmp_path):
     for bad in (tmp_path / "f", tmp_path / "f" / "under"):
         with pytest.raises(argparse.ArgumentTypeError, match="is a file"):
             output_folder(str(bad))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["recipes/tiny.yaml", "--dryrun"], "launch.sh: unknown option --dryrun; usage: bash launch.sh RECIPE"),
+    (["recipes/tiny.yaml", "--world-size", "3", "optim.lr=1e-3"], "unknown option --world-size"),
+    (["--dry_run"], "unknown option --dry_run"),
+])
+def test_launch_sh_refuses_an_option_it_does_not_take(argv, words, capsys, monkeypatch):
+    # A mistyped --dry-run used to be dropped without a word, and the real run started.
+    from dflash_ds.guard import launch
+
+    monkeypatch.setattr(launch, "prelaunch", lambda recipe: pytest.fail("the pre-launch checks ran"))
+    assert launch.main(argv) == 0  # shell text for launch.sh's eval: one line, then exit 2
+    shell = capsys.readouterr().out.strip()
+    assert shell.startswith("echo '[dflash] error: ") and shell.endswith(">&2; exit 2") and words in shell
+    assert "\n" not in shell

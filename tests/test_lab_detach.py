@@ -87,10 +87,27 @@ def _left_running(marker: str, pids: list[int]) -> list[int]:
     return sorted(p for p in set(pids) | set(named) if alive(p) and p != os.getpid())
 
 
-def test_a_sweep_that_fails_or_is_stopped_ends_every_process_it_started(tmp_path):
-    """A bad lab setting stops the sweep before any start; a sweep that fails after its runs have started
-    (a stagger `sleep` refuses, as it did before the settings were checked) or is sent SIGTERM stops each
-    process it started: the runs' shells, their logs' tee and launch.sh's supervisor, by their PIDs."""
+def test_bad_script_settings_start_nothing_and_a_failed_sweep_ends_what_it_started(tmp_path):
+    """An OUT that is a file, a step that does not exist or a setting that is not a number stop the scripts
+    in one line before they start anything; a bad lab setting stops the sweep before any start; a sweep
+    that fails after its runs have started (a stagger `sleep` that refuses, the check passed by) or is
+    sent SIGTERM stops each process it started: the runs' shells, their logs' tee and launch.sh's
+    supervisor, by their PIDs."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for script, args, extra, words in [
+            ("quality_lab.sh", [str(a_file), "table"], {}, f"OUT {a_file} is a file; pass a folder"),
+            ("quality_lab.sh", [str(tmp_path / "o"), "wait", "soon"], {}, "wait SECONDS='soon': expected a whole number"),
+            ("packing_benches.sh", [str(a_file), "target"], {}, f"OUT_DIR {a_file} is a file; pass a folder"),
+            ("packing_benches.sh", [str(tmp_path / "o"), "targett"], {}, "unknown step 'targett'"),
+            ("two_gpu_runs.sh", [str(tmp_path / "o"), "e1", "nosuch"], {}, "unknown step 'nosuch'"),
+            ("gpu_rows_bench.sh", [str(tmp_path / "o")], {"STEPS": "five"}, "STEPS=five: expected a whole number"),
+            ("gpu_dflash2_bench.sh", [str(a_file)], {}, f"OUT_DIR {a_file} is a file")]:
+        proc = run(["bash", f"scripts/{script}", *args], 60, cpu_env(**extra))
+        lines = output(proc).strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], (script, output(proc))
+    assert a_file.read_text() == "x" and not (tmp_path / "o" / "commands.txt").exists()
+
     lab_dir, out = tmp_path / "lab", tmp_path / "out"
     (lab_dir / "target").mkdir(parents=True)
     (lab_dir / "target" / "lab_target.json").write_text("{}")
