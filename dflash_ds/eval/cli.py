@@ -21,7 +21,7 @@ from dflash_ds.eval.generate import eos_ids, offline_tau, target_taps
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
-from dflash_ds.eval.vllm_count import VllmCounts
+from dflash_ds.eval.vllm_count import VllmCounts, with_block
 from dflash_ds.export.card import trained_thinking
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.network.draft_model import DraftModel
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template-kwargs", default=None, type=json_object,
                         help='JSON passed to the chat template, e.g. \'{"enable_thinking": false}\'; must match training')
     parser.add_argument("--batch-anchors", type=integer(1), default=DEFAULT_BATCH_ANCHORS)
+    parser.add_argument("--num-speculative-tokens", type=integer(1), default=None, metavar="N",
+                        help="vLLM's count as served with N speculative tokens (1 to the drafter's drafts per block; "
+                             "default: all of them): the drafter then runs a shorter block, as vLLM does")
     parser.add_argument("--out", default=None, type=output_file, help="write the report as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -134,9 +137,15 @@ def _run(args) -> int:
     sets = {name: load_conversations(name, args.bench_dir, args.limit) for name in parse_names(args.bench)} \
         if args.bench else {}
     target, tokenizer, model = load_pair(args.target, args.drafter)
+    if args.num_speculative_tokens is not None:
+        try:  # the range the drafter's block allows, known once it is loaded
+            with_block(model, args.num_speculative_tokens)
+        except ValueError as e:
+            raise ValueError(f"--num-speculative-tokens: {e}") from None
     thinking = _thinking(args, kwargs)
     opts = BenchOptions(max_new_tokens=args.max_new_tokens, samples=args.samples, seed=args.seed,
-                        thinking=thinking, batch_anchors=args.batch_anchors)
+                        thinking=thinking, batch_anchors=args.batch_anchors,
+                        num_speculative_tokens=args.num_speculative_tokens)
     settings = settings_of(args.temperature, args.top_p, args.top_k)
     result = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "enable_thinking": thinking}
@@ -165,11 +174,13 @@ def llama_cpp_loads(model: DraftModel) -> bool:
     return model.config.variant.card(model.config).serving.llama_cpp_type is not None
 
 
-def engine_counts(target, model, prompts, sequences, *, budget: int) -> tuple[LlamaCppCounts | None, VllmCounts]:
-    """llama.cpp's and vLLM's rounds over the responses (the target's taps computed once for both);
-    llama.cpp's is None when it does not load the drafter (its architecture's serving says so: no count
-    to predict)."""
-    llama_cpp, vllm = (LlamaCppCounts() if llama_cpp_loads(model) else None), VllmCounts.of(target, model.num_drafts)
+def engine_counts(target, model, prompts, sequences, *, budget: int,
+                  num_speculative_tokens: int | None = None) -> tuple[LlamaCppCounts | None, VllmCounts]:
+    """llama.cpp's and vLLM's rounds over the responses (the target's taps computed once for both),
+    vLLM's served with `num_speculative_tokens` (default: every draft of the block); llama.cpp's is None
+    when it does not load the drafter (its architecture's serving says so: no count to predict)."""
+    llama_cpp = LlamaCppCounts() if llama_cpp_loads(model) else None
+    vllm = VllmCounts.of(target, num_speculative_tokens or model.num_drafts)
     for prompt, x in zip(prompts, sequences):
         taps = target_taps(target, x, model.layer_ids)
         if llama_cpp is not None:
@@ -196,7 +207,8 @@ def _prompts_tau(args, target, tokenizer, model, *, kwargs, result: dict) -> Tau
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    llama_cpp, vllm = engine_counts(target, model, prompts, sequences, budget=args.max_new_tokens)
+    llama_cpp, vllm = engine_counts(target, model, prompts, sequences, budget=args.max_new_tokens,
+                                    num_speculative_tokens=args.num_speculative_tokens)
     result.update(report.as_dict())
     result["llama_cpp"] = llama_cpp.as_dict() if llama_cpp is not None else None
     result["vllm"] = vllm.as_dict()
