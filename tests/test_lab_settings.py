@@ -82,3 +82,11 @@ def test_main_says_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["[dflash] error: LAB_SWEEP_STAGGER='abc': expected a finite number of seconds >= 0; set e.g. "
                    "LAB_SWEEP_STAGGER=5; nothing was started"]
+
+
+def test_a_summary_cut_short_is_named_by_the_table(tmp_path):
+    from dflash_ds.lab.table import load_summaries
+
+    (tmp_path / "v1.json").write_text('{"name": "v1", "benchmarks": [')
+    with pytest.raises(ValueError, match=rf"^lab table: {tmp_path / 'v1.json'} is not JSON \(.*\); write it again"):
+        load_summaries(tmp_path)
