@@ -11,7 +11,6 @@ plots; it is a project dependency because hand-drawn PNGs would need their own t
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
@@ -313,9 +312,11 @@ def finish_run(run_dir: str | Path, card: dict | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_ds.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", help="a run's output directory (run.output_dir), holding metrics.jsonl")
-    p.add_argument("--out", help="where to write (default RUN_DIR/report)")
+    from dflash_ds.arguments import Parser, existing_folder, output_folder
+
+    p = Parser(prog="python -m dflash_ds.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=existing_folder, help="a run's output directory (run.output_dir), holding metrics.jsonl")
+    p.add_argument("--out", type=output_folder, help="where to write (default RUN_DIR/report)")
     args = p.parse_args(argv)
     try:
         page = write_report(args.run_dir, args.out)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import dflash_ds.architectures  # noqa: F401  (registers every drafter architecture)
+from dflash_ds.arguments import Parser, integer
 from dflash_ds.config import load_recipe, ranks_per_node
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.resolve.run import resolve_run
@@ -24,11 +25,11 @@ from dflash_ds.safety import Exit, exit_now, say
 def parse_args(argv: list[str]) -> argparse.Namespace:
     # The DeepSpeed launcher appends --local_rank=N; the rank comes from the environment instead.
     argv = [a for a in argv if not a.startswith("--local_rank")]
-    p = argparse.ArgumentParser(prog="dflash_ds.train", description="Train a DFlash drafter.")
+    p = Parser(prog="dflash_ds.train", description="Train a DFlash drafter.")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit without touching a GPU")
-    p.add_argument("--world-size", type=int, default=None, help="world size assumed by --dry-run")
+    p.add_argument("--world-size", type=integer(1), default=None, help="world size assumed by --dry-run")
     return p.parse_intermixed_args(argv)
 
 

@@ -14,6 +14,7 @@
 # OUT_DIR/summary.json: tok/s, peak GiB and parameters of both, and the DFlash2/v1 rate ratio.
 set -u
 . "$(dirname "$0")/gpu_script_args.sh" "$@"
+whole_numbers BUDGET SEQ_LEN
 R=recipes/qwen27b-dflash2.yaml
 if [ "$MODE" = gpu ]; then
   # Flagship width; the 64-layer geometry's taps; compiled layers as in training (drafter.compile); 6 timed

@@ -34,7 +34,9 @@ set -u
 if [ $# -ne 1 ] || [ "${1#-}" != "$1" ]; then
   echo "usage: bash scripts/gpu_fp8_drafter.sh OUT" >&2; exit 2
 fi
-OUT=$1
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/gpu_fp8_drafter.sh OUT_DIR" "$1") || exit 2
+whole_numbers BUDGET Q_STEPS Q_SEQ Q_LAYERS LM_HEAD_CAP
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$OUT" || exit 1
 PYTHON=${PYTHON:-python3}

@@ -20,6 +20,7 @@
 # plans' best splits and the goals: >= 60,000 useful tok/s per GPU at MFU >= 0.45, bounded memory).
 set -u
 . "$(dirname "$0")/gpu_script_args.sh" "$@"
+whole_numbers BUDGET_S
 R=recipes/qwen36-35b-a3b.yaml
 if [ "$MODE" = gpu ]; then
   BASE=(--recipe "$R" --device cuda --geometry qwen3.6-35b-a3b)

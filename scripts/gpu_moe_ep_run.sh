@@ -9,7 +9,9 @@
 #   RUNS=replica bash scripts/gpu_moe_ep_run.sh OUT_DIR; RUNS=ep2 bash ...   the two runs in two calls (each
 #   writes its own directory; the summary covers what OUT_DIR holds)
 set -u
-OUT=$(realpath -m "$1")
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/gpu_moe_ep_run.sh OUT_DIR" "${1:-}") || exit 2
+whole_numbers LAYERS STEPS
 cd "$(dirname "$0")/.." || exit 1
 . ./scripts/setup_env.sh
 WORK=${WORK:-/dev/shm/dflash}

@@ -24,7 +24,9 @@
 # recipes/tiny.yaml), COLD_TIMEOUT (130), RUN_TIMEOUT (seconds for any later run, 100), BUDGET_S (225;
 # with PART=all, per part), MIN_RUN_S (40), COMPILE_LAYERS (1: --compile-layers).
 set -u
-OUT=$(realpath -m "$1")
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/gpu_rows_bench.sh OUT_DIR" "${1:-}") || exit 2
+whole_numbers STEPS WARMUP TARGET_LAYERS COLD_TIMEOUT RUN_TIMEOUT BUDGET_S MIN_RUN_S
 RECIPE=${2:-recipes/qwen27b.yaml}
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$OUT"

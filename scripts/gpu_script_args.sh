@@ -2,10 +2,9 @@
 # `OUT_DIR [--cpu]` into OUT (absolute) and MODE (gpu or cpu; usage errors exit 2), moves to the repository
 # root, picks the project's Python ($PYTHON, scripts/setup_env.sh), creates OUT and sets the offline environment.
 _script=$(basename "$0")
-if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: bash scripts/$_script OUT_DIR [--cpu]" >&2; exit 2
-fi
-OUT=$(realpath -m "$1"); shift
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/$_script OUT_DIR [--cpu]" "${1:-}") || exit 2
+shift
 MODE=gpu
 for a in "$@"; do
   case $a in

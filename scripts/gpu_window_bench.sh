@@ -13,7 +13,9 @@
 # ends within 4 minutes even if one hangs. CPU smoke check of the same commands (tiny sizes):
 #   LONG=192 SHORT=96 WINDOW=32 EXTRA="--device cpu --geometry tiny-qwen3" bash scripts/gpu_window_bench.sh /tmp/wb
 set -u
-OUT=$(realpath -m "${1:?usage: bash scripts/gpu_window_bench.sh OUT_DIR}")
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/gpu_window_bench.sh OUT_DIR" "${1:-}") || exit 2
+whole_numbers LONG SHORT WINDOW STEPS WARMUP BUDGET_S RUN_TIMEOUT_LONG RUN_TIMEOUT_SHORT
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled

@@ -4,7 +4,9 @@
 # Steps: target (packed rows: varlen attention, then the masked-SDPA route; full rows), colocated
 # (one conversation per row), gpu_tier (tests/test_gpu.py, recorded as gpu_checks.json).
 set -u
-OUT=$(realpath "$1"); shift
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/packing_benches.sh OUT_DIR STEP [STEP ...]" "${1:-}") || exit 2
+shift
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 B="python -m dflash_ds.bench"
@@ -38,4 +40,5 @@ gpu_tier() {
   tail -5 "$OUT/gpu_tier.log"
 }
 
+known_steps "bash scripts/packing_benches.sh OUT_DIR STEP [STEP ...]" "$@"  # every step before the first one runs
 for step in "$@"; do "$step"; done

@@ -50,6 +50,15 @@ if [ $# -lt 1 ]; then
   sed -n '2,44p' "$0" >&2
   exit 2
 fi
+
+check_settings() {  # OUT and every LAB_* setting, before anything is made or started (dflash_ds/lab/settings.py)
+  # once per command: the steps this script starts again (a sweep's runs, all's target) inherit the check
+  [ -z "${DFLASH_LAB_CHECKED:-}" ] || return 0
+  local HERE=$PWD
+  (cd "$(dirname "$0")/.." && . ./scripts/setup_env.sh && "$PYTHON" -m dflash_ds.lab.settings "$HERE" "$@") || exit 2
+  export DFLASH_LAB_CHECKED=1
+}
+check_settings "$@"
 mkdir -p "$1"
 OUT=$(cd "$1" && pwd)  # before the cd below: OUT is relative to where the script was started
 STEP=${2:-all}
@@ -150,6 +159,50 @@ r = load_recipe(sys.argv[1], sys.argv[2:]); print(r.eval.max_new_tokens, r.eval.
     --chat-template-kwargs '{"enable_thinking": false}' --out "$2"
 }
 
+frozen_tree() {  # $1: a PID; it and every process under it, each stopped (SIGSTOP) before its children are
+  # listed, so that none starts another meanwhile, and printed; the subtrees of the PIDs in SKIP left out
+  local C
+  kill -STOP "$1" 2> /dev/null || return 0
+  echo "$1"
+  for C in $(ps -o pid= --ppid "$1" 2> /dev/null); do
+    [[ " ${SKIP[*]-} " == *" $C "* ]] || frozen_tree "$C"
+  done
+}
+
+# What a sweep has started: each run's shell and its name, global so that its exit traps still see them
+# however it ends (an error under `set -e` unwinds the function's locals first).
+SWEEP_PIDS=() SWEEP_NAMES=()
+stop_started() {  # sweep's traps: the runs it started that are still going, stopped and waited for
+  trap - EXIT TERM INT HUP
+  local k F SKIP=() OTHERS=() P T LIVE
+  for k in "${!SWEEP_PIDS[@]}"; do
+    kill -0 "${SWEEP_PIDS[$k]}" 2> /dev/null || continue
+    F=$LAB/runs/.${SWEEP_NAMES[$k]}.launch_pid
+    [ -f "$F" ] && SKIP+=("$(cat "$F")")
+    OTHERS+=("${SWEEP_PIDS[$k]}")
+  done
+  [ ${#OTHERS[@]} -gt 0 ] || return 0
+  # launch.sh's supervisor (SKIP) stops its job with a checkpoint on SIGTERM, so its own processes are
+  # left to it; the rest (each run's shell, its log's tee, an evaluation) simply end
+  local TREE=()
+  for P in "${OTHERS[@]}"; do TREE+=($(frozen_tree "$P")); done
+  OTHERS=("${TREE[@]}" ${SKIP[@]+"${SKIP[@]}"})
+  echo "[lab] sweep: ending before its runs; stopping what it started (PIDs ${OTHERS[*]})" >&2
+  for P in "${OTHERS[@]}"; do kill -TERM "$P" 2> /dev/null || true; done
+  for P in "${TREE[@]}"; do kill -CONT "$P" 2> /dev/null || true; done
+  # within LAB_STOP_GRACE seconds (the supervisors' checkpoint), then a second SIGTERM stops them at once
+  for T in $(seq $(( ${LAB_STOP_GRACE:-60} + 15 ))); do
+    LIVE=()
+    for P in "${OTHERS[@]}"; do kill -0 "$P" 2> /dev/null && LIVE+=("$P"); done
+    [ ${#LIVE[@]} -eq 0 ] && return 0
+    if [ "$T" -eq $(( ${LAB_STOP_GRACE:-60} + 1 )) ]; then
+      for P in "${LIVE[@]}"; do kill -TERM "$P" 2> /dev/null || true; done
+    fi
+    sleep 1
+  done
+  echo "[lab] sweep: still running after the stop: PIDs ${LIVE[*]}" >&2
+}
+
 sweep() {  # $1: PHASE, then the runs' names
   local PHASE=${1:-}
   [ $# -ge 2 ] || { echo "[lab] usage: bash scripts/quality_lab.sh OUT sweep train|eval|all NAME..." >&2; exit 2; }
@@ -189,11 +242,12 @@ print(*[x.getsockname()[1] for x in s])' $#)"
     [ "$STARTED" -gt 0 ] && sleep "${LAB_SWEEP_STAGGER:-5}"
     DFLASH_PORT=${PORTS[$1]} bash scripts/quality_lab.sh "$OUT" run "$PHASE" "$NAME" > /dev/null 2>&1 &
     PIDS[$1]=$!
+    SWEEP_PIDS+=("$!") SWEEP_NAMES+=("$NAME")
     STATE[$1]=started
     STARTED=$((STARTED + 1))
     local FROM=""
     [ -z "${AFTERS[$1]}" ] || FROM=" from ${AFTERS[$1]}'s export"
-    echo "[lab] sweep: $NAME started ($PHASE, port ${PORTS[$1]}, log $OUT/$NAME.log)$FROM"
+    echo "[lab] sweep: $NAME started ($PHASE, port ${PORTS[$1]}, log $OUT/$NAME.log)$FROM; PID ${PIDS[$1]}"
   }
   signal_training() {  # SIGTERM to each run still training (its launch.sh's PID), marked stopped
     local k F
@@ -202,6 +256,11 @@ print(*[x.getsockname()[1] for x in s])' $#)"
       if [ -f "$F" ]; then kill -TERM "$(cat "$F")" 2> /dev/null || true; STATE[$k]=stopped; fi
     done
   }
+  # However the sweep ends before its runs (an error, a signal), it stops every process it started.
+  trap 'stop_started' EXIT
+  trap 'stop_started; exit 143' TERM
+  trap 'stop_started; exit 130' INT
+  trap 'stop_started; exit 129' HUP
   for i in "${!NAMES[@]}"; do
     STATE[$i]=waiting
     PIDS[$i]=""

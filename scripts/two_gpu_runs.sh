@@ -9,7 +9,10 @@
 # every step; SMALL="drafter.num_layers=1" runs the drafter with one layer (same width) where only
 # equality or fault handling is measured, so checkpoints take seconds instead of half a minute.
 set -u
-OUT=$(realpath "$1"); shift
+. "$(dirname "$0")/script_checks.sh"
+OUT=$(out_folder "bash scripts/two_gpu_runs.sh OUT_DIR STEP [STEP ...]" "${1:-}") || exit 2
+shift
+whole_numbers NUM_EVAL NEW_TOKENS PORT
 WORK=${WORK:-/dev/shm/dflash}
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONFAULTHANDLER=1
@@ -212,4 +215,5 @@ faults() {  # kill -9 the drafter, then the target; resume the first run to step
   grep -iE "resum" "$OUT/fault_resume.log" | head -3 >> "$OUT/faults.txt"
 }
 
+known_steps "bash scripts/two_gpu_runs.sh OUT_DIR STEP [STEP ...]" "$@"  # every step before the first one runs
 for step in "$@"; do "$step"; done

@@ -59,8 +59,11 @@ class ReferenceDraft:
 
     def factors(self, embeddings: torch.Tensor, log_probs: torch.Tensor, states: torch.Tensor,
                 anchor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(start [k], pair [S - 1, k, k]) log-factors of one block; anchor None: no anchor row."""
-        w, k, S = self.w, self.k, self.slots
+        """(start [k], pair [S' - 1, k, k]) log-factors of one block of S' <= S drafted slots (`states`
+        [S', D]); anchor None: no anchor row. A block shorter than the trained one (an engine serving
+        fewer speculative tokens) is the smaller lattice: the first S' slot embeddings, the same bias by
+        slot distance."""
+        w, k, S = self.w, self.k, states.shape[0]
         x = embeddings.double()
         if "token_proj.weight" in w:
             x = _linear(w, "token_proj", x)
@@ -72,13 +75,13 @@ class ReferenceDraft:
         mean, var = feats.mean(-1, keepdim=True), feats.var(-1, unbiased=False, keepdim=True)
         feats = (feats - mean) / torch.sqrt(var + 1e-5) * w["feature_norm.weight"] + w["feature_norm.bias"]
         x = x + _linear(w, "feature_mlp.down_proj", _silu(_linear(w, "feature_mlp.up_proj", feats)))
-        x = x + w["slot_embedding"].reshape(S, 1, -1) + w["rank_embedding"].reshape(1, k, -1)
+        x = x + w["slot_embedding"].reshape(self.slots, 1, -1)[:S] + w["rank_embedding"].reshape(1, k, -1)
         x = x.reshape(S * k, -1)
         bias = torch.zeros(self.heads, S * k, S * k, dtype=torch.float64)
         for p in range(S * k):
             for q in range(S * k):
                 sp, sq = p // k, q // k
-                bias[:, p, q] = w["relative_slot_bias"][:, sp - sq + S] + (w["same_slot_bias"] if sp == sq else 0)
+                bias[:, p, q] = w["relative_slot_bias"][:, sp - sq + self.slots] + (w["same_slot_bias"] if sp == sq else 0)
         h = x.shape[-1]
         d = h // self.heads
         for layer in range(self.layers):

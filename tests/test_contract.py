@@ -185,3 +185,13 @@ def test_a_damaged_checkpoint_advises_fallback_only_when_an_earlier_one_exists(t
     _complete(tmp_path, "step00000002")
     line = checkpoint.load_failure(damaged, tmp_path, "step00000004")
     assert "checkpoint.resume=fallback" in line
+
+
+def test_a_checkpoint_of_another_drafter_advises_the_record_only_where_there_is_one(tmp_path):
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    line = checkpoint.load_failure(_state_dict_error(small, big), tmp_path, "step00000004")
+    assert f"no {tmp_path / 'recipe.yaml'} records them" in line and "settings recorded in" not in line
+    (tmp_path / "recipe.yaml").write_text("run: {}\n")
+    line = checkpoint.load_failure(_state_dict_error(small, big), tmp_path, "step00000004")
+    assert f"resume with the settings recorded in {tmp_path / 'recipe.yaml'}," in line

@@ -2,6 +2,8 @@
 non-finite settings, dead objectives, plans that cannot fit, plans without a GPU, a resume's contract,
 export write errors, data files, the report's jsonl."""
 
+import re
+
 import pytest
 
 from dflash_ds.config import RecipeError, load_recipe
@@ -25,32 +27,45 @@ def test_finite_floats_still_load():
 DEAD = ["objective.dspark.ce_weight=0", "objective.dspark.l1_weight=0", "objective.dspark.confidence_weight=0"]
 
 
-@pytest.mark.parametrize("extra, named", [
-    ([], "objective.dspark.confidence_weight"),
+@pytest.mark.parametrize("overrides, named, part", [
+    (DEAD, "objective.dspark.ce_weight, objective.dspark.l1_weight and objective.kl_weight are all 0", "drafts"),
+    # The confidence head's BCE alone trains no draft: the drafter would draft as initialised (tau 1.0).
+    (DEAD[:2], "objective.dspark.ce_weight, objective.dspark.l1_weight and objective.kl_weight are all 0", "drafts"),
+    # With the head on, its weight alone trains it: at 0 the export carries an untrained head.
+    (DEAD[2:], "objective.dspark.confidence_weight is 0", "nothing trains the confidence head"),
     # Without a confidence head its weight trains nothing: the other three are what count.
-    (["drafter.dspark.enable_confidence_head=false", "objective.dspark.confidence_weight=1"], "objective.dspark.l1_weight"),
+    (DEAD + ["drafter.dspark.enable_confidence_head=false", "objective.dspark.confidence_weight=1"],
+     "objective.dspark.l1_weight and objective.kl_weight are all 0", "trains the drafter"),
 ])
-def test_an_objective_with_every_weight_zero_is_refused_before_launch(extra, named):
+def test_an_objective_with_every_weight_of_a_part_zero_is_refused_before_launch(overrides, named, part):
     from dflash_ds.resolve.run import resolve_run
 
-    recipe = load_recipe("recipes/tiny-dspark.yaml", DEAD + extra)
+    recipe = load_recipe("recipes/tiny-dspark.yaml", overrides)
     with pytest.raises(RecipeError) as err:
         resolve_run(recipe, 2)
     msg = str(err.value)
-    assert "all 0" in msg and named in msg and "objective.kl_weight" in msg and "\n" not in msg
-    if extra:
+    assert named in msg and part in msg and "\n" not in msg
+    if "enable_confidence_head=false" in overrides:
         assert "confidence_weight" not in msg
 
 
 @pytest.mark.parametrize("recipe, overrides", [
-    ("recipes/tiny-dspark.yaml", DEAD[:2]),  # the confidence head alone still trains the drafter
-    ("recipes/tiny-dspark.yaml", DEAD + ["objective.kl_weight=0.5"]),
+    ("recipes/tiny-dspark.yaml", DEAD[:2] + ["objective.kl_weight=0.5"]),  # the KL trains the drafts
+    ("recipes/tiny-dspark.yaml", DEAD + ["drafter.dspark.enable_confidence_head=false", "objective.kl_weight=0.5"]),
+    ("recipes/tiny-dspark.yaml", DEAD[1:2]),  # the cross-entropy alone
     ("recipes/tiny-dflash2.yaml", ["objective.dflash2.selector_alpha=0"]),  # the cross-entropy is always on
 ])
 def test_an_objective_with_one_live_term_resolves(recipe, overrides):
     from dflash_ds.resolve.run import resolve_run
 
     assert resolve_run(load_recipe(recipe, overrides), 2).plan.total_steps > 0
+
+
+@pytest.mark.parametrize("lr", ["1e30", "1e4", "1.5"])
+def test_a_learning_rate_above_one_is_refused_naming_it(lr):
+    with pytest.raises(RecipeError, match=rf"^optim\.lr = {re.escape(f'{float(lr):g}')} is above 1: .*such as 6e-4$"):
+        load_recipe("recipes/tiny.yaml", [f"optim.lr={lr}"])
+    assert load_recipe("recipes/tiny.yaml", ["optim.lr=1"]).optim.lr == 1.0
 
 
 @pytest.mark.parametrize("recipe, override, named", [

@@ -21,8 +21,10 @@ TINY = REPO / "recipes" / "tiny.yaml"
 
 @pytest.mark.parametrize("text, where", [
     ("run:\n  name: x\n target: [\n", ":3:2:"),  # a section indented wrong
-    ("run:\n  name: \"x\n", ":3:1:"),  # an unclosed quote, found at the end
-    ("data:\n  path: a\n  pack true\n  num_eval: 2\n", ":4:"),  # a missing ':'
+    ("run:\n  name: \"x\n", ":2:9:"),  # an unclosed quote: where it opens, not the end of the file
+    ("data:\n  path: a\n  pack true\n  num_eval: 2\n", ":3:"),  # a missing ':' on line 3 (PyYAML sees it on 4)
+    ("data:\n  pack true\n  path: a\n", ":2:"),  # a missing ':' that runs on into the next key
+    ("data:\n  path: a\n    pack: true\n", ":2:"),  # a key indented too far runs on from the line above
 ])
 def test_a_recipe_that_is_not_yaml_is_one_line_with_file_line_and_column(tmp_path, text, where):
     bad = tmp_path / "bad.yaml"
@@ -31,6 +33,31 @@ def test_a_recipe_that_is_not_yaml_is_one_line_with_file_line_and_column(tmp_pat
         load_recipe(bad)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{bad}{where}") and "not valid YAML" in msg
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("optim:\n  lr: 1.0e-3\n  epochs: 3\nrun:\n  name: x\noptim:\n  warmup_ratio: 0.1\n", "optim", (1, 6)),
+    ("optim:\n  lr: 1.0e-3\n  epochs: 3\n  lr: 2.0e-3\n", "optim.lr", (2, 4)),
+    ("data:\n  path: a\neval:\n  benchmarks:\n    - heldout\n  max_new_tokens: 8\n  max_new_tokens: 9\n",
+     "eval.max_new_tokens", (6, 7)),
+])
+def test_a_key_given_twice_in_a_recipe_names_the_key_and_both_lines(tmp_path, text, key, lines):
+    # PyYAML keeps the second silently: a second optim: section would drop the first one's epochs and rate.
+    bad = tmp_path / "twice.yaml"
+    bad.write_text(text)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(bad)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{bad}:{lines[1]}: key '{key}' is given twice")
+    assert f"(lines {lines[0]} and {lines[1]})" in msg and "merge them" in msg
+
+
+def test_anchors_and_merge_keys_are_not_taken_for_keys_given_twice(tmp_path):
+    from dflash_ds.config.yaml_text import read_yaml
+
+    assert read_yaml("a: &x {b: 1}\nc: *x\nd:\n  <<: *x\n  e: 2\n", "r.yaml") == {
+        "a": {"b": 1}, "c": {"b": 1}, "d": {"b": 1, "e": 2}}
+    assert read_yaml("", "r.yaml") is None
 
 
 def test_an_override_that_is_not_yaml_names_the_override():

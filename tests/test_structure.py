@@ -188,6 +188,7 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 # The network asks its registry for an architecture; the architectures fill it from above (`@register`).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries", "dflash_ds.compile"),
+    ("dflash_ds.arguments",),  # the command lines' checked arguments, on safety's one-line message
     ("dflash_ds.data", "dflash_ds.metrics", "dflash_ds.quantization"),
     ("dflash_ds.network",),
     ("dflash_ds.objective",),

@@ -41,6 +41,7 @@ from .setup import DEFAULT_RECIPE, REPO, init_single_process, pick_device, resol
 from .timing import drift_warnings, matmul_ceiling
 
 from dflash_ds.architectures import DEFAULT, VARIANTS
+from dflash_ds.arguments import Parser, existing_file, integer, number, output_file
 from dflash_ds.safety import Exit, say
 
 ROLES = ("target", "drafter", "colocated", "transport", "lm_head", "quality", "plan", "data", "regenerate")
@@ -112,35 +113,36 @@ def run_plan(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash_ds.bench", description=__doc__.split("\n")[0],
+    # Each argument is checked as it is parsed (dflash_ds/arguments.py): one line, exit 2, nothing built.
+    p = Parser(prog="python -m dflash_ds.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
     p.add_argument("--geometry", default="qwen3.6-27b", help="named target geometry (dflash_ds/target_model/presets.py)")
-    p.add_argument("--recipe", default=None,
+    p.add_argument("--recipe", default=None, type=existing_file,
                    help=f"recipe for engine/optimiser settings (default {DEFAULT_RECIPE.relative_to(REPO)}); its "
                         "target geometry is used when target.path is a local directory")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra recipe override (repeatable)")
-    p.add_argument("--layers", type=int, default=None, help="override the target's layer count (taps recomputed)")
-    p.add_argument("--seq-len", type=int, default=None, help="row length (default: the recipe's data.row_length)")
-    p.add_argument("--rows", type=int, default=None,
+    p.add_argument("--layers", type=integer(1), default=None, help="override the target's layer count (taps recomputed)")
+    p.add_argument("--seq-len", type=integer(1), default=None, help="row length (default: the recipe's data.row_length)")
+    p.add_argument("--rows", type=integer(1), default=None,
                    help="rows per micro-batch (default: the recipe's optim.rows_per_micro_batch)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default: the recipe's)")
-    p.add_argument("--anchors", type=int, default=None,
+    p.add_argument("--grad-accum", type=integer(1), default=None, help="micro-batches per step (default: the recipe's)")
+    p.add_argument("--anchors", type=integer(1), default=None,
                    help="anchors per row (default: the recipe's anchors per row token x the row length)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=integer(1), default=16)
     p.add_argument("--architecture", default=None, choices=sorted(VARIANTS),
                    help="drafter.architecture (default: the recipe's), e.g. the plain backbone of a recipe of another "
                         "architecture, to measure what the architecture's additions cost")
-    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt prefix without loss (default seq_len/8)")
+    p.add_argument("--prompt-tokens", type=integer(0), default=None, help="prompt prefix without loss (default seq_len/8)")
     p.add_argument("--lengths", default=None, metavar="FILE|chat|long",
                    help="fill rows with conversations of these lengths ('chat', 'long' (long answers): built-in mixes, "
                         "see docs/performance.md; FILE: the lengths.json `python -m dflash_ds.data prepare` writes), "
                         "cut to data.max_length and packed per data.pack")
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before, the first one timed alone")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write all numbers to this JSON file")
+    p.add_argument("--steps", type=integer(1), default=20, help="timed steps")
+    p.add_argument("--warmup", type=integer(0), default=3, help="untimed steps before, the first one timed alone")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--out", default=None, type=output_file, help="write all numbers to this JSON file")
     p.add_argument("--no-engine", action="store_true", help="run the target without DeepSpeed")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each drafter layer")
     p.add_argument("--loss-impl", default="fused", choices=("fused", "autograd"),
@@ -161,28 +163,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--experts", default=None, metavar="IMPL[,IMPL...]",
                    help="target, mixture of experts: time each experts implementation in turn on the same weights "
                         "(dflash_grouped, grouped_mm, batched_mm, eager) and compare their taps")
-    p.add_argument("--expert-chunk", type=int, default=16384,
+    p.add_argument("--expert-chunk", type=integer(1), default=16384,
                    help="target, dflash_grouped experts: tokens per chunk (bounds the experts' transient memory)")
     p.add_argument("--fp8-modes", default=None, metavar="MODE,MODE...",
                    help="drafter: time these precision modes one after another on the same drafter (bench/fp8_modes.py: "
                         "bf16, rowwise or tensorwise, each optionally +lm_head, e.g. bf16,rowwise,rowwise+lm_head); "
                         "quality: train each from the same initialisation (MODE@SEED: from another seed)")
-    p.add_argument("--profile", default=None, help="write a kernel time table of 2 extra steps to this file")
+    p.add_argument("--profile", default=None, type=output_file, help="write a kernel time table of 2 extra steps to this file")
     p.add_argument("--cold-cache", action="store_true", help="fresh inductor/triton caches (cold compile times)")
     p.add_argument("--transport-backend", default="gloo", choices=("gloo", "nccl"))
-    p.add_argument("--in-flight", type=int, default=4, help="transport: sends outstanding (topology.max_in_flight)")
-    p.add_argument("--recv-depth", type=int, default=2, help="transport: receives posted ahead")
-    p.add_argument("--transport-timeout", type=float, default=600.0)
-    p.add_argument("--target-rate", type=float, default=None, help="plan: target tok/s per GPU")
-    p.add_argument("--drafter-rate", type=float, default=None, help="plan: drafter tok/s per GPU")
-    p.add_argument("--from", dest="from_files", nargs="+", default=None, help="plan: bench JSONs to read rates from")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    args = p.parse_args(argv)
-    for name in ("seq_len", "rows", "grad_accum", "anchors", "steps", "warmup", "in_flight", "recv_depth",
-                 "expert_chunk"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return args
+    p.add_argument("--in-flight", type=integer(1), default=4, help="transport: sends outstanding (topology.max_in_flight)")
+    p.add_argument("--recv-depth", type=integer(1), default=2, help="transport: receives posted ahead")
+    p.add_argument("--transport-timeout", type=number(0, above=True), default=600.0)
+    p.add_argument("--target-rate", type=number(0, above=True), default=None, help="plan: target tok/s per GPU")
+    p.add_argument("--drafter-rate", type=number(0, above=True), default=None, help="plan: drafter tok/s per GPU")
+    p.add_argument("--from", dest="from_files", nargs="+", default=None, type=existing_file, help="plan: bench JSONs to read rates from")
+    p.add_argument("--gpus-per-node", type=integer(1), default=8)
+    return p.parse_args(argv)
 
 
 def _fmt(v) -> str:

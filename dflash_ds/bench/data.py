@@ -15,7 +15,6 @@ On generated chats (seeded; words of 2-9 letters with punctuation):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -153,15 +152,17 @@ def prepare_run(tokenizer: str, n: int, work: Path, num_proc: int) -> dict:
 
 
 def run(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(prog="python -m dflash_ds.bench --role data", description=__doc__.splitlines()[0])
+    from dflash_ds.arguments import Parser, integer, integers, model_folder, output_file
+
+    p = Parser(prog="python -m dflash_ds.bench --role data", description=__doc__.splitlines()[0])
     p.add_argument("--role", default="data")
-    p.add_argument("--tokenizer", default=str(REPO / "assets" / "tiny-target"), help="a tokenizer with a chat template")
-    p.add_argument("--chats", type=int, default=1000, help="ordinary-mix conversations for the one-core comparison")
-    p.add_argument("--long", type=int, default=10, help="200-exchange conversations (and 100x as many 2-exchange)")
+    p.add_argument("--tokenizer", default=str(REPO / "assets" / "tiny-target"), type=model_folder, help="a tokenizer with a chat template")
+    p.add_argument("--chats", type=integer(1), default=1000, help="ordinary-mix conversations for the one-core comparison")
+    p.add_argument("--long", type=integer(1), default=10, help="200-exchange conversations (and 100x as many 2-exchange)")
     p.add_argument("--thinking", action="store_true")
-    p.add_argument("--prepare-sizes", default="2000,8000", help="comma list of dataset sizes for prepare(); empty = skip")
-    p.add_argument("--num-proc", type=int, default=0, help="prepare processes (0 = every core)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--prepare-sizes", default="2000,8000", type=integers(1), help="comma list of dataset sizes for prepare(); empty = skip")
+    p.add_argument("--num-proc", type=integer(0), default=0, help="prepare processes (0 = every core)")
+    p.add_argument("--out", default=None, type=output_file)
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
@@ -174,7 +175,7 @@ def run(argv: list[str]) -> dict:
     short = serial(tok, chats(args.long * 100, (2, 2), (20, 200), (50, 400), seed=3), args.thinking)
     report["per_token_us"] = {"turns_200": 1e6 / long["encode_tok_s"], "turns_2": 1e6 / short["encode_tok_s"],
                               "ratio": short["encode_tok_s"] / long["encode_tok_s"]}  # 200-turn cost / 2-turn cost
-    sizes = [int(s) for s in args.prepare_sizes.split(",") if s.strip()]
+    sizes = args.prepare_sizes
     with tempfile.TemporaryDirectory() as d:
         report["prepare"] = [prepare_run(args.tokenizer, n, Path(d), args.num_proc) for n in sizes]
     return report

@@ -9,7 +9,8 @@ sections by importing the module that lists them, by name, the first time a reci
   sections.py  one dataclass per YAML section, every key documented where it is declared
   architectures.py  the architectures' own sections (drafter.<name>:, objective.<name>:), registered by them
   recipe.py    Recipe (the sections together; cross-section defaults) and ranks_per_node
-  load.py      YAML and overrides -> Recipe (types, unknown keys, syntax errors) and dump_yaml back
+  yaml_text.py the YAML text read strictly (a key given twice, a syntax error at its line)
+  load.py      YAML and overrides -> Recipe (types, unknown keys) and dump_yaml back
   checks.py    validate: the value checks, one function per section
 Callers import from `dflash_ds.config`; the names below are its public surface."""
 

@@ -126,6 +126,10 @@ def check_sections(r: Recipe) -> None:
 def check_optim(r: Recipe) -> None:
     o = r.optim
     need(o.lr > 0, "optim.lr must be > 0")
+    # AdamW moves each weight by about lr per step: above 1 nothing trains (the gradients overflow and
+    # every step is skipped), most likely a mistyped exponent.
+    need(o.lr <= 1, f"optim.lr = {o.lr:g} is above 1: AdamW would move every weight by about that much per step and "
+                    "nothing would train; set a rate such as 6e-4")
     need(0 <= o.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
     need(o.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {o.schedule!r}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")

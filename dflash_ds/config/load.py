@@ -2,7 +2,8 @@
 
 Every value is coerced to its field's type as it is read, so a wrong type or an unknown key stops
 with one line naming its dotted path (and, for a key, the keys known there); YAML syntax errors name
-the file, line and column. The value checks run last (config/checks.py)."""
+the file, line and column, and a key given twice both its lines (config/yaml_text.py). The value
+checks run last (config/checks.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dflash_ds.config.architectures import KINDS, other_sections, owners, regist
 from dflash_ds.config.checks import validate
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.recipe import Recipe
+from dflash_ds.config.yaml_text import read_yaml
 
 
 def _coerce(value, tp, path: str, moves: list | None = None):
@@ -196,23 +198,12 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _yaml_error(path: str, exc: "yaml.YAMLError") -> str:
-    """One line for a recipe that is not valid YAML: file, line and column (1-based) and the problem."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    return f"{where}: the recipe is not valid YAML ({problem}); fix that line (indentation, a missing ':' or quote)"
-
-
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply `key.sub=value` overrides, validate and return it."""
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise RecipeError(_yaml_error(str(path), exc)) from None
+    raw = read_yaml(p.read_text(), str(path)) or {}
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: the recipe must be a mapping of sections (run, target, drafter, ...)")
     for key, value in parse_overrides(list(overrides)):

@@ -20,7 +20,6 @@ template and every setting that changes the rows; anything else reuses the cache
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -398,14 +397,21 @@ def load_training_data(recipe) -> PreparedData:
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_ds.data", description=__doc__.splitlines()[0])
+    from dflash_ds.arguments import Parser
+    from dflash_ds.config import RecipeError
+
+    parser = Parser(prog="python -m dflash_ds.data", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenise, mask, pack and cache the recipe's dataset; print the audit")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
     args = parser.parse_args(argv)
     from dflash_ds.config import load_recipe
-    recipe = load_recipe(args.recipe, args.overrides)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:  # before anything starts: one line, not a traceback
+        say(f"error: {e}")
+        return Exit.USER
     quiet_libraries()
     # The same preparation as a training run, so it writes the cache training reads.
     try:

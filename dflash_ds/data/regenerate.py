@@ -28,7 +28,6 @@ after it out of the loss), and only the turns after it are dropped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -258,15 +257,21 @@ def _regenerate_group(batches, encoder, generator, seed: int, *, keep_unfinished
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_ds.regenerate", description=__doc__.splitlines()[0])
+    from dflash_ds.arguments import Parser
+
+    parser = Parser(prog="python -m dflash_ds.regenerate", description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="dotted key=value recipe overrides")
     argv = sys.argv[1:] if argv is None else argv
     # Under `deepspeed --module dflash_ds.regenerate` every rank also gets --local_rank=N.
     args = parser.parse_args([a for a in argv if not a.startswith("--local_rank")])
-    from dflash_ds.config import load_recipe
+    from dflash_ds.config import RecipeError, load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:  # before anything starts: one line, not a traceback
+        say(f"regenerate: error: {e}")
+        return Exit.USER
     quiet_libraries()
     shards = Shards.from_env()
     rank = shards.rank

@@ -44,6 +44,7 @@ class BenchOptions:
     thinking: bool = False
     batch_anchors: int = DEFAULT_BATCH_ANCHORS
     batch: int = 32  # responses generated at once (eval.bench_batch)
+    num_speculative_tokens: int | None = None  # vLLM's count at this many (None: the drafter's all)
 
 
 COIN_SEED = 0x5EED_C01
@@ -66,7 +67,8 @@ class Responder:
         self.device = next(target.parameters()).device
         self.result = SampledTau(sampling, TauReport(block_size=model.max_emitted))
         # The engines' counts of the greedy responses, served with the drafts of one block.
-        self.llama_cpp, self.vllm = LlamaCppCounts(), VllmCounts.of(target, model.num_drafts)
+        self.llama_cpp = LlamaCppCounts()
+        self.vllm = VllmCounts.of(target, opts.num_speculative_tokens or model.num_drafts)
 
     @property
     def samples(self) -> int:

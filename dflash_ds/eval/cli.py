@@ -3,7 +3,6 @@ on a prompts file or the standard benchmark sets by name."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 import torch
 
 import dflash_ds.architectures  # noqa: F401  (registers every drafter architecture)
+from dflash_ds.arguments import (Parser, existing_file, existing_folder, integer, json_object, model_folder,
+                                number, output_file)
 from dflash_ds.eval.benchmark_table import (BenchOptions, Responder, bench_row, settings_of, table_lines,
                                       tau_on_conversations, tau_on_prompts)
 from dflash_ds.eval.benchmarks import BENCHMARKS, HELDOUT, load_conversations, parse_names
@@ -20,7 +21,7 @@ from dflash_ds.eval.generate import eos_ids, offline_tau, target_taps
 from dflash_ds.eval.loading import load_pair
 from dflash_ds.eval.sampled import Sampling, SampledTau
 from dflash_ds.eval.tau import DEFAULT_BATCH_ANCHORS, TauReport
-from dflash_ds.eval.vllm_count import VllmCounts
+from dflash_ds.eval.vllm_count import VllmCounts, with_block
 from dflash_ds.export.card import trained_thinking
 from dflash_ds.libraries import quiet_libraries
 from dflash_ds.network.draft_model import DraftModel
@@ -67,30 +68,35 @@ def read_prompts(path: str, tokenizer, *, limit: int | None = None, chat_templat
 
 def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
-    parser = argparse.ArgumentParser(prog="python -m dflash_ds.eval",
-                                     description="Exact greedy acceptance length tau of a DFlash drafter export.")
-    parser.add_argument("--target", required=True, help="target model directory or hub id")
-    parser.add_argument("--drafter", required=True, help="drafter export directory (config.json + model.safetensors)")
-    parser.add_argument("--prompts", default=None, help="jsonl of {'messages': [...]} or {'prompt': str}")
+    # Every argument is checked as it is parsed (dflash_ds/arguments.py): a wrong one is one line, exit 2,
+    # before either model loads.
+    parser = Parser(prog="python -m dflash_ds.eval",
+                    description="Exact greedy acceptance length tau of a DFlash drafter export.")
+    parser.add_argument("--target", required=True, type=model_folder, help="target model directory or hub id")
+    parser.add_argument("--drafter", required=True, type=existing_folder, help="drafter export directory (config.json + model.safetensors)")
+    parser.add_argument("--prompts", default=None, type=existing_file, help="jsonl of {'messages': [...]} or {'prompt': str}")
     parser.add_argument("--bench", default=None,
                         help="comma-separated benchmark sets: " + ", ".join(BENCHMARKS) + " (one row each)")
-    parser.add_argument("--bench-dir", default=None, help="directory of <name>.jsonl benchmark files (else the hub)")
-    parser.add_argument("--temperature", type=float, default=0.0,
+    parser.add_argument("--bench-dir", default=None, type=existing_folder, help="directory of <name>.jsonl benchmark files (else the hub)")
+    parser.add_argument("--temperature", type=number(0), default=0.0,
                         help="also report tau sampled at this temperature, as vLLM/SGLang verify (0: greedy only)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
-    parser.add_argument("--samples", type=int, default=1, help="sampled responses per prompt")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-p", type=number(0, above=True), default=1.0)
+    parser.add_argument("--top-k", type=integer(0), default=0, help="0: no top-k filter")
+    parser.add_argument("--samples", type=integer(1), default=1, help="sampled responses per prompt")
+    parser.add_argument("--seed", type=integer(0), default=0)
     parser.add_argument("--thinking", choices=["on", "off"], default=None,
                         help="chat template enable_thinking for --bench (default: the drafter's training setting)")
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first K prompts (conversations) only")
+    parser.add_argument("--max-new-tokens", type=integer(1), default=512)
+    parser.add_argument("--limit", type=integer(1), default=None, help="evaluate the first K prompts (conversations) only")
     parser.add_argument("--online", action="store_true",
                         help="also run the reference speculative-decoding loop and check it against the offline tau")
-    parser.add_argument("--chat-template-kwargs", default=None,
+    parser.add_argument("--chat-template-kwargs", default=None, type=json_object,
                         help='JSON passed to the chat template, e.g. \'{"enable_thinking": false}\'; must match training')
-    parser.add_argument("--batch-anchors", type=int, default=DEFAULT_BATCH_ANCHORS)
-    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--batch-anchors", type=integer(1), default=DEFAULT_BATCH_ANCHORS)
+    parser.add_argument("--num-speculative-tokens", type=integer(1), default=None, metavar="N",
+                        help="vLLM's count as served with N speculative tokens (1 to the drafter's drafts per block; "
+                             "default: all of them): the drafter then runs a shorter block, as vLLM does")
+    parser.add_argument("--out", default=None, type=output_file, help="write the report as JSON here")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -100,22 +106,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_args(args) -> dict | None:
-    """Flag errors before anything loads; returns the parsed --chat-template-kwargs."""
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be >= 1")
+    """Flag errors between arguments before anything loads (each alone was checked as it was parsed);
+    returns the parsed --chat-template-kwargs."""
     if not args.prompts and not args.bench:
         raise ValueError("pass --prompts FILE and/or --bench gsm8k,math500,...")
-    if args.samples < 1:
-        raise ValueError("--samples must be >= 1")
     Sampling(args.temperature, args.top_p, args.top_k).check()
     if args.bench and HELDOUT in parse_names(args.bench):
         raise ValueError(f"--bench {HELDOUT} names a recipe's held-out prompts; pass a prompts file as --prompts instead")
-    if not args.chat_template_kwargs:
-        return None
-    try:
-        return json.loads(args.chat_template_kwargs)
-    except ValueError as e:
-        raise ValueError(f"--chat-template-kwargs is not JSON ({e})") from None
+    return args.chat_template_kwargs or None
 
 
 def _thinking(args, kwargs: dict | None) -> bool:
@@ -139,9 +137,15 @@ def _run(args) -> int:
     sets = {name: load_conversations(name, args.bench_dir, args.limit) for name in parse_names(args.bench)} \
         if args.bench else {}
     target, tokenizer, model = load_pair(args.target, args.drafter)
+    if args.num_speculative_tokens is not None:
+        try:  # the range the drafter's block allows, known once it is loaded
+            with_block(model, args.num_speculative_tokens)
+        except ValueError as e:
+            raise ValueError(f"--num-speculative-tokens: {e}") from None
     thinking = _thinking(args, kwargs)
     opts = BenchOptions(max_new_tokens=args.max_new_tokens, samples=args.samples, seed=args.seed,
-                        thinking=thinking, batch_anchors=args.batch_anchors)
+                        thinking=thinking, batch_anchors=args.batch_anchors,
+                        num_speculative_tokens=args.num_speculative_tokens)
     settings = settings_of(args.temperature, args.top_p, args.top_k)
     result = {"target": args.target, "drafter": args.drafter, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "enable_thinking": thinking}
@@ -170,11 +174,13 @@ def llama_cpp_loads(model: DraftModel) -> bool:
     return model.config.variant.card(model.config).serving.llama_cpp_type is not None
 
 
-def engine_counts(target, model, prompts, sequences, *, budget: int) -> tuple[LlamaCppCounts | None, VllmCounts]:
-    """llama.cpp's and vLLM's rounds over the responses (the target's taps computed once for both);
-    llama.cpp's is None when it does not load the drafter (its architecture's serving says so: no count
-    to predict)."""
-    llama_cpp, vllm = (LlamaCppCounts() if llama_cpp_loads(model) else None), VllmCounts.of(target, model.num_drafts)
+def engine_counts(target, model, prompts, sequences, *, budget: int,
+                  num_speculative_tokens: int | None = None) -> tuple[LlamaCppCounts | None, VllmCounts]:
+    """llama.cpp's and vLLM's rounds over the responses (the target's taps computed once for both),
+    vLLM's served with `num_speculative_tokens` (default: every draft of the block); llama.cpp's is None
+    when it does not load the drafter (its architecture's serving says so: no count to predict)."""
+    llama_cpp = LlamaCppCounts() if llama_cpp_loads(model) else None
+    vllm = VllmCounts.of(target, num_speculative_tokens or model.num_drafts)
     for prompt, x in zip(prompts, sequences):
         taps = target_taps(target, x, model.layer_ids)
         if llama_cpp is not None:
@@ -201,7 +207,8 @@ def _prompts_tau(args, target, tokenizer, model, *, kwargs, result: dict) -> Tau
     sequences: list = []
     report = offline_tau(target, model, prompts, max_new_tokens=args.max_new_tokens,
                          batch_anchors=args.batch_anchors, sequences=sequences)
-    llama_cpp, vllm = engine_counts(target, model, prompts, sequences, budget=args.max_new_tokens)
+    llama_cpp, vllm = engine_counts(target, model, prompts, sequences, budget=args.max_new_tokens,
+                                    num_speculative_tokens=args.num_speculative_tokens)
     result.update(report.as_dict())
     result["llama_cpp"] = llama_cpp.as_dict() if llama_cpp is not None else None
     result["vllm"] = vllm.as_dict()

@@ -281,7 +281,14 @@ def requested_port() -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = [a for a in argv if not a.startswith("--")]
+    # launch.sh runs its one option, --dry-run, itself: any other is a mistyped one, and a run started
+    # without it (`--dryrun`) would be a real run.
+    flags = [a for a in argv if a.startswith("-")]
+    args = [a for a in argv if not a.startswith("-")]
+    if flags or not args:
+        what = f"unknown option {flags[0]}" if flags else "no recipe given"
+        print(_fail(f"launch.sh: {what}; usage: bash launch.sh RECIPE [key=value ...] [--dry-run]"))
+        return Exit.OK
     try:
         port = requested_port()
     except ValueError as exc:

@@ -33,7 +33,11 @@ def load_summaries(folder: Path) -> dict[str, dict]:
     """Every `<name>.json` summary in `folder` (the lab's own table files excluded), by run name."""
     out = {}
     for f in sorted(Path(folder).glob("*.json")):
-        data = json.loads(f.read_text())
+        try:
+            data = json.loads(f.read_text())
+        except ValueError as e:  # a summary cut short (a command killed while it wrote): name the file
+            raise ValueError(f"lab table: {f} is not JSON ({e}); write it again (bash scripts/quality_lab.sh OUT run "
+                             f"eval {f.stem}) or move it out of {folder}") from None
         if isinstance(data, dict) and "benchmarks" in data and "name" in data:
             out[data["name"]] = data
     if not out:

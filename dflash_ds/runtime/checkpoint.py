@@ -186,8 +186,12 @@ def load_failure(exc: BaseException, run_dir: str | Path, tag: str) -> str:
     where = checkpoint_dir(run_dir) / tag
     why = mismatch(str(exc))
     if why is not None:
+        recorded = Path(run_dir) / "recipe.yaml"
+        # Advise the record only where there is one (a run directory copied without it has none).
+        settings = (f"the settings recorded in {recorded}" if recorded.is_file() else
+                    f"the drafter settings that wrote it (no {recorded} records them)")
         return (f"checkpoint {where} does not fit the drafter this recipe builds ({why}): the recipe changed the "
-                f"drafter since the run started; resume with the settings recorded in {Path(run_dir) / 'recipe.yaml'}, "
+                f"drafter since the run started; resume with {settings}, "
                 "or start a new run (checkpoint.resume=restart or another run.output_dir)")
     return f"could not load checkpoint {where}: {describe_error(exc)}; {_earlier(run_dir, tag)}"
 

@@ -36,6 +36,7 @@ from dflash_ds.runtime.profiling import StepProfiler, SyncStallTimer
 from dflash_ds.runtime.stopping import EarlyEnd
 from dflash_ds.runtime.target_worker import TargetWorker, eval_payload_count, wants_eval
 from dflash_ds.runtime.transport import Receiver
+from dflash_ds.runtime.untrained import TrainingWatch
 from dflash_ds.runtime.watchdog import waiting_on
 from dflash_ds.safety import CheckpointError, Stopped, say
 
@@ -123,6 +124,7 @@ class DrafterTrainer:
         self.last_tau: TauReport | None = None  # the latest evaluation, for the export's model card
         self.window = LogWindow()
         self.profiler = StepProfiler(spec.recipe, rank, spec.layout.role(rank), spec.device)
+        self.watch = TrainingWatch(spec, self.engine, start=self.start)  # a run that trains nothing stops
 
     @classmethod
     def load(cls, spec: RunSpec, data: PreparedData, rank: int, groups, *, control) -> "DrafterTrainer":
@@ -255,6 +257,7 @@ class DrafterTrainer:
                            for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.extra)])
         with waiting_on("the metrics all-reduce", self.spec.layout.drafter_ranks):
             dist.all_reduce(vec, group=self.group)
+        self.watch.check(step, float(vec[0]) / float(stats.weight))  # on every drafter rank alike, before an export
         if not self.lead:
             return
         plan = self.spec.plan

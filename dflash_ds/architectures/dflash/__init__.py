@@ -198,6 +198,13 @@ class DFlash:
         DFlash's cross-entropy is always on."""
         return {"the cross-entropy (always on)": self.ce_weight(term)}
 
+    def trained_parts(self, shape: DrafterShape) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The parts of a drafter of `shape` that only some terms of the loss train, each with those terms'
+        names (keys of `term_weights`); the other terms (the KL among them) train the drafter's drafts.
+        The pre-launch check refuses a part whose every term weighs 0: it would be exported untrained.
+        None here: every term reaches the drafts."""
+        return ()
+
     def loss_terms(self, model: DraftModel, blocks: Blocks, term: Any, hidden: torch.Tensor, *, ctx: torch.Tensor,
                    mb: MicroBatch) -> tuple:
         """This architecture's terms of the loss under `term` (a `step_term`), after the cross-entropy and

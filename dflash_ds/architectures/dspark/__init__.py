@@ -240,6 +240,10 @@ class DSpark(DFlash):
             weights["confidence_weight"] = float(t.confidence)
         return weights
 
+    def trained_parts(self, shape: DrafterShape) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        # Only its BCE trains the confidence head: at weight 0 the engines would read an untrained head.
+        return (("the confidence head", ("confidence_weight",)),) if shape.arch_fields.enable_confidence_head else ()
+
     def loss_terms(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor, *,
                    ctx: torch.Tensor, mb: MicroBatch) -> tuple:
         """l1 * ||q - p||_1 on the biased logits and the target's, inside the fused loss's pass over the

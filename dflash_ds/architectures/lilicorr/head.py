@@ -254,11 +254,12 @@ class LiLiCorrHead(PaddedParameters):
         for p in (self.slot_embedding, self.rank_embedding, self.relative_slot_bias_slots, self.same_slot_bias_slots):
             p.zero_()
 
-    def attention_bias(self) -> torch.Tensor:
-        """[nh, kS, kS]: relative_slot_bias by query slot minus key slot, plus same_slot_bias within a slot
-        (positions slot-major: p = s * k + r)."""
+    def attention_bias(self, slots: int | None = None) -> torch.Tensor:
+        """[nh, kS', kS']: relative_slot_bias by query slot minus key slot, plus same_slot_bias within a slot
+        (positions slot-major: p = s * k + r), for the first S' = `slots` slots (default all S)."""
         g = self.geometry
-        slot = torch.arange(g.slots * g.top_k, device=self.slot_embedding.device) // g.top_k
+        slots = g.slots if slots is None else slots
+        slot = torch.arange(slots * g.top_k, device=self.slot_embedding.device) // g.top_k
         distance = slot[:, None] - slot[None, :]
         # Gathered in (at least) fp32: the gradient of each of the nh x (2S + 1) scalars is a sum over the
         # (kS)^2 lattice pairs at its distance, which a bf16 gather's backward accumulates in bf16.
@@ -267,16 +268,21 @@ class LiLiCorrHead(PaddedParameters):
         return bias + self.padded("same_slot_bias").to(dtype)[:, None, None] * (distance == 0)
 
     def lattice(self, embeddings: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The lattice states [n, S * k, h] (slot-major) from the candidates' target embeddings
-        [n, S, k, H], their log-probs [n, S, k] and the drafted slots' states [n, S, H]."""
+        """The lattice states [n, S' * k, h] (slot-major) from the candidates' target embeddings
+        [n, S', k, H], their log-probs [n, S', k] and the drafted slots' states [n, S', H]. S' <= S: an
+        engine serving fewer speculative tokens runs a shorter block, whose lattice takes the first S'
+        slot embeddings and the same bias by slot distance (vLLM's and SGLang's smaller lattice)."""
+        slots = hidden.shape[1]
+        if not 1 <= slots <= self.geometry.slots:
+            raise ValueError(f"a block of {slots} drafted slots: the head was built for 1 to {self.geometry.slots}")
         dtype = self.pass_hidden_proj.weight.dtype
         tokens = embeddings.to(dtype)
         x = (tokens if self.token_proj is None else self.token_proj(tokens))
         x = x + self.pass_hidden_proj(hidden.to(dtype))[:, :, None]
         x = x + self.feature_mlp(self.feature_norm(candidate_features(log_probs)).to(dtype))
-        x = x + self.slot_embedding[0, 0] + self.rank_embedding[0, 0]
+        x = x + self.slot_embedding[0, 0, :slots] + self.rank_embedding[0, 0]
         x = x.flatten(1, 2)
-        bias = self.attention_bias()
+        bias = self.attention_bias(slots)
         for layer in self.layers:
             x = layer(x, bias)
         return self.output_norm(x)
@@ -295,8 +301,9 @@ class LiLiCorrHead(PaddedParameters):
         a = alpha[:, None].expand_as(states)
         f = F.silu(self.factor_input_proj(torch.cat([states, a, states * a], dim=-1)))
         unit = lambda v: F.normalize(v, dim=-1, eps=g.vector_eps)  # noqa: E731
-        out = unit(self.out_head(f)).view(f.shape[0], g.slots, g.top_k, -1)
-        into = unit(self.in_head(f)).view(f.shape[0], g.slots, g.top_k, -1)
+        slots = states.shape[1] // g.top_k
+        out = unit(self.out_head(f)).view(f.shape[0], slots, g.top_k, -1)
+        into = unit(self.in_head(f)).view(f.shape[0], slots, g.top_k, -1)
         anchor_out = unit(self.anchor_out_head(alpha))
         start = (anchor_out[:, None] * into[:, 0]).sum(-1)
         pair = out[:, :-1] @ into[:, 1:].transpose(-1, -2)
