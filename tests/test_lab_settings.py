@@ -66,7 +66,8 @@ def test_the_settings_the_lab_tests_use_pass_and_a_mistyped_name_is_a_warning(tm
     warnings = check(env, tmp_path, "out", ["sweep", "train", "v1"])
     assert len(warnings) == 1 and warnings[0].startswith("LAB_SWEEP_SECOND is not a setting of scripts/quality_lab.sh")
     assert set(KNOWN) - set(env) == {"LAB_COMMAND_SECONDS", "LAB_EVAL_RESERVE", "LAB_SWEEP_MIN", "LAB_REGEN_MIN",
-                                     "LAB_EVAL_MIN", "LAB_EVAL_SECONDS"}
+                                     "LAB_EVAL_MIN", "LAB_EVAL_SECONDS", "LAB_START_MARGIN", "LAB_TRAIN_SECONDS",
+                                     "LAB_REGEN_BENCH", "LAB_REGEN_BENCH_ARGS"}
 
 
 def test_every_setting_the_script_reads_is_checked():
