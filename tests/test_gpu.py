@@ -1180,3 +1180,64 @@ def test_fp8_drafter_layers_compiled_match_bf16(record, recipe):
     record.setdefault("fp8_drafter_layers", []).append({"recipe": recipe, "forward_rel_err": fwd,
                                                         "worst_projection_grad_rel_err": proj})
     assert 1e-4 < fwd < 0.05 and proj < 0.3, (fwd, proj)
+
+
+def test_static_decoder_cuda_graphs_equal_eager_and_generate(record):
+    """The regeneration's static decoder on CUDA: its CUDA-graph steps give the eager steps' answers
+    (bfloat16: the same kernels, replayed), and in float32 without TF32 generate's greedy answers token
+    for token; a lab-shaped random target's bf16 rate on 512 rows is recorded."""
+    import json as _json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_ds.data.chat import ChatEncoder
+    from dflash_ds.data.decoders import HFGenerator, StaticGenerator, load_causal_lm
+
+    root = Path(__file__).resolve().parents[1]
+    tiny = root / "assets" / "tiny-target"
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    enc = ChatEncoder(tok, False)
+    prompts = []
+    for line in (root / "assets" / "tiny_chat.jsonl").read_text().splitlines()[:48]:
+        msgs = _json.loads(line)["messages"]
+        k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        prompts.append(enc.prompt_ids(msgs[:k]))
+    st = SimpleNamespace(max_new_tokens=40, temperature=0.0, top_p=1.0, slots=16)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        m32, _ = load_causal_lm(str(tiny), "cuda", torch.float32)
+        want = HFGenerator(str(tiny), tok, st, "cuda", model=m32, batch_size=1)(prompts, 0)
+        fast = StaticGenerator(str(tiny), tok, st, "cuda", model=m32)
+        got = fast(prompts, 0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert fast.decoder.graph_failure is None and fast.decoder.use_graphs
+    same32 = sum(a == b for a, b in zip(got, want))
+    mb, _ = load_causal_lm(str(tiny), "cuda", torch.bfloat16)
+    graphed = StaticGenerator(str(tiny), tok, st, "cuda", model=mb)(prompts, 0)
+    eager = StaticGenerator(str(tiny), tok, st, "cuda", model=mb, graphs=False)(prompts, 0)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
+                      num_attention_heads=12, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+    lab = Qwen3ForCausalLM(cfg).cuda().bfloat16().eval()
+    big = SimpleNamespace(max_new_tokens=256, temperature=0.0, top_p=1.0, slots=512)
+    g = torch.Generator().manual_seed(0)
+    lab_prompts = [torch.randint(10, 16000, (int(n),), generator=g).tolist()
+                   for n in torch.randint(40, 300, (512,), generator=g)]
+    dec = StaticGenerator(str(tiny), tok, big, "cuda", model=lab)
+    dec(lab_prompts[:16], 0)  # graphs of the short lengths, kernels' set-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = dec(lab_prompts, 1)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    tokens = sum(len(ids) + int(fin) for ids, fin in out)
+    record["static_decode"] = {"float32_identical": same32, "answers": len(want),
+                               "bf16_graphs_equal_eager": graphed == eager,
+                               "lab_shape_tok_s": tokens / seconds, "lab_shape_tokens": tokens}
+    assert same32 == len(want), [(a, b) for a, b in zip(got, want) if a != b][:2]
+    assert graphed == eager
+    assert tokens > 512 * 100

@@ -218,6 +218,8 @@ class StaticDecoder:
         per_row = 2 * len(self.layers) * self.kv_heads * max_len * self.head_dim * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            # what the allocator holds unused (an earlier call's cache) is free to this one too
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             budget = int(free * self.memory_fraction)
         else:
             budget = 2 << 30
