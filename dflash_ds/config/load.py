@@ -211,6 +211,8 @@ def _read_file(path: Path) -> dict:
 def recipe_mapping(path: str | os.PathLike) -> dict:
     """The recipe file as the one whole mapping it stands for, its bases laid under it (config/derive.py);
     neither typed nor checked. What reads a recipe's YAML without load_recipe reads it through this."""
+    if not Path(path).is_file():
+        raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
     return with_bases(Path(path), _read_file)
 
 
@@ -218,8 +220,6 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     """Read a YAML recipe (laid over its `base:` when it names one), apply `key.sub=value` overrides,
     validate and return it."""
     p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
     raw = recipe_mapping(p)
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(raw, key, value)
