@@ -27,7 +27,7 @@ if [ -z "${DFLASH_PROCS:-}" ] || [ -z "${DFLASH_PORT:-}" ] || [ -z "${DFLASH_STO
   exit 1
 fi
 # The launcher and the ranks run in their own process group under a small supervisor (this PID):
-# a signal to it stops the whole job (a checkpoint first, see README "Operating a long run").
+# a signal to it stops the whole job (a checkpoint first, see docs/operating.md).
 exec "$PYTHON" -m dflash_ds.guard.supervise --grace "$DFLASH_STOP_GRACE" -- \
   deepspeed --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
 '''

@@ -18,7 +18,7 @@ import threading
 
 
 class Exit(enum.IntEnum):
-    """Every exit status the package's processes end with (README "Operating a long run")."""
+    """Every exit status the package's processes end with (docs/operating.md, "Operating a long run")."""
 
     OK = 0
     FAILED = 1

@@ -188,8 +188,10 @@ def test_setup_27b_drafter_geometry_and_layers_override():
 def test_setup_from_a_recipe_with_a_local_target(tmp_path):
     import yaml
 
+    from dflash_ds.config import recipe_mapping
+
     target_config("tiny-qwen3").save_pretrained(tmp_path / "target")
-    raw = yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())
+    raw = recipe_mapping(REPO / "recipes" / "tiny.yaml")
     raw["target"]["path"] = str(tmp_path / "target")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     args = bench.parse_args(["--role", "drafter", "--device", "cpu", "--recipe", str(tmp_path / "r.yaml"),

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from dflash_ds.config import RecipeError, load_recipe
+from dflash_ds.config import RecipeError, load_recipe, recipe_mapping
 from dflash_ds.export import save_drafter
 from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.resolve.drafter import drafter_shape
@@ -101,12 +101,13 @@ def test_the_launch_says_the_notes_once(tmp_path, capsys, monkeypatch):
 
 def test_an_older_recipes_flat_keys_load_at_their_sections(tmp_path):
     """A recipe written before the sections: each flat key is read at its new place, one line naming both."""
+    import yaml
+
     old = tmp_path / "old.yaml"
-    text = open(TINY).read()
-    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                "ce_weight", "l1_weight", "confidence_weight"):
-        text = text.replace(f"    {key}:", f"  {key}:")
-    old.write_text(text.replace("  dspark:\n", "", 2))
+    raw = recipe_mapping(TINY)  # the whole recipe, its base laid under it
+    for kind in ("drafter", "objective"):
+        raw[kind].update(raw[kind].pop("dspark"))
+    old.write_text(yaml.safe_dump(raw, sort_keys=False))
     recipe, new = load_recipe(old, SMALL), load_recipe(TINY, SMALL)
     assert recipe.drafter == new.drafter and recipe.objective == new.objective
     assert recipe.notes[0] == ("recipe key 'drafter.markov_rank' moved to 'drafter.dspark.markov_rank'; read there "

@@ -19,9 +19,10 @@ def test_exit_codes_are_the_documented_ones():
     assert [int(e) for e in (Exit.OK, Exit.FAILED, Exit.USER, Exit.PEER, Exit.CHECKPOINT, Exit.STOPPED)] == \
         [0, 1, 2, 3, 4, 75]
     assert Exit.of_signal(signal.SIGINT) == 130
-    line = next(x for x in (PACKAGE.parent / "README.md").read_text().split("\n- ") if x.startswith("**Exit codes**"))
+    doc = PACKAGE.parent / "docs" / "operating.md"
+    line = next(x for x in doc.read_text().split("\n- ") if x.startswith("**Exit codes**"))
     for e in Exit:
-        assert f" {int(e)} " in line, f"README's exit codes lack {e!r}"
+        assert f" {int(e)} " in line, f"{doc.name}'s exit codes lack {e!r}"
 
 
 @pytest.mark.parametrize("exc, lost", [

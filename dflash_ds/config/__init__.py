@@ -10,13 +10,14 @@ sections by importing the module that lists them, by name, the first time a reci
   architectures.py  the architectures' own sections (drafter.<name>:, objective.<name>:), registered by them
   recipe.py    Recipe (the sections together; cross-section defaults) and ranks_per_node
   yaml_text.py the YAML text read strictly (a key given twice, a syntax error at its line)
+  derive.py    recipes that derive: a `base:` recipe laid under the file, section by section
   load.py      YAML and overrides -> Recipe (types, unknown keys) and dump_yaml back
   checks.py    validate: the value checks, one function per section
 Callers import from `dflash_ds.config`; the names below are its public surface."""
 
 from dflash_ds.config.checks import validate
 from dflash_ds.config.errors import RecipeError
-from dflash_ds.config.load import build_recipe, dump_yaml, load_recipe, parse_overrides
+from dflash_ds.config.load import build_recipe, dump_yaml, load_recipe, parse_overrides, recipe_mapping
 from dflash_ds.config.recipe import Recipe, ranks_per_node
 from dflash_ds.config.sections import (ANCHORS_PER_TOKEN, BENCHMARK_SETS, CheckpointConfig, DataConfig, DrafterConfig,
                                        EvalConfig, LogConfig, ObjectiveConfig, OptimConfig, RegenerateConfig, RunConfig,
@@ -26,5 +27,5 @@ __all__ = [
     "ANCHORS_PER_TOKEN", "BENCHMARK_SETS", "CheckpointConfig", "DataConfig", "DrafterConfig", "EvalConfig", "LogConfig",
     "ObjectiveConfig", "OptimConfig", "Recipe", "RecipeError", "RegenerateConfig", "RunConfig", "TargetConfig",
     "TopologyConfig", "WandbConfig", "build_recipe", "default_anchors", "dump_yaml", "load_recipe", "parse_overrides",
-    "ranks_per_node", "validate",
+    "ranks_per_node", "recipe_mapping", "validate",
 ]

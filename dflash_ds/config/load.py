@@ -2,8 +2,8 @@
 
 Every value is coerced to its field's type as it is read, so a wrong type or an unknown key stops
 with one line naming its dotted path (and, for a key, the keys known there); YAML syntax errors name
-the file, line and column, and a key given twice both its lines (config/yaml_text.py). The value
-checks run last (config/checks.py)."""
+the file, line and column, and a key given twice both its lines (config/yaml_text.py). A recipe that
+names a `base:` is read laid over it (config/derive.py). The value checks run last (config/checks.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import yaml
 from dflash_ds.config.architectures import KINDS, other_sections, owners, registered, section_type
 
 from dflash_ds.config.checks import validate
+from dflash_ds.config.derive import with_bases
 from dflash_ds.config.errors import RecipeError
 from dflash_ds.config.recipe import Recipe
 from dflash_ds.config.yaml_text import read_yaml
@@ -198,14 +199,28 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a YAML recipe, apply `key.sub=value` overrides, validate and return it."""
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
-    raw = read_yaml(p.read_text(), str(path)) or {}
+def _read_file(path: Path) -> dict:
+    """One recipe file's own mapping (its `base:` still in it), read strictly (config/yaml_text.py): a
+    file that is not YAML, or not a mapping, stops naming it."""
+    raw = read_yaml(path.read_text(), str(path)) or {}
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: the recipe must be a mapping of sections (run, target, drafter, ...)")
+    return raw
+
+
+def recipe_mapping(path: str | os.PathLike) -> dict:
+    """The recipe file as the one whole mapping it stands for, its bases laid under it (config/derive.py);
+    neither typed nor checked. What reads a recipe's YAML without load_recipe reads it through this."""
+    if not Path(path).is_file():
+        raise RecipeError(f"recipe file {str(path)!r} not found; pass a path such as recipes/tiny.yaml")
+    return with_bases(Path(path), _read_file)
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe (laid over its `base:` when it names one), apply `key.sub=value` overrides,
+    validate and return it."""
+    p = Path(path)
+    raw = recipe_mapping(p)
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(raw, key, value)
     moves: list[Moved] = []
