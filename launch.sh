@@ -27,9 +27,11 @@ if [ -z "${DFLASH_PROCS:-}" ] || [ -z "${DFLASH_PORT:-}" ] || [ -z "${DFLASH_STO
   exit 1
 fi
 # The launcher and the ranks run in their own process group under a small supervisor (this PID):
-# a signal to it stops the whole job (a checkpoint first, see docs/operating.md).
+# a signal to it stops the whole job (a checkpoint first, see docs/operating.md). The launcher is the
+# `deepspeed` command's own module, run by $PYTHON: no `deepspeed` script need be on PATH (a package
+# installed with pip --target has none there) and the ranks get the interpreter the checks ran in.
 exec "$PYTHON" -m dflash_ds.guard.supervise --grace "$DFLASH_STOP_GRACE" -- \
-  deepspeed --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
+  "$PYTHON" -m deepspeed.launcher.runner --num_gpus "$DFLASH_PROCS" --master_port "$DFLASH_PORT" launch.sh "$@"
 '''
 import os
 import sys

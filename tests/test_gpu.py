@@ -1217,7 +1217,8 @@ def test_static_decoder_cuda_graphs_equal_eager_and_generate(record):
     assert fast.decoder.graph_failure is None and fast.decoder.use_graphs
     same32 = sum(a == b for a, b in zip(got, want))
     mb, _ = load_causal_lm(str(tiny), "cuda", torch.bfloat16)
-    graphed = StaticGenerator(str(tiny), tok, st, "cuda", model=mb)(prompts, 0)
+    twice = StaticGenerator(str(tiny), tok, st, "cuda", model=mb)
+    graphed, again = twice(prompts, 0), twice(prompts, 0)  # a second call: graphs of its own
     eager = StaticGenerator(str(tiny), tok, st, "cuda", model=mb, graphs=False)(prompts, 0)
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
@@ -1235,9 +1236,23 @@ def test_static_decoder_cuda_graphs_equal_eager_and_generate(record):
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     tokens = sum(len(ids) + int(fin) for ids, fin in out)
+    # float64 at the lab target's shape, prompts of 20-400 tokens in several attention lengths: the
+    # static decoder against generate one prompt at a time, and generate's own batch (left padding) beside
+    lab64 = lab.double()
+    few = [torch.randint(10, 16000, (int(n),), generator=g).tolist() for n in torch.randint(20, 400, (16,), generator=g)]
+    st64 = SimpleNamespace(max_new_tokens=48, temperature=0.0, top_p=1.0, slots=16)
+    one = HFGenerator(str(tiny), tok, st64, "cuda", model=lab64, batch_size=1)(few, 0)
+    padded = HFGenerator(str(tiny), tok, st64, "cuda", model=lab64, batch_size=16)(few, 0)
+    static64 = StaticGenerator(str(tiny), tok, st64, "cuda", model=lab64)(few, 0)
+    record["static_decode_float64_lab_shape"] = {"static_vs_generate_one": sum(a == b for a, b in zip(static64, one)),
+                                                 "generate_padded_vs_one": sum(a == b for a, b in zip(padded, one)),
+                                                 "answers": len(one)}
     record["static_decode"] = {"float32_identical": same32, "answers": len(want),
-                               "bf16_graphs_equal_eager": graphed == eager,
-                               "lab_shape_tok_s": tokens / seconds, "lab_shape_tokens": tokens}
+                               "bf16_graphs_equal_eager": graphed == eager, "bf16_second_call_equal": again == graphed,
+                               "lab_shape_tok_s": tokens / seconds, "lab_shape_tokens": tokens,
+                               "graph_failures": [d.decoder.graph_failure for d in (twice, dec)]}
     assert same32 == len(want), [(a, b) for a, b in zip(got, want) if a != b][:2]
-    assert graphed == eager
+    assert graphed == eager and again == graphed
     assert tokens > 512 * 100
+    assert static64 == one, record["static_decode_float64_lab_shape"]
+    assert record["static_decode"]["graph_failures"] == [None, None]

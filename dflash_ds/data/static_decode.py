@@ -136,6 +136,7 @@ class Rows:
     done: torch.Tensor  # [S] bool
     out: torch.Tensor  # [S, max_new] the generated tokens
     graphs: dict = field(default_factory=dict)
+    pool: object = None  # the memory pool of this call's graphs (one per call: it ends with them)
 
 
 class StaticDecoder:
@@ -153,7 +154,6 @@ class StaticDecoder:
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         self.stop = torch.tensor(sorted(int(s) for s in stop_ids), dtype=torch.long, device=self.device)
         self._layout()
-        self.pool = None
         self.graph_failure: str | None = None
         self._check()
 
@@ -373,10 +373,10 @@ class StaticDecoder:
             self._step(rows, length)
         torch.cuda.current_stream(self.device).wait_stream(side)
         try:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
+            if rows.pool is None:
+                rows.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=rows.pool):
                 self._step(rows, length)
         except Exception as exc:  # a model whose step cannot be captured still decodes, eagerly
             self.use_graphs, self.graph_failure = False, f"{type(exc).__name__}: {exc}"
