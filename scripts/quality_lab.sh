@@ -20,17 +20,17 @@
 #     the command that started it, for machines that limit each command but not what it leaves running
 #   bash scripts/quality_lab.sh OUT wait [SECONDS]       wait for the detached step: its exit status once it
 #     has ended, 75 if it is still running after SECONDS (default: no limit); the log's last lines either way
-# NAME is one of dflash_ds/lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
+# NAME is one of lab/catalog.py's runs (a lab recipe + overrides: v1, v1-seed1, dflash2, dspark,
 # lilicorr, lilicorr-v1, v1-noanchor, dflash2-noanchor, dspark-b7, v1-fp8, v1-kl, dspark-sizing, v1-full, v1-b8, dflash2-b16; lilicorr-v1 starts
 # from v1's export, so a sweep starts it once v1 has trained). PHASE: train (training only), eval (the benchmark
 # table, the greedy tau and llama.cpp's count on the held-out prose and on the in-domain set, OUT/NAME.json) or all.
 # Every step is resumable: a built target, written regeneration shards and a finished run are reused
 # (they live in the ignored LAB_DIR, default runs/lab). What each step leaves in OUT is small (JSON and
 # logs): OUT/target.json, OUT/regenerate.json, OUT/NAME.json (the run's summary), OUT/*.log.
-# Settings (environment): LAB_DIR; LAB_TARGET_ARGS (extra `python -m dflash_ds.lab target` arguments, e.g.
+# Settings (environment): LAB_DIR; LAB_TARGET_ARGS (extra `python -m lab target` arguments, e.g.
 # "--seconds 300" or "--steps 1234" to repeat a recorded run); LAB_FRAME_ARGS (the same for `frame`);
 # LAB_REGEN_SECONDS (the regeneration's time box; default: what is left of 540 s after the target, 480 s alone);
-# LAB_REGEN_ARGS (extra `python -m dflash_ds.lab regenerate` arguments, e.g. "--batch-size 2048");
+# LAB_REGEN_ARGS (extra `python -m lab regenerate` arguments, e.g. "--batch-size 2048");
 # LAB_OVERRIDES (recipe key=value settings for the regeneration and every run, e.g. for a CPU check);
 # LAB_STEPS (optim.max_steps of a run). DFLASH_PYTHON names the interpreter (scripts/setup_env.sh).
 # all: LAB_EVAL_RESERVE (seconds of the box kept from the training for the evaluation), LAB_START_MARGIN (of the
@@ -51,11 +51,11 @@ if [ $# -lt 1 ]; then
   exit 2
 fi
 
-check_settings() {  # OUT and every LAB_* setting, before anything is made or started (dflash_ds/lab/settings.py)
+check_settings() {  # OUT and every LAB_* setting, before anything is made or started (lab/settings.py)
   # once per command: the steps this script starts again (a sweep's runs, all's target) inherit the check
   [ -z "${DFLASH_LAB_CHECKED:-}" ] || return 0
   local HERE=$PWD
-  (cd "$(dirname "$0")/.." && . ./scripts/setup_env.sh && "$PYTHON" -m dflash_ds.lab.settings "$HERE" "$@") || exit 2
+  (cd "$(dirname "$0")/.." && . ./scripts/setup_env.sh && "$PYTHON" -m lab.settings "$HERE" "$@") || exit 2
   export DFLASH_LAB_CHECKED=1
 }
 check_settings "$@"
@@ -75,7 +75,7 @@ read -r -a EXTRA <<< "${LAB_OVERRIDES:-}"
 PATHS=("target.path=$LAB/target" "data.path=$LAB/conversations/train.jsonl"
        "data.eval_path=$LAB/conversations/bench/heldout.jsonl" "data.regenerate.output_dir=$LAB/regenerated"
        "data.cache_dir=$LAB/.data_cache" "eval.bench_dir=$LAB/conversations/bench")
-lab() { "$PY" -m dflash_ds.lab "$@"; }
+lab() { "$PY" -m lab "$@"; }
 
 need() {  # a file a step needs, and the step that makes it
   if [ ! -e "$1" ]; then echo "[lab] error: $1 is missing; run: bash scripts/quality_lab.sh OUT $2" >&2; exit 2; fi
@@ -92,7 +92,7 @@ phase_ok() {
   case "$1" in train|eval|all) ;; *) echo "[lab] error: PHASE '$1': one of train, eval, all" >&2; exit 2 ;; esac
 }
 
-one() {  # $1: PHASE, $2: NAME (dflash_ds/lab/catalog.py), then key=value settings; output also in OUT/NAME.log
+one() {  # $1: PHASE, $2: NAME (lab/catalog.py), then key=value settings; output also in OUT/NAME.log
   local PHASE=$1 NAME=$2 SPEC_TEXT
   shift 2
   phase_ok "$PHASE"
@@ -365,7 +365,7 @@ everything() {  # the runs' names (default: the catalog's); LAB_COMMAND_SECONDS 
   [ "$TRAIN" -ge 60 ] || TRAIN=60
   if LAB_SWEEP_SECONDS=$LEFT LAB_TRAIN_SECONDS=${LAB_TRAIN_SECONDS:-$TRAIN} bash "$0" "$OUT" sweep train "${NAMES[@]}"; then
     RC=0; else RC=$?; fi
-  # The trained runs are evaluated together in one process, after the training (dflash_ds/lab/evaluate.py):
+  # The trained runs are evaluated together in one process, after the training (lab/evaluate.py):
   # the target loaded once and each response generated once, with the GPU to themselves.
   LEFT=$(left)
   if [ "$LEFT" -ge "${LAB_EVAL_MIN:-60}" ]; then

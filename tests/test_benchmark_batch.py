@@ -128,7 +128,12 @@ def test_the_batched_table_measures_what_the_per_prompt_responder_does(tmp_path)
         order = [by_key[k] for k in sorted(by_key)]
         assert batched.report.cycles == [one.result.report.cycles[i] for i in order]
         assert batched.slot_probs == [one.result.slot_probs[i] for i in order]
-        assert bench_row("mt_bench", batched) == bench_row("mt_bench", one.result)
+        # the same row; its means summed in another order may differ in the last bit
+        a, b = bench_row("mt_bench", batched), bench_row("mt_bench", one.result)
+        assert a.keys() == b.keys()
+        assert {k: v for k, v in a.items() if not isinstance(v, float)} == {k: v for k, v in b.items() if not isinstance(v, float)}
+        assert {k: v for k, v in a.items() if isinstance(v, float)} == pytest.approx(
+            {k: v for k, v in b.items() if isinstance(v, float)}, rel=1e-12, abs=1e-15)
         assert batched.report.num_cycles > 0
 
 
@@ -137,7 +142,7 @@ def test_a_cut_table_resumes_after_its_last_row_and_the_lab_summary_reads_it(tmp
     pytest.importorskip("matplotlib")
     from dflash_ds.eval import benchmark_table
     from dflash_ds.eval.table_progress import PARTIAL
-    from dflash_ds.lab.runs import summarize
+    from lab.runs import summarize
 
     recipe = _recipe(tmp_path)
     _export(tmp_path, recipe)

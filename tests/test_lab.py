@@ -11,9 +11,9 @@ import random
 import pytest
 
 from dflash_ds.eval.benchmarks import load_conversations
-from dflash_ds.lab import corpus, framing, table, tokenizer
-from dflash_ds.lab.runs import llama_cpp_summary
-from dflash_ds.lab.target import Clock, Phase, pack
+from lab import corpus, framing, table, tokenizer
+from lab.runs import llama_cpp_summary
+from lab.target import Clock, Phase, pack
 
 CODE = '''"""A module."""
 
@@ -319,7 +319,7 @@ def test_table_differences_and_files(tmp_path):
 
 def test_summary_takes_the_rows_of_a_cut_benchmark_table_and_says_so(tmp_path):
     from dflash_ds.eval.table_progress import save_partial
-    from dflash_ds.lab.runs import summarize
+    from lab.runs import summarize
 
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         summarize(tmp_path, "v1")
@@ -370,9 +370,9 @@ def test_run_catalog_names_recipes_overrides_and_baselines(capsys):
     from pathlib import Path
 
     from dflash_ds.config import load_recipe
-    from dflash_ds.lab import catalog
-    from dflash_ds.lab.__main__ import main
-    from dflash_ds.lab.target import SHAPES
+    from lab import catalog
+    from lab.__main__ import main
+    from lab.target import SHAPES
     from dflash_ds.objective.blocks import default_gamma
 
     root = Path(__file__).resolve().parents[1]

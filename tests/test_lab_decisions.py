@@ -1,4 +1,4 @@
-"""The lab table's comparisons (dflash_ds/lab/decisions.py): drafting FLOPs counted by hand, the
+"""The lab table's comparisons (lab/decisions.py): drafting FLOPs counted by hand, the
 standard errors of llama.cpp's rounds against the plain formulas, and the decisions, ordering and
 noise sections drawn from synthetic NAME.json summaries."""
 
@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
-from dflash_ds.lab import decisions, table
-from dflash_ds.lab.runs import llama_cpp_summary, pooled_mean_se
+from lab import decisions, table
+from lab.runs import llama_cpp_summary, pooled_mean_se
 
 
 def test_drafting_flops_of_the_lab_v1_by_hand():
@@ -170,7 +170,7 @@ def _run_dir(folder, *, indomain: dict | None):
 
 
 def test_summary_with_and_without_the_in_domain_evaluation(tmp_path):
-    from dflash_ds.lab.runs import summarize
+    from lab.runs import summarize
 
     cycles = [[3, 1, 2], [4], [1, 1]]
     s = summarize(_run_dir(tmp_path / "new", indomain=_eval_report(cycles, [[2, 1], [3], [0, 0]])), "v1")

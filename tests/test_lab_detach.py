@@ -33,7 +33,7 @@ def test_detached_step_outlives_its_command_and_is_waited_for(tmp_path):
     for name in ("v1.json", "v1-seed1.json"):
         shutil.copy(SUMMARIES / name, out / name)
     slow = tmp_path / "python"  # the lab's interpreter, 4 s slower when it draws the table
-    slow.write_text(f'#!/bin/sh\ncase " $* " in *" dflash_ds.lab table "*) sleep 4 ;; esac\nexec {sys.executable} "$@"\n')
+    slow.write_text(f'#!/bin/sh\ncase " $* " in *" lab table "*) sleep 4 ;; esac\nexec {sys.executable} "$@"\n')
     slow.chmod(0o755)
     env = cpu_env(DFLASH_PYTHON=str(slow))
 

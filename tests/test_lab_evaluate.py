@@ -1,4 +1,4 @@
-"""The lab's one-process evaluation (dflash_ds/lab/evaluate.py) against the per-run path it replaces: the
+"""The lab's one-process evaluation (lab/evaluate.py) against the per-run path it replaces: the
 same benchmark rows as `python -m dflash_ds.eval.benchmark_table` and the same held-out and in-domain
 reports as `python -m dflash_ds.eval --prompts ... --out`, for three drafters (two of one seed, one of
 another) measured against one target loaded once, breadth first, with every response generated once;
@@ -50,7 +50,7 @@ def _export(run_dir, recipe, init):
 def test_one_process_evaluation_equals_the_per_run_path_and_generates_each_response_once(tmp_path, monkeypatch):
     from dflash_ds.eval import batched, benchmark_table
     from dflash_ds.eval.cli import main as eval_main
-    from dflash_ds.lab.evaluate import evaluate_recipes
+    from lab.evaluate import evaluate_recipes
 
     lab, recipes = _lab(tmp_path)
     reference = {}
@@ -71,7 +71,7 @@ def test_one_process_evaluation_equals_the_per_run_path_and_generates_each_respo
     real = batched.batched_continuations
     monkeypatch.setattr(batched, "batched_continuations", lambda target, prompts, **kw: made.append(len(prompts)) or
                         real(target, prompts, **kw))
-    from dflash_ds.lab import evaluate as lab_evaluate
+    from lab import evaluate as lab_evaluate
 
     parts = []
     real_do = lab_evaluate._Run.do
@@ -99,7 +99,7 @@ def test_one_process_evaluation_equals_the_per_run_path_and_generates_each_respo
 
 
 def test_the_box_stops_between_parts_and_the_same_call_resumes(tmp_path):
-    from dflash_ds.lab.evaluate import evaluate_recipes
+    from lab.evaluate import evaluate_recipes
 
     lab, recipes = _lab(tmp_path)
     recipes.pop("c")

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from dflash_ds.lab import corpus, tokenizer
+from lab import corpus, tokenizer
 
 from .launch_util import ROOT, cpu_env, output, run
 
@@ -140,7 +140,7 @@ def test_lab_pipeline_on_cpu(tmp_path):
     shutil.rmtree(lab / "runs" / "v1")
     (tmp_path / "v1-trained").rename(lab / "runs" / "v1")
     # A run that fails is named, and the sweep's status says so; an unknown name stops before any start.
-    # (A setting the script cannot use, LAB_STEPS=zero, stops the sweep before any start, dflash_ds/lab/settings.py:
+    # (A setting the script cannot use, LAB_STEPS=zero, stops the sweep before any start, lab/settings.py:
     # these runs fail on a target that is not there, which only their launch finds.)
     proc = run(["bash", "scripts/quality_lab.sh", str(out), "sweep", "train", "v1-kl", "v1-fp8"], 300,
                dict(sweep_env, LAB_OVERRIDES=f"{sweep_env['LAB_OVERRIDES']} target.path={tmp_path}/no-target"))
@@ -169,7 +169,7 @@ def test_lab_pipeline_on_cpu(tmp_path):
     # each phase's start is logged with its time from the command's, in order (for logs of a lost machine)
     marks = re.findall(r"\[lab\] all: at (\d+) s: (the runs|the evaluation)", log)
     assert [m[1] for m in marks] == ["the runs", "the evaluation"] and int(marks[0][0]) <= int(marks[1][0]), marks
-    # evaluated after the training, in the one evaluation process (dflash_ds/lab/evaluate.py)
+    # evaluated after the training, in the one evaluation process (lab/evaluate.py)
     assert "evaluate: v1-kl done" in log and json.loads((out / "evaluate.json").read_text())["evaluated"] == ["v1-kl"]
     assert "(conversations framed before the in-domain set); its evaluation is skipped" in (out / "evaluate.log").read_text()
     table = json.loads((out / "quality_lab_table.json").read_text())

@@ -1,4 +1,4 @@
-"""A run's summary from its log (dflash_ds/lab/logs.py): the benchmark rows the table printed, read back
+"""A run's summary from its log (lab/logs.py): the benchmark rows the table printed, read back
 as benchmarks.json has them, and the last training progress line."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_ds.eval.benchmark_table import table_lines
-from dflash_ds.lab.logs import bench_rows, last_progress, summary_from_log
+from lab.logs import bench_rows, last_progress, summary_from_log
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""scripts/quality_lab.sh's folder and LAB_* settings, checked by dflash_ds/lab/settings.py before the
+"""scripts/quality_lab.sh's folder and LAB_* settings, checked by lab/settings.py before the
 script makes or starts anything: one line naming the setting and what it takes, exit 2 (issue 60)."""
 
 from pathlib import Path
 
 import pytest
 
-from dflash_ds.lab.settings import KNOWN, SettingError, check, main
+from lab.settings import KNOWN, SettingError, check, main
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parents[1]
     ("LAB_EVAL_RESERVE", "1e3", "LAB_EVAL_RESERVE='1e3'"),
     ("LAB_REGEN_SECONDS", "nan", "LAB_REGEN_SECONDS='nan': expected a finite number of seconds > 0"),
     ("LAB_EVAL_SECONDS", "0", "LAB_EVAL_SECONDS='0': expected a finite number of seconds > 0"),
-    ("LAB_TARGET_ARGS", "--seconds abc", "LAB_TARGET_ARGS='--seconds abc' (arguments of python -m dflash_ds.lab "
+    ("LAB_TARGET_ARGS", "--seconds abc", "LAB_TARGET_ARGS='--seconds abc' (arguments of python -m lab "
                                          "target): argument --seconds: expected a finite number >= 0, got 'abc'"),
     ("LAB_TARGET_ARGS", "--secnds 3", "unrecognized arguments: --secnds 3"),
     ("LAB_FRAME_ARGS", "--train-count -2", "argument --train-count: expected an integer >= 1"),
@@ -86,7 +86,7 @@ def test_main_says_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
 
 
 def test_a_summary_cut_short_is_named_by_the_table(tmp_path):
-    from dflash_ds.lab.table import load_summaries
+    from lab.table import load_summaries
 
     (tmp_path / "v1.json").write_text('{"name": "v1", "benchmarks": [')
     with pytest.raises(ValueError, match=rf"^lab table: {tmp_path / 'v1.json'} is not JSON \(.*\); write it again"):

@@ -200,7 +200,7 @@ LAYERS = [
     ("dflash_ds.runtime",),
     ("dflash_ds.guard",),
     ("dflash_ds.train", "dflash_ds.regenerate"),
-    ("dflash_ds.bench", "dflash_ds.lab"),
+    ("dflash_ds.bench",),
 ]
 
 
@@ -540,3 +540,17 @@ def test_messages_go_through_one_channel():
     found = stray_output(ROOT, OUTPUT_CHANNELS)
     assert not found, ("print / sys.stdout|stderr.write outside the entry points; say it with dflash_ds.safety.say "
                        "(or, for a program's result, print it in its main):\n  " + "\n  ".join(found))
+
+
+def test_the_lab_stands_beside_the_package():
+    """The quality lab imports dflash_ds; the package never imports the lab, and installs without it."""
+    here = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted((here / "dflash_ds").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            found += [f"{path.relative_to(here)}: {n}" for n in names if n == "lab" or n.startswith("lab.")]
+    assert not found, found
+    assert (here / "lab" / "__main__.py").is_file() and not (here / "dflash_ds" / "lab").exists()
+    assert 'include = ["dflash_ds*"]' in (here / "pyproject.toml").read_text()

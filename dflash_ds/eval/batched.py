@@ -122,7 +122,7 @@ def batched_continuations(target, prompts: Sequence[torch.Tensor | Sequence[int]
 
 class SharedResponses:
     """The target's responses kept across Responders, so that several drafters measured against one target
-    in one process (`python -m dflash_ds.lab evaluate`) have each response generated once.
+    in one process (`python -m lab evaluate`) have each response generated once.
 
     A response is what `batched_continuations` gives for (prompt, sampling, budget) and, when sampled, the
     response's own seed (`response_seed`): the drafter plays no part in it. Greedy responses ignore the

@@ -1,4 +1,4 @@
-"""Every trained run of the lab evaluated in one process, after the training: `python -m dflash_ds.lab evaluate`.
+"""Every trained run of the lab evaluated in one process, after the training: `python -m lab evaluate`.
 
 A run's evaluation is its benchmark table (`eval.benchmark_table`), then the greedy tau with llama.cpp's
 and vLLM's counts on the held-out prose and on the in-domain set (what `python -m dflash_ds.eval --prompts
@@ -43,7 +43,7 @@ def lab_recipe(name: str, lab_dir: str, settings: list[str], overrides: list[str
     """The recipe a lab run is evaluated with: the same settings, in the same order, as
     scripts/quality_lab.sh gives `python -m dflash_ds.eval.benchmark_table` for it."""
     from dflash_ds.config import load_recipe
-    from dflash_ds.lab.catalog import settings_lines
+    from lab.catalog import settings_lines
 
     lines = settings_lines(name, lab_dir)
     return load_recipe(lines[0], [*settings, f"run.output_dir={lab_dir}/runs/{name}", *lines[1:], *overrides])
@@ -169,7 +169,7 @@ class _Run:
 
 
 def _summary(name: str, recipe, out: Path, *, eval_s: float) -> None:
-    from dflash_ds.lab.runs import summarize
+    from lab.runs import summarize
 
     summary = summarize(Path(recipe.run.output_dir), name)
     summary["eval_s"] = eval_s

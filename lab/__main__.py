@@ -1,11 +1,11 @@
-"""python -m dflash_ds.lab STEP: the quality lab's steps (docs/quality.md).
+"""python -m lab STEP: the quality lab's steps (docs/quality.md).
 
     corpus      download the pinned sdists (PyPI), build runs/lab/corpus.jsonl.xz           CPU, needs PyPI
     tokenizer   train the BPE tokenizer on the training split -> runs/lab/tokenizer         CPU
     frame       conversations and held-out benchmark sets -> runs/lab/conversations        CPU
     target      pretrain + fine-tune the lab target -> runs/lab/target                      GPU, <= ~8 min
     regenerate  the target's own answers to the training conversations (time-boxed)         GPU
-    run-settings  a named run's recipe and overrides, one a line (dflash_ds/lab/catalog.py)
+    run-settings  a named run's recipe and overrides, one a line (lab/catalog.py)
     run-after   the run whose export each named run starts from, one a line (empty when none)
     evaluate    every trained run of a list evaluated in one process, each response generated once  GPU
     summarize   one run's summary JSON (benchmarks, losses, llama.cpp counts, wall time)
@@ -29,7 +29,7 @@ def _log(msg: str) -> None:
 
 
 def _corpus(args) -> dict:
-    from dflash_ds.lab import corpus
+    from lab import corpus
 
     t0 = time.monotonic()
     counts = corpus.build(Path(args.out), cache_dir=Path(args.cache).expanduser())
@@ -39,7 +39,7 @@ def _corpus(args) -> dict:
 
 
 def _tokenizer(args) -> dict:
-    from dflash_ds.lab import corpus, tokenizer
+    from lab import corpus, tokenizer
 
     docs = corpus.read_corpus(Path(args.corpus))
     t0 = time.monotonic()
@@ -66,7 +66,7 @@ def token_counts(tok, docs: list[dict]) -> dict:
 
 
 def _frame(args) -> dict:
-    from dflash_ds.lab import corpus, framing
+    from lab import corpus, framing
 
     docs = corpus.read_corpus(Path(args.corpus))
     return framing.frame(docs, Path(args.out), train_count=args.train_count, bench_count=args.bench_count,
@@ -74,14 +74,14 @@ def _frame(args) -> dict:
 
 
 def _target(args) -> dict:
-    from dflash_ds.lab import corpus, tokenizer
-    from dflash_ds.lab.target import SHAPES, Phase, Plan, train_target
+    from lab import corpus, tokenizer
+    from lab.target import SHAPES, Phase, Plan, train_target
 
     if args.shape not in SHAPES:
         raise ValueError(f"--shape {args.shape!r}: one of {sorted(SHAPES)}")
     convs_path = Path(args.conversations) / "train.jsonl"
     if not convs_path.is_file():
-        raise ValueError(f"lab target: {convs_path} is missing; run `python -m dflash_ds.lab frame` first")
+        raise ValueError(f"lab target: {convs_path} is missing; run `python -m lab frame` first")
     docs = corpus.read_corpus(Path(args.corpus))
     tok = tokenizer.load(args.tokenizer)
     convs = [json.loads(line) for line in convs_path.read_text().splitlines() if line.strip()]
@@ -93,36 +93,36 @@ def _target(args) -> dict:
 
 
 def _regenerate(args) -> dict:
-    from dflash_ds.lab.runs import regenerate
+    from lab.runs import regenerate
 
     return regenerate(args.recipe, args.overrides, batch_size=args.batch_size, seconds=args.seconds, log=_log,
                       slots=args.slots)
 
 
 def _run_settings(args) -> dict:
-    from dflash_ds.lab.catalog import settings_lines
+    from lab.catalog import settings_lines
 
     print("\n".join(settings_lines(args.name, args.lab_dir)))
     return {}
 
 
 def _run_after(args) -> dict:
-    from dflash_ds.lab.catalog import run
+    from lab.catalog import run
 
     print("\n".join(run(name).starts_from or "" for name in args.names))
     return {}
 
 
 def _run_names(args) -> dict:
-    from dflash_ds.lab.catalog import RUNS
+    from lab.catalog import RUNS
 
     print(" ".join(RUNS))
     return {}
 
 
 def _from_logs(args) -> dict:
-    from dflash_ds.lab.catalog import RUNS
-    from dflash_ds.lab.logs import summary_from_log
+    from lab.catalog import RUNS
+    from lab.logs import summary_from_log
 
     folder, written = Path(args.folder), []
     for name in RUNS:
@@ -136,14 +136,14 @@ def _from_logs(args) -> dict:
 
 
 def _evaluate(args) -> dict:
-    from dflash_ds.lab.evaluate import evaluate
+    from lab.evaluate import evaluate
 
     return evaluate(args.names, out=Path(args.out), lab_dir=args.lab_dir, settings=args.settings,
                     overrides=args.overrides, seconds=args.seconds, log=_log)
 
 
 def _summarize(args) -> dict:
-    from dflash_ds.lab.runs import summarize
+    from lab.runs import summarize
 
     summary = summarize(Path(args.run_dir), args.name, wall_s=args.wall_s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +152,7 @@ def _summarize(args) -> dict:
 
 
 def _table(args) -> dict:
-    from dflash_ds.lab.table import write
+    from lab.table import write
 
     md, js = write(Path(args.folder), Path(args.out or args.folder))
     print(md.read_text())
@@ -164,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
                                      output_folder)
 
     # Each argument is checked as it is parsed (dflash_ds/arguments.py): one line, exit 2, nothing started.
-    p = Parser(prog="python -m dflash_ds.lab", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m lab", description=__doc__.splitlines()[0])
     p.add_argument("--record", default=None, type=output_file, help="also write the step's result as JSON here")
     sub = p.add_subparsers(dest="step", required=True)
     c = sub.add_parser("corpus")
@@ -215,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("run-after", help="the run whose export each NAME starts from, one a line (empty: none)")
     a.add_argument("names", nargs="+")
     sub.add_parser("run-names")
-    e = sub.add_parser("evaluate", help="the trained runs among NAMES, evaluated in one process (dflash_ds/lab/evaluate.py)")
+    e = sub.add_parser("evaluate", help="the trained runs among NAMES, evaluated in one process (lab/evaluate.py)")
     e.add_argument("out", type=output_folder, help="where each run's summary NAME.json goes")
     e.add_argument("--names", nargs="+", required=True)
     e.add_argument("--lab-dir", default="runs/lab", type=output_folder)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ds.lab.tokenizer import IM_END, PAD
+from lab.tokenizer import IM_END, PAD
 
 
 @dataclass(frozen=True)

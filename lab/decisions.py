@@ -1,4 +1,4 @@
-"""The lab table's comparisons: each catalog run against its baseline (dflash_ds/lab/catalog.py).
+"""The lab table's comparisons: each catalog run against its baseline (lab/catalog.py).
 
 A comparison is a list of rows, one per benchmark set and sampling and measure: tau per cycle for
 every run; tau per drafting GFLOP for the runs whose drafter does other work per cycle
@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-from dflash_ds.lab import catalog
+from lab import catalog
 
 SIGNIFICANT_SE = 2.0
 NOISE_FACTOR = 2.0
@@ -30,9 +30,9 @@ CONTEXT_TOKENS = 512
 """The context a drafting cycle attends to in `drafting_flops`: a benchmark prompt and part of its
 answer are a few hundred lab tokens. Only the attention term depends on it."""
 LAB_VOCAB = 16384
-"""The lab tokenizer's size (`python -m dflash_ds.lab tokenizer --vocab`), the target's vocabulary."""
+"""The lab tokenizer's size (`python -m lab tokenizer --vocab`), the target's vocabulary."""
 LLAMA_PROGRAM = "llama_server"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _diff(base: float | None, base_se: float | None, value: float | None, se: float | None) -> dict | None:
@@ -72,8 +72,8 @@ def rows_of(summary: dict) -> dict[tuple[str, str], dict]:
 
 
 def lab_target_config() -> SimpleNamespace:
-    """The lab target's config as `resolve.drafter.drafter_shape` reads it (dflash_ds/lab/target.py)."""
-    from dflash_ds.lab.target import SHAPES
+    """The lab target's config as `resolve.drafter.drafter_shape` reads it (lab/target.py)."""
+    from lab.target import SHAPES
 
     s = SHAPES["lab"]
     return SimpleNamespace(model_type="qwen3", hidden_size=s.hidden, num_hidden_layers=s.layers,

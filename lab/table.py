@@ -7,7 +7,7 @@ difference (the runs' responses are independent: sqrt(se_a^2 + se_b^2)), called 
 llama.cpp's counted acceptance (first round apart from the later ones) on the held-out prose and, where
 the runs have it, on the in-domain set (conversations of the training projects, whose exact greedy tau
 is one more set of rows: "in-domain"); final losses and wall times;
-and the comparisons of dflash_ds/lab/decisions.py (each catalog run against its baseline): the
+and the comparisons of lab/decisions.py (each catalog run against its baseline): the
 ordering check (v1 < DFlash2, v1 < DSpark, v1 < LiLiCorr, beside the seed-to-seed noise) and the decisions.
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_ds.lab import decisions
-from dflash_ds.lab.decisions import SIGNIFICANT_SE, difference
-from dflash_ds.lab.decisions import rows_of as _rows
+from lab import decisions
+from lab.decisions import SIGNIFICANT_SE, difference
+from lab.decisions import rows_of as _rows
 
 REFERENCE = "v1"
 SEED_TWIN = "v1-seed1"
@@ -208,7 +208,7 @@ def _decisions_md(dec: dict) -> list[str]:
              f"run - baseline ± the SE of the difference (difference / SE); * = at >= {se:g} SE, † = tau rows also at "
              f"least {decisions.NOISE_FACTOR:g}x the seed twin's difference on that set. Drafting FLOPs: "
              f"one cycle's forward of the block over a {dec['context_tokens']}-token context "
-             "(dflash_ds/lab/decisions.py `drafting_flops`). llama.cpp rows: mean accepted drafts a round on the "
+             "(lab/decisions.py `drafting_flops`). llama.cpp rows: mean accepted drafts a round on the "
              "set named (held-out prose or in-domain), greedy.", "",
              "| decision | run | baseline | set | sampling | measure | baseline value | run value | run - baseline |",
              "|---|---|---|---|---|---|---|---|---|"] if dec["decision"] else ["", "## Decisions", ""]

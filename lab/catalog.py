@@ -1,9 +1,9 @@
 """The lab's named runs: each a lab recipe plus recipe overrides, and the run it is measured against.
 
 `bash scripts/quality_lab.sh OUT train NAME` and `... sweep PHASE NAME...` read a run's settings from here
-(`python -m dflash_ds.lab run-settings NAME`); `lab table` reads the decisions (each run against its
+(`python -m lab run-settings NAME`); `lab table` reads the decisions (each run against its
 baseline) from here too. The lab target these overrides are sized for: 10 layers, hidden 768, 12 query
-heads and 4 KV heads of 64, MLP 2,048 (dflash_ds/lab/target.py, shape "lab").
+heads and 4 KV heads of 64, MLP 2,048 (lab/target.py, shape "lab").
 """
 
 from __future__ import annotations

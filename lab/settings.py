@@ -1,4 +1,4 @@
-"""`python -m dflash_ds.lab.settings HERE OUT [STEP ARG...]`: scripts/quality_lab.sh's folder and every
+"""`python -m lab.settings HERE OUT [STEP ARG...]`: scripts/quality_lab.sh's folder and every
 LAB_* setting of its environment checked before the script starts anything (its first line runs this).
 
 A setting the shell reads as a number and finds none used to fail late: `sleep abc` after the sweep
@@ -25,7 +25,7 @@ INTEGERS = {"LAB_STEPS": (1, 100), "LAB_COMMAND_SECONDS": (0, 540), "LAB_SWEEP_S
             "LAB_TRAIN_SECONDS": (1, 600)}
 # Seconds handed to `sleep` or to an option that takes a fraction: (least value, whether it must exceed it).
 NUMBERS = {"LAB_SWEEP_STAGGER": (0.0, False), "LAB_REGEN_SECONDS": (0.0, True), "LAB_EVAL_SECONDS": (0.0, True)}
-# Extra arguments of one `python -m dflash_ds.lab STEP`: checked by that step's own parser.
+# Extra arguments of one `python -m lab STEP`: checked by that step's own parser.
 STEP_ARGS = {"LAB_TARGET_ARGS": "target", "LAB_FRAME_ARGS": "frame", "LAB_REGEN_ARGS": "regenerate"}
 OTHERS = ("LAB_DIR", "LAB_OVERRIDES", "LAB_REGEN_BENCH", "LAB_REGEN_BENCH_ARGS")
 KNOWN = (*INTEGERS, *NUMBERS, *STEP_ARGS, *OTHERS)
@@ -62,7 +62,7 @@ def _folder(name: str, path: Path, shown: str) -> None:
 
 
 def _step_args(name: str, step: str, text: str) -> None:
-    from dflash_ds.lab.__main__ import parser
+    from lab.__main__ import parser
 
     sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[step]
     for action in sub._actions:
@@ -70,7 +70,7 @@ def _step_args(name: str, step: str, text: str) -> None:
         action.default, action.required = None, False
 
     def refuse(message: str):  # the step's parser's error hook: the setting's name, not the step's usage
-        raise SettingError(f"{name}={text!r} (arguments of python -m dflash_ds.lab {step}): {message}")
+        raise SettingError(f"{name}={text!r} (arguments of python -m lab {step}): {message}")
 
     sub.error = refuse
     try:

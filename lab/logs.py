@@ -57,9 +57,9 @@ def last_progress(text: str) -> dict:
 
 
 def summary_from_log(log: Path, name: str) -> dict:
-    """The lab summary of run `name` (dflash_ds/lab/catalog.py) from its log OUT/NAME.log."""
+    """The lab summary of run `name` (lab/catalog.py) from its log OUT/NAME.log."""
     from dflash_ds.config import load_recipe
-    from dflash_ds.lab.catalog import settings_lines
+    from lab.catalog import settings_lines
 
     lines = settings_lines(name)
     recipe = load_recipe(lines[0], lines[1:])
