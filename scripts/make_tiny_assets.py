@@ -32,6 +32,9 @@ TOKENIZER_SIZE = 1006  # 6 markup tokens (ids 0..5), 256 bytes, merges; the mode
 
 # The markup tokens, the Qwen3-style chat template and the tokenizer's training are the lab tokenizer's
 # (one definition for both of the project's own tokenizers).
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/ stands beside the package, not installed
 from lab.tokenizer import CHAT_TEMPLATE, IM_END, MASK, PAD, train_tokenizer  # noqa: E402
 
 WORDS = ["apple", "river", "garden", "planet", "silver", "window", "rabbit", "castle", "orange",
