@@ -219,17 +219,8 @@ class DrafterTrainer:
                 report = self.log_tau(done, eval_set, "")
                 if report.cycles:
                     early.evaluated(report.tau_mean)
-            if (logged or evaluated) and not last:
-                # where the loop synchronises anyway: the plateau's or the time box's cooldown starts here
-                record = early.decide(done, time.perf_counter() - t0)
-                if record is not None:
-                    self.reschedule()
-                    metrics.log({**record, "lr": self.engine.get_lr()[0]})  # the next step's, the cooldown's first
-                    if self.lead:
-                        say(f"step {done}: {record['early_end']} (held-out tau best {early.plateau.best:.3f}); the "
-                            f"learning rate cools down over {record['cooldown_steps']} steps, the run ends at step "
-                            f"{record['end_step']}")
-                    last = done == early.end_step
+            if (logged or evaluated) and not last:  # where the loop synchronises anyway
+                last = self.end_early(early, done, time.perf_counter() - t0)
             saved = done % r.checkpoint.every_steps == 0 or last
             if saved:
                 self.save(done, final=last)
@@ -241,6 +232,19 @@ class DrafterTrainer:
         metrics.close()
         if self.lead:
             finish_run(r.run.output_dir, card_info(r, end, self.last_tau))
+
+    def end_early(self, early: EarlyEnd, done: int, elapsed: float) -> bool:
+        """Whether the plateau's or the time box's cooldown starts after step `done` (every drafter rank
+        agrees: runtime/stopping.py); True when the run ends right here (no cooldown steps)."""
+        record = early.decide(done, elapsed)
+        if record is None:
+            return False
+        self.reschedule()
+        self.metrics.log({**record, "lr": self.engine.get_lr()[0]})  # the next step's, the cooldown's first
+        if self.lead:
+            say(f"step {done}: {record['early_end']} (held-out tau best {early.plateau.best:.3f}); the learning rate "
+                f"cools down over {record['cooldown_steps']} steps, the run ends at step {record['end_step']}")
+        return done == early.end_step
 
     def reschedule(self) -> None:
         """The rate of the next step again, now that the cooldown bends the schedule: the scheduler set it
