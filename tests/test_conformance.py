@@ -29,13 +29,13 @@ from dflash_ds.objective.drafter_loss import StepSettings
 from dflash_ds.resolve.contract import flat
 from dflash_ds.resolve.drafter import check_servable, drafter_shape
 from dflash_ds.target_model.presets import target_config as preset
-from tests.toy_variant import ToyMarkov, register
+from tests.toy_variant import TOY, register
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "recipes").glob("*.yaml"))
 # The geometry in code of each hub target a recipe names (the benches' presets: no download).
 GEOMETRY = {"Qwen/Qwen3.6-27B": "qwen3.6-27b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3.6-35B-A3B": "qwen3.6-35b-a3b"}
-ARCHITECTURES = sorted(VARIANTS) + [ToyMarkov.name]
+ARCHITECTURES = sorted(VARIANTS) + [TOY.spec.name]
 D, VOCAB, B = 32, 96, 4
 
 
@@ -63,7 +63,8 @@ def test_every_recipe_loads_round_trips_whole_and_resolves(path, tmp_path):
     own = recipe.drafter.sections.get(shape.architecture)
     assert own is None or shape.arch_fields == own
     settings = StepSettings.of(shape, recipe.objective, 0, torch.device("cpu"))
-    assert settings.arch_loss == shape.variant.loss_settings(recipe.objective)
+    assert settings.keys == (recipe.objective.sections.get(shape.architecture) or
+                             (shape.spec.objective_keys() if shape.spec.objective_keys else None))
 
 
 def small_shape(name: str) -> DrafterShape:
@@ -78,7 +79,7 @@ def small_shape(name: str) -> DrafterShape:
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch, tmp_path):
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     shape = small_shape(name)
     assert DrafterShape.from_hf_config(shape.to_hf_config()) == shape
@@ -92,7 +93,7 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     assert sorted(state) == sorted(inventory)
     assert all(tuple(state[n].shape) == inventory[n].shape for n in state)
     path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
-    remote = shape.variant.remote()  # its own remote code beside the weights, or none
+    remote = shape.spec.remote_code  # its own remote code beside the weights, or none
     assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "README.md"} | \
         ({remote.name, *(p.name for p in remote.beside)} if remote else set())
     back = load_drafter(path, dtype=torch.float32)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_ds.config import DrafterConfig, ObjectiveConfig
+from dflash_ds.config import DrafterConfig
 from dflash_ds.eval.generate import target_taps
 from dflash_ds.resolve.payload import PayloadLayout, write_meta
 from dflash_ds.runtime.trainer import tau_of_payloads
 from tests.eval_world import LAYER_IDS, MASK, PROMPT_LEN, online_equals_offline, sampled_cycles_agree, trained_world
 from tests.test_conformance import ARCHITECTURES
-from tests.toy_variant import ToyMarkov, register
+from tests.toy_variant import TOY, register
 
 # Tables small enough for the 128-token vocabulary and the 32-wide target (the published ones are
 # 256 wide); an architecture not named here walks at its defaults.
@@ -36,13 +36,13 @@ def walk_world(name: str) -> dict:
     if name not in _worlds:
         from dflash_ds.architectures import VARIANTS
 
-        variant = VARIANTS[name]
-        sections = {name: variant.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}
+        spec = VARIANTS[name].spec
+        sections = {name: spec.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}
         section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                                 architecture=name, sections=sections)
         # The architecture's default loss settings and loss decay (gamma None), as a recipe without
         # its objective section runs it.
-        _worlds[name] = trained_world(section, variant.loss_settings(ObjectiveConfig()), None, STEPS,
+        _worlds[name] = trained_world(section, spec.objective_keys() if spec.objective_keys else None, None, STEPS,
                                       hidden=HIDDEN, new=NEW)
     return _worlds[name]
 
@@ -65,7 +65,7 @@ def in_training_tau(world: dict, sequences: list[torch.Tensor]):
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_architecture_walks_online_as_tau_counts_offline(name, monkeypatch):
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     world = walk_world(name)
     sequences = []
@@ -83,7 +83,7 @@ def test_every_architecture_walks_online_as_tau_counts_offline(name, monkeypatch
 def test_every_architecture_walks_sampled_online_as_offline_with_coupled_draws(name, monkeypatch):
     """Under sampling too, with the coupled verifier of tests/test_sampled.py (the engines' rule, one
     draw per position), both paths give the same text and cycles."""
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     accepted = sampled_cycles_agree(walk_world(name), monkeypatch)
     # Drafts are accepted (the two paths agree past a(t) = 0 on the architecture's own walk) and rejected.

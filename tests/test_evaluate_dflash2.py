@@ -6,8 +6,8 @@ path differs from the per-slot argmax."""
 import pytest
 import torch
 
-from dflash_ds.architectures.base import argmax_tokens
-from dflash_ds.architectures.dflash2 import SelectorSchedule
+from dflash_ds.architectures.dflash import argmax_tokens
+from dflash_ds.architectures.dflash2 import DFlash2Keys
 from dflash_ds.architectures.dflash2 import DFlash2Fields
 from dflash_ds.config import DrafterConfig
 from dflash_ds.eval.generate import greedy_continuation, target_taps
@@ -25,7 +25,8 @@ def world():
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                              architecture="dflash2",
                              sections={"dflash2": DFlash2Fields(conv_group_size=16, selector_rank=16, selector_top_k=8)})
-    return trained_world(section, SelectorSchedule(alpha=1.0, inject_gold=True), gamma=4.0)
+    return trained_world(section, DFlash2Keys(selector_inject_gold=True, selector_warmup_ratio=0.0, selector_ramp_ratio=0.0),
+                         gamma=4.0)
 
 
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")

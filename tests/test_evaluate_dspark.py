@@ -8,9 +8,8 @@ re-implemented in tests/test_dspark.py."""
 import pytest
 import torch
 
-from dflash_ds.architectures.base import argmax_tokens
-from dflash_ds.architectures.dspark import DSparkFields
-from dflash_ds.architectures.dspark.parts import DSparkTerms
+from dflash_ds.architectures.dflash import argmax_tokens
+from dflash_ds.architectures.dspark import DSparkFields, DSparkKeys
 from dflash_ds.config import DrafterConfig
 from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.eval.tau import accept_lengths, anchor_proposals
@@ -24,7 +23,7 @@ B = 7
 def world():
     section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                             architecture="dspark", sections={"dspark": DSparkFields(markov_rank=16)})
-    return trained_world(section, DSparkTerms(), gamma=4.0)  # default_gamma(B + 1), DeepSpec's at B = 7
+    return trained_world(section, DSparkKeys(), gamma=4.0)  # default_gamma(B + 1), DeepSpec's at B = 7
 
 
 def block_states(model, taps, token, t):

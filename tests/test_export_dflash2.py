@@ -101,7 +101,7 @@ def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
     present = [k for k in rules["top_level_keys"] if k in config]
     assert {"num_target_layers", "layer_types", "use_sliding_window", "sliding_window",
             "max_window_layers"} <= set(present)
-    assert config["auto_map"] == VARIANTS["dflash2"].remote().auto_map
+    assert config["auto_map"] == VARIANTS["dflash2"].spec.remote_code.auto_map
     card = (out / "README.md").read_text()
     assert "# DFlash2 drafter" in card and '"num_speculative_tokens": 7' in card
     assert "--speculative-num-draft-tokens 8" in card and "DFlash2DraftModel" in card

@@ -84,7 +84,7 @@ def test_export_config_and_tensors_follow_the_readers_rules(tmp_path):
     assert (config["markov_rank"], config["block_size"], config["num_anchors"]) == (RANK, B, 24)
     assert config["target_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [1, 3, 5]
     assert config["mask_token_id"] == config["dflash_config"]["mask_token_id"] == VOCAB - 1
-    assert config["auto_map"] == VARIANTS["dspark"].remote().auto_map
+    assert config["auto_map"] == VARIANTS["dspark"].spec.remote_code.auto_map
     card = (out / "README.md").read_text()
     assert "# DSpark drafter" in card and '"method": "dspark"' in card and f'"num_speculative_tokens": {B}' in card
     assert f"--speculative-algorithm DSPARK" in card and f"--speculative-num-draft-tokens {B + 1}" in card
@@ -134,7 +134,7 @@ def test_the_card_serves_only_what_the_engines_load(tmp_path):
     assert "llama-server" not in cards["plain"] and "llama.cpp does not load this drafter" in cards["plain"]
     assert "vllm serve" in cards["plain"] and "sglang.launch_server" in cards["plain"]
     shape = make_drafter(confidence_head_with_markov=False).config
-    assert shape.variant.card(shape).serving.llama_cpp_type is None
+    assert shape.spec.card(shape).serving.llama_cpp_type is None
 
 
 def test_no_llama_cpp_cut_is_predicted_for_a_drafter_llama_cpp_does_not_load():

@@ -51,7 +51,7 @@ def test_automodel_loads_lilicorr_and_its_draft_equals_propose(pkg, tmp_path, fi
     dm = DraftModel(ours, embed, lm_head)
     with torch.no_grad():
         context = ours.fuse(taps[None])[0]
-    want = pkg.LiLiCorr().propose(dm, states, torch.zeros(n, dtype=torch.long), context=context, context_valid=valid)
+    want = pkg.LILICORR.walk.propose(dm, states, torch.zeros(n, dtype=torch.long), context=context, context_valid=valid)
     got = model.propose(states, taps, lm_head, embed, anchor_valid=valid)
     assert torch.equal(got, want.tokens)
     found, factors = pkg.walk.score(dm, states, context, valid)

@@ -279,9 +279,11 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
 
     from dflash_ds.architectures import VARIANTS
     from dflash_ds.network.shape import DrafterShape
+    from tests.test_conformance_steps import named_logs
 
     names, attributes, fields, logs = set(), set(), set(), set()
-    for v in VARIANTS.values():
+    for arch in VARIANTS.values():
+        v = arch.spec
         names |= {v.name, v.class_name}
         attributes.add(v.name)
         for section in (v.fields, v.objective_keys):
@@ -290,12 +292,12 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
                              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
                              max_position_embeddings=64, vocab_size=64, num_target_layers=2, target_layer_ids=(0,),
                              block_size=4, mask_token_id=1, tie_word_embeddings=False, architecture=v.name)
-        for tensor in v.tensors(shape):
+        for tensor in arch.modules.tensors(shape):
             parts = tensor.split(".")
             attributes.add(parts[2] if parts[0] == "layers" else parts[0])
         templates = [*v.logs.progress, *(t for _, t in v.logs.summary)]
         logs |= {f for t in templates for _, f, _, _ in string.Formatter().parse(t) if f}
-        logs |= {key for _, key, _ in v.logs.series} | set(v.log_names(shape))
+        logs |= {key for _, key, _ in v.logs.series} | named_logs(v.name)
     return names, attributes, fields, logs
 
 

@@ -65,13 +65,13 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     embed, head = (torch.randn(VOCAB, D, generator=g, dtype=torch.float64) for _ in range(2))
     model = DraftModel(drafter, embed, head)
     settings = StepSettings(shape=shape, num_anchors=6, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
-                            arch_loss=toy.loss_settings(None))
+                            keys=toy.spec.objective_keys())
     mb = micro_batch(g)
     blocks = make_blocks(mb, settings, 0)
     weight = blocks.weights.sum()
-    out = drafter_loss(model, mb, blocks, weight, settings=settings, term=settings.step_term(0, 1))
-    assert toy.log_names(shape) == ("tv_sum",) and float(out.sums["tv_sum"]) > 0
-    record = toy.log_record({"tv_sum": float(out.sums["tv_sum"])}, float(weight))
+    out = drafter_loss(model, mb, blocks, weight, settings=settings, step=0, total_steps=1)
+    assert set(out.sums) == {"ce", "tv_sum"} and float(out.sums["tv_sum"]) > 0  # its one named log
+    record = toy.spec.logs.record({"tv_sum": float(out.sums["tv_sum"])}, float(weight))
     assert 0 < record["tv"] < 1
     # One optimizer step moves the head and the backbone.
     opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
@@ -144,7 +144,7 @@ def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(m
     recipe = load_recipe("recipes/tiny.yaml", TINY + keys)
     assert recipe.notes == ()
     spec = resolve_run(recipe, world_size=2)
-    assert spec.drafter.arch_fields.toy_rank == 5 and spec.settings.arch_loss == 0.25
+    assert spec.drafter.arch_fields.toy_rank == 5 and spec.settings.keys.tv_weight == 0.25
     again = tmp_path / "again.yaml"
     again.write_text(dump_yaml(recipe))
     assert dataclasses.replace(load_recipe(again), source=recipe.source) == recipe
@@ -158,9 +158,9 @@ def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(m
     with pytest.raises(RecipeError, match="drafter.toy_markov.toy_rank = 0 must be >= 1"):
         resolve_run(load_recipe("recipes/tiny.yaml", TINY + keys + ["drafter.toy_markov.toy_rank=0"]), world_size=2)
     rec = {"step": 2, "loss": 1.0, "accept_proxy": 2.0, "tv": 0.125}
-    assert "accept 2.00 | tv 0.1250" in progress_line(rec, 4, toy.logs.progress)
+    assert "accept 2.00 | tv 0.1250" in progress_line(rec, 4, toy.spec.logs.progress)
     assert "tv" not in progress_line(rec, 4)  # only the architecture's own view names it
-    loss_panel = dict(_panels([rec], [], toy.logs))["loss"]
+    loss_panel = dict(_panels([rec], [], toy.spec.logs))["loss"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +170,7 @@ def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(m
     loss_panel(ax)
     assert [line.get_label() for line in ax.get_lines()] == ["loss", "TV term"]
     plt.close(fig)
-    assert ("final TV", "0.125") in _summary([rec], [], toy.logs)
+    assert ("final TV", "0.125") in _summary([rec], [], toy.spec.logs)
 
 
 def test_the_package_holds_nothing_of_the_toy():
@@ -254,20 +254,18 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
 
 
 def test_register_adds_the_architecture_and_its_sections_and_refuses_a_second_of_one_name(monkeypatch):
-    from dflash_ds.architectures import VARIANTS, DrafterVariant
+    from dflash_ds.architectures import DEFAULT, VARIANTS
     from dflash_ds.config.architectures import SECTIONS, section_type
     from dflash_ds.network.registry import register as decorate
-    from tests.toy_variant import ToyMarkov, ToyObjective
+    from tests.toy_variant import TOY, ToyKeys
 
     for registry in (VARIANTS, SECTIONS):  # the toy's entries are removed again after the test
         monkeypatch.setitem(registry, "toy_markov", None)
-    assert decorate(ToyMarkov) is ToyMarkov
-    assert isinstance(VARIANTS["toy_markov"], ToyMarkov) and section_type("objective", "toy_markov") is ToyObjective
+    assert decorate(TOY) is TOY
+    assert VARIANTS["toy_markov"] is TOY and section_type("objective", "toy_markov") is ToyKeys
     assert section_type("drafter", "dflash") is None and section_type("objective", "dflash") is None  # v1 adds none
 
-    class Impostor(DrafterVariant):
-        name = "dspark"
-
+    impostor = dataclasses.replace(DEFAULT, spec=dataclasses.replace(DEFAULT.spec, name="dspark"))
     with pytest.raises(ValueError, match="'dspark' is registered twice"):
-        decorate(Impostor)
-    assert type(VARIANTS["dspark"]).__name__ == "DSpark"
+        decorate(impostor)
+    assert VARIANTS["dspark"].spec.title == "DSpark"

@@ -115,7 +115,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     if num_anchors is not None:
         config["num_anchors"] = int(num_anchors)
-    remote = cfg.variant.remote()
+    remote = cfg.spec.remote_code
     if remote is not None:
         config["auto_map"] = dict(remote.auto_map)
 
@@ -225,12 +225,12 @@ def load_drafter(
 def load_backbone(path: str | os.PathLike, shape: DrafterShape, *, dtype: torch.dtype,
                   device: str | torch.device = "cpu") -> DFlashDrafter:
     """A drafter of `shape` whose backbone (every tensor outside its architecture's heads) is that of the
-    export at `path`, of another architecture (`DrafterVariant.backbone_from`, already checked by
+    export at `path`, of another architecture (`DrafterShape.backbone_from`, already checked by
     `run.check_init_from`), and whose heads start fresh, from the current torch seed. The export's own
     heads (a DFlash2 selector) are left behind."""
     exported = load_drafter(path, dtype=dtype).state_dict()
     drafter = DFlashDrafter(shape).to(dtype)
-    heads = tuple(f"{name}." for name in shape.variant.heads(shape))
+    heads = tuple(f"{name}." for name in drafter.head_names)
     backbone = {n: t for n, t in drafter.state_dict().items() if not n.startswith(heads)}
     missing = [n for n, t in backbone.items() if n not in exported or exported[n].shape != t.shape]
     if missing:

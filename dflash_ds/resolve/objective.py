@@ -6,15 +6,17 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_ds.config import RecipeError
+from dflash_ds.network.arch_types import CE_ALWAYS_ON
 from dflash_ds.objective.drafter_loss import StepSettings
+
 
 def objective_weights(settings: StepSettings) -> dict[str, float]:
     """Every term of the resolved objective that reaches a trainable parameter, by the recipe key that
     weights it: the architecture's terms (after any warm-up) and the KL term."""
-    variant = settings.shape.variant
-    keyed = {f.name for f in dataclasses.fields(variant.objective_keys)} if variant.objective_keys else set()
-    own = variant.term_weights(settings.shape, variant.step_term(settings.arch_loss))
-    weights = {(f"objective.{variant.name}.{name}" if name in keyed else name): float(w) for name, w in own.items()}
+    spec, keys = settings.shape.spec, settings.keys
+    keyed = {f.name for f in dataclasses.fields(spec.objective_keys)} if spec.objective_keys else set()
+    own = keys.weights(settings.shape) if keys is not None else {CE_ALWAYS_ON: 1.0}
+    weights = {(f"objective.{spec.name}.{name}" if name in keyed else name): float(w) for name, w in own.items()}
     weights["objective.kl_weight"] = float(settings.kl_weight)
     return weights
 
