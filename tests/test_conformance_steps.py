@@ -34,11 +34,6 @@ from dflash_ds.resolve.drafter import drafter_shape
 RECORD = Path(__file__).with_name("fixtures") / "conformance_steps.json"
 UPDATE = "PYTHONPATH=. python -m tests.test_conformance_steps --update"
 STEPS, ROWS, SEQ, D, VOCAB, B, LAYERS = 20, 2, 48, 32, 64, 4, (1, 4)
-# Tables small enough for the 64-token vocabulary and the 32-wide target (the published ones are 256
-# wide); an architecture not named here trains at its defaults.
-SMALL_FIELDS = {"dflash2": {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
-                "dspark": {"markov_rank": 8},
-                "lilicorr": {"head_hidden_size": 16, "factor_dim": 16, "num_heads": 4, "candidate_topk": 8}}
 # The KL term on, so the target's distribution enters every architecture's record.
 OBJECTIVE = ObjectiveConfig(num_anchors=6, gamma=None, anchor_last_prompt_token=True, loss_chunks=2, kl_weight=0.3,
                             kl_temperature=1.5)
@@ -63,7 +58,8 @@ def settings_of(name: str) -> StepSettings:
     target = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
                          rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    sections = {name: VARIANTS[name].spec.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}
+    spec = VARIANTS[name].spec
+    sections = {name: spec.fields(**spec.small)}  # its own small sizes (Spec.small)
     shape = drafter_shape(target, DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
                                                 target_layer_ids=list(LAYERS), architecture=name, sections=sections))
     return StepSettings.of(shape, OBJECTIVE, 0, torch.device("cpu"))

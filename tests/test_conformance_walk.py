@@ -22,11 +22,6 @@ from tests.eval_world import LAYER_IDS, MASK, PROMPT_LEN, online_equals_offline,
 from tests.test_conformance import ARCHITECTURES
 from tests.toy_variant import TOY, register
 
-# Tables small enough for the 128-token vocabulary and the 32-wide target (the published ones are
-# 256 wide); an architecture not named here walks at its defaults.
-SMALL_FIELDS = {"dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8},
-                "dspark": {"markov_rank": 16},
-                "lilicorr": {"head_hidden_size": 32, "factor_dim": 32, "num_heads": 4, "candidate_topk": 8}}
 B, STEPS, HIDDEN, NEW = 8, 40, 32, 24
 _worlds: dict[str, dict] = {}
 
@@ -37,7 +32,7 @@ def walk_world(name: str) -> dict:
         from dflash_ds.architectures import VARIANTS
 
         spec = VARIANTS[name].spec
-        sections = {name: spec.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}
+        sections = {name: spec.fields(**spec.small)}  # its own small sizes
         section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                                 architecture=name, sections=sections)
         # The architecture's default loss settings and loss decay (gamma None), as a recipe without

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.architectures import VARIANTS
-from dflash_ds.architectures.lilicorr import LiLiCorrFields
 from dflash_ds.config import DrafterConfig, ObjectiveConfig
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.drafter import DFlashDrafter
@@ -26,9 +25,6 @@ from tests.toy_variant import TOY, register
 ARCHITECTURES = sorted(VARIANTS) + [TOY.spec.name]
 D, VOCAB, B, S = 32, 96, 4, 40
 KL_WEIGHT, TEMPERATURE = 0.3, 1.5
-# An architecture whose defaults are published absolute sizes (LiLiCorr's 1,024-wide head) at this toy
-# width: the same terms at a head the size of the drafter, seconds less of the unit tier.
-SMALL_SECTIONS = {"lilicorr": {"lilicorr": LiLiCorrFields(head_hidden_size=16, factor_dim=16, num_heads=4)}}
 
 
 def world(name: str, dtype=torch.float64):
@@ -38,9 +34,10 @@ def world(name: str, dtype=torch.float64):
     cfg = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
                       rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    spec = VARIANTS[name].spec  # at its own small sizes (Spec.small)
     shape = drafter_shape(cfg, DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
                                              target_layer_ids=[1, 4], architecture=name,
-                                             sections=SMALL_SECTIONS.get(name, {})))
+                                             sections={name: spec.fields(**spec.small)}))
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).to(dtype)
     with torch.no_grad():

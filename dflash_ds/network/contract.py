@@ -67,8 +67,8 @@ class Spec:
     tap_presets: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     """Published taps that differ from the default spread: (target layers, drafter layers) -> layer ids."""
     small: Mapping[str, Any] = field(default_factory=dict)
-    """Its fields for the tests' small drafters (a 32-wide target, a vocabulary of 64 to 128 tokens);
-    the fields it does not name keep their defaults."""
+    """Its fields for the tests' small drafters (a 32-wide target, a vocabulary of 64 tokens or more: the
+    conformance suite's); the fields it does not name keep their defaults."""
 
 
 class Modules(Protocol):

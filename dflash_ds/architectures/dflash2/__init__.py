@@ -216,5 +216,5 @@ SPEC = Spec(
     logs=LogView(log_record, progress=("selector {selector_loss:.4f} (top-k recall {selector_recall:.2f})",)),
     # z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read these (v1 reads [1, 16, 31, 46, 61]).
     tap_presets={(64, 5): (5, 19, 33, 47, 61)},
-    small={"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8})
+    small={"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4})
 DFLASH2 = register(Architecture(SPEC, DFlash2Modules(), DFlash2Objective(), DFlash2Walk()))

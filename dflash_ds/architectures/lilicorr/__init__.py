@@ -397,5 +397,5 @@ SPEC = Spec(
                   "{lilicorr_top1_prefix:.2f} / {lilicorr_oracle_prefix:.2f}"),
                  ("final log-factor spread", "{lilicorr_logfactor_spread:.3f}")),
         figures=report_figures),
-    small={"head_hidden_size": 32, "factor_dim": 32, "num_heads": 4, "candidate_topk": 8})
+    small={"head_hidden_size": 16, "factor_dim": 16, "num_heads": 4, "candidate_topk": 8})
 LILICORR = register(Architecture(SPEC, LiLiCorrModules(), LiLiCorrObjective(), LiLiCorrWalk()))
