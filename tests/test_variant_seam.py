@@ -269,3 +269,44 @@ def test_register_adds_the_architecture_and_its_sections_and_refuses_a_second_of
     with pytest.raises(ValueError, match="'dspark' is registered twice"):
         decorate(impostor)
     assert VARIANTS["dspark"].spec.title == "DSpark"
+
+
+def overrides(arch) -> list[str]:
+    """The names an architecture defines beyond DFlash's: every method of its modules, objective and walk
+    that its classes define over DFlash's parts, and of its recipe sections over `Fields` / `Keys`
+    (its spec is data: nothing to override)."""
+    from dflash_ds.architectures import DEFAULT
+    from dflash_ds.network.arch_types import Fields, Keys
+
+    spec, found = arch.spec, []
+    pairs = [(type(getattr(arch, part)), type(getattr(DEFAULT, part))) for part in ("modules", "objective", "walk")]
+    pairs += [(spec.fields, Fields)] + ([(spec.objective_keys, Keys)] if spec.objective_keys else [])
+    for cls, base in pairs:
+        own = {n for c in cls.__mro__ if c is not base and issubclass(c, base) for n in vars(c)}
+        found += [f"{cls.__name__}.{n}" for n in sorted(own & set(dir(base))) if callable(getattr(base, n))
+                  and not n.startswith("__")]
+    return found
+
+
+def test_a_new_architecture_overrides_at_most_ten_names(monkeypatch):
+    """The toy (a head, a row term with a logit bias, a walk, a section each) overrides 6; the published
+    ones stay near that (LiLiCorr, which also reads its own config keys and samples its drafts, the most)."""
+    from dflash_ds.architectures import VARIANTS
+
+    toy = register(monkeypatch)
+    assert overrides(toy) == ["ToyModules.heads", "ToyModules.tensors", "ToyObjective.terms", "ToyWalk.propose",
+                              "ToyFields.check_shape", "ToyKeys.check"]
+    counts = {name: len(overrides(arch)) for name, arch in VARIANTS.items() if name != "toy_markov"}
+    assert counts == {"dflash": 0, "dflash2": 10, "dspark": 10, "lilicorr": 15}
+
+
+def test_the_training_step_of_every_architecture_reads_on_one_screen(monkeypatch):
+    """Its objective (the one method a micro-batch's loss asks: its terms, their weights, its logit bias) is
+    at most 30 lines; its labels are the spec's `label_offset`'s (objective/blocks.py)."""
+    import inspect
+
+    from dflash_ds.architectures import VARIANTS
+
+    register(monkeypatch)
+    lines = {name: len(inspect.getsource(type(arch.objective)).splitlines()) for name, arch in VARIANTS.items()}
+    assert max(lines.values()) <= 30, lines
