@@ -4,7 +4,10 @@ tests/toy_variant.py): what each must do whatever it adds.
 Every recipe loads in the sections' form (no note), round-trips whole through dump_yaml -> load and
 resolves (the tiny ones against their target; the hub ones against the named geometry of their
 target). Every architecture's drafter has exactly the tensors its inventory lists, round-trips its
-config.json, and drafts the same tokens after export -> load (weights bit-exact).
+config.json, drafts the same tokens after export -> load (weights bit-exact), and its export loads
+through transformers' AutoModel (its remote code: the same tensors and the same states); a config.json
+missing one of its architecture's entries is refused naming it (or, for an entry with a fallback, reads
+back the same drafter). Each architecture's own test files keep only its own mathematics.
 
 The suite's other members: the online walk equals the offline count of tau
 (tests/test_conformance_walk.py) and 20 in-process training steps equal a pinned record
@@ -107,3 +110,45 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     want = DraftModel(drafter, embed, head).draft(hidden, anchors, context=context)
     assert want.shape == (6, shape.num_drafts)
     assert torch.equal(DraftModel(back, embed, head).draft(hidden, anchors, context=context), want)
+    if remote is not None and "AutoConfig" in remote.auto_map:  # transformers' remote code (the toy has its own)
+        automodel_loads(path, back)
+
+
+def automodel_loads(path: Path, ours: DFlashDrafter) -> None:
+    """AutoModel with trust_remote_code loads the export at `path` as its architecture's class, with the
+    drafter's tensors bit-exact, and its backbone gives the drafter's states for one block after a context
+    (the serving call, as the engines run it)."""
+    from transformers import AutoModel
+
+    from tests.remote_case import block_case, serving_call
+
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == ours.config.spec.class_name
+    got, want = model.state_dict(), ours.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], t) for n, t in want.items())
+    case = block_case(D, B, two_docs=False, generator=torch.Generator().manual_seed(2))
+    case = case._replace(taps=case.taps[..., :ours.config.num_taps * D])  # its taps (block_case has three)
+    with torch.no_grad():
+        remote_states, states = serving_call(model, ours, case, B)
+    torch.testing.assert_close(remote_states, states, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_a_config_missing_an_entry_of_its_architecture_is_refused_by_name(name, monkeypatch):
+    """Every `dflash_config` entry an architecture writes is read back: without it the export is refused
+    naming it, unless the entry has a fallback (a block size also at the top level), which reads back
+    the same drafter."""
+    if name == TOY.spec.name:
+        register(monkeypatch)
+    shape = small_shape(name)
+    config = shape.to_hf_config()
+    refused = []
+    for key in shape.arch_fields.config_entries(shape):
+        broken = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != key})
+        try:
+            assert DrafterShape.from_hf_config(broken) == shape, key
+        except ValueError as exc:
+            assert f"dflash_config.{key}" in str(exc) or key in str(exc), (key, str(exc))
+            refused.append(key)
+    own = [f.name for f in dataclasses.fields(shape.spec.fields)]
+    assert len(refused) >= min(len(own), 1)  # an architecture with fields of its own needs them

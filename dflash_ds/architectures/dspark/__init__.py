@@ -147,7 +147,7 @@ class ConfidenceTerm(OutputTerm):
         tau_sum, tau_blocks = expected_tau(accept, w)
         on = (w > 0).to(accept.dtype)
         per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
-        if head is None:  # in `log_names` order
+        if head is None:  # in `_sum_names` order
             sums = (tau_sum, tau_blocks.to(accept.dtype), *per_slot.unbind())
         else:
             sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal),

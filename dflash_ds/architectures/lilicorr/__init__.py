@@ -22,7 +22,7 @@ import torch
 from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlashModules, DFlashObjective, DFlashWalk
 from dflash_ds.architectures.dflash2.parts import BlockConv
 from dflash_ds.architectures.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
-from dflash_ds.architectures.lilicorr.logs import log_record, sum_names
+from dflash_ds.architectures.lilicorr.logs import log_record
 from dflash_ds.architectures.lilicorr.loss import lattice_inputs, lattice_loss_terms
 from dflash_ds.architectures.lilicorr.report import draw_prefixes, prefixes
 from dflash_ds.architectures.lilicorr.terms import Weights
