@@ -4,7 +4,7 @@
 
 Written to RUN_DIR/report/ (index.html, overview.png and one PNG per panel), and automatically at
 the end of a run on the lead drafter rank. The run's drafter architecture (its recipe record) adds
-its own fields to the panels and the summary and may add panels (its `logs` and `report_figures`):
+its own fields to the panels and the summary and may add panels (its spec's `logs`, their `figures`):
 the report names no architecture's field. matplotlib (Agg backend: no display needed) draws the
 plots; it is a project dependency because hand-drawn PNGs would need their own text rendering.
 """

@@ -180,7 +180,7 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
 # (recipe -> rows and the FP8 mechanism -> the drafter network -> its training objective -> the architectures, which
 # extend both -> target -> export -> eval -> run spec -> distributed run -> how it starts and stops -> entry points).
-# The network asks its registry for an architecture; the architectures fill it from above (`@register`).
+# The network asks its registry for an architecture; the architectures fill it from above (`register`).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries", "dflash_ds.compile"),
     ("dflash_ds.data", "dflash_ds.metrics", "dflash_ds.quantization"),
