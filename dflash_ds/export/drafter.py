@@ -5,8 +5,9 @@ An export is a directory with `config.json` and `model.safetensors` that SGLang
 carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter borrows both from
 the target at serving time.
 
-It also holds the architecture's transformers remote code (its spec's `remote_code`: for DFlash, DFlash2 and
-DSpark `modeling_dflash.py`, self-contained, from dflash_ds/architectures/dflash/) with an `auto_map`
+It also holds the architecture's transformers remote code (its spec's `remote_code`: DFlash's
+`modeling_dflash.py`, self-contained, from dflash_ds/architectures/dflash/, and each other published
+architecture's own file from its package beside it) with an `auto_map`
 in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it, and a
 README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
 transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # for the annotations only
 
 MODELING = Path(__file__).parent / "modeling_dflash.py"
 """transformers' remote code of the DFlash backbone (torch and transformers only), copied verbatim into
-every published architecture's export (beside its own file for DFlash2 and DSpark)."""
+every published architecture's export (beside its own file for DFlash2, DSpark and LiLiCorr)."""
 
 
 class DFlashModules:

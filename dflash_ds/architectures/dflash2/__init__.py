@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_ds.architectures.dflash import MODELING, SPEC as DFLASH_SPEC, DFlashModules, DFlashObjective, DFlashWalk
+from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, SPEC as DFLASH_SPEC, DFlashModules, \
+    DFlashObjective, DFlashWalk
 from dflash_ds.architectures.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
                                                     greedy_path, selector_alpha, selector_loss)
 from dflash_ds.network.arch_types import CE_ALWAYS_ON, Card, Fields, Keys, LogView, Proposal, RemoteCode, Wrappers
@@ -28,6 +30,10 @@ if TYPE_CHECKING:  # for the annotations only
     from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.network.shape import DrafterShape
     from dflash_ds.objective.blocks import Blocks, MicroBatch
+
+
+MODELING = Path(__file__).parent / "modeling_dflash2.py"
+"""The export's remote code: DFlash2DraftModel on modeling_dflash.py's backbone, copied beside it."""
 
 
 @dataclass(frozen=True)
@@ -211,8 +217,9 @@ def card(shape: DrafterShape) -> Card:
 SPEC = Spec(
     name="dflash2", class_name="DFlash2DraftModel", title="DFlash2", card=card, fields=DFlash2Fields,
     objective_keys=DFlash2Keys,
-    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_dflash.DFlash2Config",
-                                                      "AutoModel": "modeling_dflash.DFlash2DraftModel"}),
+    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_dflash2.DFlash2Config",
+                                                      "AutoModel": "modeling_dflash2.DFlash2DraftModel"},
+                           beside=(DFLASH_MODELING,)),
     logs=LogView(log_record, progress=("selector {selector_loss:.4f} (top-k recall {selector_recall:.2f})",)),
     # z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read these (v1 reads [1, 16, 31, 46, 61]).
     tap_presets={(64, 5): (5, 19, 33, 47, 61)},

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.architectures.dflash import MODELING, DFlashModules, DFlashObjective, DFlashWalk
+from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlashModules, DFlashObjective, DFlashWalk
 from dflash_ds.architectures.dspark.parts import (ConfidenceHead, MarkovHead, calibration, confidence_logits,
                                                    confident_prefix, expected_tau, greedy_walk, l1_to_target,
                                                    shift_in)
@@ -35,6 +36,9 @@ if TYPE_CHECKING:  # for the annotations only
     from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.network.shape import DrafterShape
 
+
+MODELING = Path(__file__).parent / "modeling_dspark.py"
+"""The export's remote code: Qwen3DSparkModel on modeling_dflash.py's backbone, copied beside it."""
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
 # Reliability bins of the confidence head, pooled over the block's slots: 60 sums a step, where
@@ -303,8 +307,9 @@ def _chain(model, hidden: torch.Tensor, anchors: torch.Tensor):
 SPEC = Spec(
     name="dspark", class_name="Qwen3DSparkModel", title="DSpark", card=card, fields=DSparkFields,
     objective_keys=DSparkKeys, label_offset=1, needs_target_logits=True,
-    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_dflash.DSparkConfig",
-                                                      "AutoModel": "modeling_dflash.Qwen3DSparkModel"}),
+    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_dspark.DSparkConfig",
+                                                      "AutoModel": "modeling_dspark.Qwen3DSparkModel"},
+                           beside=(DFLASH_MODELING,)),
     logs=LogView(
         log_record,
         progress=("l1 {l1:.4f}", "tau_p {tau_probabilistic:.2f}", "confidence MAE {confidence_mae:.3f}"),
