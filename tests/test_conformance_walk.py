@@ -2,7 +2,8 @@
 toy of tests/toy_variant.py), the walk the serving engines run online (one block drafted at a time from
 the committed prefix, verified by the target: eval/specdec.py, eval/specdec_sampled.py) emits the same
 text and the same accepted lengths, cycle by cycle, as the offline count of tau over the same anchors
-(eval/tau.py, and the in-training tau of the held-out payloads, runtime/trainer.py).
+(eval/tau.py, and the in-training tau of the held-out payloads, runtime/trainer.py); and the offline
+count follows the architecture's own walk, anchor by anchor.
 
 The target is a tiny random-weight Qwen3 (float64, so no argmax tie separates differently shaped
 passes); each drafter starts from random weights and is trained a few dozen steps here with the
@@ -83,3 +84,33 @@ def test_every_architecture_walks_sampled_online_as_offline_with_coupled_draws(n
     accepted = sampled_cycles_agree(walk_world(name), monkeypatch)
     # Drafts are accepted (the two paths agree past a(t) = 0 on the architecture's own walk) and rejected.
     assert max(accepted) >= 1 and min(accepted) == 0
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_architectures_offline_acceptance_follows_its_walk(name, monkeypatch):
+    """a(t) of the batched offline pass (eval/tau.py `accept_lengths`) equals drafting each anchor alone
+    with the architecture's walk (eval/specdec.py `draft_block`: its selector's path, its Markov chain
+    from slot 0, its reranked lattice), counted against the text; and for an architecture whose walk is
+    not the per-slot argmax, that walk differs from the argmax at some anchor of the trained drafter."""
+    from dflash_ds.architectures.dflash import argmax_tokens
+    from dflash_ds.eval.specdec import block_states, draft_block
+    from dflash_ds.eval.tau import accept_lengths
+
+    if name == TOY.spec.name:
+        register(monkeypatch)
+    world = walk_world(name)
+    model, differs = world["model"], 0
+    for x in world["sequences"]:
+        taps = target_taps(world["target"], x, LAYER_IDS)
+        end, expected = x.numel(), []
+        for t in range(PROMPT_LEN, end):
+            drafts = draft_block(model, taps[:t], int(x[t]))
+            n = 0
+            while n < model.num_drafts and t + n + 1 < end and int(drafts[n]) == int(x[t + n + 1]):
+                n += 1
+            expected.append(max(0, min(n, end - t - 2)))
+            states, _ = block_states(model, taps[:t], int(x[t]))
+            differs += int(not torch.equal(argmax_tokens(states[0], model.lm_head), drafts))
+        assert accept_lengths(model, taps, x, PROMPT_LEN, end=end, batch_anchors=7).tolist() == expected
+    assert (differs == 0) if name == "dflash" else (differs > 0), differs
