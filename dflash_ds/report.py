@@ -4,7 +4,7 @@
 
 Written to RUN_DIR/report/ (index.html, overview.png and one PNG per panel), and automatically at
 the end of a run on the lead drafter rank. The run's drafter architecture (its recipe record) adds
-its own fields to the panels and the summary and may add panels (its `logs` and `report_figures`):
+its own fields to the panels and the summary and may add panels (its spec's `logs`, their `figures`):
 the report names no architecture's field. matplotlib (Agg backend: no display needed) draws the
 plots; it is a project dependency because hand-drawn PNGs would need their own text rendering.
 """
@@ -20,8 +20,9 @@ from typing import NamedTuple
 
 import yaml
 
-from dflash_ds.architectures import DEFAULT, VARIANTS, DrafterVariant
-from dflash_ds.architectures.base import LogView
+from dflash_ds.architectures import DEFAULT, spec_of
+from dflash_ds.network.arch_types import LogView
+from dflash_ds.network.contract import Spec
 from dflash_ds.metrics import read_metrics, shown
 from dflash_ds.safety import Exit, say
 
@@ -222,7 +223,7 @@ class Contents(NamedTuple):
     rows: list[tuple[str, str]]  # the summary table
 
 
-def run_variant(run_dir: Path) -> DrafterVariant:
+def run_spec(run_dir: Path) -> Spec:
     """The drafter architecture the run's recipe record names (RUN_DIR/recipe.yaml, written at the
     run's first start); the default one without a record or with a name this version does not know
     (then no architecture panels are drawn)."""
@@ -230,8 +231,11 @@ def run_variant(run_dir: Path) -> DrafterVariant:
         raw = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
         name = (raw.get("drafter") or {}).get("architecture")
     except (OSError, yaml.YAMLError, AttributeError):
-        return DEFAULT
-    return VARIANTS.get(name, DEFAULT)
+        return DEFAULT.spec
+    try:
+        return spec_of(name or DEFAULT.spec.name)
+    except ValueError:
+        return DEFAULT.spec
 
 
 def report_contents(run_dir: str | Path) -> Contents:
@@ -242,8 +246,8 @@ def report_contents(run_dir: str | Path) -> Contents:
     if not records:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is missing or empty; pass a run directory (run.output_dir)")
     steps, taus = split_records(records)
-    arch = run_variant(run_dir)
-    figures = arch.report_figures(steps)
+    arch = run_spec(run_dir)
+    figures = arch.logs.figures(steps)
     return Contents(steps, taus, _panels(steps, taus, arch.logs) + [(f.stem, f.draw) for f in figures],
                     _summary(steps, taus, arch.logs) + [row for f in figures for row in f.rows])
 

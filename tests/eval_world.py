@@ -10,7 +10,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash_ds.eval.generate import greedy_continuation, target_taps
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.drafter import DFlashDrafter
-from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.blocks import MicroBatch, default_gamma, make_blocks
 from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
 
@@ -24,10 +24,10 @@ def final_states(target, x: torch.Tensor) -> torch.Tensor:
         return target.model(input_ids=x[None]).last_hidden_state[0]
 
 
-def trained_world(section, arch_loss, gamma: float | None, steps: int = 120, *, hidden: int = 64, new: int = NEW) -> dict:
+def trained_world(section, keys, gamma: float | None, steps: int = 120, *, hidden: int = 64, new: int = NEW) -> dict:
     """target, prompts, sequences and the DraftModel of `section` (a config.DrafterConfig) trained
-    `steps` AdamW steps on the four sequences' response tokens (gamma None: the architecture's default
-    loss decay); the target `hidden` wide, its responses `new` tokens long (the world's "new")."""
+    `steps` AdamW steps on the four sequences' response tokens under `keys`, the architecture's
+    `objective.<name>:` section (gamma None: the architecture's default loss decay); the target `hidden` wide, its responses `new` tokens long (the world's "new")."""
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
                       num_attention_heads=hidden // 16, num_key_value_heads=max(hidden // 32, 1), head_dim=16,
@@ -43,16 +43,16 @@ def trained_world(section, arch_loss, gamma: float | None, steps: int = 120, *, 
     x = torch.stack(sequences)
     loss_mask = torch.zeros_like(x, dtype=torch.bool)
     loss_mask[:, PROMPT_LEN:] = True
-    final = torch.stack([final_states(target, s) for s in sequences]) if shape.variant.needs_target_logits else None
+    final = torch.stack([final_states(target, s) for s in sequences]) if shape.spec.needs_target_logits else None
     mb = MicroBatch(torch.stack([target_taps(target, s, LAYER_IDS) for s in sequences]), x, loss_mask,
                     torch.zeros_like(x, dtype=torch.int32), final)
-    gamma = shape.variant.default_gamma(shape) if gamma is None else gamma
+    gamma = default_gamma(shape.num_drafts + 1) if gamma is None else gamma
     settings = StepSettings(shape=shape, num_anchors=24, gamma=gamma, loss_chunks=2, mask_kind="dense", seed=0,
-                            arch_loss=arch_loss)
+                            keys=keys)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(steps):
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, term=settings.step_term(step, steps))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, step=step, total_steps=steps)
         opt.zero_grad()
         out.loss.backward()
         opt.step()

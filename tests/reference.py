@@ -46,9 +46,8 @@ def reference_losses(spec: RunSpec, target, model: DraftModel, rows: dict[str, n
         weight = torch.stack([b.weights.sum() for b in blocks]).sum()
         opt.zero_grad()
         total = 0.0
-        term = settings.step_term(step, plan.total_steps)
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(model, mb, bl, weight, settings=settings, term=term)
+            out = drafter_loss(model, mb, bl, weight, settings=settings, step=step, total_steps=plan.total_steps)
             out.loss.backward()
             total += float(out.sums["ce"])
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), o.grad_clip)

@@ -190,7 +190,7 @@ def test_the_card_names_the_vllm_runner_an_export_needs():
     from tests.test_conformance import small_shape
 
     def row(shape):
-        rows = vllm_runner_rows(shape, shape.variant.card(shape).serving)
+        rows = vllm_runner_rows(shape, shape.spec.card(shape).serving)
         assert len(rows) == 1
         return rows[0]
 

@@ -38,6 +38,7 @@ _LOSS_BRANCH_FILES: set = set()
 FIXED_SIGNATURES = {
     "target_model/expert_parallel.py:sharded_experts_forward", "target_model/packed.py:packed_gdn_forward",
     "target_model/packed.py:varlen_attention", "architectures/dflash/modeling_dflash.py",
+    "architectures/dflash2/modeling_dflash2.py", "architectures/dspark/modeling_dspark.py",
 }
 
 

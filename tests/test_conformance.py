@@ -4,7 +4,10 @@ tests/toy_variant.py): what each must do whatever it adds.
 Every recipe loads in the sections' form (no note), round-trips whole through dump_yaml -> load and
 resolves (the tiny ones against their target; the hub ones against the named geometry of their
 target). Every architecture's drafter has exactly the tensors its inventory lists, round-trips its
-config.json, and drafts the same tokens after export -> load (weights bit-exact).
+config.json, drafts the same tokens after export -> load (weights bit-exact), and its export loads
+through transformers' AutoModel (its remote code: the same tensors and the same states); a config.json
+missing one of its architecture's entries is refused naming it (or, for an entry with a fallback, reads
+back the same drafter). Each architecture's own test files keep only its own mathematics.
 
 The suite's other members: the online walk equals the offline count of tau
 (tests/test_conformance_walk.py) and 20 in-process training steps equal a pinned record
@@ -29,13 +32,13 @@ from dflash_ds.objective.drafter_loss import StepSettings
 from dflash_ds.resolve.contract import flat
 from dflash_ds.resolve.drafter import check_servable, drafter_shape
 from dflash_ds.target_model.presets import target_config as preset
-from tests.toy_variant import ToyMarkov, register
+from tests.toy_variant import TOY, register
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "recipes").glob("*.yaml"))
 # The geometry in code of each hub target a recipe names (the benches' presets: no download).
 GEOMETRY = {"Qwen/Qwen3.6-27B": "qwen3.6-27b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3.6-35B-A3B": "qwen3.6-35b-a3b"}
-ARCHITECTURES = sorted(VARIANTS) + [ToyMarkov.name]
+ARCHITECTURES = sorted(VARIANTS) + [TOY.spec.name]
 D, VOCAB, B = 32, 96, 4
 
 
@@ -63,7 +66,8 @@ def test_every_recipe_loads_round_trips_whole_and_resolves(path, tmp_path):
     own = recipe.drafter.sections.get(shape.architecture)
     assert own is None or shape.arch_fields == own
     settings = StepSettings.of(shape, recipe.objective, 0, torch.device("cpu"))
-    assert settings.arch_loss == shape.variant.loss_settings(recipe.objective)
+    assert settings.keys == (recipe.objective.sections.get(shape.architecture) or
+                             (shape.spec.objective_keys() if shape.spec.objective_keys else None))
 
 
 def small_shape(name: str) -> DrafterShape:
@@ -78,7 +82,7 @@ def small_shape(name: str) -> DrafterShape:
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch, tmp_path):
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     shape = small_shape(name)
     assert DrafterShape.from_hf_config(shape.to_hf_config()) == shape
@@ -92,7 +96,7 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     assert sorted(state) == sorted(inventory)
     assert all(tuple(state[n].shape) == inventory[n].shape for n in state)
     path = save_drafter(drafter, tmp_path / "export", dtype=torch.float32, card={"steps": 1})
-    remote = shape.variant.remote()  # its own remote code beside the weights, or none
+    remote = shape.spec.remote_code  # its own remote code beside the weights, or none
     assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "README.md"} | \
         ({remote.name, *(p.name for p in remote.beside)} if remote else set())
     back = load_drafter(path, dtype=torch.float32)
@@ -106,3 +110,45 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     want = DraftModel(drafter, embed, head).draft(hidden, anchors, context=context)
     assert want.shape == (6, shape.num_drafts)
     assert torch.equal(DraftModel(back, embed, head).draft(hidden, anchors, context=context), want)
+    if remote is not None and "AutoConfig" in remote.auto_map:  # transformers' remote code (the toy has its own)
+        automodel_loads(path, back)
+
+
+def automodel_loads(path: Path, ours: DFlashDrafter) -> None:
+    """AutoModel with trust_remote_code loads the export at `path` as its architecture's class, with the
+    drafter's tensors bit-exact, and its backbone gives the drafter's states for one block after a context
+    (the serving call, as the engines run it)."""
+    from transformers import AutoModel
+
+    from tests.remote_case import block_case, serving_call
+
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__ == ours.config.spec.class_name
+    got, want = model.state_dict(), ours.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], t) for n, t in want.items())
+    case = block_case(D, B, two_docs=False, generator=torch.Generator().manual_seed(2))
+    case = case._replace(taps=case.taps[..., :ours.config.num_taps * D])  # its taps (block_case has three)
+    with torch.no_grad():
+        remote_states, states = serving_call(model, ours, case, B)
+    torch.testing.assert_close(remote_states, states, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_a_config_missing_an_entry_of_its_architecture_is_refused_by_name(name, monkeypatch):
+    """Every `dflash_config` entry an architecture writes is read back: without it the export is refused
+    naming it, unless the entry has a fallback (a block size also at the top level), which reads back
+    the same drafter."""
+    if name == TOY.spec.name:
+        register(monkeypatch)
+    shape = small_shape(name)
+    config = shape.to_hf_config()
+    refused = []
+    for key in shape.arch_fields.config_entries(shape):
+        broken = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != key})
+        try:
+            assert DrafterShape.from_hf_config(broken) == shape, key
+        except ValueError as exc:
+            assert f"dflash_config.{key}" in str(exc) or key in str(exc), (key, str(exc))
+            refused.append(key)
+    own = [f.name for f in dataclasses.fields(shape.spec.fields)]
+    assert len(refused) >= min(len(own), 1)  # an architecture with fields of its own needs them

@@ -1,9 +1,9 @@
 """The conformance suite, 20 in-process steps = a pinned record: for every architecture (the registered
 ones and the toy of tests/toy_variant.py) a tiny float32 drafter trains 20 steps in this process with
-the loss's public entry (`drafter_loss`, with `make_blocks`, `StepSettings.of` and `step_term`, as the
-trainer calls them) and a plain torch optimizer, on fixed random target states; every step's objective,
+the loss's public entry (`drafter_loss`, with `make_blocks` and `StepSettings.of`, as the trainer calls
+them) and a plain torch optimizer, on fixed random target states; every step's objective,
 its named logs (what the trainer writes to metrics.jsonl: loss, accept_proxy, kl and the architecture's
-own, `DrafterVariant.log_record`) and its gradient norm equal tests/fixtures/conformance_steps.json.
+own, `Spec.logs.record`) and its gradient norm equal tests/fixtures/conformance_steps.json.
 
 The record pins the objective's behaviour, not its code: a rewrite of the loss's internals must
 reproduce it to float summation order (rtol 1e-5). A change of behaviour that is meant regenerates it:
@@ -34,11 +34,6 @@ from dflash_ds.resolve.drafter import drafter_shape
 RECORD = Path(__file__).with_name("fixtures") / "conformance_steps.json"
 UPDATE = "PYTHONPATH=. python -m tests.test_conformance_steps --update"
 STEPS, ROWS, SEQ, D, VOCAB, B, LAYERS = 20, 2, 48, 32, 64, 4, (1, 4)
-# Tables small enough for the 64-token vocabulary and the 32-wide target (the published ones are 256
-# wide); an architecture not named here trains at its defaults.
-SMALL_FIELDS = {"dflash2": {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
-                "dspark": {"markov_rank": 8},
-                "lilicorr": {"head_hidden_size": 16, "factor_dim": 16, "num_heads": 4, "candidate_topk": 8}}
 # The KL term on, so the target's distribution enters every architecture's record.
 OBJECTIVE = ObjectiveConfig(num_anchors=6, gamma=None, anchor_last_prompt_token=True, loss_chunks=2, kl_weight=0.3,
                             kl_temperature=1.5)
@@ -63,8 +58,8 @@ def settings_of(name: str) -> StepSettings:
     target = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
                          rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    variant = VARIANTS[name]
-    sections = {name: variant.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}
+    spec = VARIANTS[name].spec
+    sections = {name: spec.fields(**spec.small)}  # its own small sizes (Spec.small)
     shape = drafter_shape(target, DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
                                                 target_layer_ids=list(LAYERS), architecture=name, sections=sections))
     return StepSettings.of(shape, OBJECTIVE, 0, torch.device("cpu"))
@@ -78,8 +73,8 @@ def step_record(out, blocks, settings: StepSettings, weight: float) -> dict:
     run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=shape.first_draft_slot)
     rec = {"objective": float(out.loss.detach()), "loss": float(out.sums["ce"]) / weight,
            "accept_proxy": float(run_sum) / max(float(counted), 1.0), "kl": float(out.sums["kl"]) / weight}
-    sums = {n: float(out.sums[n]) for n in shape.variant.log_names(shape)}
-    rec.update(shape.variant.log_record(sums, weight))
+    sums = {n: float(v) for n, v in out.sums.items() if n not in ("ce", "kl")}  # its named logs
+    rec.update(shape.spec.logs.record(sums, weight))
     return rec
 
 
@@ -96,13 +91,26 @@ def train(name: str) -> list[dict]:
     for step in range(STEPS):
         blocks = make_blocks(mb, settings, step)
         weight = blocks.weights.sum()
-        out = drafter_loss(model, mb, blocks, weight, settings=settings, term=settings.step_term(step, STEPS))
+        out = drafter_loss(model, mb, blocks, weight, settings=settings, step=step, total_steps=STEPS)
         opt.zero_grad()
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), float("inf"))
         opt.step()
         records.append({**step_record(out, blocks, settings, float(weight)), "grad_norm": float(norm)})
     return records
+
+
+def named_logs(name: str) -> set[str]:
+    """The names of the sums architecture `name`'s terms add to one micro-batch's loss (its named logs),
+    from one loss call at the suite's sizes."""
+    settings = settings_of(name)
+    mb, embed, head = micro_batch()
+    torch.manual_seed(0)
+    model = DraftModel(DFlashDrafter(settings.shape).float(), embed, head)
+    blocks = make_blocks(mb, settings, 0)
+    with torch.no_grad():
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings)
+    return set(out.sums) - {"ce", "kl"}
 
 
 def pinned() -> dict:
@@ -134,10 +142,10 @@ def test_twenty_steps_equal_the_pinned_record(name, monkeypatch):
 
 
 def update(names: list[str]) -> None:
-    from tests.toy_variant import ToyMarkov
+    from tests.toy_variant import TOY
     from dflash_ds.network.registry import entries
 
-    for registry, key, value in entries(ToyMarkov):
+    for registry, key, value in entries(TOY):
         registry[key] = value
     records = pinned()
     for name in names or architectures():

@@ -2,7 +2,8 @@
 toy of tests/toy_variant.py), the walk the serving engines run online (one block drafted at a time from
 the committed prefix, verified by the target: eval/specdec.py, eval/specdec_sampled.py) emits the same
 text and the same accepted lengths, cycle by cycle, as the offline count of tau over the same anchors
-(eval/tau.py, and the in-training tau of the held-out payloads, runtime/trainer.py).
+(eval/tau.py, and the in-training tau of the held-out payloads, runtime/trainer.py); and the offline
+count follows the architecture's own walk, anchor by anchor.
 
 The target is a tiny random-weight Qwen3 (float64, so no argmax tie separates differently shaped
 passes); each drafter starts from random weights and is trained a few dozen steps here with the
@@ -14,19 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_ds.config import DrafterConfig, ObjectiveConfig
+from dflash_ds.config import DrafterConfig
 from dflash_ds.eval.generate import target_taps
 from dflash_ds.resolve.payload import PayloadLayout, write_meta
 from dflash_ds.runtime.trainer import tau_of_payloads
 from tests.eval_world import LAYER_IDS, MASK, PROMPT_LEN, online_equals_offline, sampled_cycles_agree, trained_world
 from tests.test_conformance import ARCHITECTURES
-from tests.toy_variant import ToyMarkov, register
+from tests.toy_variant import TOY, register
 
-# Tables small enough for the 128-token vocabulary and the 32-wide target (the published ones are
-# 256 wide); an architecture not named here walks at its defaults.
-SMALL_FIELDS = {"dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8},
-                "dspark": {"markov_rank": 16},
-                "lilicorr": {"head_hidden_size": 32, "factor_dim": 32, "num_heads": 4, "candidate_topk": 8}}
 B, STEPS, HIDDEN, NEW = 8, 40, 32, 24
 _worlds: dict[str, dict] = {}
 
@@ -36,13 +32,13 @@ def walk_world(name: str) -> dict:
     if name not in _worlds:
         from dflash_ds.architectures import VARIANTS
 
-        variant = VARIANTS[name]
-        sections = {name: variant.fields(**SMALL_FIELDS[name])} if name in SMALL_FIELDS else {}
+        spec = VARIANTS[name].spec
+        sections = {name: spec.fields(**spec.small)}  # its own small sizes
         section = DrafterConfig(num_layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=LAYER_IDS,
                                 architecture=name, sections=sections)
         # The architecture's default loss settings and loss decay (gamma None), as a recipe without
         # its objective section runs it.
-        _worlds[name] = trained_world(section, variant.loss_settings(ObjectiveConfig()), None, STEPS,
+        _worlds[name] = trained_world(section, spec.objective_keys() if spec.objective_keys else None, None, STEPS,
                                       hidden=HIDDEN, new=NEW)
     return _worlds[name]
 
@@ -65,7 +61,7 @@ def in_training_tau(world: dict, sequences: list[torch.Tensor]):
 @pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_architecture_walks_online_as_tau_counts_offline(name, monkeypatch):
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     world = walk_world(name)
     sequences = []
@@ -83,8 +79,38 @@ def test_every_architecture_walks_online_as_tau_counts_offline(name, monkeypatch
 def test_every_architecture_walks_sampled_online_as_offline_with_coupled_draws(name, monkeypatch):
     """Under sampling too, with the coupled verifier of tests/test_sampled.py (the engines' rule, one
     draw per position), both paths give the same text and cycles."""
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     accepted = sampled_cycles_agree(walk_world(name), monkeypatch)
     # Drafts are accepted (the two paths agree past a(t) = 0 on the architecture's own walk) and rejected.
     assert max(accepted) >= 1 and min(accepted) == 0
+
+
+@pytest.mark.integration  # a tiny target and a drafter trained here (README, "Tests")
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_architectures_offline_acceptance_follows_its_walk(name, monkeypatch):
+    """a(t) of the batched offline pass (eval/tau.py `accept_lengths`) equals drafting each anchor alone
+    with the architecture's walk (eval/specdec.py `draft_block`: its selector's path, its Markov chain
+    from slot 0, its reranked lattice), counted against the text; and for an architecture whose walk is
+    not the per-slot argmax, that walk differs from the argmax at some anchor of the trained drafter."""
+    from dflash_ds.architectures.dflash import argmax_tokens
+    from dflash_ds.eval.specdec import block_states, draft_block
+    from dflash_ds.eval.tau import accept_lengths
+
+    if name == TOY.spec.name:
+        register(monkeypatch)
+    world = walk_world(name)
+    model, differs = world["model"], 0
+    for x in world["sequences"]:
+        taps = target_taps(world["target"], x, LAYER_IDS)
+        end, expected = x.numel(), []
+        for t in range(PROMPT_LEN, end):
+            drafts = draft_block(model, taps[:t], int(x[t]))
+            n = 0
+            while n < model.num_drafts and t + n + 1 < end and int(drafts[n]) == int(x[t + n + 1]):
+                n += 1
+            expected.append(max(0, min(n, end - t - 2)))
+            states, _ = block_states(model, taps[:t], int(x[t]))
+            differs += int(not torch.equal(argmax_tokens(states[0], model.lm_head), drafts))
+        assert accept_lengths(model, taps, x, PROMPT_LEN, end=end, batch_anchors=7).tolist() == expected
+    assert (differs == 0) if name == "dflash" else (differs > 0), differs

@@ -4,6 +4,7 @@ against brute force over every candidate path and against a re-implementation of
 walk, the selector loss and its gradient against a float64 full-vocabulary reference, and the
 top-k the base loss hands over."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
-from dflash_ds.architectures.dflash2 import DFlash2Fields
+from dflash_ds.architectures.dflash2 import DFlash2Fields, DFlash2Keys
 from dflash_ds.architectures.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm, block_conv,
                                      greedy_path, selector_alpha, selector_loss, unary_top_k)
 from dflash_ds.config import DrafterConfig
@@ -394,7 +395,8 @@ def test_drafter_loss_adds_alpha_times_the_selector_term(inject, kl):
     settings = StepSettings(shape=m.config, num_anchors=5, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
                             kl_weight=kl)
     w = float(bl.weights.sum())
-    out = drafter_loss(model, mb, bl, w, settings=settings, term=SelectorTerm(0.7, inject, False))
+    keys = DFlash2Keys(selector_alpha=0.7, selector_inject_gold=inject)  # at its full weight (step None)
+    out = drafter_loss(model, mb, bl, w, settings=dataclasses.replace(settings, keys=keys))
     base = drafter_loss(DraftModel(drafter("dflash"), embed, head), mb, bl, w, settings=settings)
     # Reference: the states of every supervised slot, float64, full-vocabulary top-k.
     with torch.no_grad():

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.architectures.dspark.parts import (ConfidenceHead, MarkovHead, anchor_first_targets, calibration,
+from dflash_ds.objective.blocks import anchor_first_targets
+from dflash_ds.architectures.dspark.parts import (ConfidenceHead, MarkovHead, calibration,
                                                    confident_prefix, expected_tau, greedy_walk, l1_to_target,
                                                    shift_in)
 
@@ -182,7 +183,7 @@ def test_greedy_walk_equals_llama_cpp_chain(sample_from_anchor):
 
 
 def test_the_proposal_is_llama_cpps_draft_under_its_confidence_cut():
-    """`DrafterVariant.propose` (what the engine count reads): DSpark's tokens, each block's served
+    """`Walk.propose` (what the engine count reads): DSpark's tokens, each block's served
     count under --spec-draft-p-min and the confidences equal llama.cpp's chain and loop on the
     drafter's states (base = h @ lm_head.T, the confidence on h itself); DFlash models no cut."""
     from types import SimpleNamespace
@@ -200,7 +201,7 @@ def test_the_proposal_is_llama_cpps_draft_under_its_confidence_cut():
     flat = hidden.reshape(-1, D)
     weights = (markov.markov_w1.weight, markov.markov_w2.weight, conf_head.proj.weight[0], conf_head.proj.bias[0])
     logits, conf = llama_cpp_dspark(tokens, flat @ lm_head.T, flat, weights, (n_blocks, per, True))
-    dspark = VARIANTS["dspark"]
+    dspark = VARIANTS["dspark"].walk
     for p_min in (0.0, 0.5):
         got = dspark.propose(model, hidden, anchors, p_min)
         served = llama_cpp_drafts(logits, conf, n_blocks, 0, p_min)
@@ -211,10 +212,11 @@ def test_the_proposal_is_llama_cpps_draft_under_its_confidence_cut():
     assert dspark.propose(bare, hidden, anchors).served.tolist() == [per] * n_blocks
     with pytest.raises(ValueError, match="no confidence head"):
         dspark.propose(bare, hidden, anchors, 0.5)
-    plain = VARIANTS["dflash"].propose(model, hidden, anchors)
+    model.config = SimpleNamespace(spec=VARIANTS["dflash"].spec)  # the error names its architecture
+    plain = VARIANTS["dflash"].walk.propose(model, hidden, anchors)
     assert plain.served.tolist() == [per] * n_blocks and plain.confidence is None
     with pytest.raises(ValueError, match="--spec-draft-p-min"):
-        VARIANTS["dflash"].propose(model, hidden, anchors, 0.5)
+        VARIANTS["dflash"].walk.propose(model, hidden, anchors, 0.5)
 
 
 def test_teacher_forcing_on_the_walks_own_tokens_reproduces_the_walk():

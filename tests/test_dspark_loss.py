@@ -5,23 +5,24 @@ Markov predecessor x_{a+k}, target distribution from the target's final-norm sta
 the KL term added when asked. Values, every parameter's gradient, the logged sums (probabilistic
 tau, per-slot acceptance, calibration) and the greedy hits of the acceptance proxy."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.architectures.dspark import BINS
-from dflash_ds.architectures.dspark import DSparkFields
-from dflash_ds.architectures.dspark.parts import DSparkTerms
+from dflash_ds.architectures.dspark import DSparkFields, DSparkKeys
 from dflash_ds.config import DrafterConfig
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.drafter import DFlashDrafter
-from dflash_ds.objective.blocks import MicroBatch, make_blocks
+from dflash_ds.objective.blocks import MicroBatch, default_gamma, make_blocks
 from dflash_ds.objective.drafter_loss import StepSettings, acceptance_proxy, drafter_loss
 from dflash_ds.resolve.drafter import drafter_shape
 
 D, VOCAB, B, S, RANK = 32, 96, 4, 40, 3
-TERMS = DSparkTerms(ce=0.1, l1=0.9, confidence=1.0)
+TERMS = DSparkKeys(ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0)
 
 
 def world(kl_weight: float, **fields):
@@ -47,19 +48,19 @@ def world(kl_weight: float, **fields):
     doc_ids[1, 30:] = 1
     mb = MicroBatch(torch.randn(2, S, 2 * D, generator=g, dtype=torch.float64), ids, loss_mask, doc_ids,
                     torch.randn(2, S, D, generator=g, dtype=torch.float64))
-    settings = StepSettings(shape=shape, num_anchors=7, gamma=shape.variant.default_gamma(shape), loss_chunks=3,
-                            mask_kind="dense", seed=0, kl_weight=kl_weight, kl_temperature=1.5, arch_loss=TERMS)
+    settings = StepSettings(shape=shape, num_anchors=7, gamma=default_gamma(shape.num_drafts + 1), loss_chunks=3,
+                            mask_kind="dense", seed=0, kl_weight=kl_weight, kl_temperature=1.5, keys=TERMS)
     return DraftModel(drafter, embed, head), mb, settings
 
 
 def extra_of(model, out) -> tuple:
-    """The architecture's sums of a loss output, in its `log_names` order."""
-    return tuple(out.sums[n] for n in model.config.variant.log_names(model.config))
+    """The architecture's sums of a loss output (its named logs), in their order."""
+    return tuple(v for n, v in out.sums.items() if n not in ("ce", "kl"))
 
 
-def named(model, extra) -> dict[str, float]:
-    """The step's sums by the architecture's names (what the trainer hands `log_record`)."""
-    return dict(zip(model.config.variant.log_names(model.config), map(float, extra)))
+def named(out, extra) -> dict[str, float]:
+    """The step's sums by the architecture's names (what the trainer hands its `logs.record`)."""
+    return dict(zip((n for n in out.sums if n not in ("ce", "kl")), map(float, extra)))
 
 
 def test_a_drafter_without_a_confidence_head_logs_no_confidence_field():
@@ -72,13 +73,13 @@ def test_a_drafter_without_a_confidence_head_logs_no_confidence_field():
     for model, mb, settings in (with_head, bare):
         blocks = make_blocks(mb, settings, 0)
         out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings)
-        assert len(extra_of(model, out)) == len(model.config.variant.log_names(model.config))
-        records.append(model.config.variant.log_record(named(model, extra_of(model, out)), float(blocks.weights.sum())))
+        assert len(extra_of(model, out)) == len(out.sums) - 1  # every sum but the cross-entropy's
+        records.append(model.config.spec.logs.record(named(out, extra_of(model, out)), float(blocks.weights.sum())))
     assert {k for k in records[0] if k.startswith("confidence")} >= {"confidence_loss", "confidence_mae", "confidence_bias"}
     assert not [k for k in records[1] if k.startswith("confidence")]
     assert set(records[1]) == {k for k in records[0] if not k.startswith("confidence")}
     line = progress_line({"step": 1, "loss": 1.0, "accept_proxy": 1.0, **records[1]}, 2,
-                         bare[0].config.variant.logs.progress)
+                         bare[0].config.spec.logs.progress)
     assert "tau_p" in line and "confidence" not in line
 
 
@@ -114,7 +115,7 @@ def reference(model, mb, blocks, hidden, normaliser, kl):
                     kl_sum = kl_sum + w * (lp.exp() * (lp - lq)).sum()
                 accept[r, j, k], prob[r, j, k] = acc, torch.sigmoid(c.detach())
                 hits[r, j * B + k] = int(z.argmax()) == label
-    loss = (TERMS.ce * ce + TERMS.l1 * l1 + TERMS.confidence * bce + kl_weight * temperature ** 2 * kl_sum) / normaliser
+    loss = (TERMS.ce_weight * ce + TERMS.l1_weight * l1 + TERMS.confidence_weight * bce + kl_weight * temperature ** 2 * kl_sum) / normaliser
     return loss, (l1, bce), accept, prob, hits
 
 
@@ -157,7 +158,7 @@ def test_the_fused_step_matches_a_slot_by_slot_float64_reference(kl_weight):
     for k in range(B):
         assert slots[2 * k] == pytest.approx(float((accept[..., k] * on[..., k]).sum()), rel=1e-10)
         assert slots[2 * k + 1] == int(on[..., k].sum())
-    record = model.config.variant.log_record(named(model, extra_of(model, out)), float(blocks.weights.sum()))
+    record = model.config.spec.logs.record(named(out, extra_of(model, out)), float(blocks.weights.sum()))
     assert 1.0 <= record["tau_probabilistic"] <= B + 1 and "accept_rate_pos_4" in record
     # The greedy hits count from slot 0 (anchor-first), on the biased logits.
     assert torch.equal(out.correct, hits)
@@ -172,8 +173,9 @@ def test_the_ce_weight_scales_only_the_ce_term():
     model, mb, settings = world(0.0)
     blocks = make_blocks(mb, settings, 0)
     norm = blocks.weights.sum()
-    a = drafter_loss(model, mb, blocks, norm, settings=settings, term=DSparkTerms(ce=1.0, l1=0.0, confidence=0.0))
-    b = drafter_loss(model, mb, blocks, norm, settings=settings, term=DSparkTerms(ce=0.25, l1=0.0, confidence=0.0))
+    only_ce = [dataclasses.replace(settings, keys=DSparkKeys(ce_weight=w, l1_weight=0.0, confidence_weight=0.0))
+               for w in (1.0, 0.25)]
+    a, b = (drafter_loss(model, mb, blocks, norm, settings=s) for s in only_ce)
     torch.testing.assert_close(a.loss, a.sums["ce"] / norm, rtol=1e-12, atol=0)
     torch.testing.assert_close(b.loss, 0.25 * a.sums["ce"] / norm, rtol=1e-12, atol=0)
     assert torch.equal(a.sums["ce"], b.sums["ce"])  # the logged "loss" is the unweighted CE
@@ -196,8 +198,8 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
     assert int((want[0] > 0).sum()) >= 3  # the predictions spread over several bins
     got = torch.tensor([float(x) for x in extra_of(model, out)[-3 * BINS:]], dtype=torch.float64).view(3, BINS)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    variant, total = model.config.variant, float(norm)
-    record = variant.log_record(named(model, extra_of(model, out)), float(norm))
+    record_of, total = model.config.spec.logs.record, float(norm)
+    record = record_of(named(out, extra_of(model, out)), float(norm))
     for row, name in zip(want, ("weight", "pred", "target")):
         assert record[f"confidence_bin_{name}"] == pytest.approx((row / total).tolist(), rel=1e-10, abs=1e-14)
     ece = float((want[1] - want[2]).abs().sum() / want[0].sum())
@@ -206,5 +208,5 @@ def test_the_logged_reliability_bins_match_a_float64_reference():
     assert record["confidence_bias"] == pytest.approx(float((want[1] - want[2]).sum()) / total, rel=1e-9)
     assert abs(record["confidence_bias"]) <= record["confidence_ece"] <= record["confidence_mae"] + 1e-12
     # Empty bins (no confidence head) log no reliability fields.
-    bare = variant.log_record(named(model, [float(x) for x in extra_of(model, out)[:-3 * BINS]] + [0.0] * (3 * BINS)), float(norm))
+    bare = record_of(named(out, [float(x) for x in extra_of(model, out)[:-3 * BINS]] + [0.0] * (3 * BINS)), float(norm))
     assert "accept_rate_pos_1" in bare and not any(k.startswith(("confidence_bin", "confidence_ece")) for k in bare)

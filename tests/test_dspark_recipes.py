@@ -13,6 +13,7 @@ import torch
 from dflash_ds.config import RecipeError, load_recipe, recipe_mapping
 from dflash_ds.export import save_drafter
 from dflash_ds.network.drafter import DFlashDrafter
+from dflash_ds.objective.drafter_loss import StepSettings
 from dflash_ds.resolve.drafter import drafter_shape
 from dflash_ds.resolve.run import resolve_run, wants_target_logits
 from dflash_ds.target_model.presets import target_config
@@ -38,9 +39,10 @@ def test_qwen27b_dspark_recipe_is_deepspecs_drafter_at_the_flagship_block():
     v1 = load_recipe("recipes/qwen27b.yaml")
     assert (recipe.drafter.block_size, recipe.objective.num_anchors, recipe.data.row_length) == \
         (v1.drafter.block_size, v1.objective.num_anchors, v1.data.row_length)
-    assert math.isclose(shape.variant.default_gamma(shape), 22 / 3) and recipe.objective.gamma is None
-    terms = shape.variant.loss_settings(recipe.objective)
-    assert (terms.ce, terms.l1, terms.confidence) == (0.1, 0.9, 1.0)
+    settings = StepSettings.of(shape, recipe.objective, 0, torch.device("cpu"))
+    assert math.isclose(settings.gamma, 22 / 3) and recipe.objective.gamma is None
+    keys = settings.keys
+    assert (keys.ce_weight, keys.l1_weight, keys.confidence_weight) == (0.1, 0.9, 1.0)
     assert wants_target_logits(recipe, shape)  # the target ranks send their final-norm states
 
 
@@ -48,7 +50,7 @@ def test_qwen27b_dspark_recipe_at_deepspecs_block_is_one_override():
     recipe = load_recipe("recipes/qwen27b-dspark.yaml", ["drafter.block_size=7"])
     shape = drafter_shape(target_config("qwen3.6-27b"), recipe.drafter)
     assert shape.to_hf_config()["block_size"] == 7 and shape.num_drafts == 7
-    assert shape.variant.default_gamma(shape) == 4.0  # DeepSpec's loss_decay_gamma at its block 7
+    assert StepSettings.of(shape, recipe.objective, 0, torch.device("cpu")).gamma == 4.0  # DeepSpec's loss_decay_gamma at its block 7
 
 
 @pytest.mark.parametrize("override, words", [
@@ -181,7 +183,7 @@ def test_progress_line_and_report_show_dsparks_fields():
     from dflash_ds.metrics import progress_line
     from dflash_ds.report import _summary
 
-    logs = VARIANTS["dspark"].logs
+    logs = VARIANTS["dspark"].spec.logs
     rec = {"step": 5, "loss": 1.0, "accept_proxy": 2.0, "l1": 0.5, "tau_probabilistic": 2.25,
            "confidence_mae": 0.125, "confidence_bias": -0.0625}
     assert "accept 2.00 | l1 0.5000 | tau_p 2.25 | confidence MAE 0.125 | drafter" in progress_line(rec, 10, logs.progress)

@@ -88,7 +88,7 @@ def train(tiny, recipe_path: str) -> DraftModel:
     doc_ids = torch.full((len(seqs), s), -1, dtype=torch.int32)
     taps = torch.zeros(len(seqs), s, shape.num_taps * shape.hidden_size)
     # The target's final-norm states, for a loss that reads the target's logits (DSpark's).
-    final = torch.zeros(len(seqs), s, shape.hidden_size) if shape.variant.needs_target_logits else None
+    final = torch.zeros(len(seqs), s, shape.hidden_size) if shape.spec.needs_target_logits else None
     for i, (x, p) in enumerate(zip(seqs, tiny["prompt_lens"])):
         ids[i, :x.numel()], loss_mask[i, p:x.numel()], doc_ids[i, :x.numel()] = x, True, 0
         taps[i, :x.numel()] = target_taps(target, x, shape.target_layer_ids)
@@ -99,7 +99,7 @@ def train(tiny, recipe_path: str) -> DraftModel:
         rows = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(step))[:ROWS]
         mb = MicroBatch(taps[rows], ids[rows], loss_mask[rows], doc_ids[rows], None if final is None else final[rows])
         blocks = make_blocks(mb, settings, step)
-        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, term=settings.step_term(step, STEPS))
+        out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings, step=step, total_steps=STEPS)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -120,7 +120,7 @@ def speculative(llama, tiny, served, text: str, options: list[str]) -> tuple[str
     """(generated text, every round's accepted and verified drafts as logged, llama.cpp's mean acc
     len) of one llama.cpp run, served as the model card says (speculative type, --spec-draft-n-max)."""
     model = served["model"]
-    serve = model.config.variant.card(model.config).serving
+    serve = model.config.spec.card(model.config).serving
     r = llama.run([llama.program("llama-speculative-simple"), "-m", str(tiny["gguf"]), "-md", str(served["gguf"]),
                    "-p", text, "-n", str(BUDGET), "--spec-draft-n-max", str(serve.llama_cpp_draft_max), "-c", "1024",
                    "-lv", "5", *FLOAT32, *FLOAT32_DRAFT, *options], complete="#mean acc len")

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ds.architectures.lilicorr import LiLiCorr, walk
+from dflash_ds.architectures.lilicorr import LILICORR, walk
 from dflash_ds.export import load_drafter
 from dflash_ds.network.draft_model import DraftModel
 from tests import lilicorr_exports
@@ -143,9 +143,9 @@ def test_the_lilicorr_walk_is_sglangs_torch_walk(sglang_python, lilicorr, tmp_pa
     assert torch.allclose(found.log_probs, sglang["log_probs"], atol=1e-5, rtol=0)
     assert torch.allclose(factors.start, sglang["start"], atol=1e-4, rtol=0)
     assert torch.allclose(factors.pair, sglang["pair"], atol=1e-4, rtol=0)
-    greedy = LiLiCorr().propose(model, states, None, context=rows).tokens
+    greedy = LILICORR.walk.propose(model, states, None, context=rows).tokens
     assert torch.equal(greedy, sglang["greedy"])
-    no_row = LiLiCorr().propose(model, states, None, context=rows, context_valid=torch.zeros(n, dtype=torch.bool))
+    no_row = LILICORR.walk.propose(model, states, None, context=rows, context_valid=torch.zeros(n, dtype=torch.bool))
     assert torch.equal(no_row.tokens, sglang["no_anchor"])
     path = walk.sampled_path(factors, TEMPERATURE, sglang["uniforms"].double())
     assert torch.equal(walk.chosen(found, path), sglang["sampled"])

@@ -28,7 +28,7 @@ import json
 import pytest
 import torch
 
-from dflash_ds.architectures.lilicorr import LiLiCorr, walk
+from dflash_ds.architectures.lilicorr import LILICORR, walk
 from dflash_ds.architectures.lilicorr.head import Factors
 from dflash_ds.config import load_recipe
 from dflash_ds.eval.cli import read_prompts
@@ -203,7 +203,7 @@ def test_vllm_loads_every_export(vllm_python, tmp_path, name):
         for w in drafter.parameters():
             w.add_(torch.randn_like(w) * 0.1)
     save_drafter(drafter, tmp_path / name, dtype=torch.float32)
-    serve = drafter.config.variant.card(drafter.config).serving
+    serve = drafter.config.spec.card(drafter.config).serving
     result = vllm_cpu.contract(vllm_python, TARGET, tmp_path / name, serve.vllm_method, serve.vllm_tokens)
     cls, refused = CLASSES[name]
     assert result["model_class"] == cls, result
@@ -226,7 +226,7 @@ def lilicorr_verdict(vllm_python, export, *, card_of=None, refused: bool = False
     """vllm_contract's verdict with the method and draft count the card gives (of the export `card_of`,
     default `export` itself)."""
     shape = load_drafter(card_of or export).config
-    serve = shape.variant.card(shape).serving
+    serve = shape.spec.card(shape).serving
     return vllm_cpu.contract(vllm_python, TARGET, export, serve.vllm_method, serve.vllm_tokens, refused=refused)
 
 
@@ -281,5 +281,5 @@ def test_the_lilicorr_candidates_and_scores_are_vllms(vllm_python, lilicorr, tmp
     # The greedy walk over vLLM's factors is the project's draft, which is off the backbone's argmax.
     stacked = vllm["factors"]
     drafted = walk.chosen(found, walk.greedy_path(Factors(stacked[:, 0, 0], stacked[:, 1:])))
-    project = LiLiCorr().propose(model, states, None, context=rows, context_valid=valid).tokens
+    project = LILICORR.walk.propose(model, states, None, context=rows, context_valid=valid).tokens
     assert torch.equal(drafted, project) and int((project != found.ids[..., 0]).sum()) >= 4

@@ -228,7 +228,7 @@ def test_automodel_loads_the_export_and_computes_the_drafter(tmp_path):
     out = save_drafter(make_drafter(seed=3), tmp_path / "export")
     source = (out / "modeling_dflash.py").read_text()
     assert "dflash_ds" not in source.replace("dflash-ds", "")  # self-contained
-    assert json.loads((out / "config.json").read_text())["auto_map"] == VARIANTS["dflash"].remote().auto_map
+    assert json.loads((out / "config.json").read_text())["auto_map"] == VARIANTS["dflash"].spec.remote_code.auto_map
     # Serving engines (no trust_remote_code) still get the plain qwen3 config.
     plain = AutoConfig.from_pretrained(out)
     assert type(plain) is Qwen3Config and plain.hidden_size == D

@@ -1,7 +1,8 @@
 """A DFlash2 export: tensor names and shapes against the rules of z-lab's public DFlash2 header fixture
 (tests/fixtures/dflash2_header_rules.json, restated as formulas), config.json fields, the refusals of a
-config that does not match (the bit-exact round trip is the conformance suite's), AutoModel loading
-with outputs and proposals equal to the project's drafter, the model card."""
+config that does not match (the bit-exact round trip, a missing field and AutoModel's loading are the
+conformance suite's), the remote code's outputs and proposals equal to the project's drafter, the model
+card."""
 
 import json
 from pathlib import Path
@@ -101,21 +102,17 @@ def test_export_names_shapes_and_config_follow_the_rules(tmp_path):
     present = [k for k in rules["top_level_keys"] if k in config]
     assert {"num_target_layers", "layer_types", "use_sliding_window", "sliding_window",
             "max_window_layers"} <= set(present)
-    assert config["auto_map"] == VARIANTS["dflash2"].remote().auto_map
+    assert config["auto_map"] == VARIANTS["dflash2"].spec.remote_code.auto_map
     card = (out / "README.md").read_text()
     assert "# DFlash2 drafter" in card and '"num_speculative_tokens": 7' in card
     assert "--speculative-num-draft-tokens 8" in card and "DFlash2DraftModel" in card
 
 
-def test_a_dflash2_config_missing_or_mismatching_a_field_is_refused_by_name(tmp_path):
-    # The bit-exact round trip itself is the conformance suite's (tests/test_conformance.py).
+def test_a_dflash2_config_mismatching_a_field_is_refused_by_name(tmp_path):
+    # The bit-exact round trip and a missing field are the conformance suite's (tests/test_conformance.py).
     drafter = make_drafter(seed=1)
     out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
-    # A DFlash2 config with a missing field is refused, naming it.
     config = json.loads((out / "config.json").read_text())
-    broken = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != "selector_rank"})
-    with pytest.raises(ValueError, match="selector_rank"):
-        DrafterShape.from_hf_config(broken)
     # The target's logit and embedding scaling are read and written back under the reference's names;
     # identity values are not written (a Qwen export carries none of them).
     assert not {"output_multiplier", "final_logit_softcapping", "input_embedding_scale"} & set(config["dflash_config"])
@@ -145,11 +142,7 @@ def test_automodel_loads_dflash2_and_equals_the_drafter(tmp_path):
             p.normal_(0, 1.0)
     out = save_drafter(drafter, tmp_path / "export", dtype=torch.float32)
     model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    assert type(model).__name__ == "DFlash2DraftModel"
-    ours = load_drafter(out, dtype=torch.float32)
-    got_state = model.state_dict()
-    assert sorted(got_state) == sorted(ours.state_dict())
-    assert all(torch.equal(got_state[n], t) for n, t in ours.state_dict().items())
+    ours = load_drafter(out, dtype=torch.float32)  # its class and tensors: the conformance suite's
 
     torch.manual_seed(0)
     case = block_case(D, B, two_docs=False)

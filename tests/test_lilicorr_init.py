@@ -18,7 +18,7 @@ DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "se
 
 
 def export_of(tmp_path, architecture, fields=None, seed=3):
-    sections = {architecture: VARIANTS[architecture].fields(**fields)} if fields else {}
+    sections = {architecture: VARIANTS[architecture].spec.fields(**fields)} if fields else {}
     shape = drafter_shape(target_config(), DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
                                                          target_layer_ids=[1, 3, 5], architecture=architecture,
                                                          sections=sections))

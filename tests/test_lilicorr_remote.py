@@ -29,11 +29,7 @@ def test_automodel_loads_lilicorr_and_its_draft_equals_propose(pkg, tmp_path, fi
     assert config["auto_map"]["AutoModel"] == "modeling_lilicorr.LiLiCorrDraftModel"
     assert (out / "modeling_lilicorr.py").exists() and (out / "modeling_dflash.py").exists()
     model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    assert type(model).__name__ == "LiLiCorrDraftModel"
-    ours = load_drafter(out, dtype=torch.float32)
-    got_state, want_state = model.state_dict(), ours.state_dict()
-    assert sorted(got_state) == sorted(want_state)
-    assert all(torch.equal(got_state[n], t) for n, t in want_state.items())
+    ours = load_drafter(out, dtype=torch.float32)  # its class and tensors: the conformance suite's
 
     # The backbone's serving call: one block after the whole context, as the engines run it.
     case = block_case(D, B, two_docs=False, generator=torch.Generator().manual_seed(1))
@@ -51,7 +47,7 @@ def test_automodel_loads_lilicorr_and_its_draft_equals_propose(pkg, tmp_path, fi
     dm = DraftModel(ours, embed, lm_head)
     with torch.no_grad():
         context = ours.fuse(taps[None])[0]
-    want = pkg.LiLiCorr().propose(dm, states, torch.zeros(n, dtype=torch.long), context=context, context_valid=valid)
+    want = pkg.LILICORR.walk.propose(dm, states, torch.zeros(n, dtype=torch.long), context=context, context_valid=valid)
     got = model.propose(states, taps, lm_head, embed, anchor_valid=valid)
     assert torch.equal(got, want.tokens)
     found, factors = pkg.walk.score(dm, states, context, valid)

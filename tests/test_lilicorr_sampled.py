@@ -59,6 +59,6 @@ def test_tau_reads_q_of_the_text_as_the_online_draft_has_it(pkg, fields, tempera
 
 
 def test_a_greedy_drafting_architecture_has_no_text_q():
-    from dflash_ds.architectures.dflash import DFlash
+    from dflash_ds.architectures.dflash import DFLASH
 
-    assert DFlash().text_probabilities(None, torch.zeros(1, 3, 4), torch.zeros(1, 3, dtype=torch.long), 0.7) is None
+    assert DFLASH.walk.text_probabilities(None, torch.zeros(1, 3, 4), torch.zeros(1, 3, dtype=torch.long), 0.7) is None

@@ -37,7 +37,7 @@ def test_the_walk_equals_a_re_implementation_from_sglangs_reader(pkg, fields):
     drafter = model.drafter
     valid = torch.ones(states.shape[0], dtype=torch.bool)
     valid[3] = False  # a block whose anchor has no row before it
-    got = pkg.LiLiCorr().propose(model, states, anchors, context=context, context_valid=valid)
+    got = pkg.LILICORR.walk.propose(model, states, anchors, context=context, context_valid=valid)
     config = drafter.config.to_hf_config()
     ref = ReferenceDraft(drafter.state_dict(), config["dflash_config"], drafter.config.rms_norm_eps)
     found, factors = pkg.walk.score(model, states, context, valid)
@@ -61,7 +61,7 @@ def test_ties_go_to_the_lowest_candidate_index(pkg):
     with torch.no_grad():
         model.drafter.lilicorr.in_head.weight.zero_()
         model.drafter.lilicorr.in_head.bias.zero_()
-    got = pkg.LiLiCorr().propose(model, states, anchors, context=context)
+    got = pkg.LILICORR.walk.propose(model, states, anchors, context=context)
     argmax = (states @ model.lm_head.T).argmax(-1)
     assert torch.equal(got.tokens, argmax)
     drafter = model.drafter
@@ -78,9 +78,9 @@ def test_ties_go_to_the_lowest_candidate_index(pkg):
 def test_a_walk_without_the_anchor_row_or_with_a_cut_is_refused(pkg):
     model, states, context, anchors = world(pkg, 13)
     with pytest.raises(ValueError, match="pass context"):
-        pkg.LiLiCorr().propose(model, states, anchors)
+        pkg.LILICORR.walk.propose(model, states, anchors)
     with pytest.raises(ValueError, match="p_min 0"):
-        pkg.LiLiCorr().propose(model, states, anchors, 0.5, context=context)
+        pkg.LILICORR.walk.propose(model, states, anchors, 0.5, context=context)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 2.0])

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from dflash_ds.architectures import VARIANTS
-from dflash_ds.architectures.lilicorr import LiLiCorrFields
 from dflash_ds.config import DrafterConfig, ObjectiveConfig
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.drafter import DFlashDrafter
@@ -21,14 +20,11 @@ from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
 from dflash_ds.objective.loss import LossOutput
 from dflash_ds.objective.loss_terms import OutputTerm, RowTerm
 from dflash_ds.resolve.drafter import drafter_shape
-from tests.toy_variant import ToyMarkov, register
+from tests.toy_variant import TOY, register
 
-ARCHITECTURES = sorted(VARIANTS) + [ToyMarkov.name]
+ARCHITECTURES = sorted(VARIANTS) + [TOY.spec.name]
 D, VOCAB, B, S = 32, 96, 4, 40
 KL_WEIGHT, TEMPERATURE = 0.3, 1.5
-# An architecture whose defaults are published absolute sizes (LiLiCorr's 1,024-wide head) at this toy
-# width: the same terms at a head the size of the drafter, seconds less of the unit tier.
-SMALL_SECTIONS = {"lilicorr": {"lilicorr": LiLiCorrFields(head_hidden_size=16, factor_dim=16, num_heads=4)}}
 
 
 def world(name: str, dtype=torch.float64):
@@ -38,9 +34,10 @@ def world(name: str, dtype=torch.float64):
     cfg = Qwen3Config(hidden_size=D, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
                       rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    spec = VARIANTS[name].spec  # at its own small sizes (Spec.small)
     shape = drafter_shape(cfg, DrafterConfig(num_layers=2, block_size=B, mask_token_id=VOCAB - 1,
                                              target_layer_ids=[1, 4], architecture=name,
-                                             sections=SMALL_SECTIONS.get(name, {})))
+                                             sections={name: spec.fields(**spec.small)}))
     torch.manual_seed(0)
     drafter = DFlashDrafter(shape).to(dtype)
     with torch.no_grad():
@@ -57,10 +54,9 @@ def world(name: str, dtype=torch.float64):
     doc_ids[1, 30:] = 1
     mb = MicroBatch(torch.randn(2, S, 2 * D, generator=g, dtype=dtype), ids, loss_mask, doc_ids,
                     torch.randn(2, S, D, generator=g, dtype=dtype))
-    objective = ObjectiveConfig()
-    settings = StepSettings(shape=shape, num_anchors=7, gamma=shape.variant.default_gamma(shape), loss_chunks=3,
-                            mask_kind="dense", seed=0, kl_weight=KL_WEIGHT, kl_temperature=TEMPERATURE,
-                            arch_loss=shape.variant.loss_settings(objective))
+    objective = ObjectiveConfig(kl_weight=KL_WEIGHT, kl_temperature=TEMPERATURE, num_anchors=7, loss_chunks=3,
+                                anchor_last_prompt_token=False)
+    settings = StepSettings.of(shape, objective, 0, torch.device("cpu"))
     return DraftModel(drafter, embed, head), mb, settings
 
 
@@ -74,30 +70,30 @@ def dense(model, mb, blocks, normaliser, settings):
     """The same loss written plainly in float64: (loss, sums by name). The architecture's vocabulary
     terms by their value functions (autograd differentiates them); its output terms, which autograd
     already differentiates, read the dense loss's candidates and per-row values."""
-    shape, variant = model.config, model.config.variant
-    term = variant.step_term(settings.arch_loss)
+    shape = model.config
     ctx = model.drafter.fuse(mb.taps)
     hidden = model.drafter(model.embed_tokens(blocks.block_ids, ctx), ctx, blocks.block_positions,
                            blocks.ctx_positions, mask=blocks.mask)
+    own = shape.variant.objective.terms(model, mb, blocks, hidden, ctx=ctx, keys=settings.keys)
     first = shape.first_draft_slot
     h = slot_rows(hidden, B, first).double()
     w = slot_rows(blocks.weights, B, first).double()
     labels = torch.where(w > 0, slot_rows(blocks.labels, B, first), 0)
     lm_head = model.lm_head.double()
     raw = h @ lm_head.T
-    bias = variant.logit_bias(model, blocks, hidden)
+    bias = own.bias
     if bias is not None:
         raw = raw + bias.features.double() @ bias.table.double().T
     z = shape.logit_transform.apply(raw)
     ce = F.cross_entropy(z, labels, reduction="none")
-    index = slot_rows(slot_target_index(blocks.anchors, B, S, variant.label_offset), B, first)
+    index = slot_rows(slot_target_index(blocks.anchors, B, S, shape.spec.label_offset), B, first)
     tz = shape.logit_transform.apply(mb.final_hidden.reshape(-1, D)[index].double() @ lm_head.T)
     log_q, log_p = F.log_softmax(z / TEMPERATURE, -1), F.log_softmax(tz / TEMPERATURE, -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     sums = {"ce": (w * ce).sum(), "kl": (w * kl).sum()}
-    loss = variant.ce_weight(term) * sums["ce"] + KL_WEIGHT * TEMPERATURE ** 2 * sums["kl"]
+    loss = own.ce_weight * sums["ce"] + KL_WEIGHT * TEMPERATURE ** 2 * sums["kl"]
     rows = {}
-    terms = variant.loss_terms(model, blocks, term, hidden, ctx=ctx, mb=mb)
+    terms = own.terms
     for t in terms:
         if isinstance(t, RowTerm):
             values, _ = t.values(z.softmax(-1), tz, False)
@@ -119,7 +115,7 @@ def dense(model, mb, blocks, normaliser, settings):
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_fused_terms_equal_float64_autograd(name, monkeypatch):
-    if name == ToyMarkov.name:
+    if name == TOY.spec.name:
         register(monkeypatch)
     model, mb, settings = world(name)
     blocks = make_blocks(mb, settings, 0)
@@ -131,7 +127,7 @@ def test_fused_terms_equal_float64_autograd(name, monkeypatch):
     want_loss, want_sums = dense(model, mb, blocks, normaliser, settings)
     want = torch.autograd.grad(want_loss, params)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-12)
-    assert set(sums) == set(want_sums) and len(sums) == 2 + len(model.config.variant.log_names(model.config))
+    assert set(sums) == set(want_sums) and {"ce", "kl"} <= set(sums)
     for key, value in want_sums.items():
         torch.testing.assert_close(torch.as_tensor(sums[key]).double(), value.double(), rtol=1e-9, atol=1e-10,
                                    msg=key)

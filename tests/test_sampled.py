@@ -221,7 +221,7 @@ def couple_sampled_drafts(monkeypatch, target, model, prompt: torch.Tensor, coin
     min(1, q(x) / p(x)), q the architecture's sampled draft along the text; the draft is the accepted
     tokens, so the target's verification pass is conditioned as the engine's would be. A greedy draft is
     verified as `coupled_verify` does."""
-    from dflash_ds.architectures.base import SampledDraft
+    from dflash_ds.network.arch_types import SampledDraft
     from dflash_ds.eval import specdec_sampled
     from dflash_ds.eval.specdec import logits_and_taps
 

@@ -2,8 +2,8 @@
 
 - (the boundary rule, which replaced the parameter cap, is tests/test_boundary_rule.py's: arguments
   past the fourth keyword-only, no positional unpacking of NamedTuples, a type earns its place);
-- no import cycle among dflash_ds modules, counting module-level and function-level imports (not the
-  type-only ones under `if TYPE_CHECKING:`, which never run);
+- no import cycle among dflash_ds modules, counting module-level, function-level and type-only imports
+  (under `if TYPE_CHECKING:`: they run nothing, but a reader follows them like any other);
 - no import cycle among its folders either (a folder is a subpackage, a top-level module is its own
   node), and every arrow between them points down the declared LAYERS: a reader following an
   import never climbs back up (the resolve step in resolve/ never reaches into runtime/);
@@ -15,6 +15,10 @@
   (`shape.arch_fields.<field>`, `recipe.drafter.sections[...]`, getattr of a field's name), and no
   string naming one of its log fields (`"selector_loss" in record`: metrics and the report read the
   architecture's `logs` view instead);
+- the contract (network/contract.py: an architecture's spec, modules, objective and walk) is reached
+  from at most 5 files outside architectures/: the ones that hold an architecture (`shape.variant`,
+  the registry's `variant`, `VARIANTS`, `known`, `variant_of_classes`) to call its parts; the rest read
+  its spec, the data the shape hands out (`shape.spec`, `registry.spec_of`);
 - the entry points (train, eval's CLI, the bench's, the export's loader, the report) import
   dflash_ds.architectures, the list whose import registers every architecture; network/ and
   objective/ import none (the registry they ask is filled from above);
@@ -89,22 +93,13 @@ def _imported(name: str, node: ast.Import | ast.ImportFrom, modules: dict) -> se
     return out
 
 
-def _type_only(tree: ast.AST) -> set[int]:
-    """ids of the imports under `if TYPE_CHECKING:`: names for annotations, never run (an architecture's
-    hooks name the shape and the model that hold the architectures)."""
-    return {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-            and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-            for stmt in block.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
-
-
 def import_graph(root: Path) -> dict[str, set[str]]:
     modules = sources(root)
     graph = {}
     for name, (_, tree) in modules.items():
         graph[name] = set()
-        annotations_only = _type_only(tree)
-        for node in ast.walk(tree):  # function-level imports included, type-only ones not
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in annotations_only:
+        for node in ast.walk(tree):  # function-level and type-only (`if TYPE_CHECKING:`) imports included
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[name] |= _imported(name, node, modules)
     return graph
 
@@ -185,7 +180,7 @@ def upward_arrows(folders: dict[str, set[str]], layers: list[tuple[str, ...]]) -
 # Bottom to top: a folder imports only from layers below its own. The order follows the data flow
 # (recipe -> rows and the FP8 mechanism -> the drafter network -> its training objective -> the architectures, which
 # extend both -> target -> export -> eval -> run spec -> distributed run -> how it starts and stops -> entry points).
-# The network asks its registry for an architecture; the architectures fill it from above (`@register`).
+# The network asks its registry for an architecture; the architectures fill it from above (`register`).
 LAYERS = [
     ("dflash_ds", "dflash_ds.config", "dflash_ds.io", "dflash_ds.safety", "dflash_ds.libraries", "dflash_ds.compile"),
     ("dflash_ds.arguments",),  # the command lines' checked arguments, on safety's one-line message
@@ -271,6 +266,33 @@ def architecture_tests(root: Path, names: set[str], attributes: set[str], fields
     return [f"{m}:{line} {what}" for m, line, what in sorted(found)]
 
 
+CONTRACT_HOME = ("network/contract.py", "network/registry.py")
+# The registry's look-ups that hand out an architecture (its parts), not its spec's data.
+LOOKUPS = {"variant", "VARIANTS", "known", "variant_of_classes"}
+
+
+def contract_callers(root: Path) -> dict[str, list[str]]:
+    """`module -> [what]` for every module outside `architectures/` (and the contract's own home) that
+    holds an architecture: reads an attribute `.variant` (the shape's architecture) or imports one of
+    the registry's LOOKUPS (from the registry or the architectures' list)."""
+    package = root.name
+    found: dict[str, list[str]] = {}
+    for name, (path, tree) in sources(root).items():
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(VARIANTS_DIR + "/") or rel in CONTRACT_HOME:
+            continue
+        what = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "variant":
+                what.add(".variant")
+            elif isinstance(node, ast.ImportFrom) and node.module in (f"{package}.network.registry",
+                                                                       f"{package}.{VARIANTS_DIR}"):
+                what |= {f"imports {a.name}" for a in node.names if a.name in LOOKUPS}
+        if what:
+            found[name] = sorted(what)
+    return found
+
+
 def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
     """The registered architectures' names and class names, the attribute names that belong to one of
     them (its name and its modules, from its tensor inventory on a small shape), its own fields (both
@@ -280,9 +302,11 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
 
     from dflash_ds.architectures import VARIANTS
     from dflash_ds.network.shape import DrafterShape
+    from tests.test_conformance_steps import named_logs
 
     names, attributes, fields, logs = set(), set(), set(), set()
-    for v in VARIANTS.values():
+    for arch in VARIANTS.values():
+        v = arch.spec
         names |= {v.name, v.class_name}
         attributes.add(v.name)
         for section in (v.fields, v.objective_keys):
@@ -291,12 +315,12 @@ def architecture_vocabulary() -> tuple[set[str], set[str], set[str], set[str]]:
                              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
                              max_position_embeddings=64, vocab_size=64, num_target_layers=2, target_layer_ids=(0,),
                              block_size=4, mask_token_id=1, tie_word_embeddings=False, architecture=v.name)
-        for tensor in v.tensors(shape):
+        for tensor in arch.modules.tensors(shape):
             parts = tensor.split(".")
             attributes.add(parts[2] if parts[0] == "layers" else parts[0])
         templates = [*v.logs.progress, *(t for _, t in v.logs.summary)]
         logs |= {f for t in templates for _, f, _, _ in string.Formatter().parse(t) if f}
-        logs |= {key for _, key, _ in v.logs.series} | set(v.log_names(shape))
+        logs |= {key for _, key, _ in v.logs.series} | named_logs(v.name)
     return names, attributes, fields, logs
 
 
@@ -411,8 +435,9 @@ def test_import_checkers_find_cycles(tmp_path):
     })
     graph = import_graph(root)
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub"] == {"pkg.sub.d"} and graph["pkg.sub.e"] == {"pkg.sub.d"}
-    assert graph["pkg.t"] == set() and graph["pkg.u"] == {"pkg.t"}  # a type-only import is no edge
-    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
+    assert graph["pkg.t"] == {"pkg.u"} and graph["pkg.u"] == {"pkg.t"}  # a type-only import is an edge too
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"], ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"],
+                                    ["pkg.t", "pkg.u", "pkg.t"]]
 
 
 def test_output_check_finds_a_stray_print(tmp_path):
@@ -471,6 +496,20 @@ def test_architecture_check_finds_each_kind_of_test(tmp_path):
         "pkg.loss:7 reads .head", "pkg.top:3 imports pkg.architectures.two", "pkg.top:4 imports pkg.architectures.two"]
 
 
+def test_contract_check_finds_every_holder_of_an_architecture(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/network/__init__.py": "",
+        "pkg/network/registry.py": "VARIANTS = {}\n\ndef variant(name):\n    return VARIANTS[name]\n",
+        "pkg/architectures/__init__.py": "from pkg.network.registry import VARIANTS, variant\n",
+        "pkg/architectures/two.py": "def f(shape):\n    return shape.variant.walk\n",
+        "pkg/loss.py": "def f(shape):\n    return shape.variant.objective.terms()\n",
+        "pkg/look.py": "from pkg.architectures import VARIANTS, spec_of\n",
+        "pkg/data.py": "from pkg.network.registry import spec_of\n\ndef f(shape):\n    return shape.spec.title\n",
+    })
+    assert contract_callers(root) == {"pkg.look": ["imports VARIANTS"], "pkg.loss": [".variant"]}
+
+
 def test_vocabulary_check_finds_recipe_keys_in_messages_only(tmp_path):
     root = _write(tmp_path, {
         "pkg/__init__.py": "",
@@ -516,6 +555,20 @@ def test_entry_points_import_the_architectures():
     below = [m for m in graph if folder_of(m) in ("dflash_ds.network", "dflash_ds.objective")
              and any(folder_of(t) == "dflash_ds.architectures" for t in graph[m])]
     assert below == [], f"the network and the objective import an architecture: {below}"
+
+
+# The files that call an architecture's parts: the shape (its fields' checks and entries, the modules'
+# inventory), the drafter (the modules), the draft model (the walk) and the loss (the objective).
+CONTRACT_CALLERS = {"dflash_ds.network.shape", "dflash_ds.network.drafter", "dflash_ds.network.draft_model",
+                    "dflash_ds.objective.drafter_loss"}
+
+
+def test_the_contract_is_called_from_at_most_five_files_outside_the_architectures():
+    found = contract_callers(ROOT)
+    assert len(found) <= 5 and set(found) <= CONTRACT_CALLERS, (
+        "modules outside dflash_ds/architectures/ that hold an architecture (read its spec through "
+        "`shape.spec` or `registry.spec_of`, and call its parts through the shape, the drafter, the draft model "
+        "or the loss):\n  " + "\n  ".join(f"{m}: {', '.join(w)}" for m, w in sorted(found.items())))
 
 
 def test_no_architecture_test_outside_the_architectures():

@@ -65,13 +65,13 @@ def test_a_variant_defined_outside_the_package_trains_exports_loads_and_drafts(m
     embed, head = (torch.randn(VOCAB, D, generator=g, dtype=torch.float64) for _ in range(2))
     model = DraftModel(drafter, embed, head)
     settings = StepSettings(shape=shape, num_anchors=6, gamma=4.0, loss_chunks=3, mask_kind="dense", seed=0,
-                            arch_loss=toy.loss_settings(None))
+                            keys=toy.spec.objective_keys())
     mb = micro_batch(g)
     blocks = make_blocks(mb, settings, 0)
     weight = blocks.weights.sum()
-    out = drafter_loss(model, mb, blocks, weight, settings=settings, term=settings.step_term(0, 1))
-    assert toy.log_names(shape) == ("tv_sum",) and float(out.sums["tv_sum"]) > 0
-    record = toy.log_record({"tv_sum": float(out.sums["tv_sum"])}, float(weight))
+    out = drafter_loss(model, mb, blocks, weight, settings=settings, step=0, total_steps=1)
+    assert set(out.sums) == {"ce", "tv_sum"} and float(out.sums["tv_sum"]) > 0  # its one named log
+    record = toy.spec.logs.record({"tv_sum": float(out.sums["tv_sum"])}, float(weight))
     assert 0 < record["tv"] < 1
     # One optimizer step moves the head and the backbone.
     opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
@@ -144,7 +144,7 @@ def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(m
     recipe = load_recipe("recipes/tiny.yaml", TINY + keys)
     assert recipe.notes == ()
     spec = resolve_run(recipe, world_size=2)
-    assert spec.drafter.arch_fields.toy_rank == 5 and spec.settings.arch_loss == 0.25
+    assert spec.drafter.arch_fields.toy_rank == 5 and spec.settings.keys.tv_weight == 0.25
     again = tmp_path / "again.yaml"
     again.write_text(dump_yaml(recipe))
     assert dataclasses.replace(load_recipe(again), source=recipe.source) == recipe
@@ -158,9 +158,9 @@ def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(m
     with pytest.raises(RecipeError, match="drafter.toy_markov.toy_rank = 0 must be >= 1"):
         resolve_run(load_recipe("recipes/tiny.yaml", TINY + keys + ["drafter.toy_markov.toy_rank=0"]), world_size=2)
     rec = {"step": 2, "loss": 1.0, "accept_proxy": 2.0, "tv": 0.125}
-    assert "accept 2.00 | tv 0.1250" in progress_line(rec, 4, toy.logs.progress)
+    assert "accept 2.00 | tv 0.1250" in progress_line(rec, 4, toy.spec.logs.progress)
     assert "tv" not in progress_line(rec, 4)  # only the architecture's own view names it
-    loss_panel = dict(_panels([rec], [], toy.logs))["loss"]
+    loss_panel = dict(_panels([rec], [], toy.spec.logs))["loss"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +170,7 @@ def test_a_variant_defined_outside_the_package_has_recipe_keys_logs_and_panels(m
     loss_panel(ax)
     assert [line.get_label() for line in ax.get_lines()] == ["loss", "TV term"]
     plt.close(fig)
-    assert ("final TV", "0.125") in _summary([rec], [], toy.logs)
+    assert ("final TV", "0.125") in _summary([rec], [], toy.spec.logs)
 
 
 def test_the_package_holds_nothing_of_the_toy():
@@ -254,20 +254,59 @@ def test_every_architectures_parameters_keep_zero2_gradients_aligned(recipe, geo
 
 
 def test_register_adds_the_architecture_and_its_sections_and_refuses_a_second_of_one_name(monkeypatch):
-    from dflash_ds.architectures import VARIANTS, DrafterVariant
+    from dflash_ds.architectures import DEFAULT, VARIANTS
     from dflash_ds.config.architectures import SECTIONS, section_type
     from dflash_ds.network.registry import register as decorate
-    from tests.toy_variant import ToyMarkov, ToyObjective
+    from tests.toy_variant import TOY, ToyKeys
 
     for registry in (VARIANTS, SECTIONS):  # the toy's entries are removed again after the test
         monkeypatch.setitem(registry, "toy_markov", None)
-    assert decorate(ToyMarkov) is ToyMarkov
-    assert isinstance(VARIANTS["toy_markov"], ToyMarkov) and section_type("objective", "toy_markov") is ToyObjective
+    assert decorate(TOY) is TOY
+    assert VARIANTS["toy_markov"] is TOY and section_type("objective", "toy_markov") is ToyKeys
     assert section_type("drafter", "dflash") is None and section_type("objective", "dflash") is None  # v1 adds none
 
-    class Impostor(DrafterVariant):
-        name = "dspark"
-
+    impostor = dataclasses.replace(DEFAULT, spec=dataclasses.replace(DEFAULT.spec, name="dspark"))
     with pytest.raises(ValueError, match="'dspark' is registered twice"):
-        decorate(Impostor)
-    assert type(VARIANTS["dspark"]).__name__ == "DSpark"
+        decorate(impostor)
+    assert VARIANTS["dspark"].spec.title == "DSpark"
+
+
+def overrides(arch) -> list[str]:
+    """The names an architecture defines beyond DFlash's: every method of its modules, objective and walk
+    that its classes define over DFlash's parts, and of its recipe sections over `Fields` / `Keys`
+    (its spec is data: nothing to override)."""
+    from dflash_ds.architectures import DEFAULT
+    from dflash_ds.network.arch_types import Fields, Keys
+
+    spec, found = arch.spec, []
+    pairs = [(type(getattr(arch, part)), type(getattr(DEFAULT, part))) for part in ("modules", "objective", "walk")]
+    pairs += [(spec.fields, Fields)] + ([(spec.objective_keys, Keys)] if spec.objective_keys else [])
+    for cls, base in pairs:
+        own = {n for c in cls.__mro__ if c is not base and issubclass(c, base) for n in vars(c)}
+        found += [f"{cls.__name__}.{n}" for n in sorted(own & set(dir(base))) if callable(getattr(base, n))
+                  and not n.startswith("__")]
+    return found
+
+
+def test_a_new_architecture_overrides_at_most_ten_names(monkeypatch):
+    """The toy (a head, a row term with a logit bias, a walk, a section each) overrides 6; the published
+    ones stay near that (LiLiCorr, which also reads its own config keys and samples its drafts, the most)."""
+    from dflash_ds.architectures import VARIANTS
+
+    toy = register(monkeypatch)
+    assert overrides(toy) == ["ToyModules.heads", "ToyModules.tensors", "ToyObjective.terms", "ToyWalk.propose",
+                              "ToyFields.check_shape", "ToyKeys.check"]
+    counts = {name: len(overrides(arch)) for name, arch in VARIANTS.items() if name != "toy_markov"}
+    assert counts == {"dflash": 0, "dflash2": 10, "dspark": 10, "lilicorr": 15}
+
+
+def test_the_training_step_of_every_architecture_reads_on_one_screen(monkeypatch):
+    """Its objective (the one method a micro-batch's loss asks: its terms, their weights, its logit bias) is
+    at most 30 lines; its labels are the spec's `label_offset`'s (objective/blocks.py)."""
+    import inspect
+
+    from dflash_ds.architectures import VARIANTS
+
+    register(monkeypatch)
+    lines = {name: len(inspect.getsource(type(arch.objective)).splitlines()) for name, arch in VARIANTS.items()}
+    assert max(lines.values()) <= 30, lines

@@ -7,7 +7,8 @@ chunk), drafts with the Markov chain (slot k's bias comes from the token chosen 
 exports its field and tensors. Its recipe sections are `drafter.toy_markov:` (toy_rank) and
 `objective.toy_markov:` (tv_weight); it logs `tv`, shown in the progress line, the report's loss
 panel and summary; its exports carry its own remote code (tests/toy_modeling.py). Registered by the
-tests alone (`register`): the package is not edited.
+tests alone (`register`): the package is not edited. It is the four parts of network/contract.py: its
+spec (data), its modules (a head and its two tensors), its objective (one method) and its walk.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.architectures import DrafterVariant
-from dflash_ds.architectures.base import Card, LogView, RemoteCode
-from dflash_ds.config.architectures import section_of
+from dflash_ds.architectures import DEFAULT
+from dflash_ds.architectures.dflash import DFlashModules, DFlashObjective, DFlashWalk
+from dflash_ds.network.arch_types import Card, Fields, Keys, LogView, RemoteCode
+from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.registry import entries
 from dflash_ds.network.shape import FieldError, Tensor
 from dflash_ds.objective.blocks import slot_rows
@@ -29,15 +31,19 @@ from dflash_ds.objective.loss_terms import LogitBias, RowTerm
 
 
 @dataclass(frozen=True)
-class ToyFields:
+class ToyFields(Fields):
     """`drafter.toy_markov:`, and the shape's fields."""
 
     toy_rank: int = 3
     """Rank of the Markov head's two tables."""
 
+    def check_shape(self, shape, serving: bool = False) -> None:
+        if self.toy_rank < 1:
+            raise FieldError("toy_rank", f"= {self.toy_rank} must be >= 1")
+
 
 @dataclass(frozen=True)
-class ToyObjective:
+class ToyKeys(Keys):
     """`objective.toy_markov:`."""
 
     tv_weight: float = 0.5
@@ -90,21 +96,7 @@ def predecessors(labels: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.cat([blocks[..., :1], blocks[..., :-1]], dim=-1).flatten(1)
 
 
-class ToyMarkov(DrafterVariant):
-    name = "toy_markov"
-    class_name = "ToyMarkovDraftModel"
-    title = "Toy Markov"
-    remote_code = RemoteCode(Path(__file__).with_name("toy_modeling.py"), "toy_modeling.py",
-                             {"AutoModel": "toy_modeling.ToyMarkovWalk"})
-    fields = ToyFields
-    objective_keys = ToyObjective
-    needs_target_logits = True
-    logs = LogView(progress=("tv {tv:.4f}",), series=(("loss", "tv", "TV term"),), summary=(("final TV", "{tv:.3f}"),))
-
-    def check(self, shape, serving: bool = False) -> None:
-        if shape.arch_fields.toy_rank < 1:
-            raise FieldError("toy_rank", f"= {shape.arch_fields.toy_rank} must be >= 1")
-
+class ToyModules(DFlashModules):
     def heads(self, shape) -> dict:
         return {"markov_head": MarkovHead(shape.vocab_size, shape.arch_fields.toy_rank)}
 
@@ -112,7 +104,16 @@ class ToyMarkov(DrafterVariant):
         v, r = shape.vocab_size, shape.arch_fields.toy_rank
         return {"markov_head.embedding": Tensor((v, r), "table"), "markov_head.projection": Tensor((v, r), "block")}
 
-    def propose(self, model, hidden, anchors, p_min: float = 0.0):
+
+class ToyObjective(DFlashObjective):
+    def terms(self, model, mb, blocks, hidden, *, ctx, keys, step=None, total_steps=0) -> StepTerms:
+        head, b = model.drafter.markov_head, model.config.block_size
+        bias = LogitBias(F.embedding(slot_rows(predecessors(blocks.labels, b), b), head.embedding), head.projection)
+        return StepTerms(terms=(RowTerm("tv_sum", keys.tv_weight, total_variation),), bias=bias)
+
+
+class ToyWalk(DFlashWalk):
+    def propose(self, model, hidden, anchors, p_min: float = 0.0, *, context=None):
         head = model.drafter.markov_head
         prev, path = anchors.to(hidden.device).long(), []
         for slot in range(hidden.shape[1]):
@@ -122,30 +123,23 @@ class ToyMarkov(DrafterVariant):
         tokens = torch.stack(path, dim=1)
         return super().propose(model, hidden, anchors, p_min)._replace(tokens=tokens)
 
-    def loss_settings(self, objective) -> float:
-        return section_of(objective, self.name, ToyObjective).tv_weight
 
-    def loss_terms(self, model, blocks, term, hidden, *, ctx, mb) -> tuple:
-        return (RowTerm("tv_sum", term, total_variation),)
-
-    def logit_bias(self, model, blocks, hidden) -> LogitBias:
-        head, b = model.drafter.markov_head, model.config.block_size
-        return LogitBias(F.embedding(slot_rows(predecessors(blocks.labels, b), b), head.embedding), head.projection)
-
-    def log_names(self, shape) -> tuple[str, ...]:
-        return ("tv_sum",)
-
-    def log_record(self, sums, weight):
-        return {"tv": sums["tv_sum"] / weight}
-
-    def card(self, shape) -> Card:
-        return super().card(shape)._replace(rows=(f"| Markov head | rank {shape.arch_fields.toy_rank} |",))
+def card(shape) -> Card:
+    return DEFAULT.spec.card(shape)._replace(rows=(f"| Markov head | rank {shape.arch_fields.toy_rank} |",))
 
 
-def register(monkeypatch) -> ToyMarkov:
-    """What `@register` does, undone after the test: the architecture and its recipe sections are known
+SPEC = Spec(name="toy_markov", class_name="ToyMarkovDraftModel", title="Toy Markov", card=card, fields=ToyFields,
+            objective_keys=ToyKeys, needs_target_logits=True,
+            remote_code=RemoteCode(Path(__file__).with_name("toy_modeling.py"), "toy_modeling.py",
+                                   {"AutoModel": "toy_modeling.ToyMarkovWalk"}),
+            logs=LogView(lambda sums, weight: {"tv": sums["tv_sum"] / weight}, progress=("tv {tv:.4f}",),
+                         series=(("loss", "tv", "TV term"),), summary=(("final TV", "{tv:.3f}"),)))
+TOY = Architecture(SPEC, ToyModules(), ToyObjective(), ToyWalk())
+
+
+def register(monkeypatch) -> Architecture:
+    """What `register` does, undone after the test: the architecture and its recipe sections are known
     for the test's duration."""
-    added = entries(ToyMarkov)
-    for registry, key, value in added:
+    for registry, key, value in entries(TOY):
         monkeypatch.setitem(registry, key, value)
-    return next(value for _, _, value in added if isinstance(value, ToyMarkov))
+    return TOY

@@ -40,7 +40,7 @@ from .roles import run_drafter, run_target, run_transport
 from .setup import DEFAULT_RECIPE, REPO, init_single_process, pick_device, resolve_setup
 from .timing import drift_warnings, matmul_ceiling
 
-from dflash_ds.architectures import DEFAULT, VARIANTS
+from dflash_ds.architectures import DEFAULT, names
 from dflash_ds.arguments import Parser, existing_file, integer, number, output_file
 from dflash_ds.safety import Exit, say
 
@@ -131,7 +131,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--anchors", type=integer(1), default=None,
                    help="anchors per row (default: the recipe's anchors per row token x the row length)")
     p.add_argument("--block-size", type=integer(1), default=16)
-    p.add_argument("--architecture", default=None, choices=sorted(VARIANTS),
+    p.add_argument("--architecture", default=None, choices=names(),
                    help="drafter.architecture (default: the recipe's), e.g. the plain backbone of a recipe of another "
                         "architecture, to measure what the architecture's additions cost")
     p.add_argument("--prompt-tokens", type=integer(0), default=None, help="prompt prefix without loss (default seq_len/8)")
@@ -223,7 +223,7 @@ def summary_lines(report: dict) -> list[str]:
     if "first_step_peak_gib" in mem:
         lines.append(f"  {'peak GiB (first/last timed step)':<34} {mem['first_step_peak_gib']:.2f} / {mem['last_step_peak_gib']:.2f}")
     if "drafter_params" in r:
-        lines.append(f"  {'drafter parameters':<34} {r['drafter_params']:,} ({r.get('architecture', DEFAULT.name)})")
+        lines.append(f"  {'drafter parameters':<34} {r['drafter_params']:,} ({r.get('architecture', DEFAULT.spec.name)})")
     if "mask" in r:
         m = r["mask"]
         lines.append(f"  {'mask build s (first/warm)':<34} {m['first_build_s']:.4f} / {m['build_s']:.4f} ({m['kind']})")

@@ -64,7 +64,7 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
     (forward + backward) per layer (`pairs`: the mean over the layers when they attend differently);
     4 x vocab x D x drafting tokens for the frozen lm_head (forward + input gradient: the fused loss
     runs on the drafting slots only, B - 1 of a block's B, all B anchor-first). An architecture's
-    own weights (`DrafterVariant.tensors`, over their `use` tokens) and matmuls on the drafting slots
+    own weights (`Modules.tensors`, over their `use` tokens) and matmuls on the drafting slots
     (`extra_flops`) are counted under its name;
     elementwise tensors and gathered tables are not matmuls and are not counted.
     """
@@ -80,8 +80,8 @@ def drafter_step_flops(cfg, ctx_tokens: int, block_tokens: int, pairs: int) -> d
     drafts = block_tokens // cfg.block_size * cfg.num_drafts
     lm_head = 4 * cfg.vocab_size * d * drafts
     out = {"dense": matmuls(backbone), "fuse": fuse, "attention": attention, "lm_head": lm_head}
-    own = cfg.variant.tensors(cfg)
-    extra = matmuls(own) + cfg.variant.extra_flops(cfg, drafts)
+    own = {n: t for n, t in cfg.tensors().items() if n not in backbone}
+    extra = matmuls(own) + cfg.extra_flops(drafts)
     if own or extra:
         out[cfg.architecture] = extra
     out["total"] = sum(out.values())

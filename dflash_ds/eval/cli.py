@@ -171,7 +171,7 @@ def _run(args) -> int:
 
 def llama_cpp_loads(model: DraftModel) -> bool:
     """Whether llama.cpp loads this drafter (its architecture's serving says so): else no count to predict."""
-    return model.config.variant.card(model.config).serving.llama_cpp_type is not None
+    return model.config.spec.card(model.config).serving.llama_cpp_type is not None
 
 
 def engine_counts(target, model, prompts, sequences, *, budget: int,

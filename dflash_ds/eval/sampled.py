@@ -192,7 +192,7 @@ def tau_of_trajectory(target, model: DraftModel, x: torch.Tensor, first: int, *,
         return walk_with_probs(drafts, draft_probabilities(logits, drafts, first, end, sampling=sampling), x, first,
                                end=end)
     if coins is None or coins.numel() < end:
-        raise ValueError(f"{type(model.config.variant).__name__}'s sampled draft needs a coin per position of the "
+        raise ValueError(f"{model.config.spec.title}'s sampled draft needs a coin per position of the "
                          f"response ({end}); pass coins")
     slots = proposal.tokens.shape[1]
     at = torch.arange(first, end)[:, None] + 1 + torch.arange(slots)[None]

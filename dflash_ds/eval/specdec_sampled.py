@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.architectures.base import SampledDraft
+from dflash_ds.network.arch_types import SampledDraft
 from dflash_ds.eval.generate import eos_ids
 from dflash_ds.eval.sampled import Sampling, target_probs
 from dflash_ds.eval.specdec import block_states, emitted, logits_and_taps

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from dflash_ds.architectures.base import Proposal
+from dflash_ds.network.arch_types import Proposal
 from dflash_ds.network.attention import build_layer_masks
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.objective.blocks import block_inputs

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash_ds.architectures.base import Serving
+from dflash_ds.network.arch_types import Serving
 from dflash_ds.network.shape import DrafterShape
 
 THINKING_ROW = re.compile(r"^\| chat template \| `enable_thinking: (true|false)`", re.M)
@@ -41,7 +41,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         tau_line = "not measured for this export"
     else:
         tau_line = f"{tau.value:.3f} (exact offline greedy acceptance length on {known(tau_prompts)})"
-    card = cfg.variant.card(cfg)
+    card = cfg.spec.card(cfg)
     serve = card.serving
     vllm_cfg = json.dumps({"method": serve.vllm_method, "model": "DRAFTER_DIR",
                            "num_speculative_tokens": serve.vllm_tokens})
@@ -52,8 +52,8 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
     sglang_note = [] if thinking is None else [f"With SGLang, send `\"chat_template_kwargs\": {kwargs}` with each "
                                                "chat request.", ""]
     llama_tail = [] if thinking is None else [f"    --chat-template-kwargs '{kwargs}'"]
-    name = cfg.variant.title
-    remote = cfg.variant.remote()
+    name = cfg.spec.title
+    remote = cfg.spec.remote_code
     remote_name = remote.name if remote is not None else "the architecture's remote code"
     lines = [
         f"# {name} drafter",

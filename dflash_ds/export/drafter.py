@@ -5,8 +5,9 @@ An export is a directory with `config.json` and `model.safetensors` that SGLang
 carry no prefix, and there is no `embed_tokens` and no `lm_head`: the drafter borrows both from
 the target at serving time.
 
-It also holds the architecture's transformers remote code (its `remote()`: for DFlash, DFlash2 and
-DSpark `modeling_dflash.py`, self-contained, from dflash_ds/architectures/dflash/) with an `auto_map`
+It also holds the architecture's transformers remote code (its spec's `remote_code`: DFlash's
+`modeling_dflash.py`, self-contained, from dflash_ds/architectures/dflash/, and each other published
+architecture's own file from its package beside it) with an `auto_map`
 in config.json, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it, and a
 README.md model card. `model_type` stays "qwen3": without trust_remote_code (SGLang, vLLM)
 transformers keeps reading it as a Qwen3Config exactly as before. Files are 0644 and the
@@ -115,7 +116,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype: t
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     if num_anchors is not None:
         config["num_anchors"] = int(num_anchors)
-    remote = cfg.variant.remote()
+    remote = cfg.spec.remote_code
     if remote is not None:
         config["auto_map"] = dict(remote.auto_map)
 
@@ -225,12 +226,12 @@ def load_drafter(
 def load_backbone(path: str | os.PathLike, shape: DrafterShape, *, dtype: torch.dtype,
                   device: str | torch.device = "cpu") -> DFlashDrafter:
     """A drafter of `shape` whose backbone (every tensor outside its architecture's heads) is that of the
-    export at `path`, of another architecture (`DrafterVariant.backbone_from`, already checked by
+    export at `path`, of another architecture (`DrafterShape.backbone_from`, already checked by
     `run.check_init_from`), and whose heads start fresh, from the current torch seed. The export's own
     heads (a DFlash2 selector) are left behind."""
     exported = load_drafter(path, dtype=dtype).state_dict()
     drafter = DFlashDrafter(shape).to(dtype)
-    heads = tuple(f"{name}." for name in shape.variant.heads(shape))
+    heads = tuple(f"{name}." for name in drafter.head_names)
     backbone = {n: t for n, t in drafter.state_dict().items() if not n.startswith(heads)}
     missing = [n for n, t in backbone.items() if n not in exported or exported[n].shape != t.shape]
     if missing:

@@ -74,38 +74,29 @@ class DraftModel:
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, *, context: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens the engines propose at temperature 0 from the final states `[n, num_drafts, D]`
         of the drafting slots of n blocks whose anchors (slot 0 tokens) are `anchors` [n]: the
-        architecture's walk (`DrafterVariant.propose`: each slot's argmax for v1, the selector's greedy
-        path for DFlash2, the Markov chain for DSpark). `context` [n, D]: each anchor's context row, the
-        fused state before it (drafter.fuse), for an architecture that `reads_context` (LiLiCorr)."""
+        architecture's walk (`Walk.propose`: each slot's argmax for v1, the selector's greedy path for
+        DFlash2, the Markov chain for DSpark). `context` [n, D]: each anchor's context row, the fused state
+        before it (drafter.fuse), for a walk that reads it (LiLiCorr's)."""
         return self.propose(hidden, anchors, context=context).tokens
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
                 context: torch.Tensor | None = None):
         """`draft`'s tokens and how many of each block's llama.cpp verifies under `--spec-draft-p-min
-        p_min` (an architectures.base.Proposal; `DrafterVariant.propose`: DSpark's confidence head cuts it)."""
-        variant = self.config.variant
-        if variant.reads_context:
-            return variant.propose(self, hidden, anchors, p_min, context=context)
-        return variant.propose(self, hidden, anchors, p_min)
+        p_min` (a network.arch_types.Proposal; `Walk.propose`: DSpark's confidence head cuts it)."""
+        return self.config.variant.walk.propose(self, hidden, anchors, p_min, context=context)
 
     def text_probabilities(self, hidden: torch.Tensor, following: torch.Tensor, temperature: float, *,
                            context: torch.Tensor | None = None) -> torch.Tensor | None:
         """q of the text's tokens `following` [n, L] under the architecture's sampled draft, or None when
-        it drafts greedily at every temperature (`DrafterVariant.text_probabilities`)."""
-        variant = self.config.variant
-        if variant.reads_context:
-            return variant.text_probabilities(self, hidden, following, temperature, context=context)
-        return variant.text_probabilities(self, hidden, following, temperature)
+        it drafts greedily at every temperature (`Walk.text_probabilities`)."""
+        return self.config.variant.walk.text_probabilities(self, hidden, following, temperature, context=context)
 
     def sampled_draft(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator, *,
                       context: torch.Tensor | None = None):
-        """The draft the engines draw at `temperature` (an architectures.base.SampledDraft), or None when they
-        verify the greedy one (`DrafterVariant.sampled_draft`; nothing is drawn then)."""
-        variant = self.config.variant
-        if variant.reads_context:
-            return variant.sampled_draft(self, hidden, temperature, generator, context=context)
-        return variant.sampled_draft(self, hidden, temperature, generator)
+        """The draft the engines draw at `temperature` (a network.arch_types.SampledDraft), or None when they
+        verify the greedy one (`Walk.sampled_draft`; nothing is drawn then)."""
+        return self.config.variant.walk.sampled_draft(self, hidden, temperature, generator, context=context)
 
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""

@@ -126,7 +126,7 @@ class SwiGLU(nn.Module):
 class DFlashLayer(nn.Module):
     """Pre-norm decoder layer with KV injection: only block tokens are queries and go through the MLP.
 
-    An architecture may wrap both sublayers (`DrafterVariant.wrappers`, e.g. DFlash2's block
+    An architecture may wrap both sublayers (`Modules.wrappers`, e.g. DFlash2's block
     convolution): the wrapper's `prepare` turns the normalised input into the sublayer's input and
     its `finish` the sublayer's output into what the residual adds.
     """
@@ -140,7 +140,7 @@ class DFlashLayer(nn.Module):
         self.wrapped: tuple[str, str] | None = None  # the wrappers' names (attention side, MLP side)
         # Built on a side stream of random numbers: the backbone's init draws stay those of a v1 drafter.
         with torch.random.fork_rng(devices=[]):
-            wrappers = cfg.variant.wrappers(cfg)
+            wrappers = cfg.variant.modules.wrappers(cfg)
         if wrappers is not None:
             (a_name, a_mod), (m_name, m_mod) = wrappers
             self.add_module(a_name, a_mod)
@@ -173,7 +173,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The architecture's heads: read by the loss and the draft walk, not by forward (their input is its output).
         with torch.random.fork_rng(devices=[]):
-            heads = cfg.variant.heads(cfg)
+            heads = cfg.variant.modules.heads(cfg)
         for name, module in heads.items():
             self.add_module(name, module)
         self.head_names = tuple(heads)

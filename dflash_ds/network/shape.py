@@ -28,14 +28,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from dflash_ds.network.attention import LayerAttention
 from dflash_ds.network.logit_transform import LogitTransform
 from dflash_ds.network.registry import DEFAULT_NAME, variant, variant_of_classes
-
-if TYPE_CHECKING:  # the type every architecture is; the registry hands out its instances
-    from dflash_ds.architectures import DrafterVariant
 
 # dflash_config names of the target's scaling (network/logit_transform.py) and their identity values.
 SCALE_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
@@ -192,24 +189,41 @@ class DrafterShape:
             raise FieldError("output_multiplier", f"({self.output_multiplier}), input_embedding_scale "
                              f"({self.input_embedding_scale}) and final_logit_softcapping "
                              f"({self.final_logit_softcapping}) must be > 0 (the cap may be null)")
-        arch = variant(self.architecture)
+        fields = variant(self.architecture).spec.fields
         if self.arch_fields is None:
-            object.__setattr__(self, "arch_fields", arch.fields())
-        if type(self.arch_fields) is not arch.fields:
-            raise ValueError(f"arch_fields of a {self.architecture} drafter must be {arch.fields.__name__}, "
+            object.__setattr__(self, "arch_fields", fields())
+        if type(self.arch_fields) is not fields:
+            raise ValueError(f"arch_fields of a {self.architecture} drafter must be {fields.__name__}, "
                              f"got {type(self.arch_fields).__name__}")
-        arch.check(self)  # the engines' own rules: resolve.drafter.check_servable, before a run
+        self.arch_fields.check_shape(self)  # the engines' own rules: resolve.drafter.check_servable, before a run
 
     @property
-    def variant(self) -> DrafterVariant:
-        """The architecture's hooks (architectures/), from the registry."""
+    def variant(self):
+        """The architecture (network.contract.Architecture: its spec, modules, objective and walk), from the
+        registry. Code outside architectures/ reads its spec here (`spec`) and its modules through the
+        methods below; only the drafter, the draft model and the loss call its parts."""
         return variant(self.architecture)
+
+    @property
+    def spec(self):
+        """The architecture's data (network.contract.Spec: names, sections, label offset, logs, card, remote code)."""
+        return self.variant.spec
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor of the drafter by its export name (docs/algorithm.md section 6), the
-        architecture's (`DrafterVariant.tensors`) after the backbone's: the export's expected shapes,
+        architecture's (`Modules.tensors`) after the backbone's: the export's expected shapes,
         the parameter count and the FLOP count (bench/flops.py) are all read from here."""
-        return {**self.backbone_tensors(), **self.variant.tensors(self)}
+        return {**self.backbone_tensors(), **self.variant.modules.tensors(self)}
+
+    def extra_flops(self, draft_tokens: int) -> int:
+        """Matmul FLOPs of a step that no tensor accounts for (`Modules.extra_flops`), `draft_tokens` being
+        the drafting slots' rows of the loss."""
+        return self.variant.modules.extra_flops(self, draft_tokens)
+
+    def backbone_from(self, exported: "DrafterShape") -> str | None:
+        """Why an export of another architecture, `exported`, cannot start this drafter's backbone, its heads
+        fresh (`Modules.backbone_from`, `drafter.init_from`); None when it can."""
+        return self.variant.modules.backbone_from(self, exported)
 
     def backbone_tensors(self) -> dict[str, Tensor]:
         """The tensors every architecture has: the layers, the tap fusion and the norms."""
@@ -241,8 +255,8 @@ class DrafterShape:
     @property
     def first_draft_slot(self) -> int:
         """The first slot of a block that drafts a token: 1 (slot 0 is the anchor), 0 for an
-        anchor-first architecture (`DrafterVariant.label_offset`)."""
-        return 1 - self.variant.label_offset
+        anchor-first architecture (`Spec.label_offset`)."""
+        return 1 - self.spec.label_offset
 
     @property
     def num_drafts(self) -> int:
@@ -277,10 +291,10 @@ class DrafterShape:
     def to_hf_config(self) -> dict:
         """The exported config.json (docs/algorithm.md section 6): a qwen3 model with a `dflash_config` section."""
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        dflash.update(self.variant.config_entries(self))
+        dflash.update(self.arch_fields.config_entries(self))
         dflash.update({k: v for k, v in self.scales().items() if v != SCALE_DEFAULTS[k]})
         return {
-            "architectures": [self.variant.class_name],
+            "architectures": [self.spec.class_name],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
@@ -308,7 +322,7 @@ class DrafterShape:
             "sliding_window": self.sliding_window,
             "max_window_layers": self.num_hidden_layers,
             **({} if self.is_causal is None else {"is_causal": self.is_causal}),
-            **self.variant.top_level_entries(self),
+            **self.arch_fields.top_level_entries(self),
         }
 
     @classmethod
@@ -353,8 +367,8 @@ class DrafterShape:
             sliding_window=(config.get("sliding_window") or dflash.get("swa_window_size"))
             if SLIDING_ATTENTION in layer_types else None,
             is_causal=None if is_causal is None else bool(is_causal),
-            architecture=arch.name,
-            arch_fields=arch.fields_from_config(dflash),
+            architecture=arch.spec.name,
+            arch_fields=arch.spec.fields.from_config(dflash, class_name=arch.spec.class_name),
             # A cap of 0 means none, as the reference reads it.
             output_multiplier=float(dflash.get("output_multiplier") or 1.0),
             final_logit_softcapping=float(dflash["final_logit_softcapping"]) if dflash.get("final_logit_softcapping") else None,

@@ -1,5 +1,5 @@
 """Which target layers a drafter reads (docs/algorithm.md section 2): the default spread (published
-presets that differ from it belong to their architecture: `DrafterVariant.tap_presets`).
+presets that differ from it belong to their architecture: `Spec.tap_presets`).
 
 Model code: no torch.distributed, no deepspeed.
 """

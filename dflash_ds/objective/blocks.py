@@ -3,7 +3,8 @@ same-position labels, decay weights, and the order of the supervised slots.
 
 Conventions: a row has S tokens; N anchors per row; B = block size; Q = N*B block slots, slot k
 of the block for anchor a sits at position a + k and is trained to predict the token AT a + k
-(same-position labels; slot 0 is the anchor itself and has weight 0).
+(same-position labels; slot 0 is the anchor itself and has weight 0). An anchor-first architecture
+(`Spec.label_offset` 1) trains slot k on the token at a + k + 1 instead (`anchor_first_targets`).
 
 Model code: no torch.distributed, no deepspeed.
 """
@@ -201,6 +202,30 @@ def block_targets(
     return torch.where(inside, labels, torch.zeros_like(labels)), weights
 
 
+def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                         anchors: torch.Tensor, *, valid: torch.Tensor, block_size: int,
+                         gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels `[b, N, B]` (slot k: the token at a + k + 1) and float32 weights `[b, N, B]` of the
+    anchor-first block (an architecture whose `Spec.label_offset` is 1, DSpark's), DeepSpec's rule:
+    `exp(-k / gamma)` times a mask that is 1 on the longest prefix of slots whose label is inside the
+    row, supervised and in the anchor's document (the first slot that is not ends the block's
+    supervision), times block validity. Labels where the weight is 0 are 0."""
+    b, n = anchors.shape
+    s = input_ids.shape[1]
+    k = torch.arange(block_size, device=anchors.device)
+    idx = anchors.long().unsqueeze(-1) + 1 + k
+    flat = idx.clamp(max=s - 1).view(b, n * block_size)
+    labels = torch.gather(input_ids, 1, flat).view(b, n, block_size)
+    supervised = torch.gather(loss_mask.bool(), 1, flat).view(b, n, block_size)
+    anchor_doc = torch.gather(doc_ids, 1, anchors.long()).unsqueeze(-1)
+    same_doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size) == anchor_doc
+    ok = (idx < s) & supervised & same_doc & valid.bool().unsqueeze(-1)
+    keep = ok.to(torch.int32).cumprod(-1).bool()
+    # exp(-k / gamma) for slot k: DFlash's decay of a block one longer, without its slot 0.
+    decay = decay_weights(block_size + 1, gamma, anchors.device)[1:]
+    return torch.where(keep, labels, torch.zeros_like(labels)), decay * keep
+
+
 def slot_rows(t: torch.Tensor, block_size: int, first: int = 1) -> torch.Tensor:
     """`[b, Q, ...]` -> `[rows, ...]`: the drafting slots (`first` .. B-1 of every block: without
     slot 0, or all of them anchor-first) in the loss's row order, the order of
@@ -262,14 +287,17 @@ def anchor_generator(seed: int, micro_index: int, device="cpu") -> torch.Generat
 def make_blocks(mb: MicroBatch, s, micro_index: int) -> Blocks:
     """The blocks of micro-batch `micro_index` under `s` (objective.drafter_loss.StepSettings: the anchors'
     seed and count, whether prompt ends anchor, block size, mask id, gamma, the layers' attentions, the
-    mask kind; the labels and weights are the architecture's, `DrafterVariant.block_targets`)."""
+    mask kind; the labels and weights follow the architecture's `Spec.label_offset`: same-position
+    `block_targets`, or `anchor_first_targets`)."""
     device = mb.input_ids.device
     anchors, valid = sample_anchors(mb.loss_mask, mb.doc_ids, s.num_anchors,
                                     anchor_generator(s.seed, micro_index, device), prompt_end=s.anchor_prompt_end)
     ctx_positions = position_ids_from_doc_ids(mb.doc_ids)
     block_ids, block_positions = block_inputs(mb.input_ids, ctx_positions, anchors, s.block_size,
                                               mask_token_id=s.mask_token_id)
-    labels, weights = s.shape.variant.block_targets(mb, anchors, valid, s.block_size, gamma=s.gamma)
+    targets = block_targets if s.shape.first_draft_slot else anchor_first_targets
+    labels, weights = targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid=valid, block_size=s.block_size,
+                              gamma=s.gamma)
     mask = build_layer_masks(anchors, valid, mb.doc_ids, s.block_size, attentions=s.attentions, kind=s.mask_kind)
     r = anchors.shape[0]
     return Blocks(anchors, valid, block_ids, block_positions, ctx_positions,

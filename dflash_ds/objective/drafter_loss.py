@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from dflash_ds.config.architectures import section_of
 from dflash_ds.network.attention import LayerAttention
 from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.shape import DrafterShape
-from dflash_ds.objective.blocks import Blocks, MicroBatch, slot_target_index
+from dflash_ds.objective.blocks import Blocks, MicroBatch, default_gamma, slot_target_index
 from dflash_ds.objective.loss import ChunkedLoss, LossOutput
 from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, TargetRows
 
@@ -34,7 +35,7 @@ class StepSettings:
     seed: int
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
-    arch_loss: Any = None  # the architecture's loss settings (DrafterVariant.loss_settings of the objective)
+    keys: Any = None  # the architecture's `objective.<name>:` section (Spec.objective_keys), None without one
     anchor_prompt_end: bool = False  # the last prompt token of each turn anchors a block too
 
     @property
@@ -53,36 +54,36 @@ class StepSettings:
     @classmethod
     def of(cls, shape: DrafterShape, objective, seed: int, device: torch.device) -> "StepSettings":
         """The settings of a run: `objective` is the recipe's objective section (read by attribute name)."""
-        gamma = objective.gamma if objective.gamma is not None else shape.variant.default_gamma(shape)
+        # The default decay is the paper's for the block's drafting slots plus the anchor: default_gamma(B)
+        # for DFlash's B - 1 drafts, DeepSpec's default_gamma(B + 1) for B drafts anchor-first.
+        gamma = objective.gamma if objective.gamma is not None else default_gamma(shape.num_drafts + 1)
+        spec = shape.spec
+        keys = section_of(objective, spec.name, spec.objective_keys) if spec.objective_keys is not None else None
+        if keys is not None:
+            keys.check()  # a section read from attributes, not from a recipe, is checked here
         return cls(shape=shape, num_anchors=objective.num_anchors, gamma=gamma, loss_chunks=objective.loss_chunks,
                    mask_kind="flex" if device.type == "cuda" else "dense", seed=seed,
-                   kl_weight=objective.kl_weight,
-                   kl_temperature=objective.kl_temperature, arch_loss=shape.variant.loss_settings(objective),
+                   kl_weight=objective.kl_weight, kl_temperature=objective.kl_temperature, keys=keys,
                    anchor_prompt_end=objective.anchor_last_prompt_token)
-
-    def step_term(self, step: int, total_steps: int) -> Any:
-        """The architecture's loss settings at optimizer step `step` (0-based) of `total_steps`, for
-        `drafter_loss` (DrafterVariant.step_term)."""
-        return self.shape.variant.step_term(self.arch_loss, step, total_steps)
 
 
 def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, *, settings: StepSettings,
-                 term: Any = None, loss_class: type = ChunkedLoss) -> LossOutput:
+                 step: int | None = None, total_steps: int = 0, loss_class: type = ChunkedLoss) -> LossOutput:
     """(ce_weight * sum(w * CE) [+ kl_weight * T^2 * sum(w * KL)] + the architecture's terms) / normaliser for
-    one micro-batch (the caller supplies the whole step's weight). `term`: StepSettings.step_term of this
-    step (None = the architecture's full weights, no warm-up). The output's `sums` holds every term's
-    detached sum by name: "ce", "kl" (with the KL term) and the architecture's `log_names`. `loss_class`:
-    what runs the terms (ChunkedLoss, or a class with its interface: the bench's autograd variant)."""
-    variant = model.config.variant
-    if term is None:
-        term = variant.step_term(settings.arch_loss)
+    one micro-batch (the caller supplies the whole step's weight), at optimizer step `step` (0-based) of
+    `total_steps` (None = the architecture's full weights, after any warm-up). The output's `sums` holds
+    every term's detached sum by name: "ce", "kl" (with the KL term) and the architecture's named logs.
+    `loss_class`: what runs the terms (ChunkedLoss, or a class with its interface: the bench's autograd
+    variant)."""
     ctx = model.drafter.fuse(mb.taps)
     block_embeds = model.embed_tokens(blocks.block_ids, ctx)
     hidden = model.drafter(block_embeds, ctx, blocks.block_positions, blocks.ctx_positions, mask=blocks.mask)
-    terms = [CrossEntropy(variant.ce_weight(term))]
+    own = model.config.variant.objective.terms(model, mb, blocks, hidden, ctx=ctx, keys=settings.keys, step=step,
+                                               total_steps=total_steps)
+    terms = [CrossEntropy(own.ce_weight)]
     if settings.kl_weight > 0:
         terms.append(Distillation(settings.kl_weight, settings.kl_temperature))
-    terms += variant.loss_terms(model, blocks, term, hidden, ctx=ctx, mb=mb)
+    terms += own.terms
     loss = loss_class(terms, model.lm_head, chunks=settings.loss_chunks, transform=settings.shape.logit_transform,
                        head=model.loss_head, first_slot=settings.shape.first_draft_slot)
     target = None
@@ -93,11 +94,11 @@ def drafter_loss(model: DraftModel, mb: MicroBatch, blocks: Blocks, normaliser, 
         # The states by position (a table and each slot's row of it): the loss multiplies each
         # chunk's distinct positions once, where overlapping blocks would repeat them.
         r, s_len, d = mb.final_hidden.shape
-        target = TargetRows(mb.final_hidden.reshape(r * s_len, d).to(hidden.dtype),
-                            slot_target_index(blocks.anchors, settings.block_size, s_len, variant.label_offset))
+        index = slot_target_index(blocks.anchors, settings.block_size, s_len, model.config.spec.label_offset)
+        target = TargetRows(mb.final_hidden.reshape(r * s_len, d).to(hidden.dtype), index)
     r, b = blocks.labels.shape[0], settings.block_size
     return loss.blocks(hidden, blocks.labels.view(r, -1, b), blocks.weights.view(r, -1, b), normaliser,
-                       bias=variant.logit_bias(model, blocks, hidden), target=target)
+                       bias=own.bias, target=target)
 
 
 def acceptance_proxy(correct: torch.Tensor, weights: torch.Tensor, reduce: bool = True, first: int = 1):

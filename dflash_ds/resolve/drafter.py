@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash_ds.architectures import DEFAULT, VARIANTS, variant
+from dflash_ds.architectures import DEFAULT, names, spec_of
 from dflash_ds.network.logit_transform import target_scales
 from dflash_ds.network.shape import DrafterShape, FieldError
 from dflash_ds.network.taps import build_target_layer_ids
@@ -52,7 +52,7 @@ RECIPE_KEYS = {
 
 
 def _owners(field: str) -> list[str]:
-    return [v.name for v in VARIANTS.values() if field in {f.name for f in dataclasses.fields(v.fields)}]
+    return [name for name in names() if field in {f.name for f in dataclasses.fields(spec_of(name).fields)}]
 
 
 def is_architecture_field(field: str) -> bool:
@@ -71,14 +71,14 @@ def setting_of(field: str, architecture: str | None = None) -> str:
 
 def recipe_keys(shape: DrafterShape) -> dict[str, str]:
     """RECIPE_KEYS with the shape's architecture's own fields at their section (drafter.<name>.<field>)."""
-    own = {f.name: setting_of(f.name, shape.architecture) for f in dataclasses.fields(shape.variant.fields)}
+    own = {f.name: setting_of(f.name, shape.architecture) for f in dataclasses.fields(shape.spec.fields)}
     return {**RECIPE_KEYS, **own}
 
 
 def check_servable(shape: DrafterShape) -> None:
     """ValueError naming the setting when an engine would refuse the shape's export."""
     try:
-        shape.variant.check(shape, serving=True)
+        shape.arch_fields.check_shape(shape, serving=True)
     except FieldError as exc:
         raise ValueError(f"{setting_of(exc.field, shape.architecture)} {exc.problem}") from None
 
@@ -106,7 +106,7 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
     name (num_layers, block_size, mask_token_id, target_layer_ids, intermediate_size,
     num_attention_heads, num_key_value_heads, head_dim; None = the target's; layer_types,
     sliding_window, is_causal; None = every layer full, no window, the engines' default;
-    architecture and the architecture's own fields (its `fields_from_recipe`); a section without
+    architecture and the architecture's own fields (its fields' `from_recipe`); a section without
     `architecture` means plain DFlash). A value that breaks a rule raises ValueError naming its key.
 
     A multimodal Qwen3.5 config is reduced to its `text_config`. Head geometry defaults to the
@@ -128,7 +128,7 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
         defaults.update(_QWEN35_DRAFTER_HEADS.get(hidden, {}))
     num_target_layers = int(text.num_hidden_layers)
     try:
-        arch = variant(getattr(choices, "architecture", DEFAULT.name))
+        arch = spec_of(getattr(choices, "architecture", DEFAULT.spec.name))
     except ValueError as exc:
         raise ValueError(f"drafter.architecture: {exc}") from None
     if target_layer_ids is None:
@@ -168,7 +168,7 @@ def drafter_shape(target_config: Any, choices: Any) -> DrafterShape:
             sliding_window=choices.sliding_window,
             is_causal=choices.is_causal,
             architecture=arch.name,
-            arch_fields=arch.fields_from_recipe(choices),
+            arch_fields=arch.fields.from_recipe(choices, arch.name),
             **target_scales(text),
         )
     except FieldError as exc:

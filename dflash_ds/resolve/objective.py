@@ -6,19 +6,22 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_ds.config import RecipeError
+from dflash_ds.network.arch_types import CE_ALWAYS_ON
 from dflash_ds.objective.drafter_loss import StepSettings
 
-def _key(variant, name: str) -> str:
-    keyed = {f.name for f in dataclasses.fields(variant.objective_keys)} if variant.objective_keys else set()
-    return f"objective.{variant.name}.{name}" if name in keyed else name
+
+def _key(spec, name: str) -> str:
+    """The recipe key of a term's weight: its field of `objective.<name>:`, or the words of a term no field weighs."""
+    keyed = {f.name for f in dataclasses.fields(spec.objective_keys)} if spec.objective_keys else set()
+    return f"objective.{spec.name}.{name}" if name in keyed else name
 
 
 def objective_weights(settings: StepSettings) -> dict[str, float]:
     """Every term of the resolved objective that reaches a trainable parameter, by the recipe key that
     weights it: the architecture's terms (after any warm-up) and the KL term."""
-    variant = settings.shape.variant
-    own = variant.term_weights(settings.shape, variant.step_term(settings.arch_loss))
-    weights = {_key(variant, name): float(w) for name, w in own.items()}
+    spec, keys = settings.shape.spec, settings.keys
+    own = keys.weights(settings.shape) if keys is not None else {CE_ALWAYS_ON: 1.0}
+    weights = {_key(spec, name): float(w) for name, w in own.items()}
     weights["objective.kl_weight"] = float(settings.kl_weight)
     return weights
 
@@ -27,17 +30,18 @@ def check_objective(settings: StepSettings) -> None:
     """Refuse, naming the weights, an objective whose every term that trains the drafts has weight 0, or
     whose every term that trains one of the architecture's other parts (DSpark's confidence head) has:
     that part would be exported as it was initialised."""
-    variant = settings.shape.variant
+    spec, keys = settings.shape.spec, settings.keys
     weights = objective_weights(settings)
-    parts = [(part, [_key(variant, n) for n in names]) for part, names in variant.trained_parts(settings.shape)]
-    elsewhere = {k for _, keys in parts for k in keys}
-    for i, (part, keys) in enumerate([("the drafter", [k for k in weights if k not in elsewhere]), *parts]):
-        if any(weights[k] != 0 for k in keys):
+    trained = keys.trained_parts(settings.shape) if keys is not None else ()
+    parts = [(part, [_key(spec, n) for n in names]) for part, names in trained]
+    elsewhere = {k for _, names in parts for k in names}
+    for i, (part, names) in enumerate([("the drafter", [k for k in weights if k not in elsewhere]), *parts]):
+        if any(weights[k] != 0 for k in names):
             continue
-        listed = keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + f" and {keys[-1]}"
-        verb = "is" if len(keys) == 1 else "are all"
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+        verb = "is" if len(names) == 1 else "are all"
         trains = (f"nothing trains {part}: it would be exported untrained" if i else
                   "no term of the loss trains the drafter's drafts (it would draft as initialised)" if parts else
                   "no term of the loss trains the drafter (its gradient would be 0 at every step)")
-        raise RecipeError(f"{listed} {verb} 0: {trains}; set {'it' if len(keys) == 1 else 'at least one of them'} "
+        raise RecipeError(f"{listed} {verb} 0: {trains}; set {'it' if len(names) == 1 else 'at least one of them'} "
                           "above 0")

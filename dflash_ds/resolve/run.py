@@ -169,7 +169,7 @@ def payload_layout(recipe: Recipe, shape: DrafterShape, dtype: torch.dtype) -> P
 
 def wants_target_logits(recipe: Recipe, shape: DrafterShape) -> bool:
     """Targets send their final-norm states too: the KL term or the architecture's loss needs them."""
-    return recipe.objective.kl_weight > 0 or shape.variant.needs_target_logits
+    return recipe.objective.kl_weight > 0 or shape.spec.needs_target_logits
 
 
 def check_init_from(path: str, shape: DrafterShape) -> None:
@@ -185,7 +185,7 @@ def check_init_from(path: str, shape: DrafterShape) -> None:
         raise RecipeError(f"drafter.init_from: {exc}") from None
     keys = recipe_keys(shape)
     if exported.architecture != shape.architecture:  # its backbone only, the heads fresh (load_backbone)
-        why = shape.variant.backbone_from(shape, exported)
+        why = shape.backbone_from(exported)
         if why is not None:
             raise RecipeError(f"drafter.init_from {path!r} {why} (drafter.architecture, drafter.{shape.architecture}:); "
                               "point it at an export of that kind or drop drafter.init_from")

@@ -48,7 +48,7 @@ class StepStats:
     accept: torch.Tensor
     anchors: torch.Tensor
     kl_sum: torch.Tensor | float = 0.0  # sum(w * KL) of the step (0 with the KL term off)
-    extra: tuple = ()  # the architecture's sums of the step (in its variant's log_names order)
+    extra: dict = field(default_factory=dict)  # the architecture's named logs: its sums of the step
 
 
 class LocalSource:
@@ -176,17 +176,17 @@ class DrafterTrainer:
         with waiting_on("the loss-weight all-reduce", lay.drafter_ranks):
             dist.all_reduce(weight, group=self.group)
         scale = plan.grad_accum * lay.num_drafters
-        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, (0.0,) * len(s.shape.variant.log_names(s.shape))
-        term = s.step_term(step, plan.total_steps)
+        ce_sum, accept, anchors, kl_sum, extra = 0.0, 0.0, 0.0, 0.0, {}
         for mb, bl in zip(mbs, blocks):
-            out = drafter_loss(self.model, mb, bl, weight / scale, settings=s, term=term, loss_class=self.loss_class)
+            out = drafter_loss(self.model, mb, bl, weight / scale, settings=s, step=step, total_steps=plan.total_steps,
+                               loss_class=self.loss_class)
             self.engine.backward(out.loss)
             self.engine.step()
             w = bl.weights.view(bl.weights.shape[0], -1, s.block_size)
             run_sum, counted = acceptance_proxy(out.correct.view_as(w), w, reduce=False, first=s.shape.first_draft_slot)
             accept, anchors, ce_sum = accept + run_sum, anchors + counted, ce_sum + out.sums["ce"]
             kl_sum = kl_sum + out.sums.get("kl", 0.0)
-            extra = tuple(a + out.sums[n] for a, n in zip(extra, s.shape.variant.log_names(s.shape)))
+            extra = {n: extra.get(n, 0.0) + v for n, v in out.sums.items() if n not in ("ce", "kl")}
         # The profile window closes before the releases post the next receives: a transfer started
         # inside the window and finished after it would close its profiler record on a profiler that
         # is gone (a crash in the wait).
@@ -258,7 +258,7 @@ class DrafterTrainer:
     def log_step(self, step: int, stats: StepStats, seconds: float, steps: int, *, t0: float, start: int) -> None:
         # The only host synchronisation of the loop: at log steps.
         vec = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.spec.device).reshape(())
-                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.extra)])
+                           for x in (stats.ce_sum, stats.accept, stats.anchors, stats.kl_sum, *stats.extra.values())])
         with waiting_on("the metrics all-reduce", self.spec.layout.drafter_ranks):
             dist.all_reduce(vec, group=self.group)
         self.watch.check(step, float(vec[0]) / float(stats.weight))  # on every drafter rank alike, before an export
@@ -277,8 +277,8 @@ class DrafterTrainer:
                "eta_s": elapsed / max(step - start, 1) * (plan.total_steps - step)}
         if self.settings.kl_weight > 0:
             rec["kl"] = kl / float(stats.weight)  # sum(w * KL) / sum(w); "loss" stays the CE part
-        shape = self.settings.shape
-        rec.update(shape.variant.log_record(dict(zip(shape.variant.log_names(shape), extra)), float(stats.weight)))
+        logs = self.settings.shape.spec.logs
+        rec.update(logs.record(dict(zip(stats.extra, extra)), float(stats.weight)))
         norm = self.engine.get_global_grad_norm()  # the last step's, before clipping (one value for all ranks)
         if norm is not None:
             rec["grad_norm"] = float(norm)
@@ -286,7 +286,7 @@ class DrafterTrainer:
         rec.update(self.window.targets.update(read_status(self.spec.recipe.run.output_dir)))
         self.metrics.log(rec)
         if self.spec.recipe.log.progress:
-            print_progress(rec, plan.total_steps, self.settings.shape.variant.logs.progress)
+            print_progress(rec, plan.total_steps, logs.progress)
 
     def log_tau(self, step: int, eval_set: list[torch.Tensor], label: str) -> TauReport:
         report = tau_of_payloads(self.model, eval_set, self.spec.payload, self.spec.dtype)
@@ -367,7 +367,7 @@ def build_drafter(spec: RunSpec):
 
     r = spec.recipe
     if r.drafter.init_from:
-        if read_export_config(r.drafter.init_from)["architectures"] == [spec.drafter.variant.class_name]:
+        if read_export_config(r.drafter.init_from)["architectures"] == [spec.drafter.spec.class_name]:
             return load_drafter(r.drafter.init_from, dtype=torch.float32, device=spec.device, shape=spec.drafter)
         torch.manual_seed(r.run.seed)  # another architecture's backbone (run.check_init_from), the heads fresh
         return load_backbone(r.drafter.init_from, spec.drafter, dtype=torch.float32, device=spec.device)

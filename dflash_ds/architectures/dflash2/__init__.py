@@ -10,28 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_ds.architectures.base import Card, LogView, Proposal, Wrappers
-from dflash_ds.architectures.dflash import DFlash
+from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, SPEC as DFLASH_SPEC, DFlashModules, \
+    DFlashObjective, DFlashWalk
 from dflash_ds.architectures.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
                                                     greedy_path, selector_alpha, selector_loss)
-from dflash_ds.config import ObjectiveConfig
-from dflash_ds.config.architectures import section_of
+from dflash_ds.network.arch_types import CE_ALWAYS_ON, Card, Fields, Keys, LogView, Proposal, RemoteCode, Wrappers
+from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.registry import register
 from dflash_ds.network.shape import FieldError, Tensor
-from dflash_ds.objective.blocks import MicroBatch, slot_rows
+from dflash_ds.objective.blocks import slot_rows
 from dflash_ds.objective.loss_terms import OutputTerm
 
-if TYPE_CHECKING:  # both read the architectures (architectures/__init__.py)
+if TYPE_CHECKING:  # for the annotations only
     from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.network.shape import DrafterShape
+    from dflash_ds.objective.blocks import Blocks, MicroBatch
+
+
+MODELING = Path(__file__).parent / "modeling_dflash2.py"
+"""The export's remote code: DFlash2DraftModel on modeling_dflash.py's backbone, copied beside it."""
 
 
 @dataclass(frozen=True)
-class DFlash2Fields:
+class DFlash2Fields(Fields):
     """The recipe's `drafter.dflash2:` section and DFlash2's shape, in dflash_config order; the defaults
     are the published shape (z-lab's)."""
 
@@ -46,9 +52,35 @@ class DFlash2Fields:
     selector_top_k: int = 16
     """Unary candidates the selector rescores per slot."""
 
+    def check_shape(self, shape: DrafterShape, serving: bool = False) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if value < 1:
+                raise FieldError(name, f"= {value} must be >= 1 (DFlash2 publishes 2, 16, 256, 16)")
+        if self.conv_kernel_size > shape.block_size:
+            raise FieldError("conv_kernel_size", f"= {self.conv_kernel_size} must not exceed the block size "
+                             f"{shape.block_size}: the convolution runs inside one block")
+        if shape.hidden_size % self.conv_group_size:
+            raise FieldError("conv_group_size", f"= {self.conv_group_size} must divide the hidden size "
+                             f"{shape.hidden_size}")
+        if self.selector_top_k > shape.vocab_size:
+            raise FieldError("selector_top_k", f"= {self.selector_top_k} exceeds the vocabulary ({shape.vocab_size})")
+        if not serving:
+            return
+        # llama.cpp returns each position's top-k candidates and their k x k transition scores in one
+        # hidden-width row, and refuses a drafter whose row is too narrow for them.
+        k, width = self.selector_top_k, shape.hidden_size
+        if k * (k + 1) > width:
+            largest = max(j for j in range(1, k) if j * (j + 1) <= width) if width >= 2 else 0
+            raise FieldError("selector_top_k", f"= {k} needs a hidden size of at least k(k+1) = {k * (k + 1)} for "
+                             f"llama.cpp to serve the export; the target's is {width}: set it to {largest} or less")
+
+    def config_entries(self, shape: DrafterShape) -> dict:
+        # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
+        return {"block_size": shape.block_size, **dataclasses.asdict(self)}
+
 
 @dataclass(frozen=True)
-class DFlash2Objective:
+class DFlash2Keys(Keys):
     """The recipe's `objective.dflash2:` section: the selector loss."""
 
     selector_alpha: float = 1.0
@@ -76,16 +108,15 @@ class DFlash2Objective:
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"{key} must be in [0, 1], got {getattr(self, key)}")
 
+    def weights(self, shape: DrafterShape) -> dict[str, float]:
+        return {CE_ALWAYS_ON: 1.0, "selector_alpha": float(self.selector_alpha)}
 
-@dataclass(frozen=True)
-class SelectorSchedule:
-    """The selector loss's settings (the recipe's objective.dflash2.selector_*)."""
-
-    alpha: float = 1.0
-    inject_gold: bool = False
-    detach: bool = False
-    warmup_ratio: float = 0.0
-    ramp_ratio: float = 0.0
+    def at(self, step: int | None, total_steps: int) -> SelectorTerm:
+        """The selector term at optimizer step `step` of `total_steps` (warm-up, then ramp); step None:
+        the full weight."""
+        alpha = self.selector_alpha if step is None else selector_alpha(
+            step, total_steps, self.selector_alpha, self.selector_warmup_ratio, ramp_ratio=self.selector_ramp_ratio)
+        return SelectorTerm(alpha, self.selector_inject_gold, self.selector_detach)
 
 
 class SelectorLoss(OutputTerm):
@@ -111,47 +142,7 @@ class SelectorLoss(OutputTerm):
             "selector_correct": stats.correct}
 
 
-@register
-class DFlash2(DFlash):
-    name = "dflash2"
-    class_name = "DFlash2DraftModel"
-    title = "DFlash2"
-    remote_code = DFlash.remote_code._replace(auto_map={"AutoConfig": "modeling_dflash.DFlash2Config",
-                                                        "AutoModel": "modeling_dflash.DFlash2DraftModel"})
-    fields = DFlash2Fields
-    objective_keys = DFlash2Objective
-    # z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read these (v1 reads [1, 16, 31, 46, 61]).
-    tap_presets = {(64, 5): (5, 19, 33, 47, 61)}
-    logs = LogView(progress=("selector {selector_loss:.4f} (top-k recall {selector_recall:.2f})",))
-
-    def check(self, shape: DrafterShape, serving: bool = False) -> None:
-        f = shape.arch_fields
-        for name, value in dataclasses.asdict(f).items():
-            if value < 1:
-                raise FieldError(name, f"= {value} must be >= 1 (DFlash2 publishes 2, 16, 256, 16)")
-        if f.conv_kernel_size > shape.block_size:
-            raise FieldError("conv_kernel_size", f"= {f.conv_kernel_size} must not exceed the block size "
-                             f"{shape.block_size}: the convolution runs inside one block")
-        if shape.hidden_size % f.conv_group_size:
-            raise FieldError("conv_group_size", f"= {f.conv_group_size} must divide the hidden size {shape.hidden_size}")
-        if f.selector_top_k > shape.vocab_size:
-            raise FieldError("selector_top_k", f"= {f.selector_top_k} exceeds the vocabulary ({shape.vocab_size})")
-        if not serving:
-            return
-        # llama.cpp returns each position's top-k candidates and their k x k transition scores in one
-        # hidden-width row, and refuses a drafter whose row is too narrow for them.
-        k, width = shape.arch_fields.selector_top_k, shape.hidden_size
-        if k * (k + 1) > width:
-            largest = max(j for j in range(1, k) if j * (j + 1) <= width) if width >= 2 else 0
-            raise FieldError("selector_top_k", f"= {k} needs a hidden size of at least k(k+1) = {k * (k + 1)} for "
-                             f"llama.cpp to serve the export; the target's is {width}: set it to {largest} or less")
-
-    def config_entries(self, shape: DrafterShape) -> dict:
-        # DFlash2 readers take the block size from dflash_config; v1 readers from the top level.
-        return {"block_size": shape.block_size, **super().config_entries(shape)}
-
-    # ---------------------------------------------------------------------------------- modules
-
+class DFlash2Modules(DFlashModules):
     def wrappers(self, shape: DrafterShape) -> Wrappers:
         f = shape.arch_fields
         conv = (shape.hidden_size, f.conv_kernel_size, f.conv_group_size, shape.block_size)
@@ -180,9 +171,18 @@ class DFlash2(DFlash):
         # elementwise convolutions and the rank-r pair scores are not matmuls.
         return 4 * shape.arch_fields.selector_top_k * shape.hidden_size * draft_tokens
 
-    # --------------------------------------------------------------------------------- the walk
 
-    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+class DFlash2Objective(DFlashObjective):
+    """The cross-entropy and the selector's k-way cross-entropy over the loss's unary top-k."""
+
+    def terms(self, model: DraftModel, mb: MicroBatch, blocks: Blocks, hidden: torch.Tensor, *, ctx: torch.Tensor,
+              keys: DFlash2Keys | None, step: int | None = None, total_steps: int = 0) -> StepTerms:
+        return StepTerms(terms=(SelectorLoss(model, blocks, hidden, (keys or DFlash2Keys()).at(step, total_steps)),))
+
+
+class DFlash2Walk(DFlashWalk):
+    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
+                context: torch.Tensor | None = None) -> Proposal:
         if p_min > 0:
             raise ValueError("llama.cpp's --spec-draft-p-min cut of a DFlash2 draft is not modelled; predict its "
                              "rounds with p_min 0")
@@ -190,51 +190,38 @@ class DFlash2(DFlash):
                              transform=model.config.logit_transform)
         return Proposal(tokens, torch.full(tokens.shape[:1], tokens.shape[1], dtype=torch.long))
 
-    # --------------------------------------------------------------------------------- the loss
 
-    def loss_settings(self, objective: ObjectiveConfig) -> SelectorSchedule:
-        o = section_of(objective, self.name, DFlash2Objective)
-        return SelectorSchedule(o.selector_alpha, o.selector_inject_gold, o.selector_detach, o.selector_warmup_ratio,
-                                o.selector_ramp_ratio)
+def log_record(sums: dict[str, float], weight: float) -> dict[str, float]:
+    # Weighted over the slots like "loss": sum(w * selector CE) / sum(w), the share of the weight
+    # whose gold is among the unary top-k, and how often the selector ranks it first there.
+    ce, covered, correct = sums["selector_loss_sum"], sums["selector_covered"], sums["selector_correct"]
+    return {"selector_loss": ce / weight, "selector_recall": covered / weight,
+            "selector_accuracy": correct / max(covered, 1e-9)}
 
-    def step_term(self, settings: SelectorSchedule | None, step: int | None = None,
-                  total_steps: int = 0) -> SelectorTerm:
-        """The selector term at optimizer step `step` of `total_steps` (warm-up, then ramp); step None:
-        the full weight."""
-        s = settings or SelectorSchedule()
-        alpha = s.alpha if step is None else selector_alpha(step, total_steps, s.alpha, s.warmup_ratio,
-                                                            ramp_ratio=s.ramp_ratio)
-        return SelectorTerm(alpha, s.inject_gold, s.detach)
 
-    def term_weights(self, shape: DrafterShape, term: SelectorTerm) -> dict[str, float]:
-        return {**super().term_weights(shape, term), "selector_alpha": float(term.alpha)}
+def card(shape: DrafterShape) -> Card:
+    f = shape.arch_fields
+    rows = (f"| block convolution | {f.conv_kernel_size} taps, groups of {f.conv_group_size} channels |",
+            f"| candidate selector | top {f.selector_top_k} unary candidates, pair scores at rank "
+            f"{f.selector_rank} |")
+    base = DFLASH_SPEC.card(shape)
+    return base._replace(rows=rows, serving=base.serving._replace(vllm_v2_only="the DFlash2 candidate head"), note=(
+        "Both engines serve it with their DFlash method and select DFlash2 (the convolutions and the",
+        "candidate selector) from `architectures: [\"DFlash2DraftModel\"]` and the four DFlash2 fields of",
+        "`dflash_config`: SGLang from PR #35371 on, vLLM from PR #52816 on. Older releases would",
+        "silently run the backbone alone.",
+        "",
+    ))
 
-    def loss_terms(self, model: DraftModel, blocks, term: SelectorTerm, hidden: torch.Tensor, *, ctx: torch.Tensor,
-                   mb: MicroBatch) -> tuple:
-        return (SelectorLoss(model, blocks, hidden, term),)
 
-    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
-        return ("selector_loss_sum", "selector_covered", "selector_correct")
-
-    def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float]:
-        # Weighted over the slots like "loss": sum(w * selector CE) / sum(w), the share of the weight
-        # whose gold is among the unary top-k, and how often the selector ranks it first there.
-        ce, covered, correct = sums["selector_loss_sum"], sums["selector_covered"], sums["selector_correct"]
-        return {"selector_loss": ce / weight, "selector_recall": covered / weight,
-                "selector_accuracy": correct / max(covered, 1e-9)}
-
-    # --------------------------------------------------------------------------------- the card
-
-    def card(self, shape: DrafterShape) -> Card:
-        f = shape.arch_fields
-        rows = (f"| block convolution | {f.conv_kernel_size} taps, groups of {f.conv_group_size} channels |",
-                f"| candidate selector | top {f.selector_top_k} unary candidates, pair scores at rank "
-                f"{f.selector_rank} |")
-        card = super().card(shape)
-        return card._replace(rows=rows, serving=card.serving._replace(vllm_v2_only="the DFlash2 candidate head"), note=(
-            "Both engines serve it with their DFlash method and select DFlash2 (the convolutions and the",
-            "candidate selector) from `architectures: [\"DFlash2DraftModel\"]` and the four DFlash2 fields of",
-            "`dflash_config`: SGLang from PR #35371 on, vLLM from PR #52816 on. Older releases would",
-            "silently run the backbone alone.",
-            "",
-        ))
+SPEC = Spec(
+    name="dflash2", class_name="DFlash2DraftModel", title="DFlash2", card=card, fields=DFlash2Fields,
+    objective_keys=DFlash2Keys,
+    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_dflash2.DFlash2Config",
+                                                      "AutoModel": "modeling_dflash2.DFlash2DraftModel"},
+                           beside=(DFLASH_MODELING,)),
+    logs=LogView(log_record, progress=("selector {selector_loss:.4f} (top-k recall {selector_recall:.2f})",)),
+    # z-lab's DFlash2 drafters of the 64-layer Qwen 27B geometry read these (v1 reads [1, 16, 31, 46, 61]).
+    tap_presets={(64, 5): (5, 19, 33, 47, 61)},
+    small={"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4})
+DFLASH2 = register(Architecture(SPEC, DFlash2Modules(), DFlash2Objective(), DFlash2Walk()))

@@ -12,30 +12,33 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from dflash_ds.architectures.base import Card, LogView, Proposal, ReportFigure, Serving
-from dflash_ds.architectures.dflash import DFlash
-from dflash_ds.architectures.dspark.parts import (ConfidenceHead, DSparkTerms, MarkovHead, anchor_first_targets,
-                                                   calibration, confidence_logits, confident_prefix, expected_tau,
-                                                   greedy_walk, l1_to_target, shift_in)
+from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlashModules, DFlashObjective, DFlashWalk
+from dflash_ds.architectures.dspark.parts import (ConfidenceHead, MarkovHead, calibration, confidence_logits,
+                                                   confident_prefix, expected_tau, greedy_walk, l1_to_target,
+                                                   shift_in)
 from dflash_ds.architectures.dspark.report import draw_reliability, reliability
 from dflash_ds.architectures.dspark.vocab_pass import l1_pass
-from dflash_ds.config import ObjectiveConfig
-from dflash_ds.config.architectures import section_of
+from dflash_ds.network.arch_types import Card, Fields, Keys, LogView, Proposal, RemoteCode, ReportFigure, Serving
+from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.gather import take_rows
 from dflash_ds.network.registry import register
 from dflash_ds.network.shape import FieldError, Tensor
-from dflash_ds.objective.blocks import Blocks, MicroBatch, default_gamma, slot_rows
+from dflash_ds.objective.blocks import Blocks, MicroBatch, slot_rows
 from dflash_ds.objective.loss_terms import LogitBias, OutputTerm, RowTerm
 
-if TYPE_CHECKING:  # both read the architectures (architectures/__init__.py)
+if TYPE_CHECKING:  # for the annotations only
     from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.network.shape import DrafterShape
 
+
+MODELING = Path(__file__).parent / "modeling_dspark.py"
+"""The export's remote code: Qwen3DSparkModel on modeling_dflash.py's backbone, copied beside it."""
 
 HEAD_TYPES = ("vanilla",)  # the only Markov head llama.cpp's converter and vLLM's reader load
 # Reliability bins of the confidence head, pooled over the block's slots: 60 sums a step, where
@@ -44,7 +47,7 @@ BINS = 20
 
 
 @dataclass(frozen=True)
-class DSparkFields:
+class DSparkFields(Fields):
     """The recipe's `drafter.dspark:` section and DSpark's shape, in dflash_config order; the defaults are
     DeepSpec's published shape."""
 
@@ -61,9 +64,29 @@ class DSparkFields:
     """The confidence head also reads the Markov embedding of the slot's predecessor (DeepSpec: true;
     llama.cpp loads only this form)."""
 
+    def check_shape(self, shape: DrafterShape, serving: bool = False) -> None:
+        if self.markov_rank < 1:
+            raise FieldError("markov_rank", f"= {self.markov_rank} must be >= 1 (DeepSpec publishes 256)")
+        if self.markov_head_type not in HEAD_TYPES:
+            raise FieldError("markov_head_type", f"= {self.markov_head_type!r} is not served: llama.cpp and vLLM "
+                             "load the vanilla Markov head only; set vanilla")
+        if shape.output_multiplier != 1.0 or shape.final_logit_softcapping is not None:
+            raise FieldError("output_multiplier", "scales or caps the target's logits, and the engines disagree on "
+                             "whether DSpark's Markov bias is added before or after that: DSpark is trained for "
+                             "targets without a logit transform only (Qwen3, Llama)")
+
+    def config_entries(self, shape: DrafterShape) -> dict:
+        return {"block_size": shape.block_size, **dataclasses.asdict(self), "sample_from_anchor": True}
+
+    def top_level_entries(self, shape: DrafterShape) -> dict:
+        # DeepSpec's config class, vLLM's and SGLang's readers and llama.cpp's converter read these
+        # at the top level; the converter builds its dflash_config from the top-level ids.
+        return {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(shape.target_layer_ids),
+                **dataclasses.asdict(self), "sample_from_anchor": True}
+
 
 @dataclass(frozen=True)
-class DSparkObjective:
+class DSparkKeys(Keys):
     """The recipe's `objective.dspark:` section: the weights of DSpark's three terms."""
 
     ce_weight: float = 0.1
@@ -80,6 +103,16 @@ class DSparkObjective:
         for key, value in dataclasses.asdict(self).items():
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")
+
+    def weights(self, shape: DrafterShape) -> dict[str, float]:
+        out = {"ce_weight": float(self.ce_weight), "l1_weight": float(self.l1_weight)}
+        if shape.arch_fields.enable_confidence_head:  # without the head its weight trains nothing
+            out["confidence_weight"] = float(self.confidence_weight)
+        return out
+
+    def trained_parts(self, shape: DrafterShape) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        # Only its BCE trains the confidence head: at weight 0 the engines would read an untrained head.
+        return (("the confidence head", ("confidence_weight",)),) if shape.arch_fields.enable_confidence_head else ()
 
 
 def _sum_names(block_size: int, confidence: bool) -> tuple[str, ...]:
@@ -122,7 +155,7 @@ class ConfidenceTerm(OutputTerm):
         tau_sum, tau_blocks = expected_tau(accept, w)
         on = (w > 0).to(accept.dtype)
         per_slot = torch.stack([(accept * on).sum(0), on.sum(0)], dim=1).flatten()
-        if head is None:  # in `log_names` order
+        if head is None:  # in `_sum_names` order
             sums = (tau_sum, tau_blocks.to(accept.dtype), *per_slot.unbind())
         else:
             sums = (conf_sum, tau_sum, tau_blocks.to(accept.dtype), *(c.to(accept.dtype) for c in cal),
@@ -131,47 +164,7 @@ class ConfidenceTerm(OutputTerm):
         return loss, {n: v.detach() for n, v in zip(names, sums, strict=True)}
 
 
-@register
-class DSpark(DFlash):
-    name = "dspark"
-    class_name = "Qwen3DSparkModel"
-    title = "DSpark"
-    remote_code = DFlash.remote_code._replace(auto_map={"AutoConfig": "modeling_dflash.DSparkConfig",
-                                                        "AutoModel": "modeling_dflash.Qwen3DSparkModel"})
-    fields = DSparkFields
-    objective_keys = DSparkObjective
-    needs_target_logits = True
-    label_offset = 1
-    logs = LogView(
-        progress=("l1 {l1:.4f}", "tau_p {tau_probabilistic:.2f}", "confidence MAE {confidence_mae:.3f}"),
-        series=(("loss", "l1", "L1 term"), ("loss", "confidence_loss", "confidence BCE"),
-                ("accept_proxy", "tau_probabilistic", "probabilistic tau")),
-        summary=(("final probabilistic tau", "{tau_probabilistic:.2f}"),
-                 ("final confidence calibration", "MAE {confidence_mae:.3f}, bias {confidence_bias:+.3f}")))
-
-    def check(self, shape: DrafterShape, serving: bool = False) -> None:
-        f = shape.arch_fields
-        if f.markov_rank < 1:
-            raise FieldError("markov_rank", f"= {f.markov_rank} must be >= 1 (DeepSpec publishes 256)")
-        if f.markov_head_type not in HEAD_TYPES:
-            raise FieldError("markov_head_type", f"= {f.markov_head_type!r} is not served: llama.cpp and vLLM load "
-                             "the vanilla Markov head only; set vanilla")
-        if shape.output_multiplier != 1.0 or shape.final_logit_softcapping is not None:
-            raise FieldError("output_multiplier", "scales or caps the target's logits, and the engines disagree on "
-                             "whether DSpark's Markov bias is added before or after that: DSpark is trained for "
-                             "targets without a logit transform only (Qwen3, Llama)")
-
-    def config_entries(self, shape: DrafterShape) -> dict:
-        return {"block_size": shape.block_size, **super().config_entries(shape), "sample_from_anchor": True}
-
-    def top_level_entries(self, shape: DrafterShape) -> dict:
-        # DeepSpec's config class, vLLM's and SGLang's readers and llama.cpp's converter read these
-        # at the top level; the converter builds its dflash_config from the top-level ids.
-        return {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(shape.target_layer_ids),
-                **dataclasses.asdict(shape.arch_fields), "sample_from_anchor": True}
-
-    # ---------------------------------------------------------------------------------- modules
-
+class DSparkModules(DFlashModules):
     def heads(self, shape: DrafterShape) -> dict:
         f = shape.arch_fields
         out = {"markov_head": MarkovHead(shape.vocab_size, f.markov_rank)}
@@ -193,9 +186,27 @@ class DSpark(DFlash):
         # The target's logits of every slot through the frozen lm_head (forward only), for the L1 term.
         return 2 * shape.vocab_size * shape.hidden_size * draft_tokens
 
-    # --------------------------------------------------------------------------------- the walk
 
-    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0) -> Proposal:
+class DSparkObjective(DFlashObjective):
+    """ce * CE + l1 * ||q - p||_1 + confidence * BCE(c, 1 - TV) on the anchor-first blocks (Spec.label_offset)."""
+
+    def terms(self, model: DraftModel, mb: MicroBatch, blocks: Blocks, hidden: torch.Tensor, *, ctx: torch.Tensor,
+              keys: DSparkKeys | None, step: int | None = None, total_steps: int = 0) -> StepTerms:
+        k = keys or DSparkKeys()
+        # The L1 term runs inside the fused loss's pass over the vocabulary (one Triton kernel on CUDA) on
+        # the Markov-biased logits and the target's; the confidence head's term after it, on its per-row values.
+        l1 = RowTerm("l1_sum", k.l1_weight, l1_to_target, l1_pass)
+        confidence = ConfidenceTerm(model, blocks, hidden, k.confidence_weight)
+        # The Markov bias of every slot (teacher-forced predecessor), gathered once for the micro-batch (its
+        # gradient one segmented sum); the loss folds embedding @ markov_w2.T into the lm_head matmul.
+        head = model.drafter.markov_head
+        bias = LogitBias(head.embed(_predecessors(blocks, model.config.block_size), hidden.dtype), head.markov_w2.weight)
+        return StepTerms(k.ce_weight, (l1, confidence), bias)
+
+
+class DSparkWalk(DFlashWalk):
+    def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
+                context: torch.Tensor | None = None) -> Proposal:
         # llama.cpp's confidence of slot k is the head's sigmoid on the slot's state and the Markov
         # embedding of the chain's token before it, computed in the same graph as the chain; its
         # loop stops the draft at the first slot below the threshold (common/speculative.cpp).
@@ -214,119 +225,72 @@ class DSpark(DFlash):
             c = head(hidden, model.drafter.markov_head.embed(walk.predecessors))
         return Proposal(walk.tokens, confident_prefix(c, p_min).long().cpu(), torch.sigmoid(c))
 
-    # --------------------------------------------------------------------------------- the loss
 
-    def default_gamma(self, shape: DrafterShape) -> float:
-        # DeepSpec's exp(-k / gamma) over the B drafting slots is DFlash's decay of a block one
-        # longer (4.0 at B = 7, as DeepSpec sets it).
-        return default_gamma(shape.block_size + 1)
-
-    def block_targets(self, mb: MicroBatch, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                      *, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return anchor_first_targets(mb.input_ids, mb.loss_mask, mb.doc_ids, anchors, valid=valid,
-                                    block_size=block_size, gamma=gamma)
-
-    def loss_settings(self, objective: ObjectiveConfig) -> DSparkTerms:
-        o = section_of(objective, self.name, DSparkObjective)
-        return DSparkTerms(o.ce_weight, o.l1_weight, o.confidence_weight)
-
-    def ce_weight(self, term: DSparkTerms | None) -> float:
-        return (term or DSparkTerms()).ce
-
-    def term_weights(self, shape: DrafterShape, term: DSparkTerms | None) -> dict[str, float]:
-        t = term or DSparkTerms()
-        weights = {"ce_weight": float(t.ce), "l1_weight": float(t.l1)}
-        if shape.arch_fields.enable_confidence_head:  # without the head its weight trains nothing
-            weights["confidence_weight"] = float(t.confidence)
-        return weights
-
-    def trained_parts(self, shape: DrafterShape) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        # Only its BCE trains the confidence head: at weight 0 the engines would read an untrained head.
-        return (("the confidence head", ("confidence_weight",)),) if shape.arch_fields.enable_confidence_head else ()
-
-    def loss_terms(self, model: DraftModel, blocks: Blocks, term: DSparkTerms | None, hidden: torch.Tensor, *,
-                   ctx: torch.Tensor, mb: MicroBatch) -> tuple:
-        """l1 * ||q - p||_1 on the biased logits and the target's, inside the fused loss's pass over the
-        vocabulary (one Triton kernel on CUDA), then the confidence head's term on its per-row values."""
-        t = term or DSparkTerms()
-        return (RowTerm("l1_sum", t.l1, l1_to_target, l1_pass), ConfidenceTerm(model, blocks, hidden, t.confidence))
-
-    def logit_bias(self, model: DraftModel, blocks: Blocks, hidden: torch.Tensor) -> LogitBias:
-        """The Markov bias of every slot's logits (teacher-forced predecessor): the Markov embedding of
-        every slot's predecessor, gathered once for the whole micro-batch (its gradient one segmented
-        sum); the loss folds embedding @ markov_w2.T into the lm_head matmul."""
-        head = model.drafter.markov_head
-        return LogitBias(head.embed(_predecessors(blocks, model.config.block_size), hidden.dtype),
-                         head.markov_w2.weight)
-
-    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
-        return _sum_names(shape.block_size, shape.arch_fields.enable_confidence_head)
-
-    def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float | list[float]]:
-        # Weighted over the slots like "loss" (sum(w * term) / sum(w)); tau_probabilistic per block
-        # (DeepSpec's 1 + sum_k prod_{j <= k} (1 - TV_j)); acceptance per drafting slot unweighted.
-        # The reliability bins as shares of the step's weight, so that records add up (the report
-        # pools the last few). Without a confidence head no confidence field is written.
-        rec = {"l1": sums["l1_sum"] / weight}
-        if "confidence_sum" in sums:
-            rec["confidence_loss"] = sums["confidence_sum"] / weight
-        rec["tau_probabilistic"] = sums["tau_probabilistic_sum"] / max(sums["tau_probabilistic_blocks"], 1e-9)
-        if "confidence_sum" in sums:
-            rec["confidence_mae"] = sums["confidence_abs_error_sum"] / weight
-            rec["confidence_bias"] = sums["confidence_bias_sum"] / weight
-        k = 0
-        while f"accept_sum_{k}" in sums:
-            if sums[f"accept_count_{k}"] > 0:
-                rec[f"accept_rate_pos_{k + 1}"] = sums[f"accept_sum_{k}"] / sums[f"accept_count_{k}"]
-            k += 1
-        if "confidence_sum" not in sums:
-            return rec
-        bin_weight, bin_pred, bin_target = ([sums[f"confidence_bin_{what}_{i}"] for i in range(BINS)]
-                                            for what in ("weight", "pred", "target"))
-        if sum(bin_weight) > 0:  # a step with weight
-            rec["confidence_ece"] = sum(abs(p - t) for p, t in zip(bin_pred, bin_target)) / sum(bin_weight)
-            for name, values in (("weight", bin_weight), ("pred", bin_pred), ("target", bin_target)):
-                rec[f"confidence_bin_{name}"] = [v / weight for v in values]
+def log_record(sums: dict[str, float], weight: float) -> dict[str, float | list[float]]:
+    # Weighted over the slots like "loss" (sum(w * term) / sum(w)); tau_probabilistic per block
+    # (DeepSpec's 1 + sum_k prod_{j <= k} (1 - TV_j)); acceptance per drafting slot unweighted.
+    # The reliability bins as shares of the step's weight, so that records add up (the report
+    # pools the last few). Without a confidence head no confidence field is written.
+    rec = {"l1": sums["l1_sum"] / weight}
+    if "confidence_sum" in sums:
+        rec["confidence_loss"] = sums["confidence_sum"] / weight
+    rec["tau_probabilistic"] = sums["tau_probabilistic_sum"] / max(sums["tau_probabilistic_blocks"], 1e-9)
+    if "confidence_sum" in sums:
+        rec["confidence_mae"] = sums["confidence_abs_error_sum"] / weight
+        rec["confidence_bias"] = sums["confidence_bias_sum"] / weight
+    k = 0
+    while f"accept_sum_{k}" in sums:
+        if sums[f"accept_count_{k}"] > 0:
+            rec[f"accept_rate_pos_{k + 1}"] = sums[f"accept_sum_{k}"] / sums[f"accept_count_{k}"]
+        k += 1
+    if "confidence_sum" not in sums:
         return rec
+    bin_weight, bin_pred, bin_target = ([sums[f"confidence_bin_{what}_{i}"] for i in range(BINS)]
+                                        for what in ("weight", "pred", "target"))
+    if sum(bin_weight) > 0:  # a step with weight
+        rec["confidence_ece"] = sum(abs(p - t) for p, t in zip(bin_pred, bin_target)) / sum(bin_weight)
+        for name, values in (("weight", bin_weight), ("pred", bin_pred), ("target", bin_target)):
+            rec[f"confidence_bin_{name}"] = [v / weight for v in values]
+    return rec
 
-    def report_figures(self, steps: list[dict]) -> list[ReportFigure]:
-        pooled = reliability(steps)
-        if pooled is None:
-            return []
-        return [ReportFigure("confidence_reliability", lambda ax: draw_reliability(ax, pooled), (pooled.row(),))]
 
-    # --------------------------------------------------------------------------------- the card
+def report_figures(steps: list[dict]) -> list[ReportFigure]:
+    pooled = reliability(steps)
+    if pooled is None:
+        return []
+    return [ReportFigure("confidence_reliability", lambda ax: draw_reliability(ax, pooled), (pooled.row(),))]
 
-    def card(self, shape: DrafterShape) -> Card:
-        f = shape.arch_fields
-        conf = ("with the Markov embedding" if f.confidence_head_with_markov else "without the Markov embedding") \
-            if f.enable_confidence_head else "none"
-        rows = (f"| Markov head | {f.markov_head_type}, rank {f.markov_rank} |",
-                f"| confidence head | {conf} |",
-                "| block layout | anchor-first (`sample_from_anchor`): all block slots draft |")
-        # Every slot drafts: vLLM and llama.cpp verify B drafts a round, SGLang counts the anchor too.
-        # llama.cpp builds the confidence head with the Markov embedding only: without it, it does not load.
-        llama_cpp = not f.enable_confidence_head or f.confidence_head_with_markov
-        b = shape.block_size
-        serving = Serving("DSPARK", b + 1, "dspark", b, "draft-dspark" if llama_cpp else None, b,
-                          vllm_v2_only="DSpark drafting")
-        note = ["The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
-                "confidence fields at the top level of config.json. All B slots of the block draft, so vLLM's"]
-        convert = ["", "```", "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR", "```", ""]
-        if not llama_cpp:
-            note += ["`num_speculative_tokens` is B. llama.cpp does not load this drafter: its confidence head",
-                     "does not read the Markov embedding (`confidence_head_with_markov: false`), the only form",
-                     "llama.cpp builds.", ""]
-        elif f.enable_confidence_head:
-            note += ["`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
-                     "against the target and runs it as `draft-dspark`; `--spec-draft-p-min P` (default 0: no cut)",
-                     "verifies only the slots before the first whose confidence is below P, and a draft cut to",
-                     "nothing is a plain decoding step:", *convert]
-        else:  # no confidence head: llama.cpp has no confidence to cut a draft at
-            note += ["`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
-                     "against the target and runs it as `draft-dspark`, verifying every drafted slot (the drafter",
-                     "has no confidence head):", *convert]
-        return Card(rows, serving, tuple(note))
+
+def card(shape: DrafterShape) -> Card:
+    f = shape.arch_fields
+    conf = ("with the Markov embedding" if f.confidence_head_with_markov else "without the Markov embedding") \
+        if f.enable_confidence_head else "none"
+    rows = (f"| Markov head | {f.markov_head_type}, rank {f.markov_rank} |",
+            f"| confidence head | {conf} |",
+            "| block layout | anchor-first (`sample_from_anchor`): all block slots draft |")
+    # Every slot drafts: vLLM and llama.cpp verify B drafts a round, SGLang counts the anchor too.
+    # llama.cpp builds the confidence head with the Markov embedding only: without it, it does not load.
+    llama_cpp = not f.enable_confidence_head or f.confidence_head_with_markov
+    b = shape.block_size
+    serving = Serving("DSPARK", b + 1, "dspark", b, "draft-dspark" if llama_cpp else None, b,
+                      vllm_v2_only="DSpark drafting")
+    note = ["The engines select DSpark from `architectures: [\"Qwen3DSparkModel\"]` and read the Markov and",
+            "confidence fields at the top level of config.json. All B slots of the block draft, so vLLM's"]
+    convert = ["", "```", "python convert_hf_to_gguf.py DRAFTER_DIR --target-model-dir TARGET_DIR", "```", ""]
+    if not llama_cpp:
+        note += ["`num_speculative_tokens` is B. llama.cpp does not load this drafter: its confidence head",
+                 "does not read the Markov embedding (`confidence_head_with_markov: false`), the only form",
+                 "llama.cpp builds.", ""]
+    elif f.enable_confidence_head:
+        note += ["`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
+                 "against the target and runs it as `draft-dspark`; `--spec-draft-p-min P` (default 0: no cut)",
+                 "verifies only the slots before the first whose confidence is below P, and a draft cut to",
+                 "nothing is a plain decoding step:", *convert]
+    else:  # no confidence head: llama.cpp has no confidence to cut a draft at
+        note += ["`num_speculative_tokens` and llama.cpp's `--spec-draft-n-max` are B. llama.cpp converts it",
+                 "against the target and runs it as `draft-dspark`, verifying every drafted slot (the drafter",
+                 "has no confidence head):", *convert]
+    return Card(rows, serving, tuple(note))
 
 
 def _predecessors(blocks, block_size: int) -> torch.Tensor:
@@ -344,3 +308,19 @@ def _chain(model, hidden: torch.Tensor, anchors: torch.Tensor):
     return greedy_walk(model.drafter.markov_head, base, anchors.to(hidden.device))
 
 
+SPEC = Spec(
+    name="dspark", class_name="Qwen3DSparkModel", title="DSpark", card=card, fields=DSparkFields,
+    objective_keys=DSparkKeys, label_offset=1, needs_target_logits=True,
+    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_dspark.DSparkConfig",
+                                                      "AutoModel": "modeling_dspark.Qwen3DSparkModel"},
+                           beside=(DFLASH_MODELING,)),
+    logs=LogView(
+        log_record,
+        progress=("l1 {l1:.4f}", "tau_p {tau_probabilistic:.2f}", "confidence MAE {confidence_mae:.3f}"),
+        series=(("loss", "l1", "L1 term"), ("loss", "confidence_loss", "confidence BCE"),
+                ("accept_proxy", "tau_probabilistic", "probabilistic tau")),
+        summary=(("final probabilistic tau", "{tau_probabilistic:.2f}"),
+                 ("final confidence calibration", "MAE {confidence_mae:.3f}, bias {confidence_bias:+.3f}")),
+        figures=report_figures),
+    small={"markov_rank": 16})
+DSPARK = register(Architecture(SPEC, DSparkModules(), DSparkObjective(), DSparkWalk()))

@@ -4,7 +4,8 @@ DSpark (DeepSeek's DeepSpec) keeps the DFlash backbone and changes three things:
 
 1. The block is anchor-first: the block of anchor `a` is `[token at a, MASK x (B-1)]` at positions
    `a .. a+B-1` as in DFlash, but slot k predicts the token at `a + k + 1`, so every one of the B
-   slots is a drafting slot (B drafts per cycle; the engines call this `sample_from_anchor`).
+   slots is a drafting slot (B drafts per cycle; the engines call this `sample_from_anchor`): its spec's
+   `label_offset` 1, labelled by objective/blocks.py `anchor_first_targets`.
 2. `MarkovHead`: the logits of a drafting slot get a low-rank bias from the token just before the
    one it predicts, `logits = base + markov_w2(markov_w1[prev])` (rank r). In training `prev` is the
    gold token (teacher forcing); when drafting, slot 0's `prev` is the anchor and slot k's the token
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.network.gather import take_rows
-from dflash_ds.objective.blocks import decay_weights
 
 # DeepSpec initialises both heads through transformers' `_init_weights` (initializer_range 0.02).
 _INIT_STD = 0.02
@@ -176,38 +176,6 @@ def greedy_walk(head: MarkovHead, base_logits: torch.Tensor, first: torch.Tensor
         tokens.append(prev)
         logits.append(step)
     return MarkovWalk(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(predecessors, 1))
-
-
-def anchor_first_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                         anchors: torch.Tensor, *, valid: torch.Tensor, block_size: int,
-                         gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels `[b, N, B]` (slot k: the token at a + k + 1) and float32 weights `[b, N, B]` of the
-    anchor-first block, DeepSpec's rule: `exp(-k / gamma)` times a mask that is 1 on the longest
-    prefix of slots whose label is inside the row, supervised and in the anchor's document (the first
-    slot that is not ends the block's supervision), times block validity. Labels where the weight
-    is 0 are 0."""
-    b, n = anchors.shape
-    s = input_ids.shape[1]
-    k = torch.arange(block_size, device=anchors.device)
-    idx = anchors.long().unsqueeze(-1) + 1 + k
-    flat = idx.clamp(max=s - 1).view(b, n * block_size)
-    labels = torch.gather(input_ids, 1, flat).view(b, n, block_size)
-    supervised = torch.gather(loss_mask.bool(), 1, flat).view(b, n, block_size)
-    anchor_doc = torch.gather(doc_ids, 1, anchors.long()).unsqueeze(-1)
-    same_doc = torch.gather(doc_ids, 1, flat).view(b, n, block_size) == anchor_doc
-    ok = (idx < s) & supervised & same_doc & valid.bool().unsqueeze(-1)
-    keep = ok.to(torch.int32).cumprod(-1).bool()
-    # exp(-k / gamma) for slot k: DFlash's decay of a block one longer, without its slot 0.
-    decay = decay_weights(block_size + 1, gamma, anchors.device)[1:]
-    return torch.where(keep, labels, torch.zeros_like(labels)), decay * keep
-
-
-class DSparkTerms(NamedTuple):
-    """The weights of the three terms (DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)."""
-
-    ce: float = 0.1
-    l1: float = 0.9
-    confidence: float = 1.0
 
 
 def l1_to_target(q: torch.Tensor, target_z: torch.Tensor, grad: bool):

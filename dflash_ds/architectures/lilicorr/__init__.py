@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_ds.architectures.base import (Card, LogView, Proposal, RemoteCode, ReportFigure, SampledDraft, Serving,
-                                          Wrappers)
-from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlash
+from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlashModules, DFlashObjective, DFlashWalk
 from dflash_ds.architectures.dflash2.parts import BlockConv
 from dflash_ds.architectures.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
-from dflash_ds.architectures.lilicorr.logs import log_record, sum_names
+from dflash_ds.architectures.lilicorr.logs import log_record
 from dflash_ds.architectures.lilicorr.loss import lattice_inputs, lattice_loss_terms
 from dflash_ds.architectures.lilicorr.report import draw_prefixes, prefixes
 from dflash_ds.architectures.lilicorr.terms import Weights
 from dflash_ds.architectures.lilicorr.walk import chosen, greedy_path, sampled_path, score, text_probabilities
-from dflash_ds.config.architectures import section_of
+from dflash_ds.network.arch_types import (CE_ALWAYS_ON, Card, Fields, Keys, LogView, Proposal, RemoteCode, ReportFigure,
+                                          SampledDraft, Serving, Wrappers)
+from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.registry import register
 from dflash_ds.network.shape import FieldError, Tensor
 
-if TYPE_CHECKING:  # both read the architectures (architectures/__init__.py)
+if TYPE_CHECKING:  # for the annotations only
     from dflash_ds.network.draft_model import DraftModel
     from dflash_ds.network.shape import DrafterShape
     from dflash_ds.objective.blocks import Blocks, MicroBatch
@@ -51,7 +51,7 @@ quantized GEMM), so one export loads in both."""
 
 
 @dataclass(frozen=True)
-class LiLiCorrFields:
+class LiLiCorrFields(Fields):
     """The recipe's `drafter.lilicorr:` section and LiLiCorr's shape; the defaults are Model-Optimizer's
     published recipe (modelopt_recipes/general/speculative_decoding/lilicorr.yaml). Written to
     `dflash_config` as `lilicorr_<name>` (the convolution's as DFlash2's `conv_kernel_size` and
@@ -90,84 +90,15 @@ class LiLiCorrFields:
     def conv(self) -> bool:
         return self.block_conv_kernel_size > 0
 
-
-# dflash_config key of each field (the readers' names).
-_RENAMED = {"head_hidden_size": "lilicorr_hidden_size", "score_scale": "lilicorr_logit_scale", "block_conv_kernel_size": "conv_kernel_size",
-            "block_conv_group_size": "conv_group_size"}
-CONFIG_KEYS = {f.name: _RENAMED.get(f.name, f"lilicorr_{f.name}") for f in dataclasses.fields(LiLiCorrFields)}
-
-
-@dataclass(frozen=True)
-class LiLiCorrObjective:
-    """The recipe's `objective.lilicorr:` section: the head's terms, added to the DFlash loss (whose
-    cross-entropy keeps weight 1). Defaults: Model-Optimizer's `base` recipe. Its `margin` variant is
-    w_ce 0.125, w_margin 0.125, w_pen 0.25, margin 2.0 (the head's total weight 0.5 in both)."""
-
-    w_ce: float = 0.25
-    """Weight of the candidate cross-entropy: the gold candidate's log-softmax under the scores leaving
-    the gold predecessor (Model-Optimizer base 0.25; margin variant 0.125)."""
-    w_margin: float = 0.0
-    """Weight of the hinge relu(margin - gap), gap = the gold's score minus the best other's (base 0.0;
-    margin variant 0.125)."""
-    w_pen: float = 0.25
-    """Weight of the penalty E_p[relu(z_target(gold) - z_target(candidate))] under the head's own slot
-    distribution p: the target's logits push target-rejected candidates down (0.25 in both variants)."""
-    margin: float = 2.0
-    """The hinge's margin in log-factor units (Model-Optimizer: 2.0; read only with w_margin > 0)."""
-    soft_value: bool = True
-    """The candidates' log-probs, a feature of the head, carry its gradient into the backbone (Model-Optimizer:
-    always); false detaches them."""
-
-    def check(self) -> None:
-        for key in ("w_ce", "w_margin", "w_pen", "margin"):
-            if not getattr(self, key) >= 0:
-                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if self.w_ce == self.w_margin == self.w_pen == 0:
-            raise ValueError("w_ce, w_margin and w_pen are all 0: the reranker would never be trained; Model-Optimizer's "
-                             "base recipe sets w_ce 0.25, w_pen 0.25")
-        if self.w_margin > 0 and self.margin <= 0:
-            raise ValueError(f"w_margin = {self.w_margin} needs margin > 0 (Model-Optimizer: 2.0), got {self.margin}")
-
-
-def geometry(shape: DrafterShape) -> Geometry:
-    """The head's sizes for a drafter of `shape`."""
-    f = shape.arch_fields
-    width = f.head_hidden_size or shape.hidden_size
-    return Geometry(hidden=shape.hidden_size, width=width, factor_dim=f.factor_dim, num_layers=f.num_layers,
-                    num_heads=f.num_heads, mlp_width=int(width * f.mlp_ratio), slots=shape.block_size - 1,
-                    top_k=f.candidate_topk, eps=shape.rms_norm_eps, logit_scale=f.score_scale,
-                    vector_eps=f.vector_eps)
-
-
-@register
-class LiLiCorr(DFlash):
-    name = "lilicorr"
-    class_name = "LiLiCorrDraftModel"
-    title = "LiLiCorr"
-    remote_code = RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_lilicorr.LiLiCorrConfig",
-                                                        "AutoModel": "modeling_lilicorr.LiLiCorrDraftModel"},
-                             beside=(DFLASH_MODELING,))
-    fields = LiLiCorrFields
-    objective_keys = LiLiCorrObjective
-    needs_target_logits = True  # the penalty reads the target's logits at the candidates
-    reads_context = True  # the head's anchor factor reads the context row before the anchor
-    logs = LogView(
-        progress=("lattice CE {lilicorr_ce:.3f}",
-                  "prefix sel/top1/oracle {lilicorr_selected_prefix:.2f}/{lilicorr_top1_prefix:.2f}/"
-                  "{lilicorr_oracle_prefix:.2f}", "spread {lilicorr_logfactor_spread:.2f}"),
-        series=(("loss", "lilicorr_ce", "lattice CE"), ("loss", "lilicorr_penalty", "lattice penalty")),
-        summary=(("final reranked / top-1 / oracle prefix", "{lilicorr_selected_prefix:.2f} / "
-                  "{lilicorr_top1_prefix:.2f} / {lilicorr_oracle_prefix:.2f}"),
-                 ("final log-factor spread", "{lilicorr_logfactor_spread:.3f}")))
-
-    def fields_from_recipe(self, section: Any) -> LiLiCorrFields:
+    @classmethod
+    def from_recipe(cls, section: Any, name: str) -> LiLiCorrFields:
         # Only its own section: a drafter section's attributes of the same names (num_layers, the
         # backbone's) are not LiLiCorr's.
-        own = getattr(section, "sections", {}).get(self.name)
-        return own if own is not None else LiLiCorrFields()
+        own = getattr(section, "sections", {}).get(name)
+        return own if own is not None else cls()
 
-    def check(self, shape: DrafterShape, serving: bool = False) -> None:
-        f, width = shape.arch_fields, shape.arch_fields.head_hidden_size or shape.hidden_size
+    def check_shape(self, shape: DrafterShape, serving: bool = False) -> None:
+        f, width = self, self.head_hidden_size or shape.hidden_size
         k = f.candidate_topk
         if not (1 <= k <= MAX_TOPK and k & (k - 1) == 0):
             raise FieldError("candidate_topk", f"= {k} must be a power of two <= {MAX_TOPK} (vLLM's and SGLang's fused "
@@ -214,26 +145,82 @@ class LiLiCorr(DFlash):
     def config_entries(self, shape: DrafterShape) -> dict:
         # No reader takes any of these from elsewhere or defaults one: the logit scale and vector_eps change
         # the scores without changing a shape. The convolution's keys only with the convolution.
-        f = shape.arch_fields
+        f = self
         out = {"block_size": shape.block_size, "projector_type": PROJECTOR, "lilicorr_enabled": True}
         out.update({CONFIG_KEYS[n]: v for n, v in dataclasses.asdict(f).items()
                     if f.conv or not n.startswith("block_conv_")})
         return out
 
-    def fields_from_config(self, dflash_config: dict) -> LiLiCorrFields:
+    @classmethod
+    def from_config(cls, dflash_config: dict, *, class_name: str) -> LiLiCorrFields:
         if dflash_config.get("projector_type", PROJECTOR) != PROJECTOR or not dflash_config.get("lilicorr_enabled", True):
-            raise ValueError(f"a {self.class_name} config.json needs dflash_config.projector_type {PROJECTOR!r} and "
+            raise ValueError(f"a {class_name} config.json needs dflash_config.projector_type {PROJECTOR!r} and "
                              "lilicorr_enabled true")
         conv = {"block_conv_kernel_size", "block_conv_group_size"}
         missing = [CONFIG_KEYS[n] for n in CONFIG_KEYS if n not in conv and CONFIG_KEYS[n] not in dflash_config]
         if missing:
-            raise ValueError(f"a {self.class_name} config.json needs dflash_config.{', '.join(missing)}")
+            raise ValueError(f"a {class_name} config.json needs dflash_config.{', '.join(missing)}")
         values = {n: dflash_config.get(key, 0) for n, key in CONFIG_KEYS.items()}
-        hints = {f.name: f.type for f in dataclasses.fields(LiLiCorrFields)}
-        return LiLiCorrFields(**{n: {"int": int, "float": float}[hints[n]](v) for n, v in values.items()})
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+        return cls(**{n: {"int": int, "float": float}[hints[n]](v) for n, v in values.items()})
 
-    # ---------------------------------------------------------------------------------- modules
 
+# dflash_config key of each field (the readers' names).
+_RENAMED = {"head_hidden_size": "lilicorr_hidden_size", "score_scale": "lilicorr_logit_scale", "block_conv_kernel_size": "conv_kernel_size",
+            "block_conv_group_size": "conv_group_size"}
+CONFIG_KEYS = {f.name: _RENAMED.get(f.name, f"lilicorr_{f.name}") for f in dataclasses.fields(LiLiCorrFields)}
+
+
+@dataclass(frozen=True)
+class LiLiCorrKeys(Keys):
+    """The recipe's `objective.lilicorr:` section: the head's terms, added to the DFlash loss (whose
+    cross-entropy keeps weight 1). Defaults: Model-Optimizer's `base` recipe. Its `margin` variant is
+    w_ce 0.125, w_margin 0.125, w_pen 0.25, margin 2.0 (the head's total weight 0.5 in both)."""
+
+    w_ce: float = 0.25
+    """Weight of the candidate cross-entropy: the gold candidate's log-softmax under the scores leaving
+    the gold predecessor (Model-Optimizer base 0.25; margin variant 0.125)."""
+    w_margin: float = 0.0
+    """Weight of the hinge relu(margin - gap), gap = the gold's score minus the best other's (base 0.0;
+    margin variant 0.125)."""
+    w_pen: float = 0.25
+    """Weight of the penalty E_p[relu(z_target(gold) - z_target(candidate))] under the head's own slot
+    distribution p: the target's logits push target-rejected candidates down (0.25 in both variants)."""
+    margin: float = 2.0
+    """The hinge's margin in log-factor units (Model-Optimizer: 2.0; read only with w_margin > 0)."""
+    soft_value: bool = True
+    """The candidates' log-probs, a feature of the head, carry its gradient into the backbone (Model-Optimizer:
+    always); false detaches them."""
+
+    def check(self) -> None:
+        for key in ("w_ce", "w_margin", "w_pen", "margin"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.w_ce == self.w_margin == self.w_pen == 0:
+            raise ValueError("w_ce, w_margin and w_pen are all 0: the reranker would never be trained; Model-Optimizer's "
+                             "base recipe sets w_ce 0.25, w_pen 0.25")
+        if self.w_margin > 0 and self.margin <= 0:
+            raise ValueError(f"w_margin = {self.w_margin} needs margin > 0 (Model-Optimizer: 2.0), got {self.margin}")
+
+    def weights(self, shape: DrafterShape) -> dict[str, float]:
+        return {CE_ALWAYS_ON: 1.0, "w_ce": float(self.w_ce), "w_margin": float(self.w_margin), "w_pen": float(self.w_pen)}
+
+    def lattice(self) -> Weights:
+        """The lattice terms' weights (terms.py), constant over the run as in Model-Optimizer."""
+        return Weights(self.w_ce, self.w_margin, self.w_pen, self.margin, self.soft_value)
+
+
+def geometry(shape: DrafterShape) -> Geometry:
+    """The head's sizes for a drafter of `shape`."""
+    f = shape.arch_fields
+    width = f.head_hidden_size or shape.hidden_size
+    return Geometry(hidden=shape.hidden_size, width=width, factor_dim=f.factor_dim, num_layers=f.num_layers,
+                    num_heads=f.num_heads, mlp_width=int(width * f.mlp_ratio), slots=shape.block_size - 1,
+                    top_k=f.candidate_topk, eps=shape.rms_norm_eps, logit_scale=f.score_scale,
+                    vector_eps=f.vector_eps)
+
+
+class LiLiCorrModules(DFlashModules):
     def wrappers(self, shape: DrafterShape) -> Wrappers | None:
         f = shape.arch_fields
         if not f.conv:
@@ -308,8 +295,18 @@ class LiLiCorr(DFlash):
         per_slot = g.top_k * position + h * d + (h * d + h * g.factor_dim) / max(g.slots, 1)
         return int(6 * per_slot * draft_tokens)
 
-    # --------------------------------------------------------------------------------- the walk
 
+class LiLiCorrObjective(DFlashObjective):
+    """The DFlash cross-entropy (weight 1) and the head's lattice terms (loss.py): a zero-weight row term
+    giving each row's log-normaliser inside the fused loss, then the lattice over every block's top-k."""
+
+    def terms(self, model: DraftModel, mb: MicroBatch, blocks: Blocks, hidden: torch.Tensor, *, ctx: torch.Tensor,
+              keys: LiLiCorrKeys | None, step: int | None = None, total_steps: int = 0) -> StepTerms:
+        inputs = lattice_inputs(blocks, hidden, ctx=ctx, mb=mb)
+        return StepTerms(terms=lattice_loss_terms(model, blocks, inputs, (keys or LiLiCorrKeys()).lattice()))
+
+
+class LiLiCorrWalk(DFlashWalk):
     def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,
                 context: torch.Tensor | None = None, context_valid: torch.Tensor | None = None) -> Proposal:
         """The engines' greedy walk over the head's log-factors (walk.py). The head reads each anchor's
@@ -354,59 +351,51 @@ class LiLiCorr(DFlash):
         return SampledDraft(chosen(found, path), q, lambda following: text_probabilities(found, factors, following,
                                                                                          temperature))
 
-    # ------------------------------------------------------------------------------- the loss
 
-    def loss_settings(self, objective: Any) -> Weights:
-        o = section_of(objective, self.name, LiLiCorrObjective)
-        o.check()
-        return Weights(o.w_ce, o.w_margin, o.w_pen, o.margin, o.soft_value)
+def report_figures(steps: list[dict]) -> list[ReportFigure]:
+    found = prefixes(steps)
+    if found is None:
+        return []
+    return [ReportFigure("lilicorr_prefix", lambda ax: draw_prefixes(ax, found), (found.row(),))]
 
-    def step_term(self, settings: Weights | None, step: int | None = None, total_steps: int = 0) -> Weights:
-        o = LiLiCorrObjective()  # Model-Optimizer's weights are constant over the run
-        return settings or Weights(o.w_ce, o.w_margin, o.w_pen, o.margin, o.soft_value)
 
-    def term_weights(self, shape: DrafterShape, term: Weights | None) -> dict[str, float]:
-        t = self.step_term(term)
-        return {**super().term_weights(shape, t), "w_ce": float(t.ce), "w_margin": float(t.margin_weight),
-                "w_pen": float(t.penalty)}
+def card(shape: DrafterShape) -> Card:
+    f, g, b = shape.arch_fields, geometry(shape), shape.block_size
+    rows = [f"| LiLiCorr head | top {g.top_k} candidates a slot, width {g.width}, {g.num_layers} lattice layers "
+            f"x {g.num_heads} heads, factors {g.factor_dim}, logit scale {f.score_scale} |"]
+    if f.conv:
+        rows.append(f"| block convolution | {f.block_conv_kernel_size} taps, groups of {f.block_conv_group_size} "
+                    "channels |")
+    serving = Serving("DFLASH", b, "dflash", b - 1, None, b - 1, vllm_v2_only="the LiLiCorr head")
+    return Card(tuple(rows), serving, (
+        "Both engines serve it with their DFlash method and select the LiLiCorr head from",
+        "`architectures: [\"LiLiCorrDraftModel\"]` and the `lilicorr_*` fields of `dflash_config`: SGLang's",
+        "`LiLiCorrDraftModel`, vLLM's Model Runner V2 (`spec_decode/lilicorr`). The head reranks the",
+        f"backbone's top {g.top_k} of every slot over all {b - 1} drafted slots: a shorter draft count",
+        "builds a smaller lattice whose scores differ. llama.cpp's LiLiCorr reader is newer than",
+        "the llama.cpp this export was checked with, so no llama.cpp command is given. With",
+        "transformers (trust_remote_code), `drafter.propose(hidden, anchor_taps, lm_head, embed_tokens)`",
+        "gives the reranked draft of a block's drafting slots (modeling_lilicorr.py).",
+        "",
+    ))
 
-    def loss_terms(self, model: DraftModel, blocks: Blocks, term: Weights | None, hidden: torch.Tensor, *,
-                   ctx: torch.Tensor, mb: MicroBatch) -> tuple:
-        """The lattice terms (loss.py) after the DFlash cross-entropy, whose weight stays 1."""
-        return lattice_loss_terms(model, blocks, lattice_inputs(blocks, hidden, ctx=ctx, mb=mb), self.step_term(term))
 
-    # ----------------------------------------------------------------------------------- the logs
-
-    def log_names(self, shape: DrafterShape) -> tuple[str, ...]:
-        return sum_names(shape.block_size)
-
-    def log_record(self, sums: dict[str, float], weight: float) -> dict[str, float]:
-        return log_record(sums)
-
-    def report_figures(self, steps: list[dict]) -> list[ReportFigure]:
-        found = prefixes(steps)
-        if found is None:
-            return []
-        return [ReportFigure("lilicorr_prefix", lambda ax: draw_prefixes(ax, found), (found.row(),))]
-
-    # --------------------------------------------------------------------------------- the card
-
-    def card(self, shape: DrafterShape) -> Card:
-        f, g, b = shape.arch_fields, geometry(shape), shape.block_size
-        rows = [f"| LiLiCorr head | top {g.top_k} candidates a slot, width {g.width}, {g.num_layers} lattice layers "
-                f"x {g.num_heads} heads, factors {g.factor_dim}, logit scale {f.score_scale} |"]
-        if f.conv:
-            rows.append(f"| block convolution | {f.block_conv_kernel_size} taps, groups of {f.block_conv_group_size} "
-                        "channels |")
-        serving = Serving("DFLASH", b, "dflash", b - 1, None, b - 1, vllm_v2_only="the LiLiCorr head")
-        return Card(tuple(rows), serving, (
-            "Both engines serve it with their DFlash method and select the LiLiCorr head from",
-            "`architectures: [\"LiLiCorrDraftModel\"]` and the `lilicorr_*` fields of `dflash_config`: SGLang's",
-            "`LiLiCorrDraftModel`, vLLM's Model Runner V2 (`spec_decode/lilicorr`). The head reranks the",
-            f"backbone's top {g.top_k} of every slot over all {b - 1} drafted slots: a shorter draft count",
-            "builds a smaller lattice whose scores differ. llama.cpp's LiLiCorr reader is newer than",
-            "the llama.cpp this export was checked with, so no llama.cpp command is given. With",
-            "transformers (trust_remote_code), `drafter.propose(hidden, anchor_taps, lm_head, embed_tokens)`",
-            "gives the reranked draft of a block's drafting slots (modeling_lilicorr.py).",
-            "",
-        ))
+SPEC = Spec(
+    name="lilicorr", class_name="LiLiCorrDraftModel", title="LiLiCorr", card=card, fields=LiLiCorrFields,
+    objective_keys=LiLiCorrKeys,
+    needs_target_logits=True,  # the penalty reads the target's logits at the candidates
+    remote_code=RemoteCode(MODELING, MODELING.name, {"AutoConfig": "modeling_lilicorr.LiLiCorrConfig",
+                                                      "AutoModel": "modeling_lilicorr.LiLiCorrDraftModel"},
+                           beside=(DFLASH_MODELING,)),
+    logs=LogView(
+        lambda sums, weight: log_record(sums),
+        progress=("lattice CE {lilicorr_ce:.3f}",
+                  "prefix sel/top1/oracle {lilicorr_selected_prefix:.2f}/{lilicorr_top1_prefix:.2f}/"
+                  "{lilicorr_oracle_prefix:.2f}", "spread {lilicorr_logfactor_spread:.2f}"),
+        series=(("loss", "lilicorr_ce", "lattice CE"), ("loss", "lilicorr_penalty", "lattice penalty")),
+        summary=(("final reranked / top-1 / oracle prefix", "{lilicorr_selected_prefix:.2f} / "
+                  "{lilicorr_top1_prefix:.2f} / {lilicorr_oracle_prefix:.2f}"),
+                 ("final log-factor spread", "{lilicorr_logfactor_spread:.3f}")),
+        figures=report_figures),
+    small={"head_hidden_size": 16, "factor_dim": 16, "num_heads": 4, "candidate_topk": 8})
+LILICORR = register(Architecture(SPEC, LiLiCorrModules(), LiLiCorrObjective(), LiLiCorrWalk()))

@@ -1,5 +1,5 @@
-"""LiLiCorr's log: the names of the sums its loss terms return (loss.py, terms.lattice_logs) and the
-metrics.jsonl fields made of them, pooled over the step (summed over micro-batches and ranks before the
+"""LiLiCorr's log: the metrics.jsonl fields made of the sums its loss terms return (its named logs: loss.py,
+terms.lattice_logs), pooled over the step (summed over micro-batches and ranks before the
 ratios; Model-Optimizer averages per micro-batch instead).
 
 Model code: no torch.distributed, no deepspeed.
@@ -9,16 +9,6 @@ from __future__ import annotations
 
 TOP_LOG_Q = "lilicorr_top_log_q"
 """The zero-weight row term whose per-row values give each row's log-normaliser (loss.py)."""
-TERM_SUMS = ("lilicorr_ce_sum", "lilicorr_hinge_sum", "lilicorr_penalty_sum", "lilicorr_supervised")
-WALK_SUMS = ("blocks", "selected_sum", "top1_sum", "oracle_sum", "exact_sum", "zero_prefix_sum", "in_lattice_sum",
-             "slot_count", "walk_hit_sum", "gap_sum", "gap_hit_sum", "start_std_sum", "start_std_count",
-             "pair_std_sum", "pair_std_count")
-
-
-def sum_names(block_size: int) -> tuple[str, ...]:
-    """Every sum the terms add to the loss's sums, for blocks of `block_size` (B - 1 drafted slots)."""
-    slots = [f"accept_{what}_{k}" for k in range(1, block_size) for what in ("sum", "count")]
-    return (TOP_LOG_Q, *TERM_SUMS, *(f"lilicorr_{n}" for n in (*WALK_SUMS, *slots)))
 
 
 def _ratio(sums: dict, num: str, den: str) -> float | None:
