@@ -22,7 +22,7 @@ def reference(model) -> ReferenceDraft:
 @pytest.mark.parametrize("n", range(1, B))
 def test_the_walk_of_a_shorter_block_equals_the_reference_at_that_length(pkg, n):
     model, states, context, anchors = world(pkg, 21)
-    got = pkg.LiLiCorr().propose(model, states[:, :n], anchors, context=context)
+    got = pkg.LILICORR.walk.propose(model, states[:, :n], anchors, context=context)
     ref = reference(model)
     found, factors = pkg.walk.score(model, states[:, :n], context, torch.ones(states.shape[0], dtype=torch.bool))
     assert got.tokens.shape == (states.shape[0], n) and got.served.tolist() == [n] * states.shape[0]
@@ -38,7 +38,7 @@ def test_a_block_longer_than_the_trained_one_is_refused(pkg):
     model, states, context, anchors = world(pkg, 21)
     longer = torch.cat([states, states[:, :1]], dim=1)
     with pytest.raises(ValueError, match=rf"a block of {B} drafted slots: the head was built for 1 to {B - 1}"):
-        pkg.LiLiCorr().propose(model, longer, anchors, context=context)
+        pkg.LILICORR.walk.propose(model, longer, anchors, context=context)
 
 
 @pytest.mark.parametrize("n", range(1, B))
@@ -50,13 +50,13 @@ def test_the_vllm_count_at_every_length_is_the_reference_walk_at_that_length(pkg
     ids = torch.randint(0, VOCAB - 1, (40,), generator=g)
     taps = torch.randn(40, 3 * model.drafter.config.hidden_size, generator=g, dtype=torch.float64)
     seen = []
-    propose = pkg.LiLiCorr.propose
+    propose = pkg.LiLiCorrWalk.propose
 
     def spy(self, m, hidden, anchors, p_min=0.0, *, context=None, context_valid=None):
         seen.append((hidden.clone(), context.clone(), None if context_valid is None else context_valid.clone()))
         return propose(self, m, hidden, anchors, p_min, context=context, context_valid=context_valid)
 
-    monkeypatch.setattr(pkg.LiLiCorr, "propose", spy)
+    monkeypatch.setattr(pkg.LiLiCorrWalk, "propose", spy)
     p, end = 8, 39
     drafts = anchor_drafts(with_block(model, n), taps, ids, p, end=end)
     assert drafts.shape == (end - p, n)
