@@ -15,7 +15,7 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from dflash_ds.architectures import dflash, dflash2, dspark, lilicorr  # noqa: F401  (each registers itself)
+from dflash_ds.architectures import dflash, dflash2, dspark, lilicorr, xpress  # noqa: F401  (each registers itself)
 from dflash_ds.network.registry import DEFAULT_NAME, VARIANTS, class_names, names, register, spec_of, variant
 
 DEFAULT = VARIANTS[DEFAULT_NAME]  # a recipe or config.json that names no architecture
