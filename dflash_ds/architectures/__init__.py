@@ -1,6 +1,6 @@
 """The drafter architectures, one package each, by the name the recipe's `drafter.architecture` gives.
 
-Each package (dflash/, dflash2/, dspark/, lilicorr/) registers its `Architecture` (network/contract.py:
+Each package (dflash/, dflash2/, dspark/, lilicorr/, xpress/) registers its `Architecture` (network/contract.py:
 its spec, modules, objective and walk) with `register` (network/registry.py); DFlash's (v1) parts are
 the ones the others extend. The architectures sit above both the network (network/: the modules they
 extend, the contract, the registry) and the objective (objective/: the loss their terms join), and
