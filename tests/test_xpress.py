@@ -131,3 +131,68 @@ def test_recipe_refusals_name_the_setting():
     shape = drafter_shape(target_config(), section(xpress_topc=VOCAB + 1))  # trains, but vLLM refuses it
     with pytest.raises(ValueError, match="drafter.xpress.xpress_topc .*exceeds the vocabulary"):
         check_servable(shape)
+
+
+def speculators_checkpoint(drafter: DFlashDrafter) -> tuple[dict, dict]:
+    """A speculators 0.9 XPress checkpoint of `drafter` (its config.json and tensors), written the way
+    speculators' XPressDraftModel names them (`refiner_head.token_embed`, `mix_l`, `readout`; the verifier's
+    tensors it keeps beside them)."""
+    theirs = {"w1.weight": "token_embed.weight", "mix.L": "mix_l", "w2.weight": "readout.weight"}
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        if name.startswith("xpress_head."):
+            sub = name[len("xpress_head."):]
+            name = "refiner_head." + theirs.get(sub, sub)
+        tensors[name] = t.clone()
+    tensors |= {"verifier_norm.weight": torch.ones(D), "embed_tokens.weight": torch.zeros(VOCAB, D)}
+    s = drafter.config
+    config = {"speculators_model_type": "xpress", "architectures": ["XPressSpeculator"], "block_size": s.block_size,
+              "mask_token_id": s.mask_token_id, "aux_hidden_state_layer_ids": list(s.target_layer_ids),
+              "draft_vocab_size": VOCAB, "sample_from_anchor": False, "xpress_rank": RANK, "xpress_mlp_ratio": 2,
+              "num_jacobi_passes": 4,
+              "transformer_layer_config": {"num_hidden_layers": s.num_hidden_layers, "vocab_size": VOCAB,
+                                           "num_attention_heads": s.num_attention_heads,
+                                           "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim,
+                                           "intermediate_size": s.intermediate_size, "hidden_size": D}}
+    return config, tensors
+
+
+def test_a_speculators_checkpoint_becomes_an_export_vllm_loads(tmp_path):
+    """Each of speculators' names translates to vLLM's (the values land where they came from), its config's
+    XPress keys to vLLM's (xpress_mlp_ratio x rank -> xpress_mlp_hidden, num_jacobi_passes ->
+    xpress_num_passes), the verifier's tensors are dropped, and the export drafts what the original drafter
+    drafts, through vLLM's step; what vLLM cannot serve is refused by name."""
+    from dflash_ds.architectures.xpress import speculators as sp
+
+    torch.manual_seed(0)
+    original = DFlashDrafter(drafter_shape(target_config(), section(xpress_mlp_hidden=2 * RANK, xpress_num_passes=4,
+                                                                    xpress_topc=512)))
+    with torch.no_grad():
+        for p in original.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    config, tensors = speculators_checkpoint(original)
+    sp.check_config(config)
+    translated = {sp.vllm_name(n): t for n, t in tensors.items() if sp.vllm_name(n) is not None}
+    assert {sp.vllm_name(f"refiner_head.{a}") for a in ("token_embed.weight", "mix_l", "readout.weight")} == \
+        {"xpress_head.w1.weight", "xpress_head.mix.L", "xpress_head.w2.weight"}
+    assert sp.vllm_name("verifier_norm.weight") is None and sp.vllm_name("layers.0.mlp.up_proj.weight") == \
+        "layers.0.mlp.up_proj.weight"
+    want = original.state_dict()
+    assert sorted(translated) == sorted(want) and all(torch.equal(translated[n], want[n]) for n in want)
+    section_of = DrafterConfig(**sp.backbone(config), architecture="xpress", sections={"xpress": sp.fields(config)})
+    shape = drafter_shape(target_config(), section_of)
+    assert shape == original.config
+    converted = DFlashDrafter(shape)
+    converted.load_state_dict(translated, strict=True)
+    out = save_drafter(converted, tmp_path / "export", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    embed, lm_head = (torch.randn(VOCAB, D, generator=g) for _ in range(2))
+    states, anchors = torch.randn(5, B, D, generator=g), torch.randint(0, VOCAB, (5,), generator=g)
+    ours = DraftModel(original, embed, lm_head).draft(states, anchors)
+    assert torch.equal(ServedHead(out).draft(states, lm_head, anchors), ours)
+    for bad, match in (({"sample_from_anchor": True}, "sample_from_anchor"), ({"draft_vocab_size": 64}, "draft_vocab_size"),
+                       ({"speculators_model_type": "dflash"}, "speculators_model_type")):
+        with pytest.raises(ValueError, match=match):
+            sp.check_config({**config, **bad})
+    with pytest.raises(ValueError, match="refiner_head.gate"):
+        sp.vllm_name("refiner_head.gate")
