@@ -104,7 +104,8 @@ def test_every_architecture_exports_loads_and_drafts_bit_exact(name, monkeypatch
     assert all(torch.equal(back.state_dict()[n], t) for n, t in state.items())
     g = torch.Generator().manual_seed(1)
     embed, head = (torch.randn(VOCAB, D, generator=g) for _ in range(2))
-    hidden = torch.randn(6, shape.num_drafts, D, generator=g)
+    # The states its walk reads: the drafting slots' (every slot's for a walk that reads the anchor's too).
+    hidden = DraftModel(drafter, embed, head).drafting_states(torch.randn(6, B, D, generator=g))
     anchors = torch.randint(0, VOCAB, (6,), generator=g)
     context = torch.randn(6, D, generator=g)  # each anchor's context row, for an architecture that reads it
     want = DraftModel(drafter, embed, head).draft(hidden, anchors, context=context)

@@ -3,11 +3,12 @@ through the real `deepspeed` launcher on gloo (a target rank sending what its lo
 its split run's losses equal the single-process reference (tests/reference.py), its own log fields are
 logged (every field its log view shows), the export is its architecture's (config.json's class, read
 back by the evaluator's loader) and tau is reported after training. A row's own checks follow (DFlash2's
-selector warm-up, LiLiCorr's lattice).
+selector warm-up, LiLiCorr's lattice, XPress's passes).
 
 The rows are the architectures whose tiny recipe this tier has launched all along: v1's launcher runs are
 tests/test_runtime.py's (split, colocated, resumed), and DSpark's tiny recipe trains in process (the
-steps suite, tests/test_dspark_recipes.py); one more launch would cost the CPU tier a minute and a half."""
+steps suite, tests/test_dspark_recipes.py); one more launch costs the CPU tier a minute and a half, which
+XPress's row spends (its rounds' gradients, taken through the head after the fused loss, in a split run)."""
 
 from __future__ import annotations
 
@@ -52,11 +53,22 @@ def lilicorr_own(run_dir, recs, config, reference):
     assert config["dflash_config"]["projector_type"] == "lilicorr", config["dflash_config"]
 
 
+def xpress_own(run_dir, recs, config, reference):
+    """Each pass's acceptance proxy is logged (the base draft, then every consistency round), the refiner's
+    bias grows from its start, and the export names vLLM 0.34's keys at the top level."""
+    last = recs[-1]
+    assert len(last["xpress_accept_pass"]) == 3 + 1 and all(a >= 1 for a in last["xpress_accept_pass"])
+    assert last["xpress_bias_rms"] > 0 and last["xpress_consistency_ce"] > 0
+    assert config["architectures"] == ["Qwen3XPressModel"] and config["sample_from_anchor"] is False
+    assert (config["xpress_rank"], config["xpress_block_size"], config["xpress_topc"]) == (32, 8, 64)
+
+
 # name -> (its tiny recipe, overrides, its own checks)
 ROWS = {
     "dflash2": ("recipes/tiny-dflash2.yaml", ["objective.dflash2.selector_warmup_ratio=0.25",
                                                "objective.dflash2.selector_ramp_ratio=0.5"], dflash2_own),
     "lilicorr": ("recipes/tiny-lilicorr.yaml", [], lilicorr_own),
+    "xpress": ("recipes/tiny-xpress.yaml", [], xpress_own),
 }
 
 

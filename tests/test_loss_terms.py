@@ -17,7 +17,7 @@ from dflash_ds.network.draft_model import DraftModel
 from dflash_ds.network.drafter import DFlashDrafter
 from dflash_ds.objective.blocks import MicroBatch, make_blocks, slot_rows, slot_target_index
 from dflash_ds.objective.drafter_loss import StepSettings, drafter_loss
-from dflash_ds.objective.loss import LossOutput
+from dflash_ds.objective.loss import LossOutput, RoundsOutput
 from dflash_ds.objective.loss_terms import OutputTerm, RowTerm
 from dflash_ds.resolve.drafter import drafter_shape
 from tests.toy_variant import TOY, register
@@ -80,18 +80,39 @@ def dense(model, mb, blocks, normaliser, settings):
     w = slot_rows(blocks.weights, B, first).double()
     labels = torch.where(w > 0, slot_rows(blocks.labels, B, first), 0)
     lm_head = model.lm_head.double()
-    raw = h @ lm_head.T
+    unbiased = h @ lm_head.T
+    raw = unbiased
     bias = own.bias
     if bias is not None:
         raw = raw + bias.features.double() @ bias.table.double().T
     z = shape.logit_transform.apply(raw)
-    ce = F.cross_entropy(z, labels, reduction="none")
     index = slot_rows(slot_target_index(blocks.anchors, B, S, shape.spec.label_offset), B, first)
     tz = shape.logit_transform.apply(mb.final_hidden.reshape(-1, D)[index].double() @ lm_head.T)
-    log_q, log_p = F.log_softmax(z / TEMPERATURE, -1), F.log_softmax(tz / TEMPERATURE, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    def ce_kl(z):  # the backbone's two vocabulary terms of logits z, per row
+        log_q, log_p = F.log_softmax(z / TEMPERATURE, -1), F.log_softmax(tz / TEMPERATURE, -1)
+        return F.cross_entropy(z, labels, reduction="none"), (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    ce, kl = ce_kl(z)
     sums = {"ce": (w * ce).sum(), "kl": (w * kl).sum()}
     loss = own.ce_weight * sums["ce"] + KL_WEIGHT * TEMPERATURE ** 2 * sums["kl"]
+    rounds = None
+    if bias is not None and bias.rounds is not None:
+        # Rounds of the bias (XPress's Jacobi rounds): round 0 the unbiased logits, round j the bias of
+        # round j - 1's argmax, computed whole and differentiated by autograd here.
+        r, found = bias.rounds, []
+        raw_k = unbiased
+        for k in range(r.count + 1):
+            if k:
+                raw_k = unbiased + r.features(k, found[-1][0], 0, h.shape[0]).double() @ bias.table.double().T
+            z_k = shape.logit_transform.apply(raw_k)
+            found.append((raw_k.argmax(-1).detach(), (z_k.argmax(-1) == labels) & (w > 0)))
+            label = "base" if k == 0 else f"round{k}"
+            ce_k, kl_k = ce_kl(z_k)
+            sums[f"ce_{label}"], sums[f"kl_{label}"] = (w * ce_k).sum(), (w * kl_k).sum()
+            weight_k = r.base_weight if k == 0 else r.weight
+            loss = loss + weight_k * (sums[f"ce_{label}"] + KL_WEIGHT * TEMPERATURE ** 2 * sums[f"kl_{label}"])
+        rounds = RoundsOutput(torch.stack([a for a, _ in found]), torch.stack([c for _, c in found]), None)
     rows = {}
     terms = own.terms
     for t in terms:
@@ -104,7 +125,9 @@ def dense(model, mb, blocks, normaliser, settings):
     k = max((t.top_k for t in terms if isinstance(t, OutputTerm)), default=0)
     top = raw.detach().topk(k, dim=-1) if k else None
     expected = z.softmax(-1).detach() @ lm_head if any(getattr(t, "reads_expected", False) for t in terms) else None
-    base = LossOutput(loss, {}, None, top.indices if k else None, top.values if k else None, rows, expected=expected)
+    correct = (z.argmax(-1) == labels) & (w > 0)  # in the rows' order, as the output terms see it
+    base = LossOutput(loss, {}, correct, top.indices if k else None, top.values if k else None, rows, expected=expected,
+                      rounds=rounds)
     for t in terms:
         if isinstance(t, OutputTerm):
             extra, logs = t.contribute(base, normaliser)

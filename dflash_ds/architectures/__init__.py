@@ -1,6 +1,6 @@
 """The drafter architectures, one package each, by the name the recipe's `drafter.architecture` gives.
 
-Each package (dflash/, dflash2/, dspark/, lilicorr/) registers its `Architecture` (network/contract.py:
+Each package (dflash/, dflash2/, dspark/, lilicorr/, xpress/) registers its `Architecture` (network/contract.py:
 its spec, modules, objective and walk) with `register` (network/registry.py); DFlash's (v1) parts are
 the ones the others extend. The architectures sit above both the network (network/: the modules they
 extend, the contract, the registry) and the objective (objective/: the loss their terms join), and
@@ -15,7 +15,7 @@ Model code: no torch.distributed, no deepspeed.
 
 from __future__ import annotations
 
-from dflash_ds.architectures import dflash, dflash2, dspark, lilicorr  # noqa: F401  (each registers itself)
+from dflash_ds.architectures import dflash, dflash2, dspark, lilicorr, xpress  # noqa: F401  (each registers itself)
 from dflash_ds.network.registry import DEFAULT_NAME, VARIANTS, class_names, names, register, spec_of, variant
 
 DEFAULT = VARIANTS[DEFAULT_NAME]  # a recipe or config.json that names no architecture

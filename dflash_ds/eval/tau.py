@@ -123,7 +123,7 @@ def anchor_proposals(model: DraftModel, taps: torch.Tensor, input_ids: torch.Ten
         proposal = model.propose(states, block_ids.view(n, B)[:, 0], p_min, context=rows)
         if temperature > 0:
             # The text after each anchor, -1 (no candidate's id) past its end.
-            at = anchors[:, None] + 1 + torch.arange(states.shape[1], device=device)
+            at = anchors[:, None] + 1 + torch.arange(model.num_drafts, device=device)
             following = torch.where(at < end, y[at.clamp(max=end - 1)], torch.full_like(at, -1))
             proposal = proposal._replace(text_q=model.text_probabilities(states, following, temperature, context=rows))
         parts.append(proposal)

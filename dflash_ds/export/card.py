@@ -88,14 +88,17 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         "",
     ]
     lines += card.note
+    if serve.sglang_algorithm is not None:  # None: SGLang does not serve it (the note says so)
+        lines += [
+            f"SGLang (`--speculative-num-draft-tokens` = {serve.sglang_draft_tokens}):",
+            "",
+            "```",
+            f"python -m sglang.launch_server --model {target_arg} --speculative-algorithm {serve.sglang_algorithm} \\",
+            f"    --speculative-draft-model-path DRAFTER_DIR --speculative-num-draft-tokens {serve.sglang_draft_tokens}",
+            "```",
+            "",
+        ]
     lines += [
-        f"SGLang (`--speculative-num-draft-tokens` = {serve.sglang_draft_tokens}):",
-        "",
-        "```",
-        f"python -m sglang.launch_server --model {target_arg} --speculative-algorithm {serve.sglang_algorithm} \\",
-        f"    --speculative-draft-model-path DRAFTER_DIR --speculative-num-draft-tokens {serve.sglang_draft_tokens}",
-        "```",
-        "",
         f"vLLM (`num_speculative_tokens` = {serve.vllm_tokens}):",
         "",
         "```",
@@ -103,7 +106,7 @@ def model_card(cfg: DrafterShape, *, target: str | None = None, data: str | None
         *vllm_tail,
         "```",
         "",
-        *sglang_note,
+        *(sglang_note if serve.sglang_algorithm is not None else []),
     ]
     if serve.llama_cpp_type is not None:  # None: llama.cpp does not load it (the note says why)
         lines += llama_cpp_lines(serve, llama_tail)

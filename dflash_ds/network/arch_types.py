@@ -112,7 +112,7 @@ class Serving(NamedTuple):
     `--speculative-num-draft-tokens`, vLLM's `method` and `num_speculative_tokens`, llama.cpp's
     speculative type (read from the converted drafter's metadata) and `--spec-draft-n-max`."""
 
-    sglang_algorithm: str
+    sglang_algorithm: str | None  # None: SGLang does not serve this drafter
     sglang_draft_tokens: int
     vllm_method: str
     vllm_tokens: int

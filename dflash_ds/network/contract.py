@@ -60,6 +60,9 @@ class Spec:
     slot that is not (objective/blocks.py `block_targets` / `anchor_first_targets`)."""
     needs_target_logits: bool = False
     """Payloads carry the target's final-norm states, so its terms see the target's logits."""
+    walk_reads_anchor_slot: bool = False
+    """Its walk reads the anchor slot's state too (XPress's refiner mixes it into every slot): the walk gets
+    every slot's states [n, B, D], slot 0 first, in place of the drafting slots' [n, L, D]."""
     logs: LogView = LogView()
     """What its named logs become in metrics.jsonl, the progress line and the report."""
     remote_code: RemoteCode | None = None
@@ -120,7 +123,7 @@ class Objective(Protocol):
 
 class Walk(Protocol):
     """How the engines draft with an architecture, from the drafting slots' final states [n, L, D]
-    (L = `DrafterShape.num_drafts`). `context` [n, D]: each anchor's context row, the fused state before
+    (L = `DrafterShape.num_drafts`; every slot's [n, B, D] with `Spec.walk_reads_anchor_slot`). `context` [n, D]: each anchor's context row, the fused state before
     it (drafter.fuse), for a walk that reads it."""
 
     def propose(self, model: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, p_min: float = 0.0, *,

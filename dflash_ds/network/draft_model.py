@@ -99,5 +99,6 @@ class DraftModel:
         return self.config.variant.walk.sampled_draft(self, hidden, temperature, generator, context=context)
 
     def drafting_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft."""
-        return hidden[:, self.config.first_draft_slot:]
+        """`[n, B, D]` block states -> `[n, num_drafts, D]`, those of the slots that draft: what the walk
+        reads (all B slots for a walk that reads the anchor slot too, `Spec.walk_reads_anchor_slot`)."""
+        return hidden[:, 0 if self.config.spec.walk_reads_anchor_slot else self.config.first_draft_slot:]

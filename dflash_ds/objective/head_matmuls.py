@@ -82,7 +82,12 @@ class _Matmuls:
 
     def _table_grad(self, g_logits, lo, hi):
         if self.g_table is not None:
-            _add_product(self.g_table, g_logits.t(), self.rows(self.features, lo, hi).to(g_logits.dtype))
+            self.add_table_grad(g_logits, self.rows(self.features, lo, hi))
+
+    def add_table_grad(self, g_logits, features) -> None:
+        """The table's gradient from the logits' gradient `g_logits` [size, V] of rows `features` [size, r] biased."""
+        if self.g_table is not None:
+            _add_product(self.g_table, g_logits.t(), features.to(g_logits.dtype))
 
     def grads(self, n: int):
         """(d hidden [n, D] or None, the bias's gradients (features, table), None where none is wanted)."""
@@ -132,11 +137,19 @@ class StackedMatmuls(_Matmuls):
         target = TargetLogits(self.out[size:], place) if self.target is not None else None
         return self.out[:size], target
 
-    def backward(self, g_logits, i: int, lo: int, hi: int) -> None:
-        """The chunk's input gradients (states and features) and its share of the table's gradient."""
+    def backward(self, g_logits, i: int, lo: int, hi: int, *, g_biased=None) -> None:
+        """The chunk's input gradients (states and features) and its share of the table's gradient.
+        `g_biased`: the part of `g_logits` of logits the bias reached, where not all did (the rounds of
+        a loss.Rounds start from the unbiased logits); None: all of it."""
         if self.g_rows is not None:
-            torch.mm(g_logits, self.w, out=self.g_rows[i * self.size:(i + 1) * self.size])
-        self._table_grad(g_logits, lo, hi)
+            at = self.g_rows[i * self.size:(i + 1) * self.size]
+            if g_biased is None or self.table is None:
+                torch.mm(g_logits, self.w, out=at)
+            else:
+                d = self.hidden.shape[1]
+                torch.mm(g_logits, self.w[:, :d], out=at[:, :d])
+                torch.mm(g_biased, self.w[:, d:], out=at[:, d:])
+        self._table_grad(g_logits if g_biased is None else g_biased, lo, hi)
 
 
 class SeparateMatmuls(_Matmuls):
@@ -161,13 +174,14 @@ class SeparateMatmuls(_Matmuls):
         torch.mm(self.target[states[:count]], self.weight.t(), out=self.out[:count])
         return logits, TargetLogits(self.out, self.distinct[1][i])
 
-    def backward(self, g_logits, i: int, lo: int, hi: int) -> None:
+    def backward(self, g_logits, i: int, lo: int, hi: int, *, g_biased=None) -> None:
         at = slice(i * self.size, (i + 1) * self.size)
+        g_bias = g_logits if g_biased is None else g_biased
         if self.g_rows is not None:
             self.g_rows[at] = self.head.input_grad(g_logits)
             if self.g_features is not None:
-                self.g_features[at] = torch.mm(g_logits, self.table.to(g_logits.dtype))
-        self._table_grad(g_logits, lo, hi)
+                self.g_features[at] = torch.mm(g_bias, self.table.to(g_logits.dtype))
+        self._table_grad(g_bias, lo, hi)
 
 
 class GemmHead:

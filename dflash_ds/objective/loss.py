@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from dflash_ds.network.logit_transform import IDENTITY, LogitTransform
 from dflash_ds.objective.blocks import slot_rows
 from dflash_ds.objective.head_matmuls import ChunkRows, DenseHead
-from dflash_ds.objective.loss_terms import (CrossEntropy, LogitBias, OutputTerm, Pass, TargetRows, VocabTerm,
+from dflash_ds.objective.loss_terms import (CrossEntropy, LogitBias, OutputTerm, Pass, Rounds, TargetRows, VocabTerm,
                                         chunk_pass)
+from dflash_ds.objective.rounds import RoundLoop, RoundsOutput
 from dflash_ds.objective.top_k import block_top_k
 
 
@@ -41,6 +42,8 @@ class LossOutput(NamedTuple):
     expected: torch.Tensor | None = None
     """[n, D] q @ W per row of weight > 0 (an output term's reads_expected), detached; a row of weight 0 may
     read 0 (`_Call.derives_expected`)."""
+    rounds: RoundsOutput | None = None
+    """A logit bias's rounds (loss_terms.Rounds), or None without."""
 
 
 class ChunkedLoss:
@@ -110,17 +113,18 @@ class ChunkedLoss:
                              "requires grad")
         tensors = (bias.features, bias.table) if bias is not None else ()
         call = _Call(loss=self, normaliser=normaliser, target=target, grad_hidden=grad_on and hidden.requires_grad,
-                     grad_weight=grad_weight)
+                     grad_weight=grad_weight, rounds=bias.rounds if bias is not None else None)
         if not (call.grad_hidden or grad_weight or (grad_on and any(t.requires_grad for t in tensors))):
             out, _ = call.run(hidden.detach(), weight.detach(), labels, weights,
                               bias_tensors=tuple(t.detach() for t in tensors))
         else:
-            loss, correct, top, top_logits, sum_values, kept_values, expected = _Fused.apply(
+            loss, correct, top, top_logits, sum_values, kept_values, expected, *rounds = _Fused.apply(
                 hidden, weight, labels, weights, call, *tensors)
-            sums = dict(zip((t.name for t in self.vocab_terms), sum_values.unbind()))
+            sums = dict(zip(call.sum_names(), sum_values.unbind()))
             kept = dict(zip((t.name for t in self.vocab_terms if t.keep_rows), kept_values.unbind(1)))
             out = LossOutput(loss=loss, sums=sums, correct=correct, candidates=top, candidate_logits=top_logits,
-                             rows=kept, expected=expected if self.expected else None)
+                             rows=kept, expected=expected if self.expected else None,
+                             rounds=RoundsOutput(*rounds) if call.rounds is not None else None)
         if not self.top_k:
             out = out._replace(candidates=None, candidate_logits=None)
         return self._output_terms(out, normaliser)
@@ -178,6 +182,15 @@ class _Call(NamedTuple):
     target: TargetRows | None
     grad_hidden: bool
     grad_weight: bool
+    rounds: Rounds | None = None
+
+    def sum_names(self) -> list[str]:
+        """The names of the vocabulary terms' sums: each term's, then each round's (loss_terms.Rounds)."""
+        names = [t.name for t in self.loss.vocab_terms]
+        if self.rounds is None:
+            return names
+        return names + [f"{n}_{r}" for r in ["base"] + [f"round{j}" for j in range(1, self.rounds.count + 1)]
+                        for n in names]
 
     def run(self, hidden, weight, labels, weights, *, bias_tensors=()):
         """The chunk loop: (the output of the vocabulary terms, whose loss is sum_t weight_t * loss_scale_t *
@@ -215,6 +228,8 @@ class _Call(NamedTuple):
                                                chunks=chunks, grad_hidden=self.grad_hidden))
         how = Pass(terms, owner.transform)
         fn = chunk_pass(hidden.device, how)
+        rounds = RoundLoop(self.rounds, bias, n=n, size=size, chunks=chunks, terms=len(terms),
+                           grads=want_grad) if self.rounds is not None else None
         for i in range(chunks):
             lo, hi = i * size, min(n, (i + 1) * size)
             lc, wc = lab[lo:hi], w[lo:hi]
@@ -232,6 +247,11 @@ class _Call(NamedTuple):
                 expected[i * size:(i + 1) * size] = q.to(weight.dtype) @ weight  # [V, D] never copied
                 del q
             sums, hit, values, g_logits = fn(logits, t_logits, lc, wc, scales=sc, how=how)
+            g_biased = g_logits
+            if rounds is not None:
+                g_rest = rounds.chunk(project, logits, t_logits, (i, lo, hi), labels=lc, weights=wc, scales=sc, fn=fn, how=how)
+                if g_rest is not None:
+                    g_logits = g_logits + g_rest
             del logits, t_logits
             totals = [a + b for a, b in zip(totals, sums)]
             hits.append(hit)
@@ -239,22 +259,27 @@ class _Call(NamedTuple):
                 if term.keep_rows:
                     kept[term.name][i * size:(i + 1) * size] = v
             if g_logits is not None:
-                project.backward(g_logits, i, lo, hi)
+                project.backward(g_logits, i, lo, hi, g_biased=g_biased if rounds is not None else None)
             if self.grad_weight:
                 # Accumulates in the weight's dtype, as autograd would across chunks.
                 g_weight.addmm_(g_logits.t(), project.rows(hidden, lo, hi))
             del g_logits
         correct = torch.cat(hits)[:n] if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+        if rounds is not None:
+            totals = totals + rounds.totals
         g_hidden, g_bias = project.grads(n)
         if derive:
             expected = _expected_from_gradient(g_hidden, scales[0], weight, lab)
+        weights_of = [t.weight * t.loss_scale for t in terms]
+        if rounds is not None:  # each round's terms at the round's weight
+            weights_of += [rounds.weight_of(k) * w_t for k in range(self.rounds.count + 1) for w_t in weights_of[:len(terms)]]
         loss = None
-        for term, total in zip(terms, totals):
-            part = (term.weight * term.loss_scale) * total
-            loss = part if loss is None else loss + part
-        out = LossOutput(loss=loss / normaliser, sums={t.name: total for t, total in zip(terms, totals)}, correct=correct,
+        for w_t, total in zip(weights_of, totals):
+            loss = w_t * total if loss is None else loss + w_t * total
+        out = LossOutput(loss=loss / normaliser, sums=dict(zip(self.sum_names(), totals)), correct=correct,
                          candidates=top[:n], candidate_logits=top_logits[:n], rows={k: v[:n] for k, v in kept.items()},
-                         expected=expected[:n] if owner.expected else None)
+                         expected=expected[:n] if owner.expected else None,
+                         rounds=rounds.output(n) if rounds is not None else None)
         return out, (g_hidden if self.grad_hidden else None, g_weight, g_bias)
 
     def derives_expected(self) -> bool:
@@ -291,8 +316,10 @@ class _Fused(torch.autograd.Function):
         kept = list(out.rows.values())
         kept_values = torch.stack(kept, dim=1) if kept else out.candidate_logits.new_zeros(out.correct.shape[0], 0)
         expected = out.expected if out.expected is not None else kept_values.new_zeros(0)
-        ctx.mark_non_differentiable(out.correct, out.candidates, out.candidate_logits, sum_values, kept_values, expected)
-        return out.loss, out.correct, out.candidates, out.candidate_logits, sum_values, kept_values, expected
+        rounds = () if out.rounds is None else (out.rounds.argmax, out.rounds.correct, out.rounds.feature_grads)
+        ctx.mark_non_differentiable(out.correct, out.candidates, out.candidate_logits, sum_values, kept_values, expected,
+                                    *rounds)
+        return out.loss, out.correct, out.candidates, out.candidate_logits, sum_values, kept_values, expected, *rounds
 
     @staticmethod
     def backward(ctx, g_loss, *_non_differentiable):

@@ -40,13 +40,31 @@ class TargetRows(NamedTuple):
     index: torch.Tensor | None = None
 
 
+class Rounds(NamedTuple):
+    """Rounds of a logit bias that re-read the argmax of the round before them (XPress's Jacobi rounds),
+    computed inside the loss's chunk loop from the logits it already has. Round 0 is the unbiased logits
+    (`h @ W.T`); round j >= 1 adds `features(j, previous, lo, hi) @ table.T` to them, `previous` [n] being
+    round j - 1's argmax of every row, filled for the rows before `hi` (chunks run in row order, so a row's
+    features may read its own and earlier rows' only). Each round runs the loss's vocabulary terms on its
+    logits at `base_weight` (round 0) or `weight` (each later round); their sums are named
+    `<term>_base` and `<term>_round<j>`. The loss calls `features` with gradients off and hands back the
+    gradient of its loss w.r.t. them (`loss.RoundsOutput.feature_grads`) for the caller to apply."""
+
+    count: int
+    weight: float
+    base_weight: float
+    features: Callable
+
+
 class LogitBias(NamedTuple):
     """A low-rank bias of the drafter's raw logits: row i gets `table @ features[i]` (`features`
     `[n, r]` in the loss's row order, `table` `[V, r]`; both may require grad). Written so, the loss
-    folds it into the lm_head matmul (`[h | features] @ [W | table].T`): no `[c, V]` bias exists."""
+    folds it into the lm_head matmul (`[h | features] @ [W | table].T`): no `[c, V]` bias exists.
+    `rounds`: the same table's rounds beside it (`Rounds`), or None."""
 
     features: torch.Tensor
     table: torch.Tensor
+    rounds: Rounds | None = None
 
     def check(self, rows: int, vocab_size: int) -> None:
         f, t = self.features, self.table
