@@ -65,7 +65,10 @@ def test_an_unreadable_benchmark_file_is_named_with_its_set(tmp_path, capsys, na
         load_conversations("gsm8k", str(tmp_path), setting="eval.bench_dir")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"benchmark gsm8k: {tmp_path / name}") and needle in msg, msg
-    # The evaluator reads the sets before it loads any model: the same line, at once.
+    # The evaluator reads the sets before it loads any model (both folders exist, empty): the same line,
+    # at once.
+    (tmp_path / "no-target").mkdir()
+    (tmp_path / "no-drafter").mkdir()
     assert main(["--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter"),
                  "--bench", "gsm8k", "--bench-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -129,8 +132,10 @@ def test_cli_prints_one_row_per_set_and_setting_and_warns_on_thinking(world, tmp
     assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k", "--bench-dir",
                  str(BENCH_DIR), "--limit", "1", "--max-new-tokens", "4"]) == 0
     assert "enable_thinking" not in capsys.readouterr().err
-    assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k",
-                 "--bench-dir", str(tmp_path / "empty")]) == 2
+    with pytest.raises(SystemExit) as stop:  # the argument's own check (dflash_ds/arguments.py): exit 2
+        main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k",
+              "--bench-dir", str(tmp_path / "empty")])
+    assert stop.value.code == 2
     assert "--bench-dir" in (err := capsys.readouterr().err) and "does not exist" in err
     (tmp_path / "empty").mkdir()
     assert main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--bench", "gsm8k",

@@ -39,6 +39,7 @@ FIXED_SIGNATURES = {
     "target_model/expert_parallel.py:sharded_experts_forward", "target_model/packed.py:packed_gdn_forward",
     "target_model/packed.py:varlen_attention", "architectures/dflash/modeling_dflash.py",
     "architectures/dflash2/modeling_dflash2.py", "architectures/dspark/modeling_dspark.py",
+    "data/static_decode.py:_attention",  # transformers' AttentionInterface calls it by position
 }
 
 
@@ -375,7 +376,7 @@ def test_no_named_tuple_is_unpacked_by_position():
 
 def test_every_type_crosses_a_module_boundary_or_carries_behaviour():
     types = record_types(ROOT)
-    assert len(types) > 50 and {"DrafterShape", "RunSpec", "Pin"} <= {node.name for _, node in types}  # seen
+    assert len(types) > 50 and {"DrafterShape", "RunSpec", "LogitBias"} <= {node.name for _, node in types}  # seen
     found = unearned_types(ROOT)
     assert not found, ("dataclasses / NamedTuples used inside one module only and without a method (pass "
                        "the values themselves, or give the type its behaviour):\n  " + "\n  ".join(found))

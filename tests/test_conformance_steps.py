@@ -108,7 +108,7 @@ def named_logs(name: str) -> set[str]:
     settings = settings_of(name)
     mb, embed, head = micro_batch()
     torch.manual_seed(0)
-    model = DraftModel(DFlashDrafter(settings.shape).float(), embed, head)
+    model = DraftModel(DFlashDrafter(settings.shape).double(), embed, head)
     blocks = make_blocks(mb, settings, 0)
     with torch.no_grad():
         out = drafter_loss(model, mb, blocks, blocks.weights.sum(), settings=settings)

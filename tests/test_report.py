@@ -53,6 +53,10 @@ def test_report_pages_and_pictures(tmp_path, capsys):
 
 @pytest.mark.integration  # end to end in process, seconds (README, "Tests")
 def test_report_errors_and_end_of_run_hook(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:  # no such folder: the argument's own check, exit 2
+        main([str(tmp_path / "nothing")])
+    assert stop.value.code == 2 and "does not exist" in capsys.readouterr().err
+    (tmp_path / "nothing").mkdir()  # a folder without a run in it: named by what it lacks
     assert main([str(tmp_path / "nothing")]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
     # The end-of-run hook rewrites the export's card and draws the report; a broken export

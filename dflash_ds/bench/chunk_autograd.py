@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.objective.loss import ChunkedLoss, LossOutput
+from dflash_ds.objective.rounds import RoundsOutput
 from dflash_ds.objective.loss_terms import CrossEntropy, Distillation, RowTerm
 from dflash_ds.objective.top_k import block_top_k
 
@@ -38,7 +39,7 @@ class PerChunkBackwardLoss(ChunkedLoss):
         lab = torch.where(w > 0, labels, torch.zeros_like(labels))
         if isinstance(normaliser, torch.Tensor):
             normaliser = normaliser.detach()
-        leaves = (hidden, *(bias or ()))
+        leaves = (hidden, bias.features, bias.table) if bias is not None else (hidden,)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
         # The bias's table is one leaf for every chunk (its .grad accumulates over them); its features,
         # like the states, are cut per chunk.
@@ -51,14 +52,16 @@ class PerChunkBackwardLoss(ChunkedLoss):
         totals = {t.name: hidden.new_zeros((), dtype=acc) for t in self.vocab_terms}
         kept = {t.name: [] for t in self.vocab_terms if t.keep_rows}
         loss_value, hits, tops, expected = hidden.new_zeros((), dtype=acc), [], [], []
+        rounds = _PlainRounds(bias.rounds, n, self.vocab_terms, acc=acc, grad=grad) \
+            if bias is not None and bias.rounds is not None else None
         for lo in range(0, n, size):
             hi = min(n, lo + size)
             h = hidden[lo:hi].detach().requires_grad_(g_hidden is not None)
-            logits = h @ weight.T
-            f = None
+            base = h @ weight.T
+            logits, f = base, None
             if bias is not None:
                 f = bias.features[lo:hi].detach().requires_grad_(g_features is not None)
-                logits = logits + f.to(logits.dtype) @ table.to(logits.dtype).T
+                logits = base + f.to(logits.dtype) @ table.to(logits.dtype).T
             if self.top_k:
                 tops.append(block_top_k(logits.detach(), self.top_k))
             z = self.transform.apply(logits.to(acc))
@@ -79,6 +82,9 @@ class PerChunkBackwardLoss(ChunkedLoss):
                     kept[term.name].append(values.detach())
                 part = (term.weight * term.loss_scale) * part
                 chunk_loss = part if chunk_loss is None else chunk_loss + part
+            if rounds is not None:
+                chunk_loss = chunk_loss + rounds.chunk(self, base, table, tz=tz, at=(lo, hi), labels=lab[lo:hi], w=w[lo:hi],
+                                                        totals=totals)
             chunk_loss = chunk_loss / normaliser
             loss_value = loss_value + chunk_loss.detach()
             if grad:
@@ -87,6 +93,8 @@ class PerChunkBackwardLoss(ChunkedLoss):
                     g_hidden[lo:hi] = h.grad
                 if g_features is not None:
                     g_features[lo:hi] = f.grad
+                if rounds is not None:
+                    rounds.take_grads(lo, hi)
         grads = (g_hidden, g_features, table.grad if table is not None else None)
         loss = _HandBack.apply(loss_value, grads, *leaves) if grad else loss_value
         correct = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
@@ -94,8 +102,61 @@ class PerChunkBackwardLoss(ChunkedLoss):
                          candidates=torch.cat([t[1] for t in tops]) if tops else None,
                          candidate_logits=torch.cat([t[0] for t in tops]) if tops else None,
                          rows={k: torch.cat(v) for k, v in kept.items()},
-                         expected=torch.cat(expected) if expected else None)
+                         expected=torch.cat(expected) if expected else None,
+                         rounds=rounds.output() if rounds is not None else None)
         return self._output_terms(out, normaliser)
+
+
+class _PlainRounds:
+    """A logit bias's rounds (objective/loss_terms.py `Rounds`) written plainly inside the per-chunk loop:
+    round 0 the unbiased logits, round k >= 1 those plus `features(k, round k - 1's argmax) @ table.T`,
+    each round's vocabulary terms at its weight, summed as `<term>_base` / `<term>_round<k>`; each later
+    round's features are an autograd leaf, so its gradient (the loss's RoundsOutput.feature_grads) is
+    theirs after the chunk's backward."""
+
+    def __init__(self, spec, n: int, terms, *, acc, grad: bool):
+        self.spec, self.terms = spec, terms
+        self.argmax = torch.zeros(spec.count + 1, n, dtype=torch.long)
+        self.correct = torch.zeros(spec.count + 1, n, dtype=torch.bool)
+        self.grads = [] if grad else None
+        self.leaves: list[torch.Tensor] = []
+        self.acc = acc
+
+    def chunk(self, owner, base, table, *, tz, at, labels, w, totals):
+        """Rows [lo, hi)'s rounds from their unbiased logits `base`: their weighted loss (not yet over
+        the normaliser), their sums added to `totals`, argmax and hits recorded."""
+        lo, hi = at
+        self.argmax, self.correct = self.argmax.to(base.device), self.correct.to(base.device)
+        loss, self.leaves = None, []
+        for k in range(self.spec.count + 1):
+            raw = base
+            if k:
+                f = self.spec.features(k, self.argmax[k - 1], lo, hi).detach()
+                f.requires_grad_(self.grads is not None)
+                self.leaves.append(f)
+                raw = base + f.to(base.dtype) @ table.to(base.dtype).T
+            z = owner.transform.apply(raw.to(self.acc))
+            w_k = self.spec.base_weight if k == 0 else self.spec.weight
+            name = "base" if k == 0 else f"round{k}"
+            for term in self.terms:
+                part = (_values(term, z, tz, labels) * w).sum()
+                key = f"{term.name}_{name}"
+                totals[key] = totals.get(key, 0.0) + part.detach()
+                part = (w_k * term.weight * term.loss_scale) * part
+                loss = part if loss is None else loss + part
+            self.argmax[k, lo:hi] = raw.detach().argmax(-1)
+            self.correct[k, lo:hi] = (self.argmax[k, lo:hi] == labels) & (w > 0)
+        return loss
+
+    def take_grads(self, lo: int, hi: int) -> None:
+        """After the chunk's backward: its later rounds' feature gradients."""
+        self.grads.append(torch.stack([f.grad for f in self.leaves]) if self.leaves else None)
+
+    def output(self) -> RoundsOutput:
+        grads = None
+        if self.grads and self.grads[0] is not None:
+            grads = torch.cat(self.grads, dim=1).detach()
+        return RoundsOutput(self.argmax, self.correct, grads)
 
 
 def _values(term, z, tz, labels):

@@ -51,6 +51,10 @@ class Phase:
     mask: torch.Tensor | None = None  # decode: [S, 1, 1, L] keys each row may see
     window_mask: torch.Tensor | None = None  # decode, sliding-window layers
 
+    def mask_of(self, sliding_window) -> torch.Tensor | None:
+        """A decode step's key mask for a layer (its window's on a sliding-window layer)."""
+        return self.window_mask if sliding_window else self.mask
+
 
 class SlotCache:
     """Per-layer K/V buffers [slots, kv_heads, max_len, head_dim], written in place.
@@ -60,7 +64,7 @@ class SlotCache:
     stores each row's one new state at that row's position and returns every row's first `length`
     positions."""
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, *, dtype, device):
+    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, *, head_dim: int, dtype, device):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -104,7 +108,7 @@ def _attention(module, query, key, value, attention_mask, *, scaling=None, slidi
     S, H, _, hd = query.shape
     kvh = key.shape[1]
     q = query.reshape(S, kvh, H // kvh, hd)
-    mask = phase.window_mask if sliding_window else phase.mask
+    mask = phase.mask_of(sliding_window)
     if q.is_cuda:  # the memory-efficient kernel takes a mask and reads each row's cache once
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -137,6 +141,17 @@ class Rows:
     out: torch.Tensor  # [S, max_new] the generated tokens
     graphs: dict = field(default_factory=dict)
     pool: object = None  # the memory pool of this call's graphs (one per call: it ends with them)
+
+    def advance(self, nxt: torch.Tensor, stopped: torch.Tensor, max_new: int) -> None:
+        """Record a step's chosen tokens `nxt` [S] in place (a finished row's output stays as it is);
+        `stopped` [S]: where `nxt` is a stop token."""
+        live = ~self.done
+        col = self.n_gen.clamp(max=self.out.shape[1] - 1)[:, None]
+        self.out.scatter_(1, col, torch.where(live, nxt, self.out.gather(1, col)[:, 0])[:, None])
+        self.n_gen.add_(live.long())
+        self.done.logical_or_(stopped | (self.n_gen >= max_new))
+        self.tokens.copy_(nxt)
+        self.pos.add_(1).clamp_(max=self.cache.max_len - 1)
 
 
 class StaticDecoder:
@@ -227,7 +242,8 @@ class StaticDecoder:
 
     def _rows(self, slots: int, max_len: int) -> Rows:
         dev = self.device
-        cache = SlotCache(len(self.layers), slots, self.kv_heads, max_len, self.head_dim, dtype=self.dtype, device=dev)
+        cache = SlotCache(len(self.layers), slots, self.kv_heads, max_len, head_dim=self.head_dim, dtype=self.dtype,
+                          device=dev)
         z = torch.zeros(slots, dtype=torch.long, device=dev)
         return Rows(cache, z.clone(), z.clone(), z.clone(), torch.ones(slots, dtype=torch.bool, device=dev),
                     torch.zeros(slots, max(self.max_new, 1), dtype=torch.long, device=dev))
@@ -347,13 +363,7 @@ class StaticDecoder:
                          Phase(prefill=False, mask=seen[:, None, None], window_mask=window))
         logits = self.head(self.norm(h[:, 0])).float()
         nxt = self._choose(logits)
-        live = ~rows.done
-        col = rows.n_gen.clamp(max=rows.out.shape[1] - 1)[:, None]
-        rows.out.scatter_(1, col, torch.where(live, nxt, rows.out.gather(1, col)[:, 0])[:, None])
-        rows.n_gen.add_(live.long())
-        rows.done.logical_or_(self._is_stop(nxt) | (rows.n_gen >= self.max_new))
-        rows.tokens.copy_(nxt)
-        rows.pos.add_(1).clamp_(max=c.max_len - 1)
+        rows.advance(nxt, self._is_stop(nxt), self.max_new)
         return logits if keep_logits else None
 
     def _run_step(self, rows: Rows, length: int) -> None:
