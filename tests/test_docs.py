@@ -165,7 +165,7 @@ def test_shared_prose_lists_every_registered_architecture(where, by, passage):
     from dflash_ds.architectures import VARIANTS
 
     text = passage()
-    missing = [getattr(v, by) for v in VARIANTS.values() if not named(text, getattr(v, by))]
+    missing = [getattr(v.spec, by) for v in VARIANTS.values() if not named(text, getattr(v.spec, by))]
     assert not missing, f"{where} leaves out {', '.join(missing)}: list every registered architecture there"
 
 
@@ -176,11 +176,20 @@ def walkthrough() -> str:
 
 
 def test_the_walkthrough_names_every_member_of_the_toy():
-    from tests.toy_variant import ToyMarkov
+    import dataclasses
+
+    from dflash_ds.network.contract import Spec
+    from tests.toy_variant import SPEC, TOY
 
     rows = [line.split("|")[1] for line in walkthrough().split("\n") if line.strip().startswith("| `")]
     named_members = {m for row in rows for m in re.findall(r"`(\w+)`", row)}
-    members = {k for k in vars(ToyMarkov) if not k.startswith("_")}
+    # The toy's members: what its spec sets beyond a spec of the four required fields, and what each of
+    # its classes (its parts and its two sections) defines itself.
+    bare = Spec(name=SPEC.name, class_name=SPEC.class_name, title=SPEC.title, card=SPEC.card)
+    members = {"name", "class_name", "title", "card"} | {
+        f.name for f in dataclasses.fields(Spec) if getattr(SPEC, f.name) != getattr(bare, f.name)}
+    classes = [type(TOY.modules), type(TOY.objective), type(TOY.walk), SPEC.fields, SPEC.objective_keys]
+    members |= {k for cls in classes for k in vars(cls) if not k.startswith("_")}
     assert named_members == members, (f"docs/architecture.md's walk-through of the toy: members it lacks "
                                       f"{sorted(members - named_members)}, names the toy no longer has {sorted(named_members - members)}")
     for path in re.findall(r"\*\*`(tests/[\w/.]+)`\*\*", walkthrough()):
@@ -200,7 +209,7 @@ def test_the_walkthroughs_recipe_loads_and_resolves(monkeypatch, tmp_path):
     path = tmp_path / "tiny-toy_markov.yaml"  # beside a copy's base: the recipe as it would sit in recipes/
     path.write_text(text.replace("base: tiny.yaml", f"base: {REPO / 'recipes' / 'tiny.yaml'}"))
     recipe = load_recipe(path, [f"run.output_dir={tmp_path / 'run'}"])
-    assert recipe.notes == () and recipe.drafter.architecture == toy.name
+    assert recipe.notes == () and recipe.drafter.architecture == toy.spec.name
     shape = drafter_shape(AutoConfig.from_pretrained(REPO / recipe.target.path), recipe.drafter)
     assert shape.variant is toy and shape.arch_fields.toy_rank == 3
 

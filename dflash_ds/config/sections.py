@@ -106,7 +106,8 @@ class DrafterConfig:
     """dflash (v1); dflash2: every attention and MLP sublayer wrapped in a grouped dynamic block
     convolution, plus a candidate selector that rescores the unary top-k (docs/algorithm.md section 8);
     dspark: anchor-first blocks, a Markov head and a confidence head (section 9); lilicorr: a candidate
-    reranker over the lm_head's top-k on the DFlash backbone (section 10). An architecture's
+    reranker over the lm_head's top-k on the DFlash backbone (section 10); xpress: a causal low-rank
+    refiner over the DFlash block, solved by Jacobi passes, as vLLM 0.34 serves it (section 11). An architecture's
     own keys sit in its own section, `drafter.<architecture>:` (e.g. drafter.dspark.markov_rank), declared
     by its package (dflash_ds/architectures/<architecture>/); their defaults are its published shape."""
     ds_config: str = "ds_configs/drafter_zero2.json"
