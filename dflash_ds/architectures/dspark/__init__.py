@@ -76,7 +76,10 @@ class DSparkFields(Fields):
                              "targets without a logit transform only (Qwen3, Llama)")
 
     def config_entries(self, shape: DrafterShape) -> dict:
-        return {"block_size": shape.block_size, **dataclasses.asdict(self), "sample_from_anchor": True}
+        # No sample_from_anchor here: vLLM's DFlash speculator, which its DSpark speculator extends,
+        # refuses `dflash_config.sample_from_anchor: true` (0.32 and 0.34 alike) before DSpark reads
+        # the top-level key; every reader of the layout takes it from the top level.
+        return {"block_size": shape.block_size, **dataclasses.asdict(self)}
 
     def top_level_entries(self, shape: DrafterShape) -> dict:
         # DeepSpec's config class, vLLM's and SGLang's readers and llama.cpp's converter read these
