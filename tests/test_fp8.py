@@ -343,13 +343,14 @@ def test_generation_runs_through_the_fp8_layers():
 
 def test_dry_run_memory_counts_fp8_weights_at_one_byte():
     from dflash_ds.resolve.plan import memory_estimate, resolve
+    from dflash_ds.resolve.run import resolve_run
 
     r = load_recipe(TINY)
     q = load_recipe(TINY, ["target.quantization=fp8"])
-    plan = resolve(r, 2, 64)
+    plan, shape = resolve(r, 2, 64), resolve_run(r, 2).drafter
     t_params, hidden, vocab = 26_000_000_000, 5120, 248320
-    bf16 = memory_estimate(r, plan, 10**9, t_params, hidden=hidden, vocab=vocab, taps=5)["target"]
-    fp8_ = memory_estimate(q, plan, 10**9, t_params, hidden=hidden, vocab=vocab, taps=5)["target"]
+    bf16 = memory_estimate(r, plan, shape, t_params, hidden=hidden, vocab=vocab, taps=5)["target"]
+    fp8_ = memory_estimate(q, plan, shape, t_params, hidden=hidden, vocab=vocab, taps=5)["target"]
     saved = (t_params - vocab * hidden) / 1024 ** 3
     assert abs((bf16 - fp8_) - saved) < 1e-6 and fp8_ < bf16
 

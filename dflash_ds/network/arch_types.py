@@ -195,3 +195,34 @@ def typed(fields: type, values: dict) -> Any:
     YAML give 2.0 or "2" as readily as 2)."""
     hints = typing.get_type_hints(fields)
     return fields(**{k: hints[k](v) if hints.get(k) in (int, float, bool) else v for k, v in values.items()})
+
+
+class StepSizes(NamedTuple):
+    """The sizes of one micro-batch's drafter step that memory follows (`Modules.extra_activation_bytes`):
+    the planner (resolve/plan.py) fills them from the recipe before any tensor exists."""
+
+    rows: int
+    """Rows of the micro-batch (optim.rows_per_micro_batch)."""
+    row_length: int
+    """Tokens of a row: the context the blocks attend to (data.row_length)."""
+    blocks: int
+    """Blocks of the micro-batch, over all its rows (objective.num_anchors a row)."""
+    block_size: int
+    drafts: int
+    """Drafting slots a block (`DrafterShape.num_drafts`): the loss's rows a block."""
+    loss_chunks: int
+
+    @property
+    def queries(self) -> int:
+        """Block queries the layers run: every slot of every block."""
+        return self.blocks * self.block_size
+
+    @property
+    def draft_rows(self) -> int:
+        """Rows of the loss: the drafting slots of every block."""
+        return self.blocks * self.drafts
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of one loss chunk, whose [rows, vocab] logits the loss holds at a time."""
+        return -(-self.draft_rows // self.loss_chunks)

@@ -4,7 +4,7 @@ a drafter architecture").
 - `Spec`, frozen data: its names, its recipe sections, how its blocks are labelled, what its payloads
   carry, how its logs are shown, its card and its remote code. Nothing to override.
 - `Modules`: what it adds to the backbone (wrappers around every layer's sublayers, heads beside the
-  layers), their tensor inventory, the FLOPs no tensor accounts for, and whether an export of another
+  layers), their tensor inventory, the FLOPs no tensor accounts for, the memory their activations add, and whether an export of another
   architecture can start its backbone.
 - `Objective`: ONE method, `terms`, that takes the micro-batch, its blocks and the drafter's states and
   returns its part of the loss (`StepTerms`: the cross-entropy's weight, its named terms, a logit bias);
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from dflash_ds.network.arch_types import Card, LogView, NoFields, Proposal, RemoteCode, SampledDraft, Wrappers
+from dflash_ds.network.arch_types import Card, LogView, NoFields, Proposal, RemoteCode, SampledDraft, StepSizes, Wrappers
 
 if TYPE_CHECKING:
     from torch import nn
@@ -91,6 +91,11 @@ class Modules(Protocol):
     def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         """Matmul FLOPs of a step no tensor of `tensors` accounts for, `draft_tokens` being the drafting
         slots' rows of the loss."""
+
+    def extra_activation_bytes(self, shape: DrafterShape, step: StepSizes) -> int:
+        """Bytes its wrappers and heads hold at the step's memory peak beyond the backbone's (what their
+        backward keeps, their own temporaries beside a loss chunk's), for one micro-batch of `step`'s
+        sizes: the memory plan (resolve/plan.py) adds them to the backbone's activations."""
 
     def backbone_from(self, shape: DrafterShape, exported: DrafterShape) -> str | None:
         """Why an export of another architecture cannot start the backbone of a drafter of `shape`, its

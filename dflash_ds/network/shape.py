@@ -220,6 +220,11 @@ class DrafterShape:
         the drafting slots' rows of the loss."""
         return self.variant.modules.extra_flops(self, draft_tokens)
 
+    def extra_activation_bytes(self, step) -> int:
+        """Bytes the architecture's wrappers and heads hold at a step's peak beyond the backbone's
+        (`Modules.extra_activation_bytes`), `step` an `arch_types.StepSizes`."""
+        return self.variant.modules.extra_activation_bytes(self, step)
+
     def backbone_from(self, exported: "DrafterShape") -> str | None:
         """Why an export of another architecture, `exported`, cannot start this drafter's backbone, its heads
         fresh (`Modules.backbone_from`, `drafter.init_from`); None when it can."""

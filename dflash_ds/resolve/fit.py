@@ -4,8 +4,9 @@ against the device's memory, before any rank starts.
 A drafter of 10^11 parameters used to pass every check and end, after the launcher had started every
 rank, in an allocation traceback. On a GPU each rank holds its own device, so each role's estimate is
 compared with the GPU's memory; on CPU the ranks of a node share the host's memory, so their sum is
-compared with it. The estimate is rough (docs/performance.md has the measured peaks), so only a plan
-whose estimate exceeds the whole memory is refused: that one cannot run, whatever the estimate missed.
+compared with it. The drafter's estimate is held within 10% of its measured peaks (docs/performance.md,
+"What the memory plan counts"); those are the allocator's peaks, and the caching allocator reserves more
+than it hands out, so only a plan whose estimate exceeds the whole memory is refused: that one cannot run.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ ANY_GPU = 1024 * GIB
 PART_SETTINGS = {
     ("drafter", "embedding"): "the target's vocabulary x hidden size (target.path)",
     ("drafter", "payload"): "data.row_length x optim.rows_per_micro_batch x the taps (received 2 x optim.grad_accum deep)",
-    ("drafter", "activations"): "optim.rows_per_micro_batch x objective.num_anchors x drafter.block_size x drafter.num_layers",
+    ("drafter", "activations"): "optim.rows_per_micro_batch x objective.num_anchors x drafter.block_size x drafter.num_layers "
+                                "x the layer's widths (drafter.intermediate_size; fewer with the drafter.ds_config's "
+                                "activation_checkpointing)",
+    ("drafter", "architecture"): "the architecture's own modules (its drafter.<architecture>: section) x "
+                                 "optim.rows_per_micro_batch x objective.num_anchors x drafter.block_size",
     ("drafter", "logits"): "optim.rows_per_micro_batch x objective.num_anchors x drafter.block_size x the vocabulary "
                            "/ objective.loss_chunks",
     ("target", "weights"): "the target's weights (target.path; target.quantization=fp8 or a ZeRO-3 target.ds_config "

@@ -9,11 +9,17 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dflash_ds.config import Recipe, RecipeError
+from dflash_ds.network.arch_types import StepSizes
+from dflash_ds.resolve.ds_config import checkpointed_layers, drafter_ds_config
 from dflash_ds.resolve.topology import Layout
+
+if TYPE_CHECKING:
+    from dflash_ds.network.shape import DrafterShape
 
 
 @dataclass(frozen=True)
@@ -118,31 +124,99 @@ def receive_depth(grad_accum: int) -> int:
     return 2 * grad_accum
 
 
-def memory_parts(recipe: Recipe, plan: Plan, d_params: int, t_params: int, *, hidden: int, vocab: int,
+BF16 = 2
+FP32 = 4
+
+
+def memory_parts(recipe: Recipe, plan: Plan, drafter: DrafterShape, t_params: int, *, hidden: int, vocab: int,
                  taps: int) -> dict[str, dict[str, float]]:
-    """Rough bytes per rank by role and by what holds them (weights, optimizer, payload buffers,
-    activations), so that a plan that cannot fit names the part, and the settings, at fault."""
-    s, r, n, b = recipe.data.row_length, plan.rows_per_micro, recipe.objective.num_anchors, recipe.drafter.block_size
-    payload = r * s * (taps * hidden + 6) * 2
-    nd = plan.layout.num_drafters
-    drafter = {
-        "weights": d_params * (2 + 2) + d_params * 12 / nd,  # bf16 weights + grads, fp32 master + Adam split by ZeRO-2
-        "embedding": 2 * vocab * hidden * 2,  # frozen embedding + lm_head
-        "payload": receive_depth(plan.grad_accum) * payload,
-        "activations": r * n * b * hidden * 2 * 12 * recipe.drafter.num_layers,  # block activations
-        "logits": r * n * b * vocab * 4 / recipe.objective.loss_chunks * 2,  # one loss chunk's logits + grad
-    }
-    # bf16 weights; FP8 projections take 1 byte a weight (the embedding stays bf16)
+    """Bytes per rank by role and by what holds them at the role's peak, so that a plan that cannot fit
+    names the part, and the settings, at fault. The drafter's parts are what lives during its backward,
+    its peak: the measured peaks of docs/performance.md ("What the memory plan counts") hold them within
+    10% (tests/test_memory_plan.py)."""
+    return {"drafter": drafter_parts(recipe, plan, drafter, taps=taps),
+            "target": target_parts(recipe, plan, t_params, hidden=hidden, vocab=vocab, taps=taps)}
+
+
+def payload_bytes(recipe: Recipe, plan: Plan, hidden: int, taps: int) -> int:
+    """One micro-batch on the wire: every row's taps in bf16 and its six int columns' worth."""
+    return plan.rows_per_micro * recipe.data.row_length * (taps * hidden + 6) * BF16
+
+
+def step_sizes(recipe: Recipe, plan: Plan, shape: DrafterShape) -> StepSizes:
+    """The sizes of one micro-batch's drafter step (arch_types.StepSizes)."""
+    return StepSizes(rows=plan.rows_per_micro, row_length=recipe.data.row_length,
+                     blocks=plan.rows_per_micro * recipe.objective.num_anchors, block_size=shape.block_size,
+                     drafts=shape.num_drafts, loss_chunks=recipe.objective.loss_chunks)
+
+
+def drafter_parts(recipe: Recipe, plan: Plan, shape: DrafterShape, *, taps: int) -> dict[str, float]:
+    """A drafter rank's bytes at its peak, the backward of a micro-batch: every layer's activations are
+    held (or, under activation checkpointing, their inputs) with one loss chunk's logits beside them.
+    The ZeRO-2 step comes after the activations are freed: its fp32 copy of the gradient partition
+    (4 bytes a parameter over the ranks) is smaller than what they held, so it never sets the peak."""
+    cfg = drafter_ds_config(recipe, plan.layout.num_drafters)
+    step = step_sizes(recipe, plan, shape)
+    d, v, p = shape.hidden_size, shape.vocab_size, shape.num_parameters
+    return {"weights": trained_bytes(cfg, p, plan.layout.num_drafters),
+            # The target's embedding and lm_head, frozen, each [vocab, D] in bf16.
+            "embedding": 2 * v * d * BF16,
+            "payload": receive_depth(plan.grad_accum) * payload_bytes(recipe, plan, d, taps),
+            "activations": backbone_activations(shape, step, checkpointed_layers(cfg, shape.num_hidden_layers)),
+            "architecture": shape.extra_activation_bytes(step),
+            # One loss chunk's logits in bf16 and their fp32 softmax (the fused loss's gradient pass).
+            "logits": step.chunk_rows * v * (BF16 + FP32)}
+
+
+def trained_bytes(cfg: dict, params: int, ranks: int) -> float:
+    """What the drafter's trained parameters hold on one rank under the drafter JSON's ZeRO stage: bf16
+    weights on every rank; from stage 1 the fp32 master weights and Adam's two fp32 moments split over
+    the ranks; from stage 2 the bf16 gradients too (each rank keeps its partition), plus the reduction
+    buckets: `reduce_bucket_size` bf16 elements, twice with `overlap_comm` (DeepSpeed double-buffers them)."""
+    zero = cfg.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    states = params * 3 * FP32 / (ranks if stage >= 1 else 1)
+    grads = params * BF16 / (ranks if stage >= 2 else 1)
+    buckets = (2 if zero.get("overlap_comm") else 1) * int(zero.get("reduce_bucket_size", 5e8)) * BF16 \
+        if stage >= 2 else 0
+    return params * BF16 + grads + states + buckets
+
+
+def backbone_activations(shape: DrafterShape, step: StepSizes, checkpointed: int) -> float:
+    """The backbone's activations a micro-batch holds for its backward (bf16 unless said):
+
+    - a layer run plainly keeps, per block query, what its backward reads: the layer input and the
+      normed input (D each), q before and after its norm and rotary and the attention's output (3 x
+      the query width), the block's k and v before and after their norm and rotary (4 x the kv width),
+      the residual after attention and the normed MLP input (2 D), the gate, the up and the gated
+      product (3 x the intermediate size); per context token its k, rotary k and v (3 x the kv width);
+    - a checkpointed layer keeps only its input (D a query), recomputed in the backward;
+    - once a micro-batch: the block embeddings (D a query), the fused context and its norm (2 D a
+      context token) and the states' gradient the fused loss writes in its forward (fp32, D a loss row).
+    """
+    d, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    q = shape.num_attention_heads * shape.head_dim
+    per_query = 4 * d + 3 * q + 4 * kv + 3 * shape.intermediate_size
+    plain = shape.num_hidden_layers - checkpointed
+    context = step.rows * step.row_length
+    layers = plain * (step.queries * per_query + context * 3 * kv) * BF16 + checkpointed * step.queries * d * BF16
+    once = (step.queries * d + context * 2 * d) * BF16 + step.draft_rows * d * FP32
+    return layers + once
+
+
+def target_parts(recipe: Recipe, plan: Plan, t_params: int, *, hidden: int, vocab: int, taps: int) -> dict[str, float]:
+    """A target rank's rough bytes: its weights (bf16; FP8 projections take 1 byte a weight, the
+    embedding stays bf16), the payloads in flight and the activations of its forward."""
     weights = t_params + vocab * hidden if recipe.target.quantization == "fp8" else t_params * 2
-    target = {"weights": weights, "payload": (recipe.topology.max_in_flight + 1) * payload,
-              "activations": r * s * hidden * 2 * 16}
-    return {"drafter": drafter, "target": target}
+    r, s = plan.rows_per_micro, recipe.data.row_length
+    return {"weights": weights, "payload": (recipe.topology.max_in_flight + 1) * payload_bytes(recipe, plan, hidden, taps),
+            "activations": r * s * hidden * 2 * 16}
 
 
-def memory_estimate(recipe: Recipe, plan: Plan, d_params: int, t_params: int, *, hidden: int, vocab: int,
+def memory_estimate(recipe: Recipe, plan: Plan, drafter: DrafterShape, t_params: int, *, hidden: int, vocab: int,
                     taps: int) -> dict[str, float]:
-    """Rough GiB per rank by role (the sum of `memory_parts`)."""
-    parts = memory_parts(recipe, plan, d_params, t_params, hidden=hidden, vocab=vocab, taps=taps)
+    """GiB per rank by role (the sum of `memory_parts`)."""
+    parts = memory_parts(recipe, plan, drafter, t_params, hidden=hidden, vocab=vocab, taps=taps)
     return {role: sum(p.values()) / 1024 ** 3 for role, p in parts.items()}
 
 

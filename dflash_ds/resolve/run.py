@@ -44,7 +44,7 @@ class RunSpec:
     drafter: DrafterShape  # the one source of the drafter's shape (module, step settings, payload, export)
     payload: PayloadLayout  # one micro-batch on the wire
     plan: Plan  # batch arithmetic, step counts, the schedule
-    memory: dict[str, float]  # rough GiB per rank by role
+    memory: dict[str, float]  # GiB per rank by role at its peak (resolve.plan.memory_parts)
     rows_known: bool  # False: the plan assumes one step per epoch (data not prepared yet)
     notes: tuple[str, ...] = ()
 
@@ -219,10 +219,9 @@ def plan_and_parts(recipe: Recipe, world_size: int, c: DrafterShape, g: TargetSh
                    *, num_rows: int) -> tuple[Plan, dict[str, dict[str, float]]]:
     """The plan for `num_rows` prepared rows and the rough bytes per rank by role and part."""
     plan = resolve(recipe, world_size, num_rows)
-    dp = c.num_parameters
     # The target's logits at the drafter (the KL term, or the architecture's) keep every target layer
     # and send one more tap (the final-norm state).
     kl = wants_target_logits(recipe, c)
     last = g.num_layers if kl else max(c.target_layer_ids) + 1
     tp = target_params(g, last, recipe.target.expert_parallel)
-    return plan, memory_parts(recipe, plan, dp, tp, hidden=g.hidden_size, vocab=g.vocab_size, taps=c.num_taps + int(kl))
+    return plan, memory_parts(recipe, plan, c, tp, hidden=g.hidden_size, vocab=g.vocab_size, taps=c.num_taps + int(kl))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_ds.network.arch_types import Card, Proposal, RemoteCode, SampledDraft, Serving, Wrappers
+from dflash_ds.network.arch_types import Card, Proposal, RemoteCode, SampledDraft, Serving, StepSizes, Wrappers
 from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.registry import register
 from dflash_ds.network.shape import Tensor
@@ -49,6 +49,9 @@ class DFlashModules:
         return {}
 
     def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
+        return 0
+
+    def extra_activation_bytes(self, shape: DrafterShape, step: StepSizes) -> int:
         return 0
 
     def backbone_from(self, shape: DrafterShape, exported: DrafterShape) -> str | None:

@@ -18,8 +18,9 @@ import torch
 from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, SPEC as DFLASH_SPEC, DFlashModules, \
     DFlashObjective, DFlashWalk
 from dflash_ds.architectures.dflash2.parts import (BlockConv, CandidateSelector, SelectorRows, SelectorTerm,
-                                                    greedy_path, selector_alpha, selector_loss)
-from dflash_ds.network.arch_types import CE_ALWAYS_ON, Card, Fields, Keys, LogView, Proposal, RemoteCode, Wrappers
+                                                    conv_activation_bytes, greedy_path, selector_alpha, selector_loss)
+from dflash_ds.network.arch_types import (CE_ALWAYS_ON, Card, Fields, Keys, LogView, Proposal, RemoteCode, StepSizes,
+                                         Wrappers)
 from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.registry import register
 from dflash_ds.network.shape import FieldError, Tensor
@@ -170,6 +171,13 @@ class DFlash2Modules(DFlashModules):
         # The unary scores from the gathered lm_head rows (forward + input gradient); the
         # elementwise convolutions and the rank-r pair scores are not matmuls.
         return 4 * shape.arch_fields.selector_top_k * shape.hidden_size * draft_tokens
+
+    def extra_activation_bytes(self, shape: DrafterShape, step: StepSizes) -> int:
+        # The block convolutions' states, and the selector's [slots, top_k, rank] fp32 codebook rows that
+        # it keeps for the backward (it runs once a micro-batch, not per loss chunk).
+        f = shape.arch_fields
+        convs = conv_activation_bytes(shape.hidden_size, shape.num_hidden_layers, step.queries)
+        return convs + step.draft_rows * f.selector_top_k * f.selector_rank * 4
 
 
 class DFlash2Objective(DFlashObjective):

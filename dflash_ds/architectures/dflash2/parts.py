@@ -82,6 +82,15 @@ class BlockConv(nn.Module):
         return block_conv(x, dynamic, self.base_kernel[1], self.block_size)
 
 
+def conv_activation_bytes(hidden_size: int, num_layers: int, queries: int) -> int:
+    """Bytes the two `BlockConv`s of each of `num_layers` layers keep for the backward over `queries` block
+    queries: a wrapper puts a [Q, D] state between the norm and its sublayer (the sublayer's input, read
+    by its projections' backward) and keeps the sublayer's output before the output-side convolution
+    (its coefficients' gradient reads it), two bf16 [Q, D] a wrapper; the shifted copies are recomputed
+    inside the compiled layer."""
+    return 2 * 2 * queries * hidden_size * 2 * num_layers
+
+
 class CandidateSelector(nn.Module):
     """Low-rank predecessor-conditioned rescoring of the unary top-k (module docstring, item 2).
 

@@ -24,7 +24,8 @@ from dflash_ds.architectures.dspark.parts import (ConfidenceHead, MarkovHead, ca
                                                    shift_in)
 from dflash_ds.architectures.dspark.report import draw_reliability, reliability
 from dflash_ds.architectures.dspark.vocab_pass import l1_pass
-from dflash_ds.network.arch_types import Card, Fields, Keys, LogView, Proposal, RemoteCode, ReportFigure, Serving
+from dflash_ds.network.arch_types import (Card, Fields, Keys, LogView, Proposal, RemoteCode, ReportFigure, Serving,
+                                         StepSizes)
 from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.gather import take_rows
 from dflash_ds.network.registry import register
@@ -188,6 +189,12 @@ class DSparkModules(DFlashModules):
     def extra_flops(self, shape: DrafterShape, draft_tokens: int) -> int:
         # The target's logits of every slot through the frozen lm_head (forward only), for the L1 term.
         return 2 * shape.vocab_size * shape.hidden_size * draft_tokens
+
+    def extra_activation_bytes(self, shape: DrafterShape, step: StepSizes) -> int:
+        # Beside each loss chunk's own logits, the L1 term's pass holds two more bf16 [chunk rows, vocab]
+        # tensors: the target's logits of the chunk (through the frozen lm_head) and the Markov-biased
+        # logits it compares them with. The Markov bias itself is [rows, rank], small next to them.
+        return 2 * 2 * step.chunk_rows * shape.vocab_size
 
 
 class DSparkObjective(DFlashObjective):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ds.architectures.dflash import MODELING as DFLASH_MODELING, DFlashModules, DFlashObjective, DFlashWalk
-from dflash_ds.architectures.dflash2.parts import BlockConv
+from dflash_ds.architectures.dflash2.parts import BlockConv, conv_activation_bytes
 from dflash_ds.architectures.lilicorr.head import ALIGN, Geometry, LiLiCorrHead, NUM_FEATURES
 from dflash_ds.architectures.lilicorr.logs import log_record
 from dflash_ds.architectures.lilicorr.loss import lattice_inputs, lattice_loss_terms
@@ -28,7 +28,7 @@ from dflash_ds.architectures.lilicorr.report import draw_prefixes, prefixes
 from dflash_ds.architectures.lilicorr.terms import Weights
 from dflash_ds.architectures.lilicorr.walk import chosen, greedy_path, sampled_path, score, text_probabilities
 from dflash_ds.network.arch_types import (CE_ALWAYS_ON, Card, Fields, Keys, LogView, Proposal, RemoteCode, ReportFigure,
-                                          SampledDraft, Serving, Wrappers)
+                                          SampledDraft, Serving, StepSizes, Wrappers)
 from dflash_ds.network.contract import Architecture, Spec, StepTerms
 from dflash_ds.network.registry import register
 from dflash_ds.network.shape import FieldError, Tensor
@@ -294,6 +294,23 @@ class LiLiCorrModules(DFlashModules):
         position = token + NUM_FEATURES * h + h * h + g.num_layers * (4 * h * h + 2 * h * m) + 3 * h * h + 2 * h * g.factor_dim
         per_slot = g.top_k * position + h * d + (h * d + h * g.factor_dim) / max(g.slots, 1)
         return int(6 * per_slot * draft_tokens)
+
+    def extra_activation_bytes(self, shape: DrafterShape, step: StepSizes) -> int:
+        # What the head keeps for its backward over the k x S lattice of every block: the inputs its
+        # matmuls, norms and activations read again, counted from its modules in bf16 states a lattice
+        # position (h wide unless said): the candidates' target embeddings (token_proj's input, H wide);
+        # the feature MLP's hidden and the summed state (2); per lattice layer the residual, the normed
+        # input, q, k, v and the attention's output, the residual after it and the normed MLP input (8),
+        # and the MLP's up and activated states (2 m); the output norm's input and output (2); the
+        # cosines' [states, alpha, states * alpha] input (3), the factor projection's output (1) and the
+        # out / in factors before and after their normalisation (4 factor_dim); with the block
+        # convolutions, their states as DFlash2's.
+        g = geometry(shape)
+        positions = step.blocks * g.slots * g.top_k
+        per_position = (g.hidden + (2 + 2 + 3 + 1) * g.width + g.num_layers * (8 * g.width + 2 * g.mlp_width)
+                        + 4 * g.factor_dim)
+        convs = conv_activation_bytes(shape.hidden_size, shape.num_hidden_layers, step.queries) if shape.arch_fields.conv else 0
+        return 2 * positions * per_position + convs
 
 
 class LiLiCorrObjective(DFlashObjective):
