@@ -394,8 +394,13 @@ def test_ctrl_c_during_data_preparation_prints_one_line(tmp_path, entry):
 
     from .launch_util import ROOT, cpu_env
 
-    args = ["recipes/tiny.yaml", f"data.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'run'}",
-            "data.num_proc=2"]
+    # The tiny data 20 times over: its encoding takes tens of seconds, so the Ctrl-C lands in it even on a
+    # loaded machine (the bundled file alone is encoded in about 3 s, which a busy machine's output lag
+    # can outrun).
+    big = tmp_path / "chat.jsonl"
+    big.write_text((ROOT / "assets" / "tiny_chat.jsonl").read_text() * 20)
+    args = ["recipes/tiny.yaml", f"data.path={big}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"run.output_dir={tmp_path / 'run'}", "data.num_proc=2"]
     cmd = ["bash", "launch.sh", *args] if entry == "launch.sh" else [sys.executable, "-m", "dflash_ds.data", "prepare", *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(DFLASH_PYTHON=sys.executable), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, start_new_session=True)
