@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 
-from dflash_ds.eval.sampled import Sampling
-from dflash_ds.eval.specdec_sampled import joint_expected_accepted, joint_thresholds, verify_jointly
+from dflash_ds.eval.specdec_sampled import joint_expected_accepted, joint_thresholds
 
 V, L = 3, 2
 
@@ -120,18 +119,3 @@ def test_a_sampled_draft_can_accept_more_jointly():
             gain += weight * (float(joint_expected_accepted(h)) - token)
         gains.append(gain)
     assert max(gains) > 1e-3, gains
-
-
-def test_verify_jointly_draws_the_rules_outcomes():
-    """The online verifier's outcome frequencies against the enumerated rule (greedy draft, T = 1)."""
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]], dtype=torch.float64)
-    drafts = torch.tensor([0, 2])
-    gen = torch.Generator().manual_seed(0)
-    outs = [tuple(verify_jointly(torch.log(probs), drafts, Sampling(1.0), gen)) for _ in range(6000)]
-    freq = {o: outs.count(o) / len(outs) for o in set(outs)}
-    # A greedy draft: the per-token rule's outcomes (test_sampled.py's test_verify_block_follows_the_rule).
-    exact = {(0, 2, v): 0.7 * 0.8 * [0.3, 0.3, 0.4][v] for v in range(3)}
-    exact.update({(1,): 0.2, (2,): 0.1, (0, 0): 0.7 * 0.1, (0, 1): 0.7 * 0.1})
-    assert set(freq) == set(exact)
-    for o, p in exact.items():
-        assert abs(freq[o] - p) < 4 * math.sqrt(p * (1 - p) / len(outs)), (o, freq[o], p)

@@ -123,12 +123,18 @@ def test_engine_rule_equals_the_walk_on_sampled_text_brute_force():
     assert exp_rb_tokens == pytest.approx(BUDGET - 1, abs=1e-12)
 
 
-def test_verify_block_follows_the_rule():
+@pytest.mark.parametrize("verify", ["per_token", "jointly"])
+def test_verify_block_follows_the_rule(verify):
+    """Per token, and jointly (rejection_sample_method=block): with a greedy draft both give the same
+    outcomes with the same probabilities."""
+    from dflash_ds.eval.specdec_sampled import verify_jointly
+
+    fn = verify_block if verify == "per_token" else verify_jointly
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]], dtype=torch.float64))
     drafts = torch.tensor([0, 2])
     s = Sampling(1.0)
     gen = torch.Generator().manual_seed(0)
-    outs = [tuple(verify_block(logits, drafts, s, gen)) for _ in range(20000)]
+    outs = [tuple(fn(logits, drafts, s, gen)) for _ in range(20000)]
     freq = {o: outs.count(o) / len(outs) for o in set(outs)}
     exact = {(0, 2, v): 0.7 * 0.8 * [0.3, 0.3, 0.4][v] for v in range(3)}
     exact.update({(1,): 0.2, (2,): 0.1, (0, 0): 0.7 * 0.1, (0, 1): 0.7 * 0.1})
