@@ -52,7 +52,7 @@ class PerChunkBackwardLoss(ChunkedLoss):
         totals = {t.name: hidden.new_zeros((), dtype=acc) for t in self.vocab_terms}
         kept = {t.name: [] for t in self.vocab_terms if t.keep_rows}
         loss_value, hits, tops, expected = hidden.new_zeros((), dtype=acc), [], [], []
-        rounds = _PlainRounds(bias.rounds, n, self.vocab_terms, acc=acc, grad=grad) \
+        rounds = _PlainRounds(bias.rounds, n, self.vocab_terms, acc=acc, grad=grad, device=hidden.device) \
             if bias is not None and bias.rounds is not None else None
         for lo in range(0, n, size):
             hi = min(n, lo + size)
@@ -83,8 +83,8 @@ class PerChunkBackwardLoss(ChunkedLoss):
                 part = (term.weight * term.loss_scale) * part
                 chunk_loss = part if chunk_loss is None else chunk_loss + part
             if rounds is not None:
-                chunk_loss = chunk_loss + rounds.chunk(self, base, table, tz=tz, at=(lo, hi), labels=lab[lo:hi], w=w[lo:hi],
-                                                        totals=totals)
+                chunk_loss = chunk_loss + rounds.chunk(self, base, table, tz=tz, at=(lo, hi), labels=lab[lo:hi],
+                                                       w=w[lo:hi], totals=totals)
             chunk_loss = chunk_loss / normaliser
             loss_value = loss_value + chunk_loss.detach()
             if grad:
@@ -94,7 +94,7 @@ class PerChunkBackwardLoss(ChunkedLoss):
                 if g_features is not None:
                     g_features[lo:hi] = f.grad
                 if rounds is not None:
-                    rounds.take_grads(lo, hi)
+                    rounds.take_grads()
         grads = (g_hidden, g_features, table.grad if table is not None else None)
         loss = _HandBack.apply(loss_value, grads, *leaves) if grad else loss_value
         correct = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
@@ -114,10 +114,10 @@ class _PlainRounds:
     round's features are an autograd leaf, so its gradient (the loss's RoundsOutput.feature_grads) is
     theirs after the chunk's backward."""
 
-    def __init__(self, spec, n: int, terms, *, acc, grad: bool):
+    def __init__(self, spec, n: int, terms, *, acc, grad: bool, device):
         self.spec, self.terms = spec, terms
-        self.argmax = torch.zeros(spec.count + 1, n, dtype=torch.long)
-        self.correct = torch.zeros(spec.count + 1, n, dtype=torch.bool)
+        self.argmax = torch.zeros(spec.count + 1, n, dtype=torch.long, device=device)
+        self.correct = torch.zeros(spec.count + 1, n, dtype=torch.bool, device=device)
         self.grads = [] if grad else None
         self.leaves: list[torch.Tensor] = []
         self.acc = acc
@@ -126,7 +126,6 @@ class _PlainRounds:
         """Rows [lo, hi)'s rounds from their unbiased logits `base`: their weighted loss (not yet over
         the normaliser), their sums added to `totals`, argmax and hits recorded."""
         lo, hi = at
-        self.argmax, self.correct = self.argmax.to(base.device), self.correct.to(base.device)
         loss, self.leaves = None, []
         for k in range(self.spec.count + 1):
             raw = base
@@ -148,7 +147,7 @@ class _PlainRounds:
             self.correct[k, lo:hi] = (self.argmax[k, lo:hi] == labels) & (w > 0)
         return loss
 
-    def take_grads(self, lo: int, hi: int) -> None:
+    def take_grads(self) -> None:
         """After the chunk's backward: its later rounds' feature gradients."""
         self.grads.append(torch.stack([f.grad for f in self.leaves]) if self.leaves else None)
 

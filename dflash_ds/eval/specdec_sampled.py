@@ -91,14 +91,11 @@ def verify_block(logits: torch.Tensor, drafts: torch.Tensor, sampling: Sampling,
     `draft`: a sampled draft (its q rows); None, the greedy draft `drafts` (q a point mass on each).
     Slot k is accepted when p(d) >= u q(d); on a rejection the token comes from max(0, p - q).
     """
-    out = []
+    out, qs = [], None
     for k, d in enumerate(drafts.tolist()):
         p = target_probs(logits[k], sampling)
-        if draft is None:
-            q = torch.zeros_like(p)
-            q[d] = 1.0
-        else:
-            q = draft.q[0, k].to(device=p.device, dtype=p.dtype)
+        qs = draft_rows(drafts, p, draft) if qs is None else qs
+        q = qs[k]
         u = torch.rand((), generator=generator, device=p.device, dtype=torch.float64)
         if p[d] >= u * q[d]:
             out.append(d)

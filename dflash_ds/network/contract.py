@@ -4,8 +4,8 @@ a drafter architecture").
 - `Spec`, frozen data: its names, its recipe sections, how its blocks are labelled, what its payloads
   carry, how its logs are shown, its card and its remote code. Nothing to override.
 - `Modules`: what it adds to the backbone (wrappers around every layer's sublayers, heads beside the
-  layers), their tensor inventory, the FLOPs no tensor accounts for, the memory their activations add, and whether an export of another
-  architecture can start its backbone.
+  layers), their tensor inventory, the FLOPs no tensor accounts for, the memory their activations add,
+  and whether an export of another architecture can start its backbone.
 - `Objective`: ONE method, `terms`, that takes the micro-batch, its blocks and the drafter's states and
   returns its part of the loss (`StepTerms`: the cross-entropy's weight, its named terms, a logit bias);
   the terms' sums by name are its named logs. A training step of the architecture reads on one screen.
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from dflash_ds.network.arch_types import Card, LogView, NoFields, Proposal, RemoteCode, SampledDraft, StepSizes, Wrappers
+from dflash_ds.network.arch_types import (Card, LogView, NoFields, Proposal, RemoteCode, SampledDraft, StepSizes,
+                                          Wrappers)
 
 if TYPE_CHECKING:
     from torch import nn
